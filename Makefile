@@ -1,0 +1,28 @@
+# Every target sets up .venv by itself: torch==2.13.0 first (a local CPU build on these
+# machines), then this package with its dev extras.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.nebula-installed
+
+.PHONY: venv test lint demo clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest
+
+demo: venv
+	$(PY) examples/train.py --demo
+
+clean:
+	rm -rf demo-checkpoints .pytest_cache .ruff_cache

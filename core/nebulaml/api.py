@@ -1,0 +1,196 @@
+"""The seed's module-level functions: init, list, latest, get, path, flush.
+
+Each function that takes `persist_path` reads that root (and its memory tier on this node)
+instead of the one given to `init()`, so a checkpoint can be found without initialising.
+
+Not for: saving and loading items (checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import session as _session
+from .catalog import CheckpointInfo, list_committed, read_committed
+from .checkpoint import Checkpoint
+from .errors import ItemNotFoundError, PersistTimeoutError
+from .names import validate_name
+from .storage import Store
+from .tiers import TierSet, open_tiers
+
+PathLike = str | os.PathLike[str]
+
+
+def init(
+    persistent_storage_path: PathLike | None = None,
+    persistent_time_interval: float | None = None,
+    num_of_version_in_retention: int | None = None,
+    **kwargs: Any,
+) -> None:
+    """Start nebula for this process (idempotent; call it on every rank).
+
+    `persistent_storage_path` is a path or fsspec URL (default:
+    `NEBULA_PERSISTENT_STORAGE_PATH`; none at all means the memory tier alone).
+    `persistent_time_interval` is the least number of seconds between two persists
+    (default `NEBULA_PERSISTENT_TIME_INTERVAL`, else 100). `num_of_version_in_retention`
+    is how many checkpoints the persistent tier keeps (default
+    `NEBULA_NUM_OF_VERSION_IN_RETENTION`, else 2). Options: `storage_options` (a dict
+    for fsspec) and `exit_timeout_s` (how long exit waits for a pending persist,
+    default `NEBULA_EXIT_TIMEOUT_S`, else 600).
+
+    Example:
+        >>> import nebulaml as nm, tempfile
+        >>> nm.init(tempfile.mkdtemp(), persistent_time_interval=2)
+    """
+    config = _session.resolve_config(
+        persistent_storage_path, persistent_time_interval, num_of_version_in_retention, kwargs
+    )
+    _session.start(config)
+
+
+def _tiers_for(persist_path: PathLike | None, what: str) -> TierSet:
+    if persist_path is None:
+        return _session.current(what).tiers
+    live = _session.current_or_none()
+    options: dict[str, Any] = {}
+    if live is not None:
+        options = dict(live.config.storage_options)
+        persistent = live.tiers.persistent
+        if persistent is not None and Store(persist_path, options).url == persistent.url:
+            return live.tiers
+    return open_tiers(persist_path, options)
+
+
+def _by_tag(tiers: TierSet) -> dict[str, list[tuple[str, CheckpointInfo]]]:
+    found: dict[str, list[tuple[str, CheckpointInfo]]] = {}
+    for tier, store in tiers.stores:
+        for info in list_committed(store):
+            found.setdefault(info.tag, []).append((tier, info))
+    return found
+
+
+def _newest_first(tiers: TierSet) -> list[list[tuple[str, CheckpointInfo]]]:
+    found = _by_tag(tiers)
+    return sorted(found.values(), key=lambda copies: copies[0][1].sort_key, reverse=True)
+
+
+def list_checkpoints(persist_path: PathLike | None = None) -> list[dict[str, Any]]:
+    """Committed checkpoints on every tier, newest first, as JSON-serialisable dicts.
+
+    Each dict has `tag`, `step`, `tiers` (e.g. `["memory", "persistent"]`), `size_bytes`,
+    `committed_at` (ISO-8601 UTC), `items` (names) and `labels`.
+
+    Example:
+        >>> import nebulaml as nm, tempfile
+        >>> nm.list_checkpoints(tempfile.mkdtemp())
+        []
+    """
+    out = []
+    for copies in _newest_first(_tiers_for(persist_path, "list_checkpoints")):
+        manifest = copies[0][1].manifest
+        out.append(
+            {
+                "tag": manifest.tag,
+                "step": manifest.step,
+                "tiers": [tier for tier, _ in copies],
+                "size_bytes": manifest.total_bytes,
+                "committed_at": manifest.committed_at,
+                "items": [item.name for item in manifest.items],
+                "labels": list(manifest.labels),
+            }
+        )
+    return out
+
+
+def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | None:
+    """The newest committed checkpoint on any tier, or None.
+
+    "Newest" orders by the number after `global_step`, then by commit time.
+
+    Example:
+        >>> import nebulaml as nm, tempfile
+        >>> nm.get_latest_checkpoint(tempfile.mkdtemp()) is None
+        True
+    """
+    tiers = _tiers_for(persist_path, "get_latest_checkpoint")
+    ordered = _newest_first(tiers)
+    return Checkpoint._committed_handle(ordered[0][0][1].tag, tiers) if ordered else None
+
+
+def get_checkpoint(tag: str, persist_path: PathLike | None = None) -> Checkpoint | None:
+    """The committed checkpoint `tag` on any tier, or None.
+
+    Example:
+        >>> import nebulaml as nm, tempfile
+        >>> nm.get_checkpoint("global_step5", tempfile.mkdtemp()) is None
+        True
+    """
+    validate_name("tag", tag)
+    tiers = _tiers_for(persist_path, "get_checkpoint")
+    for _tier, store in tiers.stores:
+        if read_committed(store, tag) is not None:
+            return Checkpoint._committed_handle(tag, tiers)
+    return None
+
+
+def get_latest_checkpoint_path(name: str, persist_path: PathLike | None = None) -> str | None:
+    """The path of item `name` in the newest committed checkpoint, or None if there is none.
+
+    The file is what plain `torch.load(path, weights_only=True)` reads. The persistent
+    tier's copy is preferred (it outlives the node); else the memory tier's.
+
+    Example:
+        >>> import nebulaml as nm, tempfile
+        >>> nm.get_latest_checkpoint_path("model", tempfile.mkdtemp()) is None
+        True
+    """
+    validate_name("item", name)
+    tiers = _tiers_for(persist_path, "get_latest_checkpoint_path")
+    ordered = _newest_first(tiers)
+    if not ordered:
+        return None
+    copies = sorted(ordered[0], key=lambda copy: copy[0] != "persistent")
+    info = copies[0][1]
+    entry = info.manifest.item(name)
+    if entry is None:
+        raise ItemNotFoundError(info.tag, name, [item.name for item in info.manifest.items])
+    store = info.store
+    return store.local_path(info.tag, entry.file) or store.display(info.tag, entry.file)
+
+
+def flush_persistence(tag: str | None = None, timeout_s: float | None = None) -> bool:
+    """Persist `tag` (default: the newest unpersisted checkpoint) now, and wait.
+
+    Returns True once it is committed on the persistent tier (or when there was nothing
+    to persist). Raises the persist's error, or `PersistTimeoutError` after `timeout_s`.
+
+    Example:
+        >>> import nebulaml as nm, tempfile
+        >>> nm.init(tempfile.mkdtemp())
+        >>> nm.flush_persistence()
+        True
+    """
+    if tag is not None:
+        validate_name("tag", tag)
+    session = _session.current("flush_persistence")
+    persistent = session.tiers.persistent
+    if tag is not None and persistent is not None and read_committed(persistent, tag):
+        session.persister.raise_pending_error()
+        return True  # already durable
+    session.persister.flush(tag, timeout_s)
+    return True
+
+
+def shutdown(timeout_s: float | None = None) -> None:
+    """Persist what is pending and stop nebula in this process (exit does this too).
+
+    Raises `PersistTimeoutError` if a checkpoint could not be persisted within
+    `timeout_s`, and the error of a failed persist.
+    """
+    left = _session.stop(timeout_s)
+    if left is not None:
+        raise PersistTimeoutError(
+            f"checkpoint {left!r} was not persisted within {timeout_s} s; it is still in "
+            f"the memory tier"
+        )

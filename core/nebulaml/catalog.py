@@ -1,0 +1,110 @@
+"""What is committed on a tier: reading manifests and listing checkpoints.
+
+A checkpoint is visible only when its manifest is present and valid and every file it
+lists is there with its size (DESIGN.md §4). A manifest of an unknown schema is an error;
+an unreadable one is reported with a warning and the tag treated as not committed.
+
+Not for: writing or deleting (commit.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .errors import InvalidNameError, ManifestError, UnsupportedSchemaError
+from .manifest import Manifest, parse_manifest
+from .names import MANIFEST_NAME, order_key, validate_name
+from .storage import MissingFileError, Store
+
+log = logging.getLogger("nebulaml")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CheckpointInfo:
+    """One committed checkpoint on one tier."""
+
+    store: Store
+    manifest: Manifest
+
+    @property
+    def tag(self) -> str:
+        return self.manifest.tag
+
+    @property
+    def committed_at(self) -> str:
+        return self.manifest.committed_at
+
+    @property
+    def sort_key(self) -> tuple[int, str, str]:
+        return order_key(self.tag, self.committed_at)
+
+
+def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
+    """The committed checkpoint `tag` on `store`, or None if it is absent or incomplete.
+
+    Raises `UnsupportedSchemaError` for a manifest this version cannot read.
+    """
+    validate_name("tag", tag)
+    files = store.list_files(tag)
+    if MANIFEST_NAME not in files:
+        return None
+    where = store.display(tag, MANIFEST_NAME)
+    try:
+        manifest = parse_manifest(store.read_bytes(tag, MANIFEST_NAME), where)
+    except UnsupportedSchemaError:
+        raise
+    except MissingFileError:
+        return None  # deleted while we looked
+    except ManifestError as exc:
+        log.warning("ignoring checkpoint %r: %s", tag, exc)
+        return None
+    if manifest.tag != tag:
+        log.warning("ignoring %s: it names tag %r", where, manifest.tag)
+        return None
+    for item in manifest.items:
+        if files.get(item.file) != item.size_bytes:
+            log.warning(
+                "ignoring checkpoint %r at %s: item file %r is missing or has the wrong size",
+                tag,
+                store.url,
+                item.file,
+            )
+            return None
+    return CheckpointInfo(store, manifest)
+
+
+def list_committed(store: Store) -> list[CheckpointInfo]:
+    """Committed checkpoints on `store`, oldest first (see names.order_key).
+
+    Example:
+        >>> import tempfile
+        >>> list_committed(Store(tempfile.mkdtemp()))
+        []
+    """
+    infos = []
+    for tag in store.list_dirs():
+        try:
+            validate_name("tag", tag)
+        except InvalidNameError:
+            continue  # not a folder nebula writes
+        info = read_committed(store, tag)
+        if info is not None:
+            infos.append(info)
+    infos.sort(key=lambda info: info.sort_key)
+    return infos
+
+
+def list_incomplete(store: Store) -> list[str]:
+    """Tag folders that nebula started but never committed (leftovers of crashed saves)."""
+    out = []
+    for tag in store.list_dirs():
+        try:
+            validate_name("tag", tag)
+        except InvalidNameError:
+            continue
+        files = store.list_files(tag)
+        ours = any(name.startswith((".rank-", ".writer-")) for name in files)
+        if ours and read_committed(store, tag) is None:
+            out.append(tag)
+    return sorted(out)

@@ -1,0 +1,224 @@
+"""`Checkpoint`: the seed's handle to one tag, for saving items and loading them back.
+
+Saving snapshots each object into the memory tier and returns once the caller may mutate
+it again; committing publishes the manifest there and hands the tag to the persister.
+Loading reads the fastest tier that holds the tag, verifies size and checksum before
+anything is unpickled, and falls back to another tier's copy on a mismatch.
+
+Not for: listing checkpoints or process-wide configuration (api.py, session.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from . import session as _session
+from .catalog import read_committed
+from .checksum import new_hasher
+from .commit import begin_tag, commit_rank, write_item
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    ItemNotFoundError,
+    TooManyItemsError,
+)
+from .history import make_row
+from .manifest import ItemEntry, utc_now
+from .names import step_of, validate_name
+from .serialization import MapLocation, read_item
+from .storage import MissingFileError, Store
+from .tiers import TierSet
+
+MANUAL_COMMIT = -2
+
+
+class Checkpoint:
+    """A handle to the checkpoint `tag`.
+
+    `num_of_files=k > 0` commits by itself after `k` saves (the default, 1, commits after
+    the first); `num_of_files=-2` commits only when `commit()` is called. A committed
+    tag is not written again unless `overwrite=True`. `labels` (e.g. `["best"]`) are
+    recorded in the manifest, and labelled checkpoints are kept by retention.
+
+    Example:
+        >>> import nebulaml as nm, tempfile
+        >>> nm.init(tempfile.mkdtemp(), persistent_time_interval=0)
+        >>> ckpt = nm.Checkpoint("global_step5", 2)
+        >>> ckpt.save("model", {"w": 1})
+        >>> ckpt.save("optimizer", {"lr": 0.1})   # the second save commits
+        >>> nm.get_latest_checkpoint().load("optimizer")
+        {'lr': 0.1}
+    """
+
+    def __init__(
+        self,
+        tag: str,
+        num_of_files: int = 1,
+        *,
+        overwrite: bool = False,
+        labels: Iterable[str] = (),
+    ) -> None:
+        self.tag: str = validate_name("tag", tag)
+        if not isinstance(num_of_files, int) or isinstance(num_of_files, bool) or num_of_files == 0:
+            raise InvalidArgumentError(
+                f"num_of_files must be a positive int (commit after that many saves) or "
+                f"{MANUAL_COMMIT} (commit on commit()), not {num_of_files!r}"
+            )
+        self.num_of_files = num_of_files
+        self.overwrite = overwrite
+        self.labels: tuple[str, ...] = tuple(validate_name("label", x) for x in labels)
+        self._items: list[ItemEntry] = []
+        self._committed = False
+        self._begun = False
+        self._tiers: TierSet | None = None  # bound by the first save, or by get_checkpoint
+        self._started_at = ""
+        self._t0 = 0.0
+        self._blocking_s = 0.0
+
+    @classmethod
+    def _committed_handle(cls, tag: str, tiers: TierSet) -> Checkpoint:
+        handle = cls(tag)
+        handle._tiers = tiers
+        handle._committed = True
+        return handle
+
+    def __repr__(self) -> str:
+        state = "committed" if self._committed else f"{len(self._items)} item(s) saved"
+        return f"Checkpoint({self.tag!r}, {state})"
+
+    # saving --------------------------------------------------------------------------
+    def save(self, name: str, obj: Any) -> None:
+        """Snapshot `obj` as the item `name`; `obj` may be mutated once this returns.
+
+        Modules, optimizers and other objects with `state_dict()` are saved as their
+        state dict, so every item loads with `torch.load(path, weights_only=True)`.
+        """
+        session = _session.current("Checkpoint.save")
+        validate_name("item", name)
+        t0 = time.perf_counter()
+        if self._committed:
+            if self.num_of_files > 0 and self._items:
+                raise TooManyItemsError(self.tag, self.num_of_files)
+            raise CheckpointExistsError(session.tiers.display, self.tag)
+        if any(item.name == name for item in self._items):
+            raise InvalidArgumentError(f"checkpoint {self.tag!r} already has an item {name!r}")
+        if not self._begun:
+            self._begin(session, t0)
+        entry = write_item(session.tiers.memory, self.tag, name, obj, rank=session.rank)
+        self._items.append(entry)
+        self._blocking_s += time.perf_counter() - t0
+        if self.num_of_files > 0 and len(self._items) == self.num_of_files:
+            self.commit()
+
+    def _begin(self, session: _session.Session, t0: float) -> None:
+        tiers = session.tiers
+        persistent = tiers.persistent
+        if not self.overwrite and persistent and read_committed(persistent, self.tag):
+            raise CheckpointExistsError(tiers.persistent.url, self.tag)
+        self._started_at, self._t0 = utc_now(), t0
+        begin_tag(tiers.memory, self.tag, rank=session.rank, overwrite=self.overwrite)
+        self._tiers = tiers
+        self._begun = True
+
+    def commit(self) -> bool:
+        """Commit the saved items in the memory tier and queue the persist; returns True.
+
+        Committing twice, or a handle with nothing saved, is a no-op.
+        """
+        if self._committed or not self._begun:
+            return True
+        session = _session.current("Checkpoint.commit")
+        t0 = time.perf_counter()
+        manifest = commit_rank(
+            session.tiers.memory,
+            self.tag,
+            rank=session.rank,
+            world_size=session.world_size,
+            items=self._items,
+            created_at=self._started_at,
+            labels=self.labels,
+        )
+        self._committed = True
+        self._blocking_s += time.perf_counter() - t0
+        row = make_row(
+            tag=self.tag,
+            step=step_of(self.tag),
+            tier="memory",
+            rank=session.rank,
+            started_at=self._started_at,
+            duration_s=time.perf_counter() - self._t0,
+            blocking_s=self._blocking_s,
+            size_bytes=sum(item.size_bytes for item in self._items),
+        )
+        if manifest is not None:
+            session.persister.notify_committed(self.tag, row)
+        return True
+
+    # loading -------------------------------------------------------------------------
+    def load(
+        self,
+        name: str,
+        map_location: MapLocation = None,
+        weights_only: bool = True,
+    ) -> Any:
+        """Load the item `name` of this committed checkpoint.
+
+        Reads the fastest tier that holds it and verifies size and checksum before
+        unpickling; on a mismatch it tries the next tier, else raises
+        `CorruptCheckpointError`. With `weights_only=True` (the default) a pickle that
+        would execute code raises `UnsafeCheckpointError`.
+        """
+        validate_name("item", name)
+        tiers = self._tiers
+        if tiers is None:
+            tiers = _session.current("Checkpoint.load").tiers
+        else:
+            _session.current_or_none()
+        found_tag = False
+        available: list[str] = []
+        corrupt: list[CorruptCheckpointError] = []
+        for _tier, store in tiers.stores:
+            info = read_committed(store, self.tag)
+            if info is None:
+                continue
+            found_tag = True
+            entry = info.manifest.item(name)
+            if entry is None:
+                available = [item.name for item in info.manifest.items]
+                continue
+            try:
+                data = _read_verified(store, self.tag, entry)
+            except CorruptCheckpointError as exc:
+                corrupt.append(exc)
+                continue
+            except MissingFileError:
+                continue  # evicted from this tier while we read; try the next one
+            return read_item(
+                data,
+                store.display(self.tag, entry.file),
+                map_location=map_location,
+                weights_only=weights_only,
+            )
+        if corrupt:
+            raise corrupt[0]
+        if not found_tag:
+            raise CheckpointNotFoundError(tiers.display, self.tag)
+        raise ItemNotFoundError(self.tag, name, available)
+
+
+def _read_verified(store: Store, tag: str, entry: ItemEntry) -> bytes:
+    data = store.read_bytes(tag, entry.file)
+    hasher = new_hasher()
+    hasher.update(data)
+    actual = hasher.hexdigest()
+    if len(data) != entry.size_bytes or actual != entry.checksum:
+        raise CorruptCheckpointError(
+            store.display(tag, entry.file),
+            f"{entry.size_bytes} bytes with {entry.checksum_algo} {entry.checksum}",
+            f"{len(data)} bytes with {entry.checksum_algo} {actual}",
+        )
+    return data

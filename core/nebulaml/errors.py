@@ -1,0 +1,157 @@
+"""The exception tree of nebulaml.
+
+Every failure the library expects (bad input, missing or corrupt checkpoints, storage
+faults, a failed background persist) is a `NebulaError`, so callers can catch them all
+with one clause. Programming errors inside the library are not wrapped.
+
+Not for: logging or reporting; that is the caller's business.
+"""
+
+from __future__ import annotations
+
+
+class NebulaError(Exception):
+    """Base class: `except NebulaError` catches every expected failure.
+
+    Example:
+        >>> try:
+        ...     raise CheckpointNotFoundError("/ckpt", "global_step5")
+        ... except NebulaError as exc:
+        ...     print(exc)
+        /ckpt: no checkpoint 'global_step5' found
+    """
+
+
+class InvalidArgumentError(NebulaError, ValueError):
+    """An argument (a tag, an item name, an option) was refused before any I/O."""
+
+
+class InvalidNameError(InvalidArgumentError):
+    """A tag or item name that could escape its folder or is not a portable file name."""
+
+    def __init__(self, kind: str, name: object, why: str) -> None:
+        super().__init__(f"invalid {kind} {name!r}: {why}")
+        self.kind, self.name, self.why = kind, name, why
+
+
+class NotInitializedError(NebulaError, RuntimeError):
+    """An API call that needs `nm.init()` (or an explicit `persist_path`) came first."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"{what}: nebula is not initialised; call nm.init(persistent_storage_path) first "
+            "or pass persist_path="
+        )
+
+
+class CheckpointNotFoundError(NebulaError, FileNotFoundError):
+    """No committed checkpoint (or no such tag) at a root."""
+
+    def __init__(self, root: str, tag: str | None = None) -> None:
+        what = f"checkpoint {tag!r}" if tag else "committed checkpoint"
+        super().__init__(f"{root}: no {what} found")
+        self.root, self.tag = root, tag
+
+
+class ItemNotFoundError(NebulaError, LookupError):
+    """A committed checkpoint exists but holds no item of that name."""
+
+    def __init__(self, tag: str, name: str, available: list[str]) -> None:
+        listed = ", ".join(repr(n) for n in available) or "none"
+        super().__init__(f"checkpoint {tag!r} has no item {name!r}; its items: {listed}")
+        self.tag, self.name, self.available = tag, name, available
+
+
+class CheckpointExistsError(NebulaError, FileExistsError):
+    """A committed tag would be written again without `overwrite=True`."""
+
+    def __init__(self, where: str, tag: str) -> None:
+        super().__init__(
+            f"{where}: checkpoint {tag!r} is already committed; use a new tag, or "
+            f"nm.Checkpoint({tag!r}, overwrite=True) to replace it"
+        )
+        self.where, self.tag = where, tag
+
+
+class CommitConflictError(NebulaError, FileExistsError):
+    """Another writer committed the same tag first (create-only manifest lost the race)."""
+
+    def __init__(self, where: str, tag: str) -> None:
+        super().__init__(f"{where}: checkpoint {tag!r} was committed by another writer first")
+        self.where, self.tag = where, tag
+
+
+class CheckpointStateError(NebulaError, RuntimeError):
+    """A Checkpoint handle was used out of order (e.g. saving into a committed handle)."""
+
+
+class TooManyItemsError(CheckpointStateError):
+    """More items were saved than the `num_of_files` the handle was created with."""
+
+    def __init__(self, tag: str, num_of_files: int) -> None:
+        super().__init__(
+            f"checkpoint {tag!r} was opened with num_of_files={num_of_files} and is already "
+            f"committed; create it with a larger num_of_files, or num_of_files=-2 and call "
+            f"commit() yourself"
+        )
+        self.tag, self.num_of_files = tag, num_of_files
+
+
+class ManifestError(NebulaError):
+    """A manifest.json that cannot be trusted: unreadable, invalid, or of an unknown schema."""
+
+    def __init__(self, where: str, why: str) -> None:
+        super().__init__(f"{where}: {why}")
+        self.where, self.why = where, why
+
+
+class UnsupportedSchemaError(ManifestError):
+    """A manifest written by a newer (or unknown) nebula; never skipped silently."""
+
+    def __init__(self, where: str, version: object, supported: tuple[int, ...]) -> None:
+        super().__init__(
+            where,
+            f"manifest schema_version {version!r} is not supported (this nebula reads "
+            f"{', '.join(map(str, supported))}); upgrade nebula-checkpoint to read it",
+        )
+        self.version = version
+
+
+class CorruptCheckpointError(NebulaError):
+    """An item's bytes do not match the size or checksum its manifest recorded."""
+
+    def __init__(self, file: str, expected: str, actual: str) -> None:
+        super().__init__(f"{file}: corrupt item, expected {expected}, found {actual}")
+        self.file, self.expected, self.actual = file, expected, actual
+
+
+class UnsafeCheckpointError(NebulaError):
+    """Loading an item would execute code from its pickle; refused under weights_only=True."""
+
+    def __init__(self, file: str, detail: str) -> None:
+        super().__init__(
+            f"{file}: loading this item needs code execution, refused with weights_only=True "
+            f"({detail}). If you trust this checkpoint, load it with weights_only=False, or "
+            f"allow its classes with torch.serialization.add_safe_globals([...])"
+        )
+        self.file, self.detail = file, detail
+
+
+class StorageError(NebulaError, OSError):
+    """A storage backend failed; the backend's exception is chained as `__cause__`."""
+
+
+class StorageFullError(StorageError):
+    """The storage ran out of space (ENOSPC or a quota)."""
+
+
+class PersistError(NebulaError):
+    """A background persist failed; raised on the next call into the library."""
+
+    def __init__(self, tag: str, root: str, cause: BaseException) -> None:
+        super().__init__(f"persisting checkpoint {tag!r} to {root} failed: {cause}")
+        self.tag, self.root = tag, root
+
+
+class PersistTimeoutError(NebulaError, TimeoutError):
+    """A wait for the persister (flush, exit) ran past its limit."""

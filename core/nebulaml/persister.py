@@ -1,0 +1,282 @@
+"""The background persister: memory tier to persistent tier, one persist at a time.
+
+After each commit in the memory tier the training thread calls `notify_committed`. A single
+daemon thread copies the newest committed memory checkpoint to the persistent tier at
+most once every `interval_s` seconds (a checkpoint superseded before its turn is skipped;
+that is what the interval means), commits it there, applies retention on both tiers and
+appends the history rows. A failure is kept and raised once, on the next call into the
+library (`raise_pending_error`), and reported at exit; it is never swallowed.
+
+Not for: the commit protocol itself (commit.py) or process-wide state (session.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .catalog import list_committed, read_committed
+from .commit import copy_checkpoint, delete_checkpoint
+from .errors import NebulaError, PersistError, PersistTimeoutError
+from .history import HistoryRow, append_rows, make_row
+from .manifest import utc_now
+from .names import step_of
+from .retention import Version, plan_retention
+from .tiers import TierSet
+
+log = logging.getLogger("nebulaml")
+
+
+class Persister:
+    """Owns the persist thread of one job's tiers.
+
+    Example:
+        >>> import tempfile
+        >>> from nebulaml.tiers import open_tiers
+        >>> p = Persister(open_tiers(tempfile.mkdtemp()), interval_s=0, retention=2)
+        >>> p.close(timeout_s=5)
+        >>> p.flush() is None   # nothing committed, nothing to wait for
+        True
+    """
+
+    def __init__(self, tiers: TierSet, *, interval_s: float, retention: int, rank: int = 0):
+        self.tiers = tiers
+        self.interval_s = interval_s
+        self.retention = retention
+        self.rank = rank
+        self._cond = threading.Condition()
+        self._pending: str | None = None  # newest committed, not yet persisted
+        self._forced: list[str] = []  # flush requests: persisted now, interval ignored
+        self._inflight: str | None = None
+        self._last_start: float | None = None
+        self._done: dict[str, BaseException | None] = {}
+        self._error: PersistError | None = None
+        self._rows: list[HistoryRow] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="nebula-persister", daemon=True)
+        self._thread.start()
+
+    # called by the training thread --------------------------------------------------------
+    def notify_committed(self, tag: str, row: HistoryRow | None = None) -> None:
+        """A tag was committed in the memory tier: it becomes the one to persist next."""
+        with self._cond:
+            if row is not None:
+                self._rows.append(row)
+            if self.tiers.persistent is not None:
+                self._pending = tag
+                self._done.pop(tag, None)
+            self._cond.notify_all()
+        self.evict_memory()
+
+    def request(self, tag: str) -> None:
+        """Persist `tag` (committed in the memory tier) as soon as possible."""
+        with self._cond:
+            if self.tiers.persistent is None:
+                return
+            if tag not in self._forced:
+                self._forced.append(tag)
+            self._done.pop(tag, None)
+            self._cond.notify_all()
+
+    def raise_pending_error(self) -> None:
+        """Raise a background failure once; later calls go on until the next one."""
+        with self._cond:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def flush(self, tag: str | None = None, timeout_s: float | None = None) -> str | None:
+        """Persist `tag` (default: the newest unpersisted one) now and wait for it.
+
+        Returns the tag persisted, or None when there was nothing to persist. Raises the
+        persist's `PersistError`, or `PersistTimeoutError` after `timeout_s`.
+        """
+        self.raise_pending_error()
+        with self._cond:
+            target = tag or self._pending or self._inflight
+            if target is not None and self.tiers.persistent is not None:
+                if target != self._inflight:
+                    if target == self._pending:
+                        self._pending = None
+                    if target not in self._forced:
+                        self._forced.append(target)
+                    self._done.pop(target, None)
+                self._cond.notify_all()
+                deadline = None if timeout_s is None else time.monotonic() + timeout_s
+                while target not in self._done:
+                    if not self._thread.is_alive():
+                        raise PersistTimeoutError(f"the persister stopped before {target!r}")
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise PersistTimeoutError(
+                            f"persisting {target!r} to {self.tiers.display} did not finish "
+                            f"within {timeout_s} s"
+                        )
+                    self._cond.wait(timeout=left if left is not None else 1.0)
+                result = self._done[target]
+                if isinstance(result, PersistError) and result is self._error:
+                    self._error = None  # reported here, not again on the next call
+                if result is not None:
+                    raise result
+            else:
+                target = None
+            rows, self._rows = self._rows, []
+        self._append_history(rows)
+        return target
+
+    def protected(self) -> set[str]:
+        """Tags the memory tier must keep: pending, in flight, or asked for."""
+        with self._cond:
+            return {t for t in (self._pending, self._inflight, *self._forced) if t}
+
+    def evict_memory(self) -> None:
+        """Drop memory copies that are no longer needed.
+
+        With a persistent tier the memory tier keeps its newest committed checkpoint and
+        those pending or in flight. Without one it is the only tier, and retention applies.
+        """
+        memory = self.tiers.memory
+        committed = list_committed(memory)
+        if not committed:
+            return
+        protected = self.protected()
+        if self.tiers.persistent is None:
+            versions = [Version(c.tag, c.committed_at, c.manifest.labels) for c in committed]
+            doomed = plan_retention(versions, self.retention, protected)
+        else:
+            doomed = [c.tag for c in committed[:-1] if c.tag not in protected]
+        for tag in doomed:
+            # Re-check under the lock: a flush may have asked for it meanwhile.
+            if tag not in self.protected():
+                delete_checkpoint(memory, tag)
+
+    def close(self, timeout_s: float | None = None) -> str | None:
+        """Persist what is pending, stop the thread, write the history.
+
+        Returns the tag that could not be persisted within `timeout_s`, else None.
+        """
+        with self._cond:
+            self._stopping = True
+            if self._pending is not None:
+                self._forced.append(self._pending)
+                self._pending = None
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            with self._cond:
+                return self._inflight or (self._forced[0] if self._forced else None)
+        return None
+
+    @property
+    def error(self) -> PersistError | None:
+        with self._cond:
+            return self._error
+
+    # the thread ---------------------------------------------------------------------
+    def _next_tag(self) -> str | None:
+        """Under the lock: the tag to persist now, or None to keep waiting."""
+        if self._forced:
+            return self._forced.pop(0)
+        if self._pending is None:
+            return None
+        due = self._last_start is None or (time.monotonic() - self._last_start >= self.interval_s)
+        if due or self._stopping:
+            tag, self._pending = self._pending, None
+            return tag
+        return None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    tag = self._next_tag()
+                    if tag is not None or self._rows or self._finished():
+                        break
+                    wait = None
+                    if self._pending is not None and self._last_start is not None:
+                        wait = max(0.0, self._last_start + self.interval_s - time.monotonic())
+                    self._cond.wait(timeout=wait)
+                if tag is not None:
+                    self._inflight = tag
+                    self._last_start = time.monotonic()
+                rows, self._rows = self._rows, []
+                finished = tag is None and not rows and self._finished()
+            self._append_history(rows)
+            if finished:
+                return
+            if tag is None:
+                continue
+            error = self._persist(tag)
+            with self._cond:
+                self._inflight = None
+                self._done[tag] = error
+                if error is not None:
+                    self._error = error
+                self._cond.notify_all()
+            if error is None:
+                try:
+                    self.evict_memory()
+                except NebulaError as exc:
+                    log.warning("could not evict old memory-tier copies: %s", exc)
+
+    def _finished(self) -> bool:
+        return self._stopping and self._pending is None and not self._forced
+
+    def _persist(self, tag: str) -> PersistError | None:
+        persistent = self.tiers.persistent
+        assert persistent is not None
+        started_at, t0 = utc_now(), time.perf_counter()
+        size = 0
+        error: PersistError | None = None
+        try:
+            src = read_committed(self.tiers.memory, tag)
+            if src is None:
+                raise PersistError(
+                    tag, persistent.url, FileNotFoundError("no committed copy in the memory tier")
+                )
+            size = src.manifest.total_bytes
+            copy_checkpoint(src, persistent, overwrite=True)
+            self._apply_retention(tag)
+        except PersistError as exc:
+            error = exc
+        except NebulaError as exc:
+            error = PersistError(tag, persistent.url, exc)
+            error.__cause__ = exc
+        except Exception as exc:  # noqa: BLE001 - reported as the persist's error, not dropped
+            error = PersistError(tag, persistent.url, exc)
+            error.__cause__ = exc
+        if error is not None:
+            log.error("%s", error)
+        row = make_row(
+            tag=tag,
+            step=step_of(tag),
+            tier="persistent",
+            rank=self.rank,
+            started_at=started_at,
+            duration_s=time.perf_counter() - t0,
+            blocking_s=0.0,
+            size_bytes=size,
+            error=error,
+        )
+        with self._cond:
+            self._rows.append(row)
+        return error
+
+    def _apply_retention(self, just_persisted: str) -> None:
+        persistent = self.tiers.persistent
+        assert persistent is not None
+        committed = list_committed(persistent)
+        versions = [Version(c.tag, c.committed_at, c.manifest.labels) for c in committed]
+        for tag in plan_retention(versions, self.retention, {just_persisted}):
+            delete_checkpoint(persistent, tag)
+
+    def _append_history(self, rows: list[HistoryRow]) -> None:
+        if not rows:
+            return
+        try:
+            append_rows(self.tiers.history_store, rows)
+        except NebulaError as exc:
+            # The history is a report, not a checkpoint: losing rows must not fail training,
+            # but it is said.
+            log.warning("could not append %d row(s) to the checkpoint history: %s", len(rows), exc)

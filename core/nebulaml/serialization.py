@@ -1,0 +1,104 @@
+"""Items as files that plain `torch.load(path, weights_only=True)` reads.
+
+Writing: objects with a `state_dict()` (modules, optimizers, schedulers) are saved as
+their state dict, so that every item stays loadable without executing code. Reading: the
+bytes are verified before they are unpickled, and unpickling runs with weights_only=True
+unless the caller explicitly trusts the file.
+
+Not for: where the bytes go (storage.py) or which tier they come from (checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, BinaryIO
+
+from .errors import UnsafeCheckpointError
+
+MapLocation = Any  # None | str | torch.device | dict | Callable, as torch.load takes
+
+
+def to_saveable(obj: Any) -> Any:
+    """What nebula writes for `obj`: modules, optimizers and other objects with a
+    `state_dict()` become their state dict (also inside dicts, lists and tuples), so that
+    the item loads with weights_only=True; everything else is written as it is.
+
+    Example:
+        >>> import torch
+        >>> sorted(to_saveable({"model": torch.nn.Linear(2, 2)})["model"])
+        ['bias', 'weight']
+    """
+    import torch
+
+    if isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None))):
+        return obj
+    if type(obj) is dict:
+        return {key: to_saveable(value) for key, value in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(to_saveable(value) for value in obj)
+    state_dict = getattr(obj, "state_dict", None)
+    if callable(state_dict) and not isinstance(obj, (type, dict)):
+        return state_dict()
+    return obj
+
+
+def tensor_bytes_of(obj: Any) -> int:
+    """Bytes of tensor storage reachable from `obj` through dicts, lists and tuples,
+    each storage counted once."""
+    import torch
+
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, torch.Tensor):
+            storage = cur.untyped_storage()
+            key = (str(storage.device), storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(cur, dict):
+            stack.extend(cur.values())
+        elif isinstance(cur, (list, tuple)):
+            stack.extend(cur)
+    return total
+
+
+def write_item(obj: Any, out: BinaryIO) -> int:
+    """Serialise `obj` into `out` in torch's zip format; returns its tensor bytes."""
+    import torch
+
+    saveable = to_saveable(obj)
+    torch.save(saveable, out)
+    return tensor_bytes_of(saveable)
+
+
+def read_item(
+    data: bytes | memoryview,
+    where: str,
+    *,
+    map_location: MapLocation = None,
+    weights_only: bool = True,
+) -> Any:
+    """Unpickle verified item bytes. Under weights_only=True a pickle that needs code
+    execution raises `UnsafeCheckpointError`; nothing falls back silently."""
+    import torch
+
+    stream = io.BytesIO(data)
+    try:
+        return torch.load(stream, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as exc:
+        if weights_only and "Weights only load failed" in str(exc):
+            raise UnsafeCheckpointError(where, _unsafe_detail(str(exc))) from None
+        raise
+
+
+def _unsafe_detail(message: str) -> str:
+    # torch's message is long; keep the line that names the offending global.
+    for line in message.splitlines():
+        line = line.strip()
+        if line.startswith(("WeightsUnpickler error:", "Unsupported global", "Unsupported")):
+            return line[:300]
+    return "its pickle references objects outside torch's weights-only allowlist"

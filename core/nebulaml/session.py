@@ -1,0 +1,265 @@
+"""Process-wide state: the configuration given to `init()`, the tiers, the persister.
+
+`init()` may be called on every rank and several times; the same configuration is a
+no-op. At interpreter exit the newest unpersisted checkpoint is persisted within a bounded
+wait, or the process says on stderr which checkpoint was not. After a crash, the next
+`init()` for the same root persists what the memory tier still holds that is newer than
+the persistent tier, and removes what dead writers left half-written in the memory tier.
+
+Not for: the save and load logic (checkpoint.py) or the public functions (api.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from .catalog import list_committed, list_incomplete
+from .commit import WRITER_PREFIX, delete_checkpoint
+from .errors import InvalidArgumentError, NebulaError, NotInitializedError
+from .persister import Persister
+from .storage import Store
+from .tiers import TierSet, open_tiers, record_root
+
+log = logging.getLogger("nebulaml")
+
+ENV_PATH = "NEBULA_PERSISTENT_STORAGE_PATH"
+ENV_INTERVAL = "NEBULA_PERSISTENT_TIME_INTERVAL"
+ENV_RETENTION = "NEBULA_NUM_OF_VERSION_IN_RETENTION"
+ENV_EXIT_TIMEOUT = "NEBULA_EXIT_TIMEOUT_S"
+DEFAULT_INTERVAL_S = 100.0
+DEFAULT_RETENTION = 2
+DEFAULT_EXIT_TIMEOUT_S = 600.0
+KNOWN_OPTIONS = ("storage_options", "exit_timeout_s")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """What `init()` resolved from its arguments and the environment."""
+
+    persistent_storage_path: str | None
+    persistent_time_interval_s: float
+    num_of_version_in_retention: int
+    exit_timeout_s: float
+    storage_options: tuple[tuple[str, Any], ...] = ()
+
+
+def _number(value: object, source: str, kind: type, minimum: float) -> Any:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = kind(value)
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{source} must be a {kind.__name__}, not {value!r}") from None
+    if number < minimum:
+        raise InvalidArgumentError(f"{source} must be at least {minimum}, not {value!r}")
+    return number
+
+
+def resolve_config(
+    persistent_storage_path: Any,
+    persistent_time_interval: Any,
+    num_of_version_in_retention: Any,
+    options: dict[str, Any],
+) -> Config:
+    """Arguments first, then the environment, then the defaults; bad values are refused."""
+    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
+    if unknown:
+        warnings.warn(
+            f"nm.init() ignores unknown option(s) {', '.join(unknown)}; "
+            f"it knows {', '.join(KNOWN_OPTIONS)}",
+            stacklevel=3,
+        )
+    path = persistent_storage_path
+    # The seed writes `persistent_storage_path="/tmp/test",` (a one-element tuple).
+    if isinstance(path, (tuple, list)) and len(path) == 1:
+        path = path[0]
+    if path is None:
+        path = os.environ.get(ENV_PATH) or None
+    if path is not None:
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise InvalidArgumentError(
+                f"persistent_storage_path must be a path or URL, not {persistent_storage_path!r}"
+            )
+        path = os.fspath(path)
+    interval = persistent_time_interval
+    if interval is None:
+        interval = os.environ.get(ENV_INTERVAL, DEFAULT_INTERVAL_S)
+        interval_src = ENV_INTERVAL if ENV_INTERVAL in os.environ else "persistent_time_interval"
+    else:
+        interval_src = "persistent_time_interval"
+    retention = num_of_version_in_retention
+    retention_src = "num_of_version_in_retention"
+    if retention is None:
+        retention = os.environ.get(ENV_RETENTION, DEFAULT_RETENTION)
+        retention_src = ENV_RETENTION if ENV_RETENTION in os.environ else retention_src
+    exit_timeout = options.get("exit_timeout_s")
+    if exit_timeout is None:
+        exit_timeout = os.environ.get(ENV_EXIT_TIMEOUT, DEFAULT_EXIT_TIMEOUT_S)
+    storage_options = options.get("storage_options") or {}
+    if not isinstance(storage_options, dict):
+        raise InvalidArgumentError("storage_options must be a dict")
+    return Config(
+        persistent_storage_path=path,
+        persistent_time_interval_s=_number(interval, interval_src, float, 0),
+        num_of_version_in_retention=_number(retention, retention_src, int, 1),
+        exit_timeout_s=_number(exit_timeout, "exit_timeout_s", float, 0),
+        storage_options=tuple(sorted(storage_options.items())),
+    )
+
+
+class Session:
+    """The tiers and persister of this process, for one configuration."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.rank = 0
+        self.world_size = 1
+        self.tiers: TierSet = open_tiers(
+            config.persistent_storage_path, dict(config.storage_options)
+        )
+        if self.tiers.persistent is not None:
+            self.tiers.persistent.make_dir()
+        record_root(self.tiers)
+        remove_dead_writers(self.tiers.memory)
+        self.persister = Persister(
+            self.tiers,
+            interval_s=config.persistent_time_interval_s,
+            retention=config.num_of_version_in_retention,
+            rank=self.rank,
+        )
+        self.recovered: str | None = self._recover()
+
+    def _recover(self) -> str | None:
+        """Queue the memory tier's newest checkpoint if the persistent tier lacks it."""
+        if self.tiers.persistent is None:
+            return None
+        in_memory = list_committed(self.tiers.memory)
+        if not in_memory:
+            return None
+        persisted = list_committed(self.tiers.persistent)
+        newest = in_memory[-1]
+        if persisted and persisted[-1].sort_key >= newest.sort_key:
+            return None
+        log.info("persisting %r, left in the memory tier by an earlier process", newest.tag)
+        self.persister.request(newest.tag)
+        return newest.tag
+
+    def close(self, timeout_s: float | None = None) -> str | None:
+        """Persist what is pending and stop; returns a tag left unpersisted, if any."""
+        return self.persister.close(timeout_s)
+
+
+def remove_dead_writers(store: Store) -> list[str]:
+    """Delete uncommitted tags on this node whose writing processes are all gone."""
+    removed = []
+    host = socket.gethostname()
+    for tag in list_incomplete(store):
+        writers = [n for n in store.list_files(tag) if n.startswith(WRITER_PREFIX)]
+        if not writers:
+            continue
+        alive = False
+        for name in writers:
+            try:
+                doc = json.loads(store.read_bytes(tag, name))
+            except (NebulaError, ValueError):
+                continue  # an unreadable marker is a dead writer's
+            if doc.get("host") != host or _pid_alive(int(doc.get("pid", -1))):
+                alive = True
+        if not alive:
+            delete_checkpoint(store, tag)
+            removed.append(tag)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_lock = threading.RLock()
+_session: Session | None = None
+
+
+def start(config: Config) -> Session:
+    """Make `config` the process's configuration (a no-op if it already is)."""
+    global _session
+    with _lock:
+        if _session is not None and _session.config == config:
+            _session.persister.raise_pending_error()
+            return _session
+        if _session is not None:
+            old, _session = _session, None
+            left = old.close(config.exit_timeout_s)
+            if left is not None:
+                log.warning("re-init: checkpoint %r was not persisted before the switch", left)
+            old.persister.raise_pending_error()
+        _session = Session(config)
+        return _session
+
+
+def current(what: str) -> Session:
+    """The live session, after raising any pending background failure."""
+    session = _session
+    if session is None:
+        raise NotInitializedError(what)
+    session.persister.raise_pending_error()
+    return session
+
+
+def current_or_none() -> Session | None:
+    session = _session
+    if session is not None:
+        session.persister.raise_pending_error()
+    return session
+
+
+def stop(timeout_s: float | None = None) -> str | None:
+    """Close the session (persisting what is pending); returns a tag left unpersisted."""
+    global _session
+    with _lock:
+        session, _session = _session, None
+    if session is None:
+        return None
+    left = session.close(timeout_s if timeout_s is not None else session.config.exit_timeout_s)
+    session.persister.raise_pending_error()
+    return left
+
+
+def _at_exit() -> None:
+    session = _session
+    if session is None:
+        return
+    timeout_s = session.config.exit_timeout_s
+    left = session.close(timeout_s)
+    where = session.tiers.display
+    if left is not None:
+        sys.stderr.write(
+            f"nebula: checkpoint {left!r} was not persisted to {where} within {timeout_s:g} s; "
+            f"it is still in the memory tier ({session.tiers.memory.url}): run "
+            f"`nebula flush {where}` on this node to persist it\n"
+        )
+    error = session.persister.error
+    if error is not None:
+        sys.stderr.write(f"nebula: error: {error}\n")
+    sys.stderr.flush()
+
+
+atexit.register(_at_exit)

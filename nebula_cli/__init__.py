@@ -1,0 +1,1 @@
+"""nebula_cli: the `nebula` command line over the public nebulaml API (rendering only)."""

@@ -1,0 +1,49 @@
+"""The `nebula` Typer application: global options and command registration.
+
+Not for: checkpoint logic (that lives in nebulaml) nor heavy imports: `nebula --help`
+must not import torch or pandas, so commands import them lazily.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+app = typer.Typer(
+    name="nebula",
+    help=(
+        "Inspect and manage nebula checkpoints.\n\n"
+        "ROOT is a checkpoint directory given as a path or an fsspec URL "
+        "(/ckpt, file:///ckpt, az://container/run1)."
+    ),
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        from nebulaml._version import __version__
+
+        typer.echo(f"nebula {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        help="Print the version and exit.",
+        callback=_version_callback,
+        is_eager=True,
+    ),
+) -> None:
+    """Inspect and manage nebula checkpoints (commands arrive with the CLI issue)."""
+
+
+def main() -> None:
+    """Console-script entry point."""
+    sys.exit(app(standalone_mode=True) or 0)
