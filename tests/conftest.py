@@ -1,36 +1,12 @@
-"""Shared fixtures: every test gets its own memory tier and persistent root, and leaves
-no nebula session behind."""
+"""Shared fixtures of the test suite (the autouse isolation fixture is in ../conftest.py)."""
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-import nebulaml as nm
-from nebulaml import session as _session
-
-
-@pytest.fixture(autouse=True)
-def memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A private memory-tier base folder (never the user's real /dev/shm tiers)."""
-    base = tmp_path / "memory-tier"
-    monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(base))
-    for var in (
-        "NEBULA_PERSISTENT_STORAGE_PATH",
-        "NEBULA_PERSISTENT_TIME_INTERVAL",
-        "NEBULA_NUM_OF_VERSION_IN_RETENTION",
-        "NEBULA_MEMORY_BUFFER_SIZE",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    yield base
-    try:
-        _session.stop(timeout_s=30)
-    except nm.NebulaError:
-        pass  # a test that provoked a background failure has already asserted on it
 
 
 @pytest.fixture

@@ -40,8 +40,32 @@ class CheckpointInfo:
         return order_key(self.tag, self.committed_at)
 
 
+def read_manifest(store: Store, tag: str) -> Manifest | None:
+    """The manifest of `tag` on `store` if present and valid, without checking its files.
+
+    None when there is none; an unreadable one is reported with a warning and counts as
+    none. Raises `UnsupportedSchemaError` for a manifest this version cannot read.
+    """
+    validate_name("tag", tag)
+    where = store.display(tag, MANIFEST_NAME)
+    try:
+        manifest = parse_manifest(store.read_bytes(tag, MANIFEST_NAME), where)
+    except UnsupportedSchemaError:
+        raise
+    except MissingFileError:
+        return None
+    except ManifestError as exc:
+        log.warning("ignoring checkpoint %r: %s", tag, exc)
+        return None
+    if manifest.tag != tag:
+        log.warning("ignoring %s: it names tag %r", where, manifest.tag)
+        return None
+    return manifest
+
+
 def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
-    """The committed checkpoint `tag` on `store`, or None if it is absent or incomplete.
+    """The committed checkpoint `tag` on `store`, or None if it is absent or incomplete
+    (an item file missing or of the wrong size).
 
     Raises `UnsupportedSchemaError` for a manifest this version cannot read.
     """
@@ -49,18 +73,8 @@ def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
     files = store.list_files(tag)
     if MANIFEST_NAME not in files:
         return None
-    where = store.display(tag, MANIFEST_NAME)
-    try:
-        manifest = parse_manifest(store.read_bytes(tag, MANIFEST_NAME), where)
-    except UnsupportedSchemaError:
-        raise
-    except MissingFileError:
-        return None  # deleted while we looked
-    except ManifestError as exc:
-        log.warning("ignoring checkpoint %r: %s", tag, exc)
-        return None
-    if manifest.tag != tag:
-        log.warning("ignoring %s: it names tag %r", where, manifest.tag)
+    manifest = read_manifest(store, tag)
+    if manifest is None:
         return None
     for item in manifest.items:
         if files.get(item.file) != item.size_bytes:

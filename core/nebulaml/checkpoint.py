@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import session as _session
-from .catalog import read_committed
+from .catalog import read_committed, read_manifest
 from .checksum import new_hasher
 from .commit import begin_tag, commit_rank, write_item
 from .errors import (
@@ -182,13 +182,15 @@ class Checkpoint:
         available: list[str] = []
         corrupt: list[CorruptCheckpointError] = []
         for _tier, store in tiers.stores:
-            info = read_committed(store, self.tag)
-            if info is None:
+            # The manifest alone, not read_committed: an item of the wrong size must be
+            # reported as corrupt (and the next tier tried), not as a missing checkpoint.
+            manifest = read_manifest(store, self.tag)
+            if manifest is None:
                 continue
             found_tag = True
-            entry = info.manifest.item(name)
+            entry = manifest.item(name)
             if entry is None:
-                available = [item.name for item in info.manifest.items]
+                available = [item.name for item in manifest.items]
                 continue
             try:
                 data = _read_verified(store, self.tag, entry)

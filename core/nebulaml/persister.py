@@ -40,7 +40,7 @@ class Persister:
         True
     """
 
-    def __init__(self, tiers: TierSet, *, interval_s: float, retention: int, rank: int = 0):
+    def __init__(self, tiers: TierSet, *, interval_s: float, retention: int, rank: int = 0) -> None:
         self.tiers = tiers
         self.interval_s = interval_s
         self.retention = retention
@@ -54,6 +54,7 @@ class Persister:
         self._error: PersistError | None = None
         self._rows: list[HistoryRow] = []
         self._stopping = False
+        self._history_lock = threading.Lock()  # flush() and the thread both append
         self._thread = threading.Thread(target=self._run, name="nebula-persister", daemon=True)
         self._thread.start()
 
@@ -275,7 +276,8 @@ class Persister:
         if not rows:
             return
         try:
-            append_rows(self.tiers.history_store, rows)
+            with self._history_lock:
+                append_rows(self.tiers.history_store, rows)
         except NebulaError as exc:
             # The history is a report, not a checkpoint: losing rows must not fail training,
             # but it is said.

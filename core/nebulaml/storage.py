@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import CommitConflictError, StorageError, StorageFullError
+from .errors import CommitConflictError, NebulaError, StorageError, StorageFullError
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _WRITE_BUFFER_BYTES = 4 << 20
@@ -36,8 +36,8 @@ def translate_errors(what: str) -> Iterator[None]:
     """Map backend exceptions to `StorageError` (and subclasses) naming `what`."""
     try:
         yield
-    except StorageError:
-        raise
+    except NebulaError:
+        raise  # already ours (a commit conflict is a FileExistsError too)
     except FileNotFoundError as exc:
         raise MissingFileError(f"{what}: not found") from exc
     except OSError as exc:
@@ -100,6 +100,7 @@ class Store:
     Example:
         >>> import tempfile
         >>> store = Store(tempfile.mkdtemp())
+        >>> store.make_dir("t")
         >>> store.write_bytes(("t", "a"), b"hello")
         >>> store.read_bytes("t", "a")
         b'hello'
@@ -278,7 +279,7 @@ class Store:
                     with self.fs.open(path, "xb") as f:
                         f.write(data)
                 except FileExistsError as exc:
-                    raise CommitConflictError(self.display(*parts[:-1]), parts[-1]) from exc
+                    raise self._conflict(parts) from exc
             return
         folder = os.path.dirname(path)
         tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
@@ -293,13 +294,13 @@ class Store:
                     try:
                         os.link(tmp, path)
                     except FileExistsError as exc:
-                        raise CommitConflictError(self.display(*parts[:-1]), parts[-1]) from exc
+                        raise self._conflict(parts) from exc
                     except OSError as exc:
                         if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
                             raise
                         # A filesystem without hard links: check, then rename.
                         if os.path.exists(path):
-                            raise CommitConflictError(self.display(*parts[:-1]), parts[-1]) from exc
+                            raise self._conflict(parts) from exc
                         os.replace(tmp, path)
                 else:
                     os.replace(tmp, path)
@@ -308,6 +309,12 @@ class Store:
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
+
+    def _conflict(self, parts: tuple[str, ...]) -> CommitConflictError:
+        # parts is (tag, file): the conflict is about the tag, at the root.
+        if len(parts) >= 2:
+            return CommitConflictError(self.display(*parts[:-2]), parts[-2])
+        return CommitConflictError(self.url, parts[-1])
 
     def append_text(self, parts: tuple[str, ...], text: str) -> None:
         """Append text to a file (created if missing); durable on local disks."""

@@ -1,0 +1,32 @@
+"""Isolation for every test and doctest: a private memory tier, no inherited NEBULA_*
+settings, and no nebula session left behind."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private memory-tier base folder (never the user's real /dev/shm tiers)."""
+    import nebulaml as nm
+    from nebulaml import session as _session
+
+    base = tmp_path / "memory-tier"
+    monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(base))
+    for var in (
+        "NEBULA_PERSISTENT_STORAGE_PATH",
+        "NEBULA_PERSISTENT_TIME_INTERVAL",
+        "NEBULA_NUM_OF_VERSION_IN_RETENTION",
+        "NEBULA_MEMORY_BUFFER_SIZE",
+        "NEBULA_EXIT_TIMEOUT_S",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    yield base
+    # A test that provoked a background failure has already asserted on it.
+    with contextlib.suppress(nm.NebulaError):
+        _session.stop(timeout_s=30)

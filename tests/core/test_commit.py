@@ -1,0 +1,113 @@
+"""The commit protocol on one tier: the manifest comes last, and goes first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import nebulaml as nm
+from nebulaml.catalog import list_committed, list_incomplete, read_committed
+from nebulaml.commit import begin_tag, commit_rank, delete_checkpoint, write_item
+from nebulaml.storage import Store
+
+
+class RecordingStore(Store):
+    """A real local store that journals every completed write, publish and remove, and
+    can fail the n-th remove (a fault injected at the storage boundary)."""
+
+    def __init__(self, url: str, fail_remove_at: int | None = None) -> None:
+        super().__init__(url)
+        self.events: list[tuple[str, str]] = []
+        self.fail_remove_at = fail_remove_at
+
+    def publish(self, parts, data, *, create_only=True):
+        super().publish(parts, data, create_only=create_only)
+        self.events.append(("publish", parts[-1]))
+
+    def open_write(self, *parts):
+        inner = super().open_write(*parts)
+        events = self.events
+
+        class _Journal:
+            def __enter__(self):
+                return inner.__enter__()
+
+            def __exit__(self, *exc):
+                result = inner.__exit__(*exc)
+                events.append(("write", parts[-1]))
+                return result
+
+        return _Journal()
+
+    def remove(self, *parts):
+        removes = sum(1 for kind, _ in self.events if kind == "remove")
+        if self.fail_remove_at is not None and removes + 1 == self.fail_remove_at:
+            raise nm.StorageError(f"injected failure removing {parts[-1]}")
+        super().remove(*parts)
+        self.events.append(("remove", parts[-1]))
+
+
+def _write_two_items(store: Store, tag: str) -> list:
+    begin_tag(store, tag, rank=0, overwrite=False)
+    return [
+        write_item(store, tag, "model", {"w": torch.ones(4)}, rank=0),
+        write_item(store, tag, "optimizer", {"lr": 0.1}, rank=0),
+    ]
+
+
+def test_items_without_manifest_are_invisible(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root")
+    _write_two_items(store, "global_step1")
+    assert list_committed(store) == []
+    assert read_committed(store, "global_step1") is None
+    assert list_incomplete(store) == ["global_step1"]
+    assert nm.get_latest_checkpoint(persist_path=str(tmp_path / "root")) is None
+
+
+def test_manifest_is_published_last(tmp_path: Path) -> None:
+    store = RecordingStore(str(tmp_path / "root"))
+    items = _write_two_items(store, "global_step1")
+    commit_rank(store, "global_step1", rank=0, world_size=1, items=items, created_at="t")
+    kinds = [name for kind, name in store.events if kind in ("write", "publish")]
+    assert kinds[-1] == "manifest.json"
+    assert kinds.index("model") < kinds.index(".rank-0.json") < kinds.index("manifest.json")
+    assert kinds.index("optimizer") < kinds.index("manifest.json")
+    info = read_committed(store, "global_step1")
+    assert info is not None and [i.name for i in info.manifest.items] == ["model", "optimizer"]
+    assert list_incomplete(store) == []
+
+
+def test_a_missing_item_makes_the_checkpoint_invisible(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root")
+    items = _write_two_items(store, "global_step1")
+    commit_rank(store, "global_step1", rank=0, world_size=1, items=items, created_at="t")
+    (tmp_path / "root" / "global_step1" / "optimizer").unlink()
+    assert list_committed(store) == []
+
+
+def test_delete_removes_the_manifest_first(tmp_path: Path) -> None:
+    store = RecordingStore(str(tmp_path / "root"), fail_remove_at=2)
+    items = _write_two_items(store, "global_step1")
+    commit_rank(store, "global_step1", rank=0, world_size=1, items=items, created_at="t")
+    store.events.clear()
+    with pytest.raises(nm.StorageError, match="injected"):
+        delete_checkpoint(store, "global_step1")
+    # The delete died half-way: the data is partly there, but nothing is visible.
+    assert store.events == [("remove", "manifest.json")]
+    assert (tmp_path / "root" / "global_step1" / "model").exists()
+    assert list_committed(store) == []
+
+
+def test_commit_refuses_a_tag_another_writer_committed(tmp_path: Path) -> None:
+    first, second = Store(tmp_path / "root"), Store(tmp_path / "root")
+    items = _write_two_items(first, "global_step1")
+    commit_rank(first, "global_step1", rank=0, world_size=1, items=items, created_at="t")
+    with pytest.raises(nm.CheckpointExistsError):
+        begin_tag(second, "global_step1", rank=0, overwrite=False)
+    other = [write_item(second, "global_step1", "other", {"x": 1}, rank=0)]
+    with pytest.raises(nm.CommitConflictError, match="global_step1"):
+        commit_rank(second, "global_step1", rank=0, world_size=1, items=other, created_at="t")
+    info = read_committed(first, "global_step1")
+    assert info is not None and [i.name for i in info.manifest.items] == ["model", "optimizer"]

@@ -1,0 +1,110 @@
+"""manifest.json: round trip, strict parsing, and every released schema still reads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import nebulaml as nm
+from nebulaml.manifest import ItemEntry, Manifest, Producer, parse_manifest
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "manifests"
+
+
+def _manifest(**overrides) -> Manifest:
+    fields = dict(
+        tag="global_step5",
+        step=5,
+        created_at="2026-01-01T00:00:00.000000Z",
+        committed_at="2026-01-01T00:00:01.000000Z",
+        world_size=1,
+        items=(ItemEntry("model", "model", 0, 10, "xxh3_64", "00ff", 8),),
+        producer=Producer("0.1.0", "2.13.0", "host"),
+        labels=("best",),
+    )
+    fields.update(overrides)
+    return Manifest(**fields)
+
+
+def test_round_trip() -> None:
+    manifest = _manifest()
+    assert parse_manifest(manifest.to_bytes(), "x") == manifest
+    doc = json.loads(manifest.to_bytes())
+    assert doc["total_bytes"] == 10 and doc["schema_version"] == 1
+    assert doc["items"][0]["checksum"] == {"algo": "xxh3_64", "value": "00ff"}
+
+
+def _doc() -> dict:
+    return json.loads(_manifest().to_bytes())
+
+
+def _broken(mutate) -> bytes:
+    doc = _doc()
+    mutate(doc)
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"", "not valid JSON"),
+        (b"{truncated", "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b"[]", "not a JSON object"),
+        (_broken(lambda d: d.pop("items")), "no 'items'"),
+        (_broken(lambda d: d.update(total_bytes=11)), "total_bytes"),
+        (_broken(lambda d: d.update(world_size=0)), "world_size"),
+        (_broken(lambda d: d.update(world_size=True)), "wrong type"),
+        (_broken(lambda d: d.update(tag="../up")), "unsafe tag"),
+        (_broken(lambda d: d["items"][0].update(file="../../etc/passwd")), "unsafe item"),
+        (_broken(lambda d: d["items"][0].update(file="/etc/passwd")), "unsafe item"),
+        (_broken(lambda d: d["items"][0].update(size_bytes=-1)), "negative"),
+        (_broken(lambda d: d["items"][0].update(size_bytes="10")), "wrong type"),
+        (_broken(lambda d: d["items"][0].pop("checksum")), "no 'checksum'"),
+        (_broken(lambda d: d["items"].append(dict(d["items"][0]))), "twice"),
+        (_broken(lambda d: d.update(labels="best")), "labels"),
+    ],
+)
+def test_malformed_manifests_are_refused(data: bytes, match: str) -> None:
+    with pytest.raises(nm.ManifestError, match=match):
+        parse_manifest(data, "somewhere/manifest.json")
+
+
+@pytest.mark.parametrize("version", [0, 2, "1", None, True])
+def test_unknown_schema_version(version: object) -> None:
+    data = _broken(lambda d: d.update(schema_version=version))
+    with pytest.raises(nm.UnsupportedSchemaError, match="upgrade nebula-checkpoint"):
+        parse_manifest(data, "m")
+
+
+def test_manifest_has_no_absolute_paths_or_pickles(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
+    nm.flush_persistence()
+    text = (root / "global_step1" / "manifest.json").read_text()
+    assert str(root) not in text and str(Path.home()) not in text
+    doc = json.loads(text)
+    assert set(doc) == {
+        "schema_version", "tag", "step", "created_at", "committed_at", "world_size",
+        "items", "total_bytes", "producer", "labels",
+    }  # fmt: skip
+    assert doc["committed_at"] >= doc["created_at"]
+
+
+@pytest.mark.parametrize("version_dir", sorted(p.name for p in FIXTURES.iterdir()))
+def test_every_released_schema_still_loads(version_dir: str, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(FIXTURES / version_dir, root)
+    for tag_dir in root.iterdir():
+        parse_manifest((tag_dir / "manifest.json").read_bytes(), str(tag_dir))
+    latest = nm.get_latest_checkpoint(persist_path=str(root))
+    assert latest is not None and latest.tag == "global_step500"
+    model = latest.load("model")
+    assert torch.equal(model["w"], torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(model["b"], torch.tensor([1, 2]))
+    assert latest.load("optimizer") == {"step": 500, "lr": 0.001}
+    assert nm.list_checkpoints(str(root))[0]["labels"] == ["best"]

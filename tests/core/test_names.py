@@ -1,0 +1,89 @@
+"""Tags and item names are refused before any I/O when they could escape their folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import nebulaml as nm
+from nebulaml.names import order_key, step_of, validate_name
+
+HOSTILE = [
+    "",
+    ".",
+    "..",
+    "../escape",
+    "a/../../b",
+    "/etc/passwd",
+    "a/b",
+    "a\\b",
+    "nul\x00byte",
+    "new\nline",
+    "tab\there",
+    "del\x7f",
+    ".hidden",
+    ".rank-0.json",
+    "x" * 256,
+    "é" * 128,  # 256 bytes in UTF-8
+    " padded",
+    "padded ",
+]
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_names_are_refused(name: str) -> None:
+    with pytest.raises(nm.InvalidNameError):
+        validate_name("tag", name)
+    with pytest.raises(nm.InvalidNameError):
+        validate_name("item", name)
+
+
+@pytest.mark.parametrize("name", [None, 5, b"bytes", ["a"]])
+def test_non_strings_are_refused(name: object) -> None:
+    with pytest.raises(nm.InvalidNameError, match="must be a str"):
+        validate_name("tag", name)
+
+
+@pytest.mark.parametrize(
+    "name", ["global_step500", "epoch=3-step=100.ckpt", "mp_rank_00_model_states.pt", "x" * 255]
+)
+def test_ordinary_names_pass(name: str) -> None:
+    assert validate_name("item", name) == name
+
+
+def test_manifest_name_is_reserved_for_items_only() -> None:
+    with pytest.raises(nm.InvalidNameError, match="reserved"):
+        validate_name("item", "manifest.json")
+    assert validate_name("tag", "manifest.json") == "manifest.json"
+
+
+@pytest.mark.parametrize("name", ["../outside", "/abs", "a/b", "\x00", ".."])
+def test_api_refuses_before_any_io(root: Path, tmp_path: Path, name: str) -> None:
+    nm.init(str(root))
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(nm.InvalidNameError):
+        nm.Checkpoint(name)
+    with pytest.raises(nm.InvalidNameError):
+        nm.Checkpoint("global_step1", -2).save(name, {"x": 1})
+    with pytest.raises(nm.InvalidNameError):
+        nm.get_checkpoint(name)
+    with pytest.raises(nm.InvalidNameError):
+        nm.get_latest_checkpoint_path(name)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_step_and_order() -> None:
+    assert step_of("global_step42") == 42
+    assert step_of("epoch3") is None
+    tags = ["global_step100", "global_step9", "global_step10", "best"]
+    assert sorted(tags, key=lambda t: order_key(t, "")) == [
+        "best",
+        "global_step9",
+        "global_step10",
+        "global_step100",
+    ]
+    # The same step: the later commit is newer.
+    assert order_key("global_step5", "2026-01-02T00:00:00Z") > order_key(
+        "global_step5", "2026-01-01T00:00:00Z"
+    )

@@ -1,0 +1,136 @@
+"""The background persister: interval, retention on both tiers, and the history file."""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+
+import torch
+
+import nebulaml as nm
+from nebulaml.catalog import list_committed
+from nebulaml.history import COLUMNS
+from nebulaml.session import current
+
+
+def _tags(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if (p / "manifest.json").exists())
+
+
+def _memory_tags() -> list[str]:
+    return [info.tag for info in list_committed(current("test").tiers.memory)]
+
+
+def test_interval_skips_superseded_checkpoints(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=3600, num_of_version_in_retention=10)
+    nm.Checkpoint("global_step1").save("m", {"v": 1})
+    nm.flush_persistence()  # the first persist is never held back; wait for it
+    nm.Checkpoint("global_step2").save("m", {"v": 2})
+    nm.Checkpoint("global_step3").save("m", {"v": 3})
+    assert _tags(root) == ["global_step1"]  # 2 and 3 wait for the interval
+    nm.flush_persistence()
+    # global_step2 was superseded before its turn: never persisted, and gone from memory.
+    assert _tags(root) == ["global_step1", "global_step3"]
+    assert _memory_tags() == ["global_step3"]
+    assert nm.get_checkpoint("global_step2") is None
+
+
+def test_pending_checkpoint_is_persisted_when_the_interval_elapses(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0.3)
+    nm.Checkpoint("global_step1").save("m", {"v": 1})
+    nm.Checkpoint("global_step2").save("m", {"v": 2})
+    deadline = time.monotonic() + 10
+    while "global_step2" not in _tags(root) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "global_step2" in _tags(root)
+    assert torch.load(root / "global_step2" / "m", weights_only=True) == {"v": 2}
+
+
+def test_flush_of_a_named_older_tag(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=3600)
+    nm.Checkpoint("global_step1").save("m", {"v": 1})
+    nm.flush_persistence()
+    nm.Checkpoint("global_step2").save("m", {"v": 2})
+    nm.flush_persistence("global_step2")
+    assert _tags(root) == ["global_step1", "global_step2"]
+    assert nm.flush_persistence("global_step2") is True  # already durable: no-op
+
+
+def test_persistent_retention_keeps_newest_n_and_labelled(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=2)
+    for step in range(1, 7):
+        labels = ["best"] if step == 2 else []
+        nm.Checkpoint(f"global_step{step}", labels=labels).save("m", {"v": step})
+        nm.flush_persistence()
+    assert _tags(root) == ["global_step2", "global_step5", "global_step6"]
+    assert nm.get_checkpoint("global_step2").load("m") == {"v": 2}
+    # Deleted versions leave nothing behind: no folder, no stray files.
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == _tags(root)
+
+
+def test_memory_tier_keeps_only_the_newest_once_persisted(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5)
+    for step in range(1, 5):
+        nm.Checkpoint(f"global_step{step}").save("m", {"v": step})
+        nm.flush_persistence()
+    assert _memory_tags() == ["global_step4"]
+    assert _tags(root) == [f"global_step{s}" for s in range(1, 5)]
+    listed = {c["tag"]: c["tiers"] for c in nm.list_checkpoints()}
+    assert listed["global_step4"] == ["memory", "persistent"]
+    assert listed["global_step1"] == ["persistent"]
+
+
+def test_memory_only_retention(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    nm.init(num_of_version_in_retention=2)
+    for step in range(1, 5):
+        nm.Checkpoint(f"global_step{step}").save("m", {"v": step})
+    assert _memory_tags() == ["global_step3", "global_step4"]
+
+
+def test_history_has_a_row_per_save_and_per_persist(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0)
+    for step in (1, 2):
+        ckpt = nm.Checkpoint(f"global_step{step}", 2)
+        ckpt.save("model", {"w": torch.zeros(1000)})
+        ckpt.save("optimizer", {"s": torch.zeros(10)})
+        nm.flush_persistence()
+    with open(root / "checkpointHistories.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0].keys()) == COLUMNS
+    assert sorted((r["tag"], r["tier"]) for r in rows) == [
+        ("global_step1", "memory"),
+        ("global_step1", "persistent"),
+        ("global_step2", "memory"),
+        ("global_step2", "persistent"),
+    ]
+    sizes = {
+        "global_step1": sum(
+            p.stat().st_size
+            for p in (root / "global_step1").iterdir()
+            if not p.name.startswith((".", "manifest"))
+        ),
+    }
+    for row in rows:
+        assert row["status"] == "ok" and row["error"] == ""
+        assert float(row["duration_s"]) > 0
+        assert float(row["throughput_mb_s"]) > 0
+        assert row["step"] == row["tag"].removeprefix("global_step")
+        assert row["started_at"].endswith("Z")
+        if row["tier"] == "persistent":
+            assert float(row["blocking_s"]) == 0.0
+        else:
+            assert 0 < float(row["blocking_s"]) <= float(row["duration_s"]) + 1e-3
+    step1 = [r for r in rows if r["tag"] == "global_step1"]
+    assert {int(r["size_bytes"]) for r in step1} == {sizes["global_step1"]}
+
+
+def test_tags_without_steps_order_by_commit_time(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5)
+    for tag in ("warmup", "alpha", "middle"):
+        nm.Checkpoint(tag).save("m", {"t": tag})
+        nm.flush_persistence()
+    assert nm.get_latest_checkpoint().tag == "middle"
+    nm.Checkpoint("global_step1").save("m", {"t": 1})
+    assert nm.get_latest_checkpoint().tag == "global_step1"  # a step beats no step
