@@ -10,8 +10,10 @@ Not for: where the bytes go (storage.py) or which tier they come from (checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from .errors import UnsafeCheckpointError
@@ -71,8 +73,31 @@ def write_item(obj: Any, out: BinaryIO) -> int:
     import torch
 
     saveable = to_saveable(obj)
-    torch.save(saveable, out)
+    with _zip_crc_off():
+        torch.save(saveable, out)
     return tensor_bytes_of(saveable)
+
+
+@contextlib.contextmanager
+def _zip_crc_off() -> Iterator[None]:
+    """Skip torch's zip CRC32 while nebula writes an item.
+
+    The CRC costs about 4x the copy itself (0.5 GB into /dev/shm: 1.0-1.5 s with it,
+    0.22 s without, on 2 cores), and nebula's own xxh3 checksum, computed on the same
+    pass and checked before every load, already covers the bytes. torch.load reads
+    such files as usual.
+    """
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # torch before 2.5 has no switch; its CRC stays on
+        yield
+        return
+    previous = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = previous
 
 
 def read_item(

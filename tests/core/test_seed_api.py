@@ -284,3 +284,18 @@ def test_api_before_init_is_a_clear_error() -> None:
         nm.Checkpoint("global_step1").save("m", {})
     with pytest.raises(nm.NotInitializedError):
         nm.flush_persistence()
+
+
+def test_saving_leaves_torch_serialization_config_as_it_was(root: Path) -> None:
+    from torch.utils.serialization import config
+
+    nm.init(str(root))
+    assert config.save.compute_crc32 is True
+    nm.Checkpoint("global_step1").save("m", {"w": torch.ones(8)})
+    assert config.save.compute_crc32 is True
+    config.save.compute_crc32 = False
+    try:
+        nm.Checkpoint("global_step2").save("m", {"w": torch.ones(8)})
+        assert config.save.compute_crc32 is False
+    finally:
+        config.save.compute_crc32 = True
