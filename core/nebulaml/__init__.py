@@ -20,6 +20,7 @@ from .api import (
     get_latest_checkpoint_path,
     init,
     list_checkpoints,
+    memory_tier_path,
     shutdown,
 )
 from .checkpoint import Checkpoint
@@ -71,5 +72,6 @@ __all__ = [
     "get_latest_checkpoint_path",
     "init",
     "list_checkpoints",
+    "memory_tier_path",
     "shutdown",
 ]

@@ -159,6 +159,20 @@ def get_latest_checkpoint_path(name: str, persist_path: PathLike | None = None) 
     return store.local_path(info.tag, entry.file) or store.display(info.tag, entry.file)
 
 
+def memory_tier_path(persist_path: PathLike | None = None) -> str:
+    """The folder of this node's memory tier for a persistent root (default: `init`'s).
+
+    Checkpoints there are in RAM (`/dev/shm`) and survive a crash of the process, not of
+    the node; `NEBULA_MEMORY_TIER_PATH` moves the base folder.
+
+    Example:
+        >>> import nebulaml as nm, tempfile
+        >>> nm.memory_tier_path(tempfile.gettempdir() + "/run1").rsplit("/", 1)[-1][:5]
+        'run1-'
+    """
+    return _tiers_for(persist_path, "memory_tier_path").memory.display()
+
+
 def flush_persistence(tag: str | None = None, timeout_s: float | None = None) -> bool:
     """Persist `tag` (default: the newest unpersisted checkpoint) now, and wait.
 

@@ -95,14 +95,21 @@ class Persister:
         """
         self.raise_pending_error()
         with self._cond:
-            target = tag or self._pending or self._inflight
-            if target is not None and self.tiers.persistent is not None:
+            if tag is None and self._pending is not None:
+                tag = self._pending  # the newest: persisted now, the interval ignored
+            if tag is None:
+                # Nothing pending: wait for what is queued (persists are done in order, so
+                # the last queued one finishes last), else for the one in flight.
+                target = self._forced[-1] if self._forced else self._inflight
+            else:
+                target = tag
                 if target != self._inflight:
                     if target == self._pending:
                         self._pending = None
                     if target not in self._forced:
                         self._forced.append(target)
                     self._done.pop(target, None)
+            if target is not None and self.tiers.persistent is not None:
                 self._cond.notify_all()
                 deadline = None if timeout_s is None else time.monotonic() + timeout_s
                 while target not in self._done:

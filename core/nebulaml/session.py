@@ -131,7 +131,9 @@ class Session:
         if self.tiers.persistent is not None:
             self.tiers.persistent.make_dir()
         record_root(self.tiers)
-        remove_dead_writers(self.tiers.memory)
+        # Leftovers of this node's crashed saves and persists; other nodes' are theirs.
+        for _tier, store in self.tiers.stores:
+            remove_dead_writers(store)
         self.persister = Persister(
             self.tiers,
             interval_s=config.persistent_time_interval_s,
@@ -161,7 +163,10 @@ class Session:
 
 
 def remove_dead_writers(store: Store) -> list[str]:
-    """Delete uncommitted tags on this node whose writing processes are all gone."""
+    """Delete uncommitted tags whose writers ran on this host and are all gone.
+
+    A tag being written by a live process, or by another host, is left alone.
+    """
     removed = []
     host = socket.gethostname()
     for tag in list_incomplete(store):
@@ -253,8 +258,8 @@ def _at_exit() -> None:
     if left is not None:
         sys.stderr.write(
             f"nebula: checkpoint {left!r} was not persisted to {where} within {timeout_s:g} s; "
-            f"it is still in the memory tier ({session.tiers.memory.url}): run "
-            f"`nebula flush {where}` on this node to persist it\n"
+            f"it is still in the memory tier ({session.tiers.memory.url}), and the next "
+            f"nm.init({where!r}) on this node persists it\n"
         )
     error = session.persister.error
     if error is not None:

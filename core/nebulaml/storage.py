@@ -119,7 +119,8 @@ class Store:
         self.fs: fsspec.AbstractFileSystem = fs
         self.is_local = isinstance(fs, LocalFileSystem)
         self.root: str = os.path.abspath(root) if self.is_local else root.rstrip("/")
-        self.url: str = self.root if self.is_local else f"{_protocol(fs)}://{self.root.lstrip('/')}"
+        # A URL that parses back to the same root (for display and for namespacing).
+        self.url: str = self.root if self.is_local else fs.unstrip_protocol(self.root)
         self.durable = durable
 
     def __repr__(self) -> str:
@@ -364,8 +365,3 @@ class Store:
                     self.fs.rm(self.path(*parts), recursive=True)
             except FileNotFoundError:
                 return
-
-
-def _protocol(fs: fsspec.AbstractFileSystem) -> str:
-    proto = fs.protocol
-    return proto[0] if isinstance(proto, (tuple, list)) else str(proto)
