@@ -25,4 +25,6 @@ demo: venv
 	$(PY) examples/train.py --demo
 
 clean:
+	if test -x $(PY); then $(PY) -c "import nebulaml as nm, shutil; \
+		shutil.rmtree(nm.memory_tier_path('demo-checkpoints'), ignore_errors=True)"; fi
 	rm -rf demo-checkpoints .pytest_cache .ruff_cache
