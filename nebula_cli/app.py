@@ -23,6 +23,13 @@ app = typer.Typer(
 )
 
 
+def _register() -> None:
+    # Command modules import nebulaml (light) but never torch or pandas at import time.
+    from .commands import ls
+
+    app.command("ls")(ls.ls_command)
+
+
 def _version_callback(value: bool) -> None:
     if value:
         from nebulaml._version import __version__
@@ -41,7 +48,10 @@ def _main(
         is_eager=True,
     ),
 ) -> None:
-    """Inspect and manage nebula checkpoints (commands arrive with the CLI issue)."""
+    """Inspect and manage nebula checkpoints."""
+
+
+_register()
 
 
 def main() -> None:

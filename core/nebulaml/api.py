@@ -13,8 +13,10 @@ from typing import Any
 
 from . import session as _session
 from .catalog import CheckpointInfo, list_committed, read_committed
+from .catalog import list_incomplete as catalog_list_incomplete
 from .checkpoint import Checkpoint
-from .errors import ItemNotFoundError, PersistTimeoutError
+from .commit import read_writers
+from .errors import ItemNotFoundError, PersistTimeoutError, RootNotFoundError
 from .names import validate_name
 from .storage import Store
 from .tiers import TierSet, open_tiers
@@ -101,6 +103,51 @@ def list_checkpoints(persist_path: PathLike | None = None) -> list[dict[str, Any
             }
         )
     return out
+
+
+def list_incomplete(persist_path: PathLike | None = None) -> list[dict[str, Any]]:
+    """Tags that were started but never committed (leftovers of crashed saves or persists,
+    or saves in progress), on every tier, as JSON-serialisable dicts.
+
+    Each dict has `tag`, `tier`, `files` (names), `size_bytes` and `writers`: who wrote
+    the folder (`host`, `pid`, `rank`, `started_at`), as their markers say.
+
+    Example:
+        >>> import nebulaml as nm, tempfile
+        >>> nm.list_incomplete(tempfile.mkdtemp())
+        []
+    """
+    out = []
+    for tier, store in _tiers_for(persist_path, "list_incomplete").stores:
+        for tag in catalog_list_incomplete(store):
+            files = store.list_files(tag)
+            out.append(
+                {
+                    "tag": tag,
+                    "tier": tier,
+                    "files": sorted(n for n in files if not n.startswith(".")),
+                    "size_bytes": sum(files.values()),
+                    "writers": read_writers(store, tag),
+                }
+            )
+    return out
+
+
+def check_root(persist_path: PathLike) -> str:
+    """Raise `RootNotFoundError` unless the root, or its memory tier on this node, exists;
+    return the root's canonical location.
+
+    Example:
+        >>> import nebulaml as nm
+        >>> nm.check_root("/no/such/root")
+        Traceback (most recent call last):
+        ...
+        nebulaml.errors.RootNotFoundError: /no/such/root: no such checkpoint root
+    """
+    tiers = _tiers_for(persist_path, "check_root")
+    if not any(store.exists() for _tier, store in tiers.stores):
+        raise RootNotFoundError(tiers.display)
+    return tiers.display
 
 
 def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | None:

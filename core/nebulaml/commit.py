@@ -18,7 +18,12 @@ from typing import Any
 
 from .catalog import CheckpointInfo, read_committed
 from .checksum import HashingWriter, new_hasher
-from .errors import CheckpointExistsError, CommitConflictError, CorruptCheckpointError
+from .errors import (
+    CheckpointExistsError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    NebulaError,
+)
 from .manifest import (
     CHECKSUM_ALGO,
     ItemEntry,
@@ -72,6 +77,22 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool) -> None:
     store.make_dir(tag)
     doc = {"host": _host(), "pid": os.getpid(), "rank": rank, "started_at": utc_now()}
     store.write_bytes((tag, _writer_name(rank)), json.dumps(doc).encode())
+
+
+def read_writers(store: Store, tag: str) -> list[dict[str, Any]]:
+    """The writer markers of an uncommitted tag: host, pid, rank, started_at (unreadable
+    markers are skipped: they only describe, they decide nothing here)."""
+    writers = []
+    for name in sorted(store.list_files(tag)):
+        if not name.startswith(WRITER_PREFIX):
+            continue
+        try:
+            doc = json.loads(store.read_bytes(tag, name))
+        except (NebulaError, ValueError):
+            continue
+        if isinstance(doc, dict):
+            writers.append({k: doc.get(k) for k in ("host", "pid", "rank", "started_at")})
+    return writers
 
 
 def write_item(store: Store, tag: str, name: str, obj: Any, *, rank: int) -> ItemEntry:

@@ -53,6 +53,14 @@ class CheckpointNotFoundError(NebulaError, FileNotFoundError):
         self.root, self.tag = root, tag
 
 
+class RootNotFoundError(CheckpointNotFoundError):
+    """A checkpoint root that exists on no tier (neither the path nor its memory tier)."""
+
+    def __init__(self, root: str) -> None:
+        NebulaError.__init__(self, f"{root}: no such checkpoint root")
+        self.root, self.tag = root, None
+
+
 class ItemNotFoundError(NebulaError, LookupError):
     """A committed checkpoint exists but holds no item of that name."""
 

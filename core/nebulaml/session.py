@@ -12,7 +12,6 @@ Not for: the save and load logic (checkpoint.py) or the public functions (api.py
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import socket
@@ -23,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .catalog import list_committed, list_incomplete
-from .commit import WRITER_PREFIX, delete_checkpoint
-from .errors import InvalidArgumentError, NebulaError, NotInitializedError
+from .commit import WRITER_PREFIX, delete_checkpoint, read_writers
+from .errors import InvalidArgumentError, NotInitializedError
 from .persister import Persister
 from .storage import Store
 from .tiers import TierSet, open_tiers, record_root
@@ -170,21 +169,18 @@ def remove_dead_writers(store: Store) -> list[str]:
     removed = []
     host = socket.gethostname()
     for tag in list_incomplete(store):
-        writers = [n for n in store.list_files(tag) if n.startswith(WRITER_PREFIX)]
-        if not writers:
-            continue
-        alive = False
-        for name in writers:
-            try:
-                doc = json.loads(store.read_bytes(tag, name))
-            except (NebulaError, ValueError):
-                continue  # an unreadable marker is a dead writer's
-            if doc.get("host") != host or _pid_alive(int(doc.get("pid", -1))):
-                alive = True
+        writers = read_writers(store, tag)
+        if not any(n.startswith(WRITER_PREFIX) for n in store.list_files(tag)):
+            continue  # not started by a writer we can judge
+        alive = any(w.get("host") != host or _pid_alive(_as_pid(w.get("pid"))) for w in writers)
         if not alive:
             delete_checkpoint(store, tag)
             removed.append(tag)
     return removed
+
+
+def _as_pid(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1,0 +1,1 @@
+"""One module per `nebula` command: parse options, call nebulaml, render. No logic."""

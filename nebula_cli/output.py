@@ -1,0 +1,97 @@
+"""What every command shares: the two consoles, JSON output, error exits, formatting.
+
+Data goes to stdout (a rich table, or one JSON document with --json); progress, warnings
+and hints go to stderr. An expected failure (`nebulaml.NebulaError`) becomes one line,
+`nebula: error: ...`, and an exit code: 1 for errors, 3 for "not found".
+
+Not for: checkpoint logic (nebulaml) or command options (each command's module).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def stdout() -> Console:
+    """The data console (built per call so that CliRunner's captured streams are used)."""
+    return Console(file=sys.stdout, soft_wrap=True)
+
+
+def stderr() -> Console:
+    """The diagnostics console: progress, warnings, hints."""
+    return Console(file=sys.stderr, soft_wrap=True)
+
+
+def emit_json(doc: Any) -> None:
+    """Write exactly one JSON document to stdout."""
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+
+
+def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
+    """Print `nebula: error: message` on stderr and exit with `code`."""
+    sys.stderr.write(f"nebula: error: {message}\n")
+    raise typer.Exit(code)
+
+
+def handles_errors(func: F) -> F:
+    """Turn `NebulaError`s raised by a command into one stderr line and an exit code."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import nebulaml as nm
+
+        try:
+            return func(*args, **kwargs)
+        except (nm.CheckpointNotFoundError, nm.ItemNotFoundError) as exc:
+            fail(str(exc), EXIT_NOT_FOUND)
+        except nm.NebulaError as exc:
+            fail(str(exc), EXIT_ERROR)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def human_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'.
+
+    Example:
+        >>> human_bytes(1536), human_bytes(12)
+        ('1.5 KiB', '12 B')
+    """
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_time(iso: str) -> datetime:
+    """Parse nebula's ISO-8601 UTC timestamps ('...Z')."""
+    return datetime.fromisoformat(iso.replace("Z", "+00:00"))
+
+
+def human_age(iso: str, now: datetime | None = None) -> str:
+    """How long ago an ISO-8601 UTC time was: '42s', '5m', '3h', '2d'.
+
+    Example:
+        >>> human_age("2026-01-01T00:00:00Z", parse_time("2026-01-01T03:10:00Z"))
+        '3h'
+    """
+    now = now or datetime.now(timezone.utc)
+    seconds = max(0.0, (now - parse_time(iso)).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"

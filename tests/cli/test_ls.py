@@ -1,0 +1,81 @@
+"""`nebula ls`: committed checkpoints newest first, tiers, --all, --json, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from typer.testing import CliRunner
+
+import nebulaml as nm
+from nebula_cli.app import app
+
+
+def _populate(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=3600, num_of_version_in_retention=5)
+    for step in (100, 200, 300):
+        ckpt = nm.Checkpoint(f"global_step{step}", 2, labels=["best"] if step == 100 else [])
+        ckpt.save("model", {"w": torch.ones(1000)})
+        ckpt.save("optimizer", {"lr": 0.1})
+        if step < 300:
+            nm.flush_persistence()  # global_step300 stays in the memory tier only
+    nm.Checkpoint("global_step400", -2).save("model", {"w": torch.ones(10)})  # never committed
+
+
+def test_ls_json_lists_committed_newest_first_with_tiers(root: Path) -> None:
+    _populate(root)
+    result = CliRunner().invoke(app, ["ls", str(root), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["root"] == str(root)
+    assert [(c["tag"], c["tiers"]) for c in doc["checkpoints"]] == [
+        ("global_step300", ["memory"]),
+        ("global_step200", ["persistent"]),
+        ("global_step100", ["persistent"]),
+    ]
+    assert doc["checkpoints"][2]["labels"] == ["best"]
+    assert doc["checkpoints"][0]["size_bytes"] > 4000
+    assert "incomplete" not in doc
+
+
+def test_ls_all_marks_incomplete_tags(root: Path) -> None:
+    _populate(root)
+    doc = json.loads(CliRunner().invoke(app, ["ls", str(root), "--all", "--json"]).stdout)
+    (incomplete,) = doc["incomplete"]
+    assert incomplete["tag"] == "global_step400" and incomplete["tier"] == "memory"
+    assert incomplete["files"] == ["model"]
+    assert incomplete["writers"][0]["pid"] == os.getpid()
+    table = CliRunner().invoke(app, ["ls", str(root), "--all"]).stdout
+    assert "global_step400" in table and "incomplete" in table
+    assert table.index("global_step300") < table.index("global_step200")
+
+
+def test_ls_table_as_a_real_command(root: Path, memory_tier: Path) -> None:
+    _populate(root)
+    env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier), COLUMNS="120")
+    exe = Path(sys.executable).parent / "nebula"
+    out = subprocess.run([exe, "ls", str(root)], capture_output=True, text=True, env=env,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+    for tag in ("global_step100", "global_step200", "global_step300"):
+        assert tag in out.stdout
+    assert "global_step400" not in out.stdout
+    assert "best" in out.stdout
+
+
+def test_ls_missing_root_is_not_found(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["ls", str(tmp_path / "nope")])
+    assert result.exit_code == 3
+    assert result.stdout == ""
+    assert result.stderr.strip() == f"nebula: error: {tmp_path / 'nope'}: no such checkpoint root"
+
+
+def test_ls_empty_root_is_an_empty_list(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["ls", str(tmp_path), "--json"])
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["checkpoints"] == []
