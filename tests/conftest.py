@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 
@@ -19,11 +18,3 @@ def root(tmp_path: Path) -> Path:
 def memory_url() -> str:
     """A unique fsspec memory:// root (fsspec's memory store is process-global)."""
     return f"memory://nebula-test-{uuid.uuid4().hex}"
-
-
-def child_env(memory_base: Path) -> dict[str, str]:
-    """Environment for a child Python process that uses nebula in a test."""
-    env = dict(os.environ)
-    env["NEBULA_MEMORY_TIER_PATH"] = str(memory_base)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env

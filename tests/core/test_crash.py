@@ -16,7 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,7 +33,6 @@ from children.crashkit import (
 )
 
 import nebulaml as nm
-from conftest import child_env
 from nebulaml.catalog import list_incomplete, read_committed
 from nebulaml.history import HISTORY_FILE
 from nebulaml.persister import Persister
@@ -41,26 +40,6 @@ from nebulaml.storage import Store
 from nebulaml.tiers import open_tiers
 
 TIMEOUT_S = 60  # generous bound on any wait for a child; a healthy run needs a few seconds
-
-
-@pytest.fixture
-def start_child(memory_tier: Path, tmp_path: Path) -> Iterator[Callable[..., crashkit.Child]]:
-    """Start a scenario of nebula_child.py sharing this test's memory tier; all are reaped."""
-    started: list[crashkit.Child] = []
-
-    def start(scenario: str, *args: object) -> crashkit.Child:
-        child = crashkit.Child(
-            scenario,
-            *args,
-            env=child_env(memory_tier),
-            stderr_path=tmp_path / f"child-{len(started)}-{scenario}.stderr",
-        )
-        started.append(child)
-        return child
-
-    yield start
-    for child in started:
-        child.kill()
 
 
 def assert_loads_known(ckpt: nm.Checkpoint | None, step: int) -> None:

@@ -11,39 +11,18 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from children import crashkit
 from children.crashkit import assert_files_hold_known, committed_tags, history_rows
 
-from conftest import child_env
 from nebulaml.catalog import read_committed
 from nebulaml.storage import Store
 from nebulaml.tiers import open_tiers
 
 TIMEOUT_S = 60  # generous bound on any wait for a child; a healthy run needs a few seconds
-
-
-@pytest.fixture
-def start_child(memory_tier: Path, tmp_path: Path) -> Iterator[Callable[..., crashkit.Child]]:
-    """Start a scenario of nebula_child.py sharing this test's memory tier; all are reaped."""
-    started: list[crashkit.Child] = []
-
-    def start(scenario: str, *args: object) -> crashkit.Child:
-        child = crashkit.Child(
-            scenario,
-            *args,
-            env=child_env(memory_tier),
-            stderr_path=tmp_path / f"child-{len(started)}-{scenario}.stderr",
-        )
-        started.append(child)
-        return child
-
-    yield start
-    for child in started:
-        child.kill()
 
 
 @pytest.mark.parametrize(("how", "exit_code"), [("return", 0), ("raise", 1)])
