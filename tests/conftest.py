@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,3 @@ import pytest
 def root(tmp_path: Path) -> Path:
     """A persistent root on the local filesystem (not created: nebula creates it)."""
     return tmp_path / "persistent"
-
-
-@pytest.fixture
-def memory_url() -> str:
-    """A unique fsspec memory:// root (fsspec's memory store is process-global)."""
-    return f"memory://nebula-test-{uuid.uuid4().hex}"
