@@ -25,9 +25,16 @@ app = typer.Typer(
 
 def _register() -> None:
     # Command modules import nebulaml (light) but never torch or pandas at import time.
-    from .commands import ls
+    from .commands import copy, flush, history, inspect, latest, ls, prune, verify
 
     app.command("ls")(ls.ls_command)
+    app.command("prune")(prune.prune_command)
+    app.command("copy")(copy.copy_command)
+    app.command("flush")(flush.flush_command)
+    app.command("inspect")(inspect.inspect_command)
+    app.command("latest")(latest.latest_command)
+    app.command("verify")(verify.verify_command)
+    app.command("history")(history.history_command)
 
 
 def _version_callback(value: bool) -> None:

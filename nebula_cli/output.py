@@ -14,12 +14,21 @@ import json
 import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
+
+RootArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="ROOT",
+        help="Checkpoint root: a path or an fsspec URL (its memory tier on this node is included).",
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -56,6 +65,8 @@ def handles_errors(func: F) -> F:
             return func(*args, **kwargs)
         except (nm.CheckpointNotFoundError, nm.ItemNotFoundError) as exc:
             fail(str(exc), EXIT_NOT_FOUND)
+        except nm.InvalidArgumentError as exc:  # a bad tag or item name: a usage error
+            fail(str(exc), EXIT_USAGE)
         except nm.NebulaError as exc:
             fail(str(exc), EXIT_ERROR)
 

@@ -26,7 +26,9 @@ from .api import (
     shutdown,
 )
 from .checkpoint import Checkpoint
+from .copying import copy_checkpoint, persist_memory_tier
 from .errors import (
+    CheckpointBusyError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointStateError,
@@ -47,14 +49,27 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
+from .history import (
+    HistoryFormatError,
+    HistoryNotFoundError,
+    history_records,
+    read_history,
+    summarize_history,
+)
+from .inspection import describe_item, inspect_checkpoint
+from .pruning import PrunePlan, execute_prune, list_prune_candidates, plan_prune
+from .verification import verify_checkpoints
 
 __all__ = [
     "Checkpoint",
+    "CheckpointBusyError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CheckpointStateError",
     "CommitConflictError",
     "CorruptCheckpointError",
+    "HistoryFormatError",
+    "HistoryNotFoundError",
     "InvalidArgumentError",
     "InvalidNameError",
     "ItemNotFoundError",
@@ -63,6 +78,7 @@ __all__ = [
     "NotInitializedError",
     "PersistError",
     "PersistTimeoutError",
+    "PrunePlan",
     "RootNotFoundError",
     "StorageError",
     "StorageFullError",
@@ -71,13 +87,24 @@ __all__ = [
     "UnsupportedSchemaError",
     "__version__",
     "check_root",
+    "copy_checkpoint",
+    "describe_item",
+    "execute_prune",
     "flush_persistence",
     "get_checkpoint",
     "get_latest_checkpoint",
     "get_latest_checkpoint_path",
+    "history_records",
     "init",
+    "inspect_checkpoint",
     "list_checkpoints",
     "list_incomplete",
+    "list_prune_candidates",
     "memory_tier_path",
+    "persist_memory_tier",
+    "plan_prune",
+    "read_history",
     "shutdown",
+    "summarize_history",
+    "verify_checkpoints",
 ]

@@ -51,7 +51,10 @@ def init(
     _session.start(config)
 
 
-def _tiers_for(persist_path: PathLike | None, what: str) -> TierSet:
+def tiers_for(persist_path: PathLike | None, what: str) -> TierSet:
+    """The tiers of `persist_path` on this node, or of the session when it is None
+    (`NotInitializedError` names `what` if there is none). Package-internal: the modules
+    behind the public functions share it; it is not in `__all__`."""
     if persist_path is None:
         return _session.current(what).tiers
     live = _session.current_or_none()
@@ -89,7 +92,7 @@ def list_checkpoints(persist_path: PathLike | None = None) -> list[dict[str, Any
         []
     """
     out = []
-    for copies in _newest_first(_tiers_for(persist_path, "list_checkpoints")):
+    for copies in _newest_first(tiers_for(persist_path, "list_checkpoints")):
         manifest = copies[0][1].manifest
         out.append(
             {
@@ -118,7 +121,7 @@ def list_incomplete(persist_path: PathLike | None = None) -> list[dict[str, Any]
         []
     """
     out = []
-    for tier, store in _tiers_for(persist_path, "list_incomplete").stores:
+    for tier, store in tiers_for(persist_path, "list_incomplete").stores:
         for tag in catalog_list_incomplete(store):
             files = store.list_files(tag)
             out.append(
@@ -144,7 +147,7 @@ def check_root(persist_path: PathLike) -> str:
         ...
         nebulaml.errors.RootNotFoundError: /no/such/root: no such checkpoint root
     """
-    tiers = _tiers_for(persist_path, "check_root")
+    tiers = tiers_for(persist_path, "check_root")
     if not any(store.exists() for _tier, store in tiers.stores):
         raise RootNotFoundError(tiers.display)
     return tiers.display
@@ -160,7 +163,7 @@ def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | 
         >>> nm.get_latest_checkpoint(tempfile.mkdtemp()) is None
         True
     """
-    tiers = _tiers_for(persist_path, "get_latest_checkpoint")
+    tiers = tiers_for(persist_path, "get_latest_checkpoint")
     ordered = _newest_first(tiers)
     return Checkpoint._committed_handle(ordered[0][0][1].tag, tiers) if ordered else None
 
@@ -174,7 +177,7 @@ def get_checkpoint(tag: str, persist_path: PathLike | None = None) -> Checkpoint
         True
     """
     validate_name("tag", tag)
-    tiers = _tiers_for(persist_path, "get_checkpoint")
+    tiers = tiers_for(persist_path, "get_checkpoint")
     for _tier, store in tiers.stores:
         if read_committed(store, tag) is not None:
             return Checkpoint._committed_handle(tag, tiers)
@@ -193,7 +196,7 @@ def get_latest_checkpoint_path(name: str, persist_path: PathLike | None = None) 
         True
     """
     validate_name("item", name)
-    tiers = _tiers_for(persist_path, "get_latest_checkpoint_path")
+    tiers = tiers_for(persist_path, "get_latest_checkpoint_path")
     ordered = _newest_first(tiers)
     if not ordered:
         return None
@@ -217,7 +220,7 @@ def memory_tier_path(persist_path: PathLike | None = None) -> str:
         >>> nm.memory_tier_path(tempfile.gettempdir() + "/run1").rsplit("/", 1)[-1][:5]
         'run1-'
     """
-    return _tiers_for(persist_path, "memory_tier_path").memory.display()
+    return tiers_for(persist_path, "memory_tier_path").memory.display()
 
 
 def flush_persistence(tag: str | None = None, timeout_s: float | None = None) -> bool:
@@ -236,9 +239,13 @@ def flush_persistence(tag: str | None = None, timeout_s: float | None = None) ->
         validate_name("tag", tag)
     session = _session.current("flush_persistence")
     persistent = session.tiers.persistent
-    if tag is not None and persistent is not None and read_committed(persistent, tag):
-        session.persister.raise_pending_error()
-        return True  # already durable
+    if tag is not None and persistent is not None:
+        durable = read_committed(persistent, tag)
+        in_memory = read_committed(session.tiers.memory, tag)
+        # Already durable, unless the memory tier holds a different (re-saved) version.
+        if durable and (in_memory is None or in_memory.manifest.items == durable.manifest.items):
+            session.persister.raise_pending_error()
+            return True
     session.persister.flush(tag, timeout_s)
     return True
 

@@ -3,7 +3,8 @@
     begin_tag      refuse a committed tag (unless overwriting), clear a dead writer's leftovers
     write_item     serialise one object into an item file, hashing on the way
     commit_rank    publish this rank's marker; the manifest once every rank's marker is there
-    copy_checkpoint  the same protocol with items copied (and verified) from another tier
+    copy_checkpoint  the same protocol with items copied (and verified) from another tier;
+                   optionally resuming an interrupted copy and re-reading what it wrote
     delete_checkpoint  manifest first, then the data
 
 Not for: deciding when to commit or persist (checkpoint.py and persister.py decide).
@@ -14,11 +15,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .catalog import CheckpointInfo, read_committed
-from .checksum import HashingWriter, new_hasher
+from .checksum import HashingWriter, hash_stream, new_hasher
 from .errors import (
+    CheckpointBusyError,
     CheckpointExistsError,
     CommitConflictError,
     CorruptCheckpointError,
@@ -36,7 +40,7 @@ from .manifest import (
 )
 from .names import MANIFEST_NAME, step_of, validate_name
 from .serialization import write_item as serialise
-from .storage import Store
+from .storage import MissingFileError, Store
 
 WRITER_PREFIX = ".writer-"
 _COPY_CHUNK_BYTES = 8 << 20
@@ -63,8 +67,9 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool) -> None:
 
     A committed tag is refused (`CheckpointExistsError`) unless `overwrite`, in which case
     it is deleted first, manifest first. Leftovers of an uncommitted earlier attempt are
-    removed. A writer marker records who is writing, so that recovery can tell a live
-    writer from a dead one.
+    removed, unless another live process on this host is still writing them
+    (`CheckpointBusyError`). A writer marker records who is writing, so that recovery can
+    tell a live writer from a dead one.
     """
     validate_name("tag", tag)
     if store.exists(tag, MANIFEST_NAME):
@@ -72,6 +77,11 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool) -> None:
             raise CheckpointExistsError(store.url, tag)
         delete_checkpoint(store, tag)
     elif store.exists(tag):
+        for writer in read_writers(store, tag):
+            # Another live process on this host is writing it (a copy, a second job):
+            # clearing its files would corrupt that write.
+            if writer.get("pid") != os.getpid() and writer_alive(writer):
+                raise CheckpointBusyError(store.url, tag, describe_writer(writer))
         for name in store.list_files(tag):
             store.remove(tag, name)
     store.make_dir(tag)
@@ -93,6 +103,32 @@ def read_writers(store: Store, tag: str) -> list[dict[str, Any]]:
         if isinstance(doc, dict):
             writers.append({k: doc.get(k) for k in ("host", "pid", "rank", "started_at")})
     return writers
+
+
+def writer_alive(writer: dict[str, Any], host: str | None = None) -> bool:
+    """Whether a writer marker (see `read_writers`) names a live process on this host.
+
+    A writer on another host cannot be checked from here: it counts as not alive on this
+    host, and callers decide what that means (recovery leaves it alone; prune waits for a
+    grace period).
+    """
+    if writer.get("host") != (host or _host()):
+        return False
+    pid = writer.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists; it belongs to another user
+    return True
+
+
+def describe_writer(writer: dict[str, Any]) -> str:
+    """'pid 123 on node1' for messages."""
+    return f"pid {writer.get('pid')} on {writer.get('host')}"
 
 
 def write_item(store: Store, tag: str, name: str, obj: Any, *, rank: int) -> ItemEntry:
@@ -167,28 +203,93 @@ def read_markers(store: Store, tag: str, world_size: int) -> list[RankMarker] | 
     ]
 
 
-def copy_checkpoint(src: CheckpointInfo, dst: Store, *, overwrite: bool = False) -> Manifest:
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class CopyResult:
+    """What `copy_checkpoint` did: items copied, items found already there, byte counts."""
+
+    manifest: Manifest
+    copied_items: tuple[str, ...] = ()
+    skipped_items: tuple[str, ...] = ()
+    copied_bytes: int = 0
+    skipped_bytes: int = 0
+    unchanged: bool = False  # the destination already held this checkpoint, committed
+
+
+def copy_checkpoint(
+    src: CheckpointInfo,
+    dst: Store,
+    *,
+    overwrite: bool = False,
+    resume: bool = False,
+    verify: bool = False,
+    progress: ProgressCallback | None = None,
+) -> CopyResult:
     """Copy a committed checkpoint to another root with the full commit protocol.
 
     Every byte is hashed on the way and compared with the source manifest; a mismatch
     raises `CorruptCheckpointError` and nothing is committed at the destination. A
-    destination that already holds the identical checkpoint is left as it is.
+    destination that already holds the identical checkpoint is left as it is; a different
+    committed one is refused (`CheckpointExistsError`) unless `overwrite`.
+
+    `verify` re-reads every item from the destination and checks its size and checksum
+    before the manifest is published. `resume` keeps what an interrupted copy left: an
+    uncommitted destination folder's item files of the right size whose checksum matches
+    are not written again (counted in `skipped_bytes`); it refuses to touch a folder that
+    a live process on this host is writing (`CheckpointBusyError`). `progress(done, total)`
+    is called as bytes are copied or found in place. The defaults are the persister's:
+    the destination tag is rewritten whole and only the source bytes are hashed.
     """
     tag = src.tag
+    items = src.manifest.items
+    total = src.manifest.total_bytes
     existing = read_committed(dst, tag)
-    if existing is not None and existing.manifest.items == src.manifest.items:
-        return existing.manifest
-    begin_tag(dst, tag, rank=0, overwrite=overwrite or existing is not None)
-    for item in src.manifest.items:
-        _copy_item(src.store, dst, tag, item)
-    ranks = sorted({item.rank for item in src.manifest.items}) or [0]
+    if existing is not None and existing.manifest.items == items:
+        if progress is not None:
+            progress(total, total)
+        return CopyResult(existing.manifest, unchanged=True)
+    # A manifest that does not read as committed (an item missing, say) is not ours to
+    # repair silently either: the caller asks for overwrite.
+    has_manifest = existing is not None or dst.exists(tag, MANIFEST_NAME)
+    if has_manifest and not overwrite:
+        raise CheckpointExistsError(
+            dst.url, tag, hint="copy with overwrite=True (nebula copy --overwrite) to replace it"
+        )
+    if resume and not has_manifest:
+        skipped = _resume_tag(dst, tag, items)
+    else:
+        begin_tag(dst, tag, rank=0, overwrite=overwrite)
+        skipped = {}
+    done = sum(skipped.values())
+    if progress is not None:
+        progress(done, total)
+    copied: list[str] = []
+    for item in items:
+        if item.file in skipped:
+            continue
+
+        def advance(n: int, base: int = done) -> None:
+            if progress is not None:
+                progress(base + n, total)
+
+        _copy_item(src.store, dst, tag, item, advance)
+        if verify:
+            # Re-read from the destination rather than trusting the bytes we sent: this is
+            # what a later reader gets, so it also catches a store that truncated or altered
+            # the upload, or a writer that raced us. Hashing while writing cannot.
+            _check_item(dst, tag, item)
+        done += item.size_bytes
+        copied.append(item.name)
+    ranks = sorted({item.rank for item in items}) or [0]
     for rank in ranks:
         marker = RankMarker(
             tag,
             rank,
             src.manifest.world_size,
             src.manifest.created_at,
-            tuple(i for i in src.manifest.items if i.rank == rank),
+            tuple(i for i in items if i.rank == rank),
             src.manifest.labels,
         )
         dst.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
@@ -199,16 +300,71 @@ def copy_checkpoint(src: CheckpointInfo, dst: Store, *, overwrite: bool = False)
         # The checkpoint's commit time, kept on every tier so that "newest" is one order.
         committed_at=src.manifest.committed_at,
         world_size=src.manifest.world_size,
-        items=src.manifest.items,
+        items=items,
         producer=src.manifest.producer,
         labels=src.manifest.labels,
     )
     dst.publish((tag, MANIFEST_NAME), manifest.to_bytes(), create_only=True)
     dst.remove(tag, _writer_name(0))
-    return manifest
+    return CopyResult(
+        manifest,
+        copied_items=tuple(copied),
+        skipped_items=tuple(i.name for i in items if i.file in skipped),
+        copied_bytes=sum(i.size_bytes for i in items if i.file not in skipped),
+        skipped_bytes=sum(skipped.values()),
+    )
 
 
-def _copy_item(src: Store, dst: Store, tag: str, item: ItemEntry) -> None:
+def _resume_tag(dst: Store, tag: str, items: tuple[ItemEntry, ...]) -> dict[str, int]:
+    """Prepare an uncommitted destination folder for a resumed copy.
+
+    Returns {file: size} of the item files already there and verified. Everything else in
+    the folder (partial or mismatching items, stale markers) is removed, and our writer
+    marker is written, as `begin_tag` does.
+    """
+    validate_name("tag", tag)
+    me = os.getpid()
+    for writer in read_writers(dst, tag):
+        # An earlier, failed attempt of this very process is not a competitor.
+        if writer.get("pid") != me and writer_alive(writer):
+            raise CheckpointBusyError(dst.url, tag, describe_writer(writer))
+    wanted = {item.file: item for item in items}
+    kept: dict[str, int] = {}
+    for name, size in dst.list_files(tag).items():
+        item = wanted.get(name)
+        if item is not None and size == item.size_bytes and _matches(dst, tag, item):
+            kept[name] = size
+        else:
+            dst.remove(tag, name)
+    dst.make_dir(tag)
+    doc = {"host": _host(), "pid": me, "rank": 0, "started_at": utc_now()}
+    dst.write_bytes((tag, _writer_name(0)), json.dumps(doc).encode())
+    return kept
+
+
+def _matches(store: Store, tag: str, item: ItemEntry) -> bool:
+    try:
+        with store.open_read(tag, item.file) as f:
+            size, digest = hash_stream(f, _COPY_CHUNK_BYTES)
+    except MissingFileError:
+        return False
+    return size == item.size_bytes and digest == item.checksum
+
+
+def _check_item(store: Store, tag: str, item: ItemEntry) -> None:
+    with store.open_read(tag, item.file) as f:
+        size, digest = hash_stream(f, _COPY_CHUNK_BYTES)
+    if size != item.size_bytes or digest != item.checksum:
+        raise CorruptCheckpointError(
+            store.display(tag, item.file),
+            f"{item.size_bytes} bytes with {item.checksum_algo} {item.checksum}",
+            f"{size} bytes with {item.checksum_algo} {digest} after writing it",
+        )
+
+
+def _copy_item(
+    src: Store, dst: Store, tag: str, item: ItemEntry, advance: Callable[[int], None]
+) -> None:
     hasher = new_hasher()
     size = 0
     with src.open_read(tag, item.file) as fin, dst.open_write(tag, item.file) as fout:
@@ -216,6 +372,7 @@ def _copy_item(src: Store, dst: Store, tag: str, item: ItemEntry) -> None:
             hasher.update(chunk)
             size += len(chunk)
             fout.write(chunk)
+            advance(size)
         if size != item.size_bytes or hasher.hexdigest() != item.checksum:
             raise CorruptCheckpointError(
                 src.display(tag, item.file),

@@ -73,12 +73,21 @@ class ItemNotFoundError(NebulaError, LookupError):
 class CheckpointExistsError(NebulaError, FileExistsError):
     """A committed tag would be written again without `overwrite=True`."""
 
-    def __init__(self, where: str, tag: str) -> None:
-        super().__init__(
-            f"{where}: checkpoint {tag!r} is already committed; use a new tag, or "
-            f"nm.Checkpoint({tag!r}, overwrite=True) to replace it"
-        )
+    def __init__(self, where: str, tag: str, *, hint: str | None = None) -> None:
+        hint = hint or f"use a new tag, or nm.Checkpoint({tag!r}, overwrite=True) to replace it"
+        super().__init__(f"{where}: checkpoint {tag!r} is already committed; {hint}")
         self.where, self.tag = where, tag
+
+
+class CheckpointBusyError(NebulaError):
+    """A live process on this host is writing the tag; touching it now would corrupt it."""
+
+    def __init__(self, where: str, tag: str, writer: str) -> None:
+        super().__init__(
+            f"{where}: checkpoint {tag!r} is being written by {writer}; wait for it to "
+            f"finish (or stop that process), then try again"
+        )
+        self.where, self.tag, self.writer = where, tag, writer
 
 
 class CommitConflictError(NebulaError, FileExistsError):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .catalog import list_committed, list_incomplete
-from .commit import WRITER_PREFIX, delete_checkpoint, read_writers
+from .commit import WRITER_PREFIX, delete_checkpoint, read_writers, writer_alive
 from .errors import InvalidArgumentError, NotInitializedError
 from .persister import Persister
 from .storage import Store
@@ -169,30 +169,13 @@ def remove_dead_writers(store: Store) -> list[str]:
     removed = []
     host = socket.gethostname()
     for tag in list_incomplete(store):
-        writers = read_writers(store, tag)
         if not any(n.startswith(WRITER_PREFIX) for n in store.list_files(tag)):
             continue  # not started by a writer we can judge
-        alive = any(w.get("host") != host or _pid_alive(_as_pid(w.get("pid"))) for w in writers)
-        if not alive:
+        writers = read_writers(store, tag)
+        if not any(w.get("host") != host or writer_alive(w, host) for w in writers):
             delete_checkpoint(store, tag)
             removed.append(tag)
     return removed
-
-
-def _as_pid(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else -1
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _lock = threading.RLock()

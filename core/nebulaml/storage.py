@@ -16,6 +16,7 @@ import io
 import os
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Any, BinaryIO
 
 import fsspec
@@ -115,7 +116,12 @@ class Store:
     ) -> None:
         url = os.fspath(url)
         with translate_errors(url):
-            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            try:
+                fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            except ValueError as exc:  # an unknown protocol
+                raise StorageError(f"{url}: {exc}") from exc
+            except ImportError as exc:  # a known protocol whose backend is not installed
+                raise StorageError(f"{url}: {exc}") from exc
         self.fs: fsspec.AbstractFileSystem = fs
         self.is_local = isinstance(fs, LocalFileSystem)
         self.root: str = os.path.abspath(root) if self.is_local else root.rstrip("/")
@@ -194,6 +200,21 @@ class Store:
             if name and not name.startswith("."):
                 out.append((name, entry.get("type", "file")))
         return out
+
+    def modified_at(self, *parts: str) -> datetime | None:
+        """A file's modification time (UTC), or None if the backend cannot tell or the
+        file is gone."""
+        with translate_errors(self.display(*parts)):
+            try:
+                if self.is_local:
+                    mtime = os.stat(self.path(*parts), follow_symlinks=False).st_mtime
+                    return datetime.fromtimestamp(mtime, timezone.utc)
+                modified = self.fs.modified(self.path(*parts))
+            except (NotImplementedError, FileNotFoundError):
+                return None
+        if not isinstance(modified, datetime):
+            return None
+        return modified if modified.tzinfo is not None else modified.replace(tzinfo=timezone.utc)
 
     def read_bytes(self, *parts: str) -> bytes:
         with translate_errors(self.display(*parts)):

@@ -7,9 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..output import emit_json, handles_errors, human_age, human_bytes, stdout
-
-RootArg = Annotated[str, typer.Argument(help="Checkpoint root: a path or an fsspec URL.")]
+from ..output import JsonOpt, RootArg, emit_json, handles_errors, human_age, human_bytes, stdout
 
 
 @handles_errors
@@ -18,7 +16,7 @@ def ls_command(
     all_: Annotated[
         bool, typer.Option("--all", "-a", help="Also list incomplete (uncommitted) tags.")
     ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """List committed checkpoints, newest first, with the tiers that hold them.
 

@@ -79,3 +79,13 @@ def test_ls_empty_root_is_an_empty_list(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["ls", str(tmp_path), "--json"])
     assert result.exit_code == 0
     assert json.loads(result.stdout)["checkpoints"] == []
+
+
+def test_every_reading_command_maps_a_bad_name_to_a_usage_error(root: Path) -> None:
+    _populate(root)
+    for args in (["inspect", str(root), "../x"], ["verify", str(root), "a/b"],
+                 ["latest", str(root), "--path", "../model"]):  # fmt: skip
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert result.stderr.startswith("nebula: error: invalid ")
+        assert result.stdout == ""

@@ -111,3 +111,26 @@ def test_commit_refuses_a_tag_another_writer_committed(tmp_path: Path) -> None:
         commit_rank(second, "global_step1", rank=0, world_size=1, items=other, created_at="t")
     info = read_committed(first, "global_step1")
     assert info is not None and [i.name for i in info.manifest.items] == ["model", "optimizer"]
+
+
+def test_begin_refuses_a_tag_another_live_process_is_writing(tmp_path: Path) -> None:
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    store = Store(tmp_path / "root")
+    store.make_dir("global_step1")
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        marker = {"host": socket.gethostname(), "pid": writer.pid, "rank": 0, "started_at": "t"}
+        store.write_bytes(("global_step1", ".writer-0.json"), json.dumps(marker).encode())
+        store.write_bytes(("global_step1", "model"), b"half of someone else's item")
+        with pytest.raises(nm.CheckpointBusyError, match=f"pid {writer.pid}"):
+            begin_tag(store, "global_step1", rank=0, overwrite=False)
+        assert store.read_bytes("global_step1", "model") == b"half of someone else's item"
+    finally:
+        writer.kill()
+        writer.wait()
+    begin_tag(store, "global_step1", rank=0, overwrite=False)  # the writer is gone now
+    assert "model" not in store.list_files("global_step1")

@@ -134,3 +134,54 @@ def test_tags_without_steps_order_by_commit_time(root: Path) -> None:
     assert nm.get_latest_checkpoint().tag == "middle"
     nm.Checkpoint("global_step1").save("m", {"t": 1})
     assert nm.get_latest_checkpoint().tag == "global_step1"  # a step beats no step
+
+
+def test_history_header_is_written_once_by_racing_writers(tmp_path: Path) -> None:
+    import threading
+
+    from nebulaml.history import HISTORY_FILE, append_rows, make_row
+    from nebulaml.storage import Store
+
+    store = Store(tmp_path / "root")
+    row = make_row(tag="global_step1", step=1, tier="memory", rank=0, started_at="t",
+                   duration_s=1.0, blocking_s=1.0, size_bytes=10)  # fmt: skip
+    barrier = threading.Barrier(8)
+
+    def append() -> None:
+        barrier.wait()
+        append_rows(store, [row])
+
+    threads = [threading.Thread(target=append) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = (tmp_path / "root" / HISTORY_FILE).read_text().splitlines()
+    assert lines[0] == ",".join(COLUMNS)
+    assert len(lines) == 9 and lines.count(lines[0]) == 1
+
+
+def test_a_failed_row_has_no_throughput() -> None:
+    from nebulaml.history import make_row
+
+    row = make_row(
+        tag="t",
+        step=None,
+        tier="persistent",
+        rank=0,
+        started_at="t",
+        duration_s=0.5,
+        blocking_s=0.0,
+        size_bytes=10**6,
+        error=OSError("disk"),
+    )
+    assert row.status == "failed" and row.throughput_mb_s == 0.0 and row.error == "disk"
+
+
+def test_flush_of_a_tag_resaved_with_overwrite_persists_the_new_version(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=3600)
+    nm.Checkpoint("global_step1").save("model", {"v": 1})
+    nm.flush_persistence()
+    nm.Checkpoint("global_step1", overwrite=True).save("model", {"v": 2})
+    nm.flush_persistence("global_step1")
+    assert torch.load(root / "global_step1" / "model", weights_only=True) == {"v": 2}

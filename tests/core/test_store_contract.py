@@ -109,3 +109,8 @@ def test_checkpoint_round_trip_on_every_backend(url: str) -> None:
     assert latest.tag == "global_step3"
     assert torch.equal(latest.load("model")["w"], torch.full((8,), 3.0))
     assert b"global_step3,3,persistent" in persistent.read_bytes("checkpointHistories.csv")
+
+
+def test_unknown_protocol_is_a_storage_error() -> None:
+    with pytest.raises(nm.StorageError, match="bogus://x"):
+        Store("bogus://x")

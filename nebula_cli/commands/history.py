@@ -1,0 +1,239 @@
+"""`nebula history ROOT`: recent saves and persists from checkpointHistories.csv, a summary
+of stalls, persist times, throughput and failures; as a table, JSON, CSV or a plot.
+
+Not for: reading or summarising the file (nebulaml.read_history, nebulaml.summarize_history).
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from ..output import JsonOpt, RootArg, emit_json, fail, handles_errors, human_bytes, stdout
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+DEFAULT_LIMIT = 20
+PLOT_HINT = "--plot needs matplotlib: pip install 'nebula-checkpoint[plot]'"
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_since(text: str) -> datetime:
+    """`--since`: an ISO-8601 time (UTC unless it names an offset) or a duration back from
+    now (`90s`, `30m`, `2h`, `7d`, `1w`); a timezone-aware datetime.
+
+    Example:
+        >>> parse_since("2026-01-01T10:00:00Z").isoformat()
+        '2026-01-01T10:00:00+00:00'
+    """
+    text = text.strip()
+    match = _DURATION_RE.fullmatch(text)
+    if match:
+        seconds = float(match[1]) * _UNIT_S[match[2]]
+        return datetime.now(timezone.utc) - timedelta(seconds=seconds)
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise typer.BadParameter(
+            f"{text!r} is neither an ISO-8601 time (2026-01-31T09:00:00Z) nor a duration "
+            "(30m, 2h, 7d)"
+        ) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+
+
+@handles_errors
+def history_command(
+    root: RootArg,
+    csv_: Annotated[
+        bool, typer.Option("--csv", help="Write the rows as CSV to stdout (every row).")
+    ] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            metavar="FILE.png",
+            dir_okay=False,
+            help="Also draw stall, persist time and throughput over time into FILE.png "
+            "(needs the 'plot' extra: matplotlib).",
+        ),
+    ] = None,
+    since: Annotated[
+        datetime | None,
+        typer.Option(
+            "--since",
+            metavar="WHEN",
+            parser=parse_since,
+            help="Only rows that started at or after WHEN: an ISO-8601 time (UTC unless it "
+            "names an offset) or a duration back from now: 30m, 2h, 7d.",
+        ),
+    ] = None,
+    tag: Annotated[str | None, typer.Option("--tag", help="Only the rows of this tag.")] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(
+            "--limit",
+            min=0,
+            metavar="N",
+            help=f"Show the N most recent rows (default {DEFAULT_LIMIT}; --csv writes every "
+            "row unless --limit is given). The summary covers every row.",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show recent checkpoint saves and persists and summarise them.
+
+    Reads ROOT's checkpointHistories.csv (written at the persistent root, or at the
+    memory tier of a memory-only job). The summary gives stall (how long training
+    waited per save), persist time and throughput (p50, p95, max), bytes written and
+    failures.
+
+    Example: nebula history /mnt/checkpoints/run1 --since 2h --plot history.png
+    """
+    if csv_ and as_json:
+        raise typer.BadParameter("--csv and --json cannot be used together", param_hint="--csv")
+    figure_cls = _figure_class() if plot is not None else None
+    import nebulaml as nm
+
+    df = nm.read_history(root, since=since, tag=tag)
+    if figure_cls is not None and plot is not None:
+        _plot(figure_cls, df, plot)  # first: a plot that cannot be written leaves no output
+        sys.stderr.write(f"nebula: wrote {plot}\n")
+    if limit is None and not csv_:
+        limit = DEFAULT_LIMIT  # --csv writes every row unless --limit is given
+    shown = df if limit is None else df.tail(limit)
+    if csv_:
+        _write_csv(nm.history_records(shown), list(df.columns))
+    elif as_json:
+        doc = {
+            "root": nm.check_root(root),
+            "summary": nm.summarize_history(df),
+            "rows": nm.history_records(shown),
+        }
+        emit_json(doc)
+    else:
+        summary = nm.summarize_history(df)
+        _print_tables(nm.check_root(root), nm.history_records(shown), summary)
+
+
+def _figure_class() -> Any:
+    """matplotlib's Figure (no pyplot: no global state, no GUI backend), or a clear exit."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        if exc.name == "matplotlib":
+            fail(PLOT_HINT)
+        fail(f"--plot needs matplotlib, which failed to import: {exc}")
+    return Figure
+
+
+def _write_csv(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    writer = csv.DictWriter(sys.stdout, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _speed(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    out = stdout()
+    title = f"{location}: the {len(records)} most recent of {summary['count']} rows"
+    if not records:
+        title = f"{location}: no rows" + (f" (of {summary['count']})" if summary["count"] else "")
+    rows = Table(title=title, title_justify="left")
+    with_rank = any(r["rank"] != 0 for r in records)  # a column of zeros only takes room
+    columns = ["started (UTC)", "tag", "step", "tier", *(["rank"] * with_rank)]
+    columns += ["time s", "stall s", "size", "MB/s", "status"]
+    for column in columns:
+        left = column in ("started (UTC)", "tag", "tier", "status")
+        rows.add_column(column, justify="left" if left else "right", no_wrap=True)
+    for r in records:
+        failed = r["status"] == "failed"
+        cells = [
+            r["started_at"][:19].replace("T", " "),
+            escape(r["tag"]),
+            "" if r["step"] is None else str(r["step"]),
+            r["tier"],
+            *([str(r["rank"])] * with_rank),
+            _seconds(r["duration_s"]),
+            _seconds(r["blocking_s"]) if r["tier"] == "memory" else "",
+            human_bytes(r["size_bytes"]),
+            "" if failed else f"{r['throughput_mb_s']:.1f}",
+            "[red]failed[/red]" if failed else "ok",
+        ]
+        rows.add_row(*cells)
+    out.print(rows)
+    for r in records:  # errors below the table, whole: they are long
+        if r["status"] == "failed":
+            where = f"{r['tag']} ({r['tier']}, {r['started_at']})"
+            out.print(f"[red]failed[/red] {escape(where)}: {escape(r['error'])}", highlight=False)
+
+    stats = Table(title="summary", title_justify="left")
+    for column in ("", "p50", "p95", "max"):
+        stats.add_column(column, justify="right" if column else "left")
+    for label, key in (("stall s", "stall_s"), ("persist s", "persist_s")):
+        values = summary[key]
+        stats.add_row(label, *(_seconds(values[q]) for q in ("p50", "p95", "max")))
+    speed = summary["throughput_mb_s"]
+    stats.add_row("persist MB/s", _speed(speed["p50"]), "", _speed(speed["max"]))
+    out.print(stats)
+    failures = summary["failures"]
+    span = (
+        f"; {summary['first_started_at']} .. {summary['last_started_at']}"
+        if summary["count"]
+        else ""
+    )
+    out.print(
+        f"{summary['count']} rows: {summary['saves']} saves, {summary['persists']} persists, "
+        + (f"[red]{failures} failed[/red]" if failures else "0 failed")
+        + f"; {human_bytes(summary['bytes_total'])} written{span}",
+        highlight=False,
+    )
+
+
+def _plot(figure_cls: Any, df: pd.DataFrame, path: Path) -> None:
+    """Stall, persist time and throughput over time, one panel each, into a PNG."""
+    # matplotlib takes naive datetime64 values; the axis says they are UTC.
+    when = df["started_at"].dt.tz_localize(None)
+    memory = df["tier"] == "memory"
+    persisted = (df["tier"] == "persistent") & (df["status"] == "ok")
+    failed = (df["tier"] == "persistent") & (df["status"] == "failed")
+    fig = figure_cls(figsize=(10, 8), layout="constrained")
+    stall, persist, speed = fig.subplots(3, 1, sharex=True)
+    stall.plot(when[memory], df.loc[memory, "blocking_s"], "o-", markersize=3)
+    stall.set_ylabel("stall (s)")
+    stall.set_title("training stall per save (memory tier)")
+    persist.plot(when[persisted], df.loc[persisted, "duration_s"], "o-", markersize=3)
+    if failed.any():
+        persist.plot(when[failed], df.loc[failed, "duration_s"], "x", color="red", label="failed")
+        persist.legend()
+    persist.set_ylabel("persist (s)")
+    persist.set_title("persist time (persistent tier)")
+    speed.plot(when[persisted], df.loc[persisted, "throughput_mb_s"], "o-", markersize=3)
+    speed.set_ylabel("MB/s")
+    speed.set_title("persist throughput")
+    speed.set_xlabel("started at (UTC)")
+    for axes in (stall, persist, speed):
+        axes.grid(True, alpha=0.3)
+        axes.set_ylim(bottom=0)
+    fig.autofmt_xdate()
+    try:
+        fig.savefig(path, format="png", dpi=100)
+    except OSError as exc:
+        fail(f"{path}: cannot write the plot: {exc.strerror or exc}")

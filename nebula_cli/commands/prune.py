@@ -1,0 +1,139 @@
+"""`nebula prune ROOT --keep N`: plan, show, confirm, execute (STYLE.md)."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ..output import EXIT_ERROR, JsonOpt, RootArg, emit_json, fail, handles_errors, stderr, stdout
+
+if TYPE_CHECKING:
+    from nebulaml.pruning import PrunePlan
+
+
+def _at_least_one(value: int) -> int:
+    if value < 1:
+        raise typer.BadParameter(f"must be at least 1 (the newest is always kept), not {value}")
+    return value
+
+
+def _not_negative(value: float) -> float:
+    if value < 0:
+        raise typer.BadParameter(f"must be 0 or more seconds, not {value:g}")
+    return value
+
+
+@handles_errors
+def prune_command(
+    root: RootArg,
+    keep: Annotated[
+        int,
+        typer.Option(
+            "--keep",
+            help="How many of the newest committed checkpoints to keep (at least 1).",
+            callback=_at_least_one,
+        ),
+    ],
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show the plan; delete nothing.")
+    ] = False,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Delete without asking (needed off a terminal).")
+    ] = False,
+    include_labelled: Annotated[
+        bool,
+        typer.Option("--include-labelled", help="Treat labelled checkpoints like the others."),
+    ] = False,
+    incomplete: Annotated[
+        bool,
+        typer.Option("--incomplete", help="Also remove leftovers of crashed saves (see --grace)."),
+    ] = False,
+    grace: Annotated[
+        float,
+        typer.Option(
+            "--grace",
+            metavar="SECONDS",
+            help="With --incomplete: leave leftovers written to within this many seconds.",
+            callback=_not_negative,
+        ),
+    ] = 3600.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete old checkpoints from ROOT, keeping the newest N.
+
+    Shows the plan, asks before deleting (or takes --yes), then deletes each checkpoint
+    manifest first. Never deleted: the newest committed checkpoint, one being written, a
+    labelled one (unless --include-labelled), or a folder without nebula's markers.
+    --incomplete also removes what crashed saves left, once no writer on this host is
+    alive and nothing was written for --grace seconds. Acts on ROOT only, not on its
+    memory tier.
+
+    Example: nebula prune /mnt/checkpoints/run1 --keep 3 --dry-run
+    """
+    import nebulaml as nm
+
+    listing = nm.list_prune_candidates(root, incomplete=incomplete)
+    plan = nm.plan_prune(listing, keep, include_labelled=include_labelled, grace_s=grace)
+    doc: dict[str, Any] = {"root": plan.root, "dry_run": dry_run, **plan.to_json()}
+    doc.update(deleted=[], skipped=[])
+    if not as_json:
+        _show_plan(plan, dry_run)
+    count = len(plan.delete) + len(plan.incomplete)
+    if dry_run or count == 0:
+        if as_json:
+            emit_json(doc)
+        else:
+            stderr().print("Dry run: nothing deleted." if dry_run else "Nothing to delete.")
+        return
+    if not yes:
+        _confirm(plan)
+    result = nm.execute_prune(root, plan)
+    for skipped in result.skipped:
+        stderr().print(f"[yellow]kept {skipped.tag}[/yellow]: {skipped.reason}")
+    doc["deleted"] = list(result.deleted)
+    doc["skipped"] = [{"tag": s.tag, "reason": s.reason} for s in result.skipped]
+    if as_json:
+        emit_json(doc)
+    else:
+        stdout().print(f"Deleted {len(result.deleted)} of {count}: {', '.join(result.deleted)}")
+
+
+def _what(plan: PrunePlan) -> str:
+    parts = []
+    if plan.delete:
+        parts.append(f"{len(plan.delete)} checkpoint(s)")
+    if plan.incomplete:
+        parts.append(f"{len(plan.incomplete)} incomplete tag(s)")
+    return " and ".join(parts)
+
+
+def _confirm(plan: PrunePlan) -> None:
+    """Ask on a terminal (prompt on stderr); off a terminal, refuse without --yes."""
+    if not sys.stdin.isatty():
+        fail(
+            f"{plan.root}: {_what(plan)} to delete; refusing to delete without --yes when "
+            f"not on a terminal (add --yes, or --dry-run to see the plan only)"
+        )
+    if not typer.confirm(f"Delete {_what(plan)} from {plan.root}?", default=False, err=True):
+        stderr().print("Nothing deleted.")
+        raise typer.Exit(EXIT_ERROR)
+
+
+def _show_plan(plan: PrunePlan, dry_run: bool) -> None:
+    title = f"{plan.root}: prune plan, keep {plan.keep_last}" + (" (dry run)" if dry_run else "")
+    table = Table(title=title, title_justify="left")
+    for column in ("tag", "action", "reason"):
+        table.add_column(column)
+    for d in plan.delete:
+        table.add_row(d.tag, "[red]delete[/red]", d.reason)
+    for d in plan.incomplete:
+        table.add_row(f"[yellow]{d.tag}[/yellow]", "[red]remove[/red]", d.reason)
+    for d in plan.keep:
+        table.add_row(d.tag, "keep", d.reason)
+    for d in plan.protected:
+        tag = d.tag if d.committed else f"[yellow]{d.tag}[/yellow]"
+        table.add_row(tag, "[green]protected[/green]", d.reason)
+    stdout().print(table)

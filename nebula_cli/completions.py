@@ -1,0 +1,95 @@
+"""Shell completion scripts for `nebula` (bash, zsh, fish), generated into completions/.
+
+Each script is what the app itself prints for `_NEBULA_COMPLETE=source_<shell> nebula`
+(Typer's completion protocol; `nebula --install-completion` installs the same text). The
+scripts name no commands: on TAB they run `nebula` again with `_NEBULA_COMPLETE=complete_...`
+and the app answers from its own commands and options, so a new command needs no new
+scripts. tests/cli/test_completions.py regenerates them and fails when the committed ones
+differ (a new Typer, a renamed program).
+
+Usage (from a source checkout): python -m nebula_cli.completions [DIR]
+(default DIR: the checkout's completions/ folder).
+
+Not for: completing anything itself (the app does that at TAB time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PROG_NAME = "nebula"
+COMPLETE_VAR = "_NEBULA_COMPLETE"
+# The file each shell loads: bash-completion and fish look for <prog>[.bash|.fish]; zsh's
+# compinit autoloads functions named _<prog> from $fpath.
+SCRIPT_FILES = {"bash": "nebula.bash", "zsh": "_nebula", "fish": "nebula.fish"}
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "completions"
+
+_PRINT_SOURCE = f"from nebula_cli.app import app; app(prog_name={PROG_NAME!r})"
+
+
+def completion_script(shell: str) -> str:
+    """The completion script of `shell` ("bash", "zsh" or "fish"), as the app prints it.
+
+    It runs the app in a child process with the completion variable set, so nothing in
+    this process (environment, stdout) is touched.
+
+    Example:
+        >>> "_NEBULA_COMPLETE=complete_bash" in completion_script("bash")
+        True
+    """
+    if shell not in SCRIPT_FILES:
+        raise ValueError(f"unsupported shell {shell!r}; one of {', '.join(SCRIPT_FILES)}")
+    env = dict(os.environ, **{COMPLETE_VAR: f"source_{shell}"})
+    out = subprocess.run(
+        [sys.executable, "-c", _PRINT_SOURCE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if out.returncode != 0 or not out.stdout.strip():
+        raise RuntimeError(
+            f"generating the {shell} completion failed (exit {out.returncode}): "
+            f"{out.stderr.strip()}"
+        )
+    # Typer prints the script with a blank first line; zsh needs `#compdef` on line 1.
+    return out.stdout.strip() + "\n"
+
+
+def write_scripts(folder: Path) -> list[Path]:
+    """Write every shell's script into `folder` (created if missing); return the paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for shell, name in SCRIPT_FILES.items():
+        path = folder / name
+        path.write_text(completion_script(shell), encoding="utf-8", newline="\n")
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Regenerate the completion scripts: `python -m nebula_cli.completions [DIR]`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m nebula_cli.completions",
+        description="Regenerate nebula's shell completion scripts (bash, zsh, fish).",
+    )
+    parser.add_argument(
+        "folder",
+        nargs="?",
+        type=Path,
+        default=DEFAULT_DIR,
+        help=f"where to write them (default: {DEFAULT_DIR})",
+    )
+    args = parser.parse_args(argv)
+    for path in write_scripts(args.folder):
+        sys.stderr.write(f"wrote {path}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Reading and summarising checkpointHistories.csv: types, order, filters, fsspec roots,
+and every way a file can fail to be a history (never skipped silently)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import asdict
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+import nebulaml as nm
+from nebulaml.history import COLUMNS, HISTORY_FILE, HistoryRow, append_rows, make_row
+from nebulaml.storage import Store
+
+ISO = "%Y-%m-%dT%H:%M:%S.%fZ"
+HEADER = ",".join(COLUMNS) + "\n"
+T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
+
+
+def _row(tag: str, tier: str, minutes: float, *, failed: bool = False, rank: int = 0) -> HistoryRow:
+    step = int(tag.removeprefix("global_step")) if tag.startswith("global_step") else None
+    return make_row(
+        tag=tag, step=step, tier=tier, rank=rank,
+        started_at=(T0 + timedelta(minutes=minutes)).strftime(ISO),
+        duration_s=9.0 if failed else 2.0 if tier == "persistent" else 0.5,
+        blocking_s=0.0 if tier == "persistent" else 0.25 * (1 + minutes),
+        size_bytes=4_000_000,
+        error=OSError(5, "Input/output error\nat the disk") if failed else None,
+    )  # fmt: skip
+
+
+def test_rows_are_typed_and_ordered_by_start_time(tmp_path: Path) -> None:
+    # Catches: columns left as text, naive or local datetimes, file order kept (ranks and
+    # persists append out of start order), a tag without a step turned into 0 or NaN.
+    rows = [
+        _row("global_step1", "memory", 0),
+        _row("global_step1", "persistent", 1, failed=True),
+        _row("global_step2", "memory", 0.5, rank=1),  # appended late, started early
+        _row("best", "memory", 2),
+    ]
+    append_rows(Store(tmp_path), rows)
+    df = nm.read_history(str(tmp_path))
+    assert list(df.columns) == list(COLUMNS)
+    assert [str(t) for t in df.dtypes] == [
+        "str", "Int64", "str", "int64", "datetime64[us, UTC]", "float64", "float64",
+        "int64", "float64", "str", "str",
+    ]  # fmt: skip
+    assert list(df["tag"]) == ["global_step1", "global_step2", "global_step1", "best"]
+    assert df["started_at"].iloc[1] == T0 + timedelta(minutes=0.5)
+    assert df["step"].isna().tolist() == [False, False, False, True]
+    assert df["error"].iloc[2] == "[Errno 5] Input/output error at the disk"  # one line, as written
+    records = nm.history_records(df)
+    assert records[3] == asdict(rows[3]) | {"step": None}
+    assert records[0] == asdict(rows[0])
+    assert json.loads(json.dumps(records)) == records
+
+
+def test_a_header_written_twice_by_racing_writers_is_not_a_row(tmp_path: Path) -> None:
+    # Two ranks that both found no file both write the header (append_rows checks, then
+    # appends): the reader must not take the second header for a malformed row.
+    a, b = _row("global_step1", "memory", 0), _row("global_step1", "memory", 0.1, rank=1)
+    line = lambda r: ",".join("" if v is None else str(v) for v in asdict(r).values())  # noqa: E731
+    (tmp_path / HISTORY_FILE).write_text(f"{HEADER}{line(a)}\n{HEADER}{line(b)}\n")
+    df = nm.read_history(str(tmp_path))
+    assert list(df["rank"]) == [0, 1]
+
+
+def test_a_column_added_by_a_newer_nebula_is_kept(tmp_path: Path) -> None:
+    # Catches: a strict header check that would make every older nebula refuse newer files.
+    row = ",".join(
+        "" if v is None else str(v) for v in asdict(_row("global_step1", "memory", 0)).values()
+    )
+    (tmp_path / HISTORY_FILE).write_text(f"{HEADER.strip()},host\n{row},node-7\n")
+    df = nm.read_history(str(tmp_path))
+    assert list(df.columns) == [*COLUMNS, "host"]
+    assert nm.history_records(df)[0]["host"] == "node-7"
+
+
+_GOOD = "global_step1,1,memory,0,2026-03-01T12:00:00.000000Z,0.5,0.25,10,0.1,ok,"
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("", "the file is empty"),
+        ("tag,step,tier\nglobal_step1,1,memory\n", "line 1: no column rank, started_at"),
+        (HEADER + _GOOD + "\n" + _GOOD.replace(",1,memory", ",x,memory") + "\n",
+         "line 3: step 'x' is not an integer or empty"),
+        (HEADER + _GOOD.replace(",ok,", ",done,") + "\n", "line 2: status 'done' is not ok or"),
+        (HEADER + _GOOD.replace("memory", "disk") + "\n", "line 2: tier 'disk' is not memory"),
+        (HEADER + _GOOD.replace("2026-03-01T", "yesterday ") + "\n",
+         "line 2: started_at 'yesterday 12:00:00.000000Z' is not an ISO-8601 time"),
+        (HEADER + _GOOD.replace(",0.5,", ",fast,") + "\n", "line 2: duration_s 'fast' is not"),
+        (HEADER + _GOOD + "\n" + _GOOD + ",extra\n", "Expected 11 fields in line 3, saw 12"),
+        (HEADER + _GOOD + "\nglobal_step2,2,memo", "line 3: tier 'memo' is not memory"),
+        (HEADER + "\udcff", "not UTF-8 text"),
+    ],
+    ids=["empty", "header", "step", "status", "tier", "time", "float", "fields", "torn",
+         "bytes"],
+)  # fmt: skip
+def test_a_malformed_file_raises_naming_the_file_and_line(
+    tmp_path: Path, text: str, why: str
+) -> None:
+    # Catches: bad lines skipped or turned into NaN silently, wrong line numbers, pandas'
+    # own exceptions escaping (the CLI would print a traceback).
+    data = text.encode("utf-8", errors="surrogateescape")
+    (tmp_path / HISTORY_FILE).write_bytes(data)
+    with pytest.raises(nm.HistoryFormatError) as caught:
+        nm.read_history(str(tmp_path))
+    message = str(caught.value)
+    assert message.startswith(f"{tmp_path / HISTORY_FILE}: not a readable checkpoint history: ")
+    assert why in message
+
+
+def test_a_missing_file_is_not_found(tmp_path: Path) -> None:
+    # Catches: a plain StorageError (the CLI's exit 3 is for CheckpointNotFoundError).
+    with pytest.raises(nm.HistoryNotFoundError) as caught:
+        nm.read_history(str(tmp_path / "never-saved"))
+    assert isinstance(caught.value, nm.CheckpointNotFoundError)
+    assert str(caught.value).startswith(f"no {HISTORY_FILE} at {tmp_path / 'never-saved'} (")
+
+
+def test_an_fsspec_root_is_read_through_the_store() -> None:
+    # Catches: the file opened with plain open(), which cannot read URLs.
+    memory_url = f"memory://history-{uuid.uuid4().hex}"  # fsspec's memory store is global
+    append_rows(Store(memory_url), [_row("global_step1", "memory", 0)])
+    assert list(nm.read_history(memory_url)["tag"]) == ["global_step1"]
+
+
+def test_since_takes_an_aware_time_or_a_duration(tmp_path: Path) -> None:
+    # Catches: --since compared the wrong way, timedelta ignored, naive times guessed.
+    now = datetime.now(timezone.utc)
+    rows = [
+        make_row(tag=f"global_step{i}", step=i, tier="memory", rank=0,
+                 started_at=(now - timedelta(hours=h)).strftime(ISO), duration_s=1.0,
+                 blocking_s=1.0, size_bytes=1)
+        for i, h in ((1, 5), (2, 3), (3, 1))
+    ]  # fmt: skip
+    append_rows(Store(tmp_path), rows)
+    assert list(nm.read_history(str(tmp_path), since=timedelta(hours=4))["step"]) == [2, 3]
+    in_tokyo = (now - timedelta(hours=2)).astimezone(timezone(timedelta(hours=9)))
+    assert list(nm.read_history(str(tmp_path), since=in_tokyo)["step"]) == [3]
+    assert list(nm.read_history(str(tmp_path), tag="global_step1")["step"]) == [1]
+    with pytest.raises(nm.InvalidArgumentError, match="time zone"):
+        nm.read_history(str(tmp_path), since=datetime(2026, 1, 1))
+
+
+def test_summary_counts_and_quantiles(tmp_path: Path) -> None:
+    # Catches: failed persists in persist_s or throughput, failed rows' bytes counted,
+    # numpy scalars that json cannot write.
+    rows = [_row(f"global_step{i}", "memory", i) for i in range(5)]
+    rows += [_row(f"global_step{i}", "persistent", i + 0.5, failed=i == 4) for i in range(5)]
+    append_rows(Store(tmp_path), rows)
+    summary = nm.summarize_history(nm.read_history(str(tmp_path)))
+    assert json.loads(json.dumps(summary)) == summary
+    # stalls 0.25, 0.5, 0.75, 1.0, 1.25: p95 interpolates between the two largest
+    assert summary["stall_s"] == {"p50": 0.75, "p95": 1.2, "max": 1.25}
+    assert summary["persist_s"] == {"p50": 2.0, "p95": 2.0, "max": 2.0}
+    assert summary["throughput_mb_s"] == {"p50": 2.0, "max": 2.0}
+    assert (summary["count"], summary["saves"], summary["persists"]) == (10, 5, 5)
+    assert summary["failures"] == 1
+    assert summary["bytes_total"] == 9 * 4_000_000
+    assert summary["first_started_at"] == "2026-03-01T12:00:00.000000Z"
+    assert summary["last_started_at"] == "2026-03-01T12:04:30.000000Z"
+
+
+def test_summary_of_no_rows(tmp_path: Path) -> None:
+    # Catches: NaN (not JSON) or an exception for an empty history or an empty filter.
+    (tmp_path / HISTORY_FILE).write_text(HEADER)
+    summary = nm.summarize_history(nm.read_history(str(tmp_path)))
+    assert summary == {
+        "count": 0, "saves": 0, "persists": 0, "failures": 0,
+        "stall_s": {"p50": None, "p95": None, "max": None},
+        "persist_s": {"p50": None, "p95": None, "max": None},
+        "throughput_mb_s": {"p50": None, "max": None},
+        "bytes_total": 0, "first_started_at": None, "last_started_at": None,
+    }  # fmt: skip
