@@ -29,7 +29,6 @@ Not for: benchmarking (see benchmarks/), or multi-process / GPU training.
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import json
 import math
@@ -475,27 +474,29 @@ def demo(args: argparse.Namespace) -> int:
             f"resume: {'identical losses' if same else 'the losses differ (CPU kernels)'}"
         )
 
-    say(f"[4] checkpoints of {args.root}, newest first (nm.list_checkpoints):")
-    for info in nm.list_checkpoints(args.root):
-        say(
-            f"    {info['tag']:<14} {info['size_bytes'] / 1e6:6.1f} MB  committed "
-            f"{info['committed_at']}  tiers [{', '.join(info['tiers'])}]"
-        )
-    print_history_tail(Path(args.root) / "checkpointHistories.csv", rows=6)
+    say(f"[4] the nebula command line on {args.root}:")
+    for command in (
+        ["ls", args.root],
+        ["latest", args.root, "--path", "model"],
+        ["verify", args.root],
+        ["history", args.root, "--limit", "6"],
+    ):
+        if run_cli(command) != 0:
+            say(f"    nebula {' '.join(command)} failed")
+            return 2
     say(f"demo passed in {time.monotonic() - started:.0f} s; checkpoints left in {args.root}")
     return 0
 
 
-def print_history_tail(path: Path, rows: int) -> None:
-    """The last `rows` rows of the history file, as an aligned table."""
-    with open(path, newline="", encoding="utf-8") as f:
-        table = list(csv.DictReader(f))
-    say(f"    {path} (last {min(rows, len(table))} of {len(table)} rows):")
-    columns = ("tag", "tier", "started_at", "duration_s", "blocking_s", "size_bytes", "status")
-    widths = {c: max(len(c), *(len(r[c]) for r in table[-rows:])) for c in columns}
-    say("      " + "  ".join(c.ljust(widths[c]) for c in columns).rstrip())
-    for row in table[-rows:]:
-        say("      " + "  ".join(row[c].ljust(widths[c]) for c in columns).rstrip())
+def run_cli(args: list[str]) -> int:
+    """Run `nebula ARGS` (the console script beside this Python) and show what it printed."""
+    exe = Path(sys.executable).parent / "nebula"
+    env = dict(os.environ, COLUMNS=os.environ.get("COLUMNS", "110"))
+    say(f"  $ nebula {' '.join(args)}")
+    done = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, check=False)
+    for line in (done.stdout + done.stderr).rstrip().splitlines():
+        say(f"    {line}")
+    return done.returncode
 
 
 # -- command line --------------------------------------------------------------------------
