@@ -4,7 +4,7 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.nebula-installed
 
-.PHONY: venv test lint demo clean
+.PHONY: venv test lint demo scale clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,9 @@ test: lint
 
 demo: venv
 	$(PY) examples/train.py --demo
+
+scale: venv
+	$(PY) benchmarks/scale.py --ranks 64 128 256 --repeats 3
 
 clean:
 	if test -x $(PY); then $(PY) -c "import nebulaml as nm, shutil; \

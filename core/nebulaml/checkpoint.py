@@ -17,7 +17,7 @@ from typing import Any
 from . import session as _session
 from .catalog import read_committed, read_manifest
 from .checksum import new_hasher
-from .commit import begin_tag, commit_rank, write_item
+from .commit import await_commit, begin_tag, commit_rank, write_item, writer_marker_name
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -120,7 +120,13 @@ class Checkpoint:
         if not self.overwrite and persistent and read_committed(persistent, self.tag):
             raise CheckpointExistsError(tiers.persistent.url, self.tag)
         self._started_at, self._t0 = utc_now(), t0
-        begin_tag(tiers.memory, self.tag, rank=session.rank, overwrite=self.overwrite)
+        begin_tag(
+            tiers.memory,
+            self.tag,
+            rank=session.rank,
+            overwrite=self.overwrite,
+            world_size=session.world_size,
+        )
         self._tiers = tiers
         self._begun = True
 
@@ -129,12 +135,19 @@ class Checkpoint:
 
         Committing twice, or a handle with nothing saved, is a no-op.
         """
-        if self._committed or not self._begun:
+        if self._committed:
             return True
         session = _session.current("Checkpoint.commit")
         t0 = time.perf_counter()
+        if not self._begun:
+            if session.world_size == 1:
+                return True  # nothing saved, nothing to commit
+            # Every rank's part makes the checkpoint, also the empty part of a rank that
+            # saved nothing (DeepSpeed calls commit() on every rank).
+            self._begin(session, t0)
+        memory = session.tiers.memory
         manifest = commit_rank(
-            session.tiers.memory,
+            memory,
             self.tag,
             rank=session.rank,
             world_size=session.world_size,
@@ -142,6 +155,16 @@ class Checkpoint:
             created_at=self._started_at,
             labels=self.labels,
         )
+        if manifest is None and session.ranks.all_local:
+            # The other ranks share this memory tier: wait (bounded) until their parts
+            # are there and the checkpoint is committed, so that it loads on every rank.
+            manifest = await_commit(
+                memory,
+                self.tag,
+                world_size=session.world_size,
+                timeout_s=session.config.rank_timeout_s,
+            )
+        memory.remove(self.tag, writer_marker_name(session.rank))
         self._committed = True
         self._blocking_s += time.perf_counter() - t0
         row = make_row(
@@ -154,8 +177,9 @@ class Checkpoint:
             blocking_s=self._blocking_s,
             size_bytes=sum(item.size_bytes for item in self._items),
         )
-        if manifest is not None:
-            session.persister.notify_committed(self.tag, row)
+        # This rank's part is committed (on a node without the other ranks, the memory
+        # tier never holds the whole): it is what this rank's persister copies.
+        session.persister.notify_committed(self.tag, row)
         return True
 
     # loading -------------------------------------------------------------------------

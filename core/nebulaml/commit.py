@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,9 @@ from .errors import (
     CheckpointExistsError,
     CommitConflictError,
     CorruptCheckpointError,
+    ManifestError,
     NebulaError,
+    RankTimeoutError,
 )
 from .manifest import (
     CHECKSUM_ALGO,
@@ -46,7 +49,8 @@ WRITER_PREFIX = ".writer-"
 _COPY_CHUNK_BYTES = 8 << 20
 
 
-def _writer_name(rank: int) -> str:
+def writer_marker_name(rank: int) -> str:
+    """`.writer-<rank>.json`: who is writing a rank's part (host, pid), until it commits."""
     return f"{WRITER_PREFIX}{rank}.json"
 
 
@@ -62,31 +66,62 @@ def _host() -> str:
     return socket.gethostname()
 
 
-def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool) -> None:
+def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size: int = 1) -> None:
     """Prepare the folder of `tag` for this rank's items.
 
     A committed tag is refused (`CheckpointExistsError`) unless `overwrite`, in which case
-    it is deleted first, manifest first. Leftovers of an uncommitted earlier attempt are
+    its manifest goes first, then its data. Leftovers of an uncommitted earlier attempt are
     removed, unless another live process on this host is still writing them
-    (`CheckpointBusyError`). A writer marker records who is writing, so that recovery can
-    tell a live writer from a dead one.
+    (`CheckpointBusyError`). With several ranks the folder is shared: a rank removes only
+    its own files, never another rank's. A writer marker records who is writing, so that
+    recovery can tell a live writer from a dead one.
     """
     validate_name("tag", tag)
     if store.exists(tag, MANIFEST_NAME):
         if not overwrite:
             raise CheckpointExistsError(store.url, tag)
-        delete_checkpoint(store, tag)
+        if world_size == 1:
+            delete_checkpoint(store, tag)
+        else:
+            delete_part(store, tag, rank)
     elif store.exists(tag):
         for writer in read_writers(store, tag):
-            # Another live process on this host is writing it (a copy, a second job):
-            # clearing its files would corrupt that write.
-            if writer.get("pid") != os.getpid() and writer_alive(writer):
+            # Another live process on this host is writing this part (a copy, a second
+            # job): clearing its files would corrupt that write.
+            mine = world_size == 1 or writer.get("rank") == rank
+            if mine and writer.get("pid") != os.getpid() and writer_alive(writer):
                 raise CheckpointBusyError(store.url, tag, describe_writer(writer))
-        for name in store.list_files(tag):
-            store.remove(tag, name)
+        if world_size == 1:
+            for name in store.list_files(tag):
+                store.remove(tag, name)
+        else:
+            delete_part(store, tag, rank, keep_folder=True)
     store.make_dir(tag)
     doc = {"host": _host(), "pid": os.getpid(), "rank": rank, "started_at": utc_now()}
-    store.write_bytes((tag, _writer_name(rank)), json.dumps(doc).encode())
+    store.write_bytes((tag, writer_marker_name(rank)), json.dumps(doc).encode())
+
+
+def delete_part(store: Store, tag: str, rank: int, *, keep_folder: bool = False) -> None:
+    """Remove one rank's part of a shared tag folder: the manifest first (the tag is then
+    invisible on this tier), then this rank's marker and the items it lists, then the
+    folder if no other rank's files remain."""
+    store.remove(tag, MANIFEST_NAME)
+    own: set[str] = set()
+    files = store.list_files(tag)
+    if marker_name(rank) in files:
+        try:
+            marker = parse_marker(
+                store.read_bytes(tag, marker_name(rank)), store.display(tag, marker_name(rank))
+            )
+            own = {item.file for item in marker.items}
+        except (NebulaError, ValueError):
+            own = set()
+    store.remove(tag, marker_name(rank))
+    for name in sorted(own & set(files)):
+        store.remove(tag, name)
+    store.remove(tag, writer_marker_name(rank))
+    if not keep_folder and not store.list_files(tag):
+        store.remove_dir(tag)
 
 
 def read_writers(store: Store, tag: str) -> list[dict[str, Any]]:
@@ -167,8 +202,51 @@ def commit_rank(
     markers = read_markers(store, tag, world_size)
     if markers is None:
         return None  # another rank's part is not written yet; the last rank commits
+    manifest = _publish_manifest(store, tag, world_size, markers)
+    store.remove(tag, writer_marker_name(rank))
+    return manifest
+
+
+def await_commit(
+    store: Store,
+    tag: str,
+    *,
+    world_size: int,
+    timeout_s: float,
+    poll_s: float = 0.005,
+    max_poll_s: float = 0.1,
+) -> Manifest:
+    """Wait until `tag` is committed on `store`: its manifest appears, or every rank's
+    marker is there and this call publishes the manifest itself.
+
+    Raises `RankTimeoutError` naming the ranks whose part is missing after `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = read_committed(store, tag)
+        if info is not None:
+            return info.manifest
+        markers = read_markers(store, tag, world_size)
+        if markers is not None:
+            manifest = _publish_manifest(store, tag, world_size, markers)
+            if manifest is not None:
+                return manifest
+        if time.monotonic() >= deadline:
+            files = store.list_files(tag)
+            missing = [r for r in range(world_size) if marker_name(r) not in files]
+            raise RankTimeoutError(store.display(tag), missing, timeout_s)
+        time.sleep(poll_s)
+        poll_s = min(max_poll_s, poll_s * 2)
+
+
+def _publish_manifest(
+    store: Store, tag: str, world_size: int, markers: list[RankMarker]
+) -> Manifest | None:
+    """Publish the manifest from every rank's marker (create-only); None if another
+    writer's manifest, with other items, won."""
+    if any(m.world_size != world_size or m.tag != tag for m in markers):
+        raise ManifestError(store.display(tag), "rank markers disagree on the world size")
     all_items = [item for m in markers for item in m.items]
-    all_labels = tuple(sorted({label for m in markers for label in m.labels}))
     manifest = Manifest(
         tag=tag,
         step=step_of(tag),
@@ -177,7 +255,7 @@ def commit_rank(
         world_size=world_size,
         items=tuple(sorted(all_items, key=lambda i: (i.rank, i.name))),
         producer=producer(),
-        labels=all_labels,
+        labels=tuple(sorted({label for m in markers for label in m.labels})),
     )
     try:
         store.publish((tag, MANIFEST_NAME), manifest.to_bytes(), create_only=True)
@@ -187,8 +265,7 @@ def commit_rank(
         info = read_committed(store, tag)
         if info is None or info.manifest.items != manifest.items:
             raise
-        manifest = info.manifest
-    store.remove(tag, _writer_name(rank))
+        return info.manifest
     return manifest
 
 
@@ -305,7 +382,7 @@ def copy_checkpoint(
         labels=src.manifest.labels,
     )
     dst.publish((tag, MANIFEST_NAME), manifest.to_bytes(), create_only=True)
-    dst.remove(tag, _writer_name(0))
+    dst.remove(tag, writer_marker_name(0))
     return CopyResult(
         manifest,
         copied_items=tuple(copied),
@@ -338,7 +415,7 @@ def _resume_tag(dst: Store, tag: str, items: tuple[ItemEntry, ...]) -> dict[str,
             dst.remove(tag, name)
     dst.make_dir(tag)
     doc = {"host": _host(), "pid": me, "rank": 0, "started_at": utc_now()}
-    dst.write_bytes((tag, _writer_name(0)), json.dumps(doc).encode())
+    dst.write_bytes((tag, writer_marker_name(0)), json.dumps(doc).encode())
     return kept
 
 
@@ -379,6 +456,51 @@ def _copy_item(
                 f"{item.size_bytes} bytes with {item.checksum_algo} {item.checksum}",
                 f"{size} bytes with {item.checksum_algo} {hasher.hexdigest()}",
             )
+
+
+def copy_part(
+    src: Store, dst: Store, tag: str, *, rank: int, world_size: int, timeout_s: float
+) -> int:
+    """Copy one rank's part of `tag` (its marker and the items it lists) to another tier,
+    verified, then wait until every rank's part is there and the manifest is published.
+
+    Each rank persists its own part; whichever sees every marker first commits. Returns the
+    bytes of this rank's items. Raises `RankTimeoutError` if other ranks' parts do not
+    arrive within `timeout_s` (the tag then stays uncommitted on `dst`).
+    """
+    where = src.display(tag, marker_name(rank))
+    marker = parse_marker(src.read_bytes(tag, marker_name(rank)), where)
+    size = sum(item.size_bytes for item in marker.items)
+    existing = read_committed(dst, tag)
+    mine = set() if existing is None else {i for i in existing.manifest.items if i.rank == rank}
+    if existing is not None and mine == set(marker.items):
+        return size  # this part is already durable there
+    begin_tag(dst, tag, rank=rank, overwrite=True, world_size=world_size)
+    for item in marker.items:
+        _copy_item(src, dst, tag, item, lambda _n: None)
+    dst.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
+    await_commit(dst, tag, world_size=world_size, timeout_s=timeout_s, poll_s=0.05, max_poll_s=0.5)
+    dst.remove(tag, writer_marker_name(rank))
+    return size
+
+
+def own_parts(store: Store, rank: int) -> list[tuple[str, str]]:
+    """(tag, created_at) of every tag on `store` that holds this rank's marker."""
+    out = []
+    for tag in store.list_dirs():
+        try:
+            validate_name("tag", tag)
+        except NebulaError:
+            continue
+        if marker_name(rank) not in store.list_files(tag):
+            continue
+        try:
+            where = store.display(tag, marker_name(rank))
+            marker = parse_marker(store.read_bytes(tag, marker_name(rank)), where)
+        except (NebulaError, ValueError):
+            continue  # removed meanwhile, or not readable: not a part to keep or evict
+        out.append((tag, marker.created_at))
+    return out
 
 
 def delete_checkpoint(store: Store, tag: str) -> None:

@@ -170,5 +170,18 @@ class PersistError(NebulaError):
         self.tag, self.root = tag, root
 
 
+class RankTimeoutError(NebulaError, TimeoutError):
+    """Some ranks did not write their part of a checkpoint in time (one may have died)."""
+
+    def __init__(self, where: str, missing: list[int], timeout_s: float) -> None:
+        ranks = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+        super().__init__(
+            f"{where}: rank(s) {ranks} did not commit their part within {timeout_s:g} s; "
+            f"the checkpoint stays uncommitted (a rank may have died; the previous "
+            f"checkpoint still loads). Raise NEBULA_RANK_TIMEOUT_S if ranks are just slow"
+        )
+        self.where, self.missing, self.timeout_s = where, missing, timeout_s
+
+
 class PersistTimeoutError(NebulaError, TimeoutError):
     """A wait for the persister (flush, exit) ran past its limit."""

@@ -17,15 +17,18 @@ import threading
 import time
 
 from .catalog import list_committed, read_committed
-from .commit import copy_checkpoint, delete_checkpoint
+from .commit import copy_checkpoint, copy_part, delete_checkpoint, delete_part, own_parts
 from .errors import NebulaError, PersistError, PersistTimeoutError
 from .history import HistoryRow, append_rows, make_row
-from .manifest import utc_now
-from .names import step_of
+from .manifest import marker_name, utc_now
+from .names import order_key, step_of
+from .ranks import RankInfo
 from .retention import Version, plan_retention
 from .tiers import TierSet
 
 log = logging.getLogger("nebulaml")
+
+FOLLOW_POLL_S = 0.2  # how often a follower looks for rank 0's persisted markers
 
 
 class Persister:
@@ -40,13 +43,26 @@ class Persister:
         True
     """
 
-    def __init__(self, tiers: TierSet, *, interval_s: float, retention: int, rank: int = 0) -> None:
+    def __init__(
+        self,
+        tiers: TierSet,
+        *,
+        interval_s: float,
+        retention: int,
+        ranks: RankInfo | None = None,
+        rank_timeout_s: float = 300.0,
+    ) -> None:
         self.tiers = tiers
         self.interval_s = interval_s
         self.retention = retention
-        self.rank = rank
+        self.ranks = ranks or RankInfo()
+        self.rank = self.ranks.rank
+        self.rank_timeout_s = rank_timeout_s
         self._cond = threading.Condition()
         self._pending: str | None = None  # newest committed, not yet persisted
+        # A follower (rank > 0) persists exactly what rank 0 persists: the tags it holds
+        # and has not yet seen rank 0's marker for, oldest first.
+        self._candidates: list[str] = []
         self._forced: list[str] = []  # flush requests: persisted now, interval ignored
         self._inflight: str | None = None
         self._last_start: float | None = None
@@ -67,6 +83,8 @@ class Persister:
             if self.tiers.persistent is not None:
                 self._pending = tag
                 self._done.pop(tag, None)
+                if self._follows() and tag not in self._candidates:
+                    self._candidates.append(tag)
             self._cond.notify_all()
         self.evict_memory()
 
@@ -136,27 +154,38 @@ class Persister:
     def protected(self) -> set[str]:
         """Tags the memory tier must keep: pending, in flight, or asked for."""
         with self._cond:
-            return {t for t in (self._pending, self._inflight, *self._forced) if t}
+            return {
+                t for t in (self._pending, self._inflight, *self._forced, *self._candidates) if t
+            }
 
     def evict_memory(self) -> None:
         """Drop memory copies that are no longer needed.
 
-        With a persistent tier the memory tier keeps its newest committed checkpoint and
-        those pending or in flight. Without one it is the only tier, and retention applies.
+        With a persistent tier the memory tier keeps its newest checkpoint and those
+        pending or in flight. Without one it is the only tier, and retention applies.
+        With several ranks each rank removes only its own part (manifest first).
         """
         memory = self.tiers.memory
-        committed = list_committed(memory)
-        if not committed:
+        if self.ranks.world_size > 1:
+            versions = [Version(t, created, ()) for t, created in own_parts(memory, self.rank)]
+        else:
+            committed = list_committed(memory)
+            versions = [Version(c.tag, c.committed_at, c.manifest.labels) for c in committed]
+        if not versions:
             return
         protected = self.protected()
         if self.tiers.persistent is None:
-            versions = [Version(c.tag, c.committed_at, c.manifest.labels) for c in committed]
             doomed = plan_retention(versions, self.retention, protected)
         else:
-            doomed = [c.tag for c in committed[:-1] if c.tag not in protected]
+            newest = max(versions, key=lambda v: order_key(v.tag, v.committed_at)).tag
+            doomed = [v.tag for v in versions if v.tag != newest and v.tag not in protected]
         for tag in doomed:
             # Re-check under the lock: a flush may have asked for it meanwhile.
-            if tag not in self.protected():
+            if tag in self.protected():
+                continue
+            if self.ranks.world_size > 1:
+                delete_part(memory, tag, self.rank)
+            else:
                 delete_checkpoint(memory, tag)
 
     def close(self, timeout_s: float | None = None) -> str | None:
@@ -182,11 +211,21 @@ class Persister:
             return self._error
 
     # the thread ---------------------------------------------------------------------
+    def _follows(self) -> bool:
+        return (
+            self.ranks.world_size > 1
+            and not self.ranks.is_leader
+            and self.tiers.persistent is not None
+        )
+
     def _next_tag(self) -> str | None:
         """Under the lock: the tag to persist now, or None to keep waiting."""
         if self._forced:
-            return self._forced.pop(0)
-        if self._pending is None:
+            tag = self._forced.pop(0)
+            if tag in self._candidates:
+                self._candidates.remove(tag)
+            return tag
+        if self._pending is None or self._follows():
             return None
         due = self._last_start is None or (time.monotonic() - self._last_start >= self.interval_s)
         if due or self._stopping:
@@ -196,10 +235,14 @@ class Persister:
 
     def _run(self) -> None:
         while True:
+            probe: list[str] = []
             with self._cond:
                 while True:
                     tag = self._next_tag()
                     if tag is not None or self._rows or self._finished():
+                        break
+                    if self._follows() and self._candidates:
+                        probe = list(self._candidates)
                         break
                     wait = None
                     if self._pending is not None and self._last_start is not None:
@@ -209,10 +252,13 @@ class Persister:
                     self._inflight = tag
                     self._last_start = time.monotonic()
                 rows, self._rows = self._rows, []
-                finished = tag is None and not rows and self._finished()
+                finished = tag is None and not rows and not probe and self._finished()
             self._append_history(rows)
             if finished:
                 return
+            if probe:
+                self._follow_leader(probe)
+                continue
             if tag is None:
                 continue
             error = self._persist(tag)
@@ -228,8 +274,44 @@ class Persister:
                 except NebulaError as exc:
                     log.warning("could not evict old memory-tier copies: %s", exc)
 
+    def _follow_leader(self, candidates: list[str]) -> None:
+        """Queue the candidates rank 0 has started to persist; drop older ones it skipped.
+
+        Rank 0 persists tags in order, one at a time, so once its marker of a tag is
+        visible, the markers of every older tag it persisted are visible too.
+        """
+        persistent = self.tiers.persistent
+        assert persistent is not None
+        try:
+            led = [t for t in candidates if persistent.exists(t, marker_name(0))]
+        except NebulaError as exc:
+            log.warning("could not look for rank 0's persisted checkpoints: %s", exc)
+            led = []
+        with self._cond:
+            if led:
+                newest = max(led, key=lambda t: order_key(t, ""))
+                for tag in candidates:
+                    if tag in self._candidates and (
+                        tag in led or order_key(tag, "") < order_key(newest, "")
+                    ):
+                        self._candidates.remove(tag)
+                        if tag in led and tag not in self._forced:
+                            self._forced.append(tag)
+                if self._pending in led:
+                    self._pending = None
+                self._cond.notify_all()
+            elif self._stopping:
+                # Exiting: what rank 0 has not started by now, it skipped.
+                for tag in candidates:
+                    if tag in self._candidates:
+                        self._candidates.remove(tag)
+            else:
+                self._cond.wait(timeout=FOLLOW_POLL_S)
+
     def _finished(self) -> bool:
-        return self._stopping and self._pending is None and not self._forced
+        return (
+            self._stopping and self._pending is None and not self._forced and not self._candidates
+        )
 
     def _persist(self, tag: str) -> PersistError | None:
         persistent = self.tiers.persistent
@@ -238,14 +320,27 @@ class Persister:
         size = 0
         error: PersistError | None = None
         try:
-            src = read_committed(self.tiers.memory, tag)
-            if src is None:
-                raise PersistError(
-                    tag, persistent.url, FileNotFoundError("no committed copy in the memory tier")
+            if self.ranks.world_size > 1:
+                size = copy_part(
+                    self.tiers.memory,
+                    persistent,
+                    tag,
+                    rank=self.rank,
+                    world_size=self.ranks.world_size,
+                    timeout_s=self.rank_timeout_s,
                 )
-            size = src.manifest.total_bytes
-            copy_checkpoint(src, persistent, overwrite=True)
-            self._apply_retention(tag)
+            else:
+                src = read_committed(self.tiers.memory, tag)
+                if src is None:
+                    raise PersistError(
+                        tag,
+                        persistent.url,
+                        FileNotFoundError("no committed copy in the memory tier"),
+                    )
+                size = src.manifest.total_bytes
+                copy_checkpoint(src, persistent, overwrite=True)
+            if self.ranks.is_leader:
+                self._apply_retention(tag)
         except PersistError as exc:
             error = exc
         except NebulaError as exc:

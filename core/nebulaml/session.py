@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .catalog import list_committed, list_incomplete
-from .commit import WRITER_PREFIX, delete_checkpoint, read_writers, writer_alive
+from .commit import WRITER_PREFIX, delete_checkpoint, own_parts, read_writers, writer_alive
 from .errors import InvalidArgumentError, NotInitializedError
+from .names import order_key
 from .persister import Persister
+from .ranks import RankInfo, detect_ranks
 from .storage import Store
 from .tiers import TierSet, open_tiers, record_root
 
@@ -34,10 +36,12 @@ ENV_PATH = "NEBULA_PERSISTENT_STORAGE_PATH"
 ENV_INTERVAL = "NEBULA_PERSISTENT_TIME_INTERVAL"
 ENV_RETENTION = "NEBULA_NUM_OF_VERSION_IN_RETENTION"
 ENV_EXIT_TIMEOUT = "NEBULA_EXIT_TIMEOUT_S"
+ENV_RANK_TIMEOUT = "NEBULA_RANK_TIMEOUT_S"
+DEFAULT_RANK_TIMEOUT_S = 300.0
 DEFAULT_INTERVAL_S = 100.0
 DEFAULT_RETENTION = 2
 DEFAULT_EXIT_TIMEOUT_S = 600.0
-KNOWN_OPTIONS = ("storage_options", "exit_timeout_s")
+KNOWN_OPTIONS = ("storage_options", "exit_timeout_s", "rank_timeout_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +52,7 @@ class Config:
     persistent_time_interval_s: float
     num_of_version_in_retention: int
     exit_timeout_s: float
+    rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S
     storage_options: tuple[tuple[str, Any], ...] = ()
 
 
@@ -102,6 +107,9 @@ def resolve_config(
     if retention is None:
         retention = os.environ.get(ENV_RETENTION, DEFAULT_RETENTION)
         retention_src = ENV_RETENTION if ENV_RETENTION in os.environ else retention_src
+    rank_timeout = options.get("rank_timeout_s")
+    if rank_timeout is None:
+        rank_timeout = os.environ.get(ENV_RANK_TIMEOUT, DEFAULT_RANK_TIMEOUT_S)
     exit_timeout = options.get("exit_timeout_s")
     if exit_timeout is None:
         exit_timeout = os.environ.get(ENV_EXIT_TIMEOUT, DEFAULT_EXIT_TIMEOUT_S)
@@ -113,6 +121,7 @@ def resolve_config(
         persistent_time_interval_s=_number(interval, interval_src, float, 0),
         num_of_version_in_retention=_number(retention, retention_src, int, 1),
         exit_timeout_s=_number(exit_timeout, "exit_timeout_s", float, 0),
+        rank_timeout_s=_number(rank_timeout, "rank_timeout_s", float, 0),
         storage_options=tuple(sorted(storage_options.items())),
     )
 
@@ -122,8 +131,9 @@ class Session:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.rank = 0
-        self.world_size = 1
+        self.ranks: RankInfo = detect_ranks()
+        self.rank = self.ranks.rank
+        self.world_size = self.ranks.world_size
         self.tiers: TierSet = open_tiers(
             config.persistent_storage_path, dict(config.storage_options)
         )
@@ -137,24 +147,31 @@ class Session:
             self.tiers,
             interval_s=config.persistent_time_interval_s,
             retention=config.num_of_version_in_retention,
-            rank=self.rank,
+            ranks=self.ranks,
+            rank_timeout_s=config.rank_timeout_s,
         )
         self.recovered: str | None = self._recover()
 
     def _recover(self) -> str | None:
-        """Queue the memory tier's newest checkpoint if the persistent tier lacks it."""
+        """Queue the memory tier's newest checkpoint (this rank's part of it) if the
+        persistent tier lacks it."""
         if self.tiers.persistent is None:
             return None
-        in_memory = list_committed(self.tiers.memory)
+        if self.ranks.all_local:
+            in_memory = [(c.tag, c.sort_key) for c in list_committed(self.tiers.memory)]
+        else:  # the node holds only its ranks' parts, never a manifest of the whole
+            parts = own_parts(self.tiers.memory, self.rank)
+            in_memory = sorted((tag, order_key(tag, created)) for tag, created in parts)
+            in_memory.sort(key=lambda pair: pair[1])
         if not in_memory:
             return None
         persisted = list_committed(self.tiers.persistent)
-        newest = in_memory[-1]
-        if persisted and persisted[-1].sort_key >= newest.sort_key:
+        newest, newest_key = in_memory[-1]
+        if persisted and persisted[-1].sort_key >= newest_key:
             return None
-        log.info("persisting %r, left in the memory tier by an earlier process", newest.tag)
-        self.persister.request(newest.tag)
-        return newest.tag
+        log.info("persisting %r, left in the memory tier by an earlier process", newest)
+        self.persister.request(newest)
+        return newest
 
     def close(self, timeout_s: float | None = None) -> str | None:
         """Persist what is pending and stop; returns a tag left unpersisted, if any."""

@@ -1,0 +1,1 @@
+"""Reproducible figures (not tests): `make scale`, and the speed benchmarks."""

@@ -1,0 +1,88 @@
+"""One rank of a multi-rank test job (run by tests/dist/test_multirank.py, not by pytest).
+
+Usage: rank_child.py SCENARIO ROOT PORT; RANK, WORLD_SIZE and LOCAL_WORLD_SIZE come from
+the environment, as torchrun sets them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+import nebulaml as nm
+
+
+def shard(rank: int, step: int) -> dict[str, torch.Tensor]:
+    """FSDP-style per-rank state: each rank holds its own shard of parameters and moments."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return {
+        "flat_param": torch.randn(4096, generator=gen),
+        "exp_avg": torch.randn(4096, generator=gen),
+        "step": torch.tensor(step),
+    }
+
+
+def save_step(rank: int, step: int) -> None:
+    ckpt = nm.Checkpoint(f"global_step{step}", -2)
+    ckpt.save(f"shard_rank{rank}", shard(rank, step))
+    if rank == 0:
+        ckpt.save("meta", {"step": step})
+    ckpt.commit()
+
+
+def check_every_rank(world_size: int, step: int) -> None:
+    latest = nm.get_latest_checkpoint()
+    assert latest is not None and latest.tag == f"global_step{step}", latest
+    for other in range(world_size):  # any rank loads any rank's item (elastic loads)
+        loaded = latest.load(f"shard_rank{other}")
+        expected = shard(other, step)
+        assert all(torch.equal(loaded[k], expected[k]) for k in expected), other
+
+
+def main() -> int:
+    scenario, root, port = sys.argv[1], sys.argv[2], sys.argv[3]
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if scenario in ("train", "nodes"):
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        # "nodes": every rank on its own node (its own memory tier); the interval holds
+        # global_step2 back, so rank 0 persists 1 and 3 and the others must follow it.
+        interval = 0 if scenario == "train" else 3600
+        nm.init(root, persistent_time_interval=interval, rank_timeout_s=60)
+        for step in (1, 2, 3):
+            save_step(rank, step)
+            dist.barrier()
+        nm.flush_persistence()
+        dist.barrier()
+        check_every_rank(world_size, 3)
+        nm.shutdown()
+        dist.barrier()
+        dist.destroy_process_group()
+    elif scenario == "kill":
+        nm.init(root, persistent_time_interval=0, rank_timeout_s=3)
+        save_step(rank, 1)
+        nm.flush_persistence()
+        if rank == 1:
+            ckpt = nm.Checkpoint("global_step2", -2)
+            ckpt.save(f"shard_rank{rank}", shard(rank, 2))
+            os.kill(os.getpid(), signal.SIGKILL)  # dies between its items and its marker
+        try:
+            save_step(rank, 2)
+        except nm.RankTimeoutError as exc:
+            print(f"TIMEOUT {exc}", flush=True)
+        else:
+            print("NO TIMEOUT", flush=True)
+            return 1
+        check_every_rank(world_size, 1)
+    print(f"OK rank {rank}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Multi-rank checkpoints: every rank's part, committed once, on both tiers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import nebulaml as nm
+
+CHILD = Path(__file__).with_name("rank_child.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_job(
+    scenario: str, root: Path, memory: Path, world_size: int, *, one_node: bool = True
+) -> list[tuple[int, str]]:
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size if one_node else 1),
+            NEBULA_MEMORY_TIER_PATH=str(memory if one_node else memory / f"node{rank}"),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(CHILD), scenario, str(root), str(port)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    results = []
+    deadline = time.monotonic() + 180
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        results.append((proc.returncode, out))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_rank_saves_its_part_and_the_tag_commits_once(
+    tmp_path: Path, memory_tier: Path, world_size: int
+) -> None:
+    root = tmp_path / "persistent"
+    results = _run_job("train", root, memory_tier, world_size)
+    for rank, (code, out) in enumerate(results):
+        assert code == 0 and f"OK rank {rank}" in out, out
+    manifest = json.loads((root / "global_step3" / "manifest.json").read_text())
+    assert manifest["world_size"] == world_size
+    items = {(i["name"], i["rank"]) for i in manifest["items"]}
+    assert items == {(f"shard_rank{r}", r) for r in range(world_size)} | {("meta", 0)}
+    # One manifest, written once all markers were there; no writer markers left.
+    names = sorted(p.name for p in (root / "global_step3").iterdir())
+    assert names.count("manifest.json") == 1
+    assert [n for n in names if n.startswith(".rank-")] == [
+        f".rank-{r}.json" for r in range(world_size)
+    ]
+    assert not [n for n in names if n.startswith(".writer-")]
+    # The checkpoint is whole on disk: plain torch.load of another rank's shard.
+    last = world_size - 1
+    shard = torch.load(root / "global_step3" / f"shard_rank{last}", weights_only=True)
+    assert int(shard["step"]) == 3
+    listed = nm.list_checkpoints(str(root))
+    assert listed[0]["tag"] == "global_step3"
+    assert "persistent" in listed[0]["tiers"]
+
+
+def test_ranks_on_separate_nodes_persist_what_rank_0_persists(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    root = tmp_path / "persistent"
+    results = _run_job("nodes", root, memory_tier, 2, one_node=False)
+    for rank, (code, out) in enumerate(results):
+        assert code == 0 and f"OK rank {rank}" in out, out
+    # Each node held only its own rank's part in memory; the persistent tier got both.
+    for rank in (0, 1):
+        node = memory_tier / f"node{rank}"
+        held = {p.name for p in node.rglob("shard_rank*")}
+        assert held <= {f"shard_rank{rank}"}
+    # global_step2 was skipped by rank 0 (the interval), so by every rank: no leftovers.
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [
+        "global_step1",
+        "global_step3",
+    ]
+    for tag in ("global_step1", "global_step3"):
+        manifest = json.loads((root / tag / "manifest.json").read_text())
+        assert {i["name"] for i in manifest["items"]} == {"shard_rank0", "shard_rank1", "meta"}
+
+
+def test_a_killed_rank_leaves_the_tag_uncommitted_and_others_time_out(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    root = tmp_path / "persistent"
+    started = time.monotonic()
+    results = _run_job("kill", root, memory_tier, 3)
+    elapsed = time.monotonic() - started
+    assert results[1][0] == -9  # SIGKILLed
+    for rank in (0, 2):
+        code, out = results[rank]
+        assert code == 0, out
+        assert "TIMEOUT" in out and "rank(s) 1 did not commit" in out, out
+    assert elapsed < 60  # a timeout, never a hang
+    # Nothing of global_step2 is committed on any tier; global_step1 loads for everyone.
+    assert not (root / "global_step2" / "manifest.json").exists()
+    tags = [c["tag"] for c in nm.list_checkpoints(str(root))]
+    assert tags == ["global_step1"]
