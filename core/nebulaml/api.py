@@ -75,7 +75,9 @@ def _by_tag(tiers: TierSet) -> dict[str, list[tuple[str, CheckpointInfo]]]:
     return found
 
 
-def _newest_first(tiers: TierSet) -> list[list[tuple[str, CheckpointInfo]]]:
+def newest_first(tiers: TierSet) -> list[list[tuple[str, CheckpointInfo]]]:
+    """Committed checkpoints on every tier, newest first; each entry lists a tag's copies
+    as (tier, info), fastest tier first. Package-internal, like `tiers_for`."""
     found = _by_tag(tiers)
     return sorted(found.values(), key=lambda copies: copies[0][1].sort_key, reverse=True)
 
@@ -92,7 +94,7 @@ def list_checkpoints(persist_path: PathLike | None = None) -> list[dict[str, Any
         []
     """
     out = []
-    for copies in _newest_first(tiers_for(persist_path, "list_checkpoints")):
+    for copies in newest_first(tiers_for(persist_path, "list_checkpoints")):
         manifest = copies[0][1].manifest
         out.append(
             {
@@ -164,7 +166,7 @@ def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | 
         True
     """
     tiers = tiers_for(persist_path, "get_latest_checkpoint")
-    ordered = _newest_first(tiers)
+    ordered = newest_first(tiers)
     return Checkpoint._committed_handle(ordered[0][0][1].tag, tiers) if ordered else None
 
 
@@ -197,7 +199,7 @@ def get_latest_checkpoint_path(name: str, persist_path: PathLike | None = None) 
     """
     validate_name("item", name)
     tiers = tiers_for(persist_path, "get_latest_checkpoint_path")
-    ordered = _newest_first(tiers)
+    ordered = newest_first(tiers)
     if not ordered:
         return None
     copies = sorted(ordered[0], key=lambda copy: copy[0] != "persistent")

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .api import _newest_first, tiers_for
+from .api import newest_first, tiers_for
 from .catalog import CheckpointInfo, list_committed, read_committed
 from .commit import CopyResult
 from .commit import copy_checkpoint as _copy
@@ -150,7 +150,7 @@ def _source(tiers: TierSet, tag: str | None, dst: Store) -> tuple[str, Checkpoin
     """The tier and committed copy to read: a tier other than `dst`, fastest first; the
     destination's own copy only when no other tier holds the tag (then nothing is copied)."""
     if tag is None:
-        ordered = _newest_first(tiers)
+        ordered = newest_first(tiers)
         if not ordered:
             raise CheckpointNotFoundError(tiers.display)
         copies = ordered[0]
