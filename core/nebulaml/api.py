@@ -8,6 +8,7 @@ Not for: saving and loading items (checkpoint.py).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -16,12 +17,18 @@ from .catalog import CheckpointInfo, list_committed, read_committed
 from .catalog import list_incomplete as catalog_list_incomplete
 from .checkpoint import Checkpoint
 from .commit import read_writers
-from .errors import ItemNotFoundError, PersistTimeoutError, RootNotFoundError
+from .errors import (
+    ItemNotFoundError,
+    PersistTimeoutError,
+    RootNotFoundError,
+    UnsupportedSchemaError,
+)
 from .names import validate_name
 from .storage import Store
 from .tiers import TierSet, open_tiers
 
 PathLike = str | os.PathLike[str]
+log = logging.getLogger("nebulaml")
 
 
 def init(
@@ -69,9 +76,16 @@ def tiers_for(persist_path: PathLike | None, what: str) -> TierSet:
 
 def _by_tag(tiers: TierSet) -> dict[str, list[tuple[str, CheckpointInfo]]]:
     found: dict[str, list[tuple[str, CheckpointInfo]]] = {}
+    unsupported: list[UnsupportedSchemaError] = []
     for tier, store in tiers.stores:
-        for info in list_committed(store):
+        for info in list_committed(store, unsupported):
             found.setdefault(info.tag, []).append((tier, info))
+    # A copy of a schema this version cannot read is an error, unless another tier holds
+    # a readable copy of that tag (then the unreadable one is damaged, and said so).
+    for exc in unsupported:
+        if not any(copies for tag, copies in found.items() if f"/{tag}/" in exc.where):
+            raise exc
+        log.warning("%s; using another tier's copy", exc)
     return found
 
 
@@ -180,9 +194,15 @@ def get_checkpoint(tag: str, persist_path: PathLike | None = None) -> Checkpoint
     """
     validate_name("tag", tag)
     tiers = tiers_for(persist_path, "get_checkpoint")
+    unsupported: UnsupportedSchemaError | None = None
     for _tier, store in tiers.stores:
-        if read_committed(store, tag) is not None:
-            return Checkpoint._committed_handle(tag, tiers)
+        try:
+            if read_committed(store, tag) is not None:
+                return Checkpoint._committed_handle(tag, tiers)
+        except UnsupportedSchemaError as exc:
+            unsupported = unsupported or exc  # raised only if no tier has a readable copy
+    if unsupported is not None:
+        raise unsupported
     return None
 
 

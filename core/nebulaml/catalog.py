@@ -88,8 +88,14 @@ def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
     return CheckpointInfo(store, manifest)
 
 
-def list_committed(store: Store) -> list[CheckpointInfo]:
+def list_committed(
+    store: Store, unsupported: list[UnsupportedSchemaError] | None = None
+) -> list[CheckpointInfo]:
     """Committed checkpoints on `store`, oldest first (see names.order_key).
+
+    A manifest of a schema this version cannot read raises `UnsupportedSchemaError`, or,
+    when the caller passes an `unsupported` list (to look for another tier's readable
+    copy), is appended to it and left out.
 
     Example:
         >>> import tempfile
@@ -102,7 +108,13 @@ def list_committed(store: Store) -> list[CheckpointInfo]:
             validate_name("tag", tag)
         except InvalidNameError:
             continue  # not a folder nebula writes
-        info = read_committed(store, tag)
+        try:
+            info = read_committed(store, tag)
+        except UnsupportedSchemaError as exc:
+            if unsupported is None:
+                raise
+            unsupported.append(exc)
+            continue
         if info is not None:
             infos.append(info)
     infos.sort(key=lambda info: info.sort_key)

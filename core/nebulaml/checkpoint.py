@@ -25,6 +25,7 @@ from .errors import (
     InvalidArgumentError,
     ItemNotFoundError,
     TooManyItemsError,
+    UnsupportedSchemaError,
 )
 from .history import make_row
 from .manifest import ItemEntry, utc_now
@@ -205,10 +206,15 @@ class Checkpoint:
         found_tag = False
         available: list[str] = []
         corrupt: list[CorruptCheckpointError] = []
+        unsupported: UnsupportedSchemaError | None = None
         for _tier, store in tiers.stores:
             # The manifest alone, not read_committed: an item of the wrong size must be
             # reported as corrupt (and the next tier tried), not as a missing checkpoint.
-            manifest = read_manifest(store, self.tag)
+            try:
+                manifest = read_manifest(store, self.tag)
+            except UnsupportedSchemaError as exc:
+                unsupported = unsupported or exc  # raised if no tier has a readable copy
+                continue
             if manifest is None:
                 continue
             found_tag = True
@@ -231,6 +237,8 @@ class Checkpoint:
             )
         if corrupt:
             raise corrupt[0]
+        if unsupported is not None:
+            raise unsupported
         if not found_tag:
             raise CheckpointNotFoundError(tiers.display, self.tag)
         raise ItemNotFoundError(self.tag, name, available)

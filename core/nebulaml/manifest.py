@@ -135,6 +135,15 @@ def _parse_item(doc: Any, where: str) -> ItemEntry:
     return ItemEntry(name, file, rank, size, algo, value, tensor_bytes)
 
 
+def _check_schema(version: object, where: str) -> None:
+    """A schema newer than this nebula reads is `UnsupportedSchemaError` (upgrade); a
+    missing, malformed or impossible one (below 1) is corruption, a `ManifestError`."""
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ManifestError(where, f"manifest has no valid schema_version ({version!r})")
+    if version not in SUPPORTED_SCHEMAS:
+        raise UnsupportedSchemaError(where, version, SUPPORTED_SCHEMAS)
+
+
 def parse_manifest(data: bytes, where: str) -> Manifest:
     """Parse and validate manifest bytes; `where` names the file in error messages.
 
@@ -148,8 +157,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if not isinstance(doc, dict):
         raise ManifestError(where, "manifest is not a JSON object")
     version = doc.get("schema_version")
-    if version not in SUPPORTED_SCHEMAS or isinstance(version, bool):
-        raise UnsupportedSchemaError(where, version, SUPPORTED_SCHEMAS)
+    _check_schema(version, where)
     tag = _require(doc, "tag", str, where)
     try:
         validate_name("tag", tag)
@@ -227,9 +235,7 @@ def parse_marker(data: bytes, where: str) -> RankMarker:
         raise ManifestError(where, f"rank marker is not valid JSON ({exc})") from exc
     if not isinstance(doc, dict):
         raise ManifestError(where, "rank marker is not a JSON object")
-    version = doc.get("schema_version")
-    if version not in SUPPORTED_SCHEMAS or isinstance(version, bool):
-        raise UnsupportedSchemaError(where, version, SUPPORTED_SCHEMAS)
+    _check_schema(doc.get("schema_version"), where)
     items = tuple(_parse_item(item, where) for item in _require(doc, "items", list, where))
     labels = doc.get("labels", [])
     if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):

@@ -74,11 +74,43 @@ def test_malformed_manifests_are_refused(data: bytes, match: str) -> None:
         parse_manifest(data, "somewhere/manifest.json")
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", None, True])
-def test_unknown_schema_version(version: object) -> None:
+@pytest.mark.parametrize("version", [2, 99])
+def test_newer_schema_version_asks_for_an_upgrade(version: object) -> None:
     data = _broken(lambda d: d.update(schema_version=version))
     with pytest.raises(nm.UnsupportedSchemaError, match="upgrade nebula-checkpoint"):
         parse_manifest(data, "m")
+
+
+@pytest.mark.parametrize("version", [0, -1, "1", None, True, 1.0])
+def test_malformed_schema_version_is_corruption(version: object) -> None:
+    # Not "a newer nebula": a damaged manifest, so another tier's copy can be used.
+    data = _broken(lambda d: d.update(schema_version=version))
+    with pytest.raises(nm.ManifestError, match="no valid schema_version") as err:
+        parse_manifest(data, "m")
+    assert not isinstance(err.value, nm.UnsupportedSchemaError)
+
+
+def test_a_newer_schema_on_one_tier_falls_back_to_the_other(root: Path) -> None:
+    import os
+
+    nm.init(str(root), persistent_time_interval=0)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
+    nm.flush_persistence()
+    nm.shutdown()
+    memory = Path(os.environ["NEBULA_MEMORY_TIER_PATH"])
+    (manifest,) = memory.rglob("manifest.json")
+    doc = json.loads(manifest.read_text())
+    doc["schema_version"] = 3  # a bit flip of the "1", or a damaged copy
+    manifest.write_text(json.dumps(doc))
+    latest = nm.get_latest_checkpoint(str(root))
+    assert latest is not None and torch.equal(latest.load("model")["w"], torch.ones(3))
+    # Every tier unreadable: the error, never a silent skip.
+    disk = root / "global_step1" / "manifest.json"
+    disk.write_text(json.dumps(doc))
+    with pytest.raises(nm.UnsupportedSchemaError):
+        nm.get_latest_checkpoint(str(root))
+    with pytest.raises(nm.UnsupportedSchemaError):
+        nm.get_checkpoint("global_step1", str(root))
 
 
 def test_manifest_has_no_absolute_paths_or_pickles(root: Path) -> None:
