@@ -459,14 +459,22 @@ def _copy_item(
 
 
 def copy_part(
-    src: Store, dst: Store, tag: str, *, rank: int, world_size: int, timeout_s: float
+    src: Store,
+    dst: Store,
+    tag: str,
+    *,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    wait: bool = True,
 ) -> int:
     """Copy one rank's part of `tag` (its marker and the items it lists) to another tier,
-    verified, then wait until every rank's part is there and the manifest is published.
+    verified; then, with `wait`, wait until every rank's part is there and the manifest is
+    published (`RankTimeoutError` after `timeout_s`: the tag stays uncommitted on `dst`).
 
-    Each rank persists its own part; whichever sees every marker first commits. Returns the
-    bytes of this rank's items. Raises `RankTimeoutError` if other ranks' parts do not
-    arrive within `timeout_s` (the tag then stays uncommitted on `dst`).
+    Each rank persists its own part; whichever sees every marker first commits. Without
+    `wait` this returns once the part is durable (followers must not block: the leader
+    may be waiting for one of their older parts). Returns the bytes of this rank's items.
     """
     where = src.display(tag, marker_name(rank))
     marker = parse_marker(src.read_bytes(tag, marker_name(rank)), where)
@@ -479,8 +487,15 @@ def copy_part(
     for item in marker.items:
         _copy_item(src, dst, tag, item, lambda _n: None)
     dst.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
-    await_commit(dst, tag, world_size=world_size, timeout_s=timeout_s, poll_s=0.05, max_poll_s=0.5)
     dst.remove(tag, writer_marker_name(rank))
+    if wait:
+        await_commit(
+            dst, tag, world_size=world_size, timeout_s=timeout_s, poll_s=0.05, max_poll_s=0.5
+        )
+    else:
+        markers = read_markers(dst, tag, world_size)
+        if markers is not None and read_committed(dst, tag) is None:
+            _publish_manifest(dst, tag, world_size, markers)
     return size
 
 

@@ -12,6 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import xxhash
+
 from .errors import ManifestError, UnsupportedSchemaError
 from .names import validate_name
 
@@ -82,6 +84,10 @@ class Manifest:
         return next((item for item in self.items if item.name == name), None)
 
     def to_json(self) -> dict[str, Any]:
+        """The manifest document, sealed with its own checksum (see `seal`)."""
+        return json.loads(self.to_bytes())
+
+    def _fields(self) -> dict[str, Any]:
         return {
             "schema_version": self.schema_version,
             "tag": self.tag,
@@ -96,7 +102,7 @@ class Manifest:
         }
 
     def to_bytes(self) -> bytes:
-        return (json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n").encode()
+        return seal(self._fields())
 
 
 def _require(doc: dict[str, Any], key: str, kinds: type | tuple[type, ...], where: str) -> Any:
@@ -116,6 +122,10 @@ def _tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
 def _parse_item(doc: Any, where: str) -> ItemEntry:
     if not isinstance(doc, dict):
         raise ManifestError(where, "manifest item is not an object")
+    if set(doc) - _ITEM_KEYS:
+        raise ManifestError(
+            where, f"manifest item has unknown field(s) {sorted(set(doc) - _ITEM_KEYS)}"
+        )
     name = _require(doc, "name", str, where)
     file = _require(doc, "file", str, where)
     try:
@@ -133,6 +143,40 @@ def _parse_item(doc: Any, where: str) -> ItemEntry:
     if size < 0 or rank < 0 or tensor_bytes < 0:
         raise ManifestError(where, f"item {name!r} has a negative size or rank")
     return ItemEntry(name, file, rank, size, algo, value, tensor_bytes)
+
+
+_MANIFEST_KEYS = frozenset(
+    {"schema_version", "tag", "step", "created_at", "committed_at", "world_size", "items",
+     "total_bytes", "producer", "labels", "checksum"}
+)  # fmt: skip
+_ITEM_KEYS = frozenset({"name", "file", "rank", "size_bytes", "checksum", "tensor_bytes"})
+
+
+def _self_checksum(doc: dict[str, Any]) -> str:
+    body = {key: value for key, value in doc.items() if key != "checksum"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return xxhash.xxh3_64(canonical.encode()).hexdigest()
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """A manifest document as bytes, with its own checksum (xxh3 over the canonical JSON
+    of every other field), so that any change to a committed manifest is detected.
+
+    Example:
+        >>> json.loads(seal({"tag": "t"}))["checksum"]["algo"]
+        'xxh3_64'
+    """
+    doc = {**doc, "checksum": {"algo": CHECKSUM_ALGO, "value": _self_checksum(doc)}}
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _check_seal(doc: dict[str, Any], where: str) -> None:
+    unknown = sorted(set(doc) - _MANIFEST_KEYS)
+    if unknown:
+        raise ManifestError(where, f"manifest has unknown field(s) {', '.join(unknown)}")
+    checksum = _require(doc, "checksum", dict, where)
+    if checksum.get("algo") != CHECKSUM_ALGO or checksum.get("value") != _self_checksum(doc):
+        raise ManifestError(where, "manifest does not match its own checksum (it was altered)")
 
 
 def _check_schema(version: object, where: str) -> None:
@@ -186,6 +230,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     world_size = _require(doc, "world_size", int, where)
     if world_size < 1:
         raise ManifestError(where, "manifest world_size is below 1")
+    _check_seal(doc, where)  # last: the structural errors above say more
     return Manifest(
         tag=tag,
         step=step,

@@ -147,8 +147,7 @@ class Persister:
                     raise result
             else:
                 target = None
-            rows, self._rows = self._rows, []
-        self._append_history(rows)
+        self._write_history()
         return target
 
     def protected(self) -> set[str]:
@@ -251,9 +250,9 @@ class Persister:
                 if tag is not None:
                     self._inflight = tag
                     self._last_start = time.monotonic()
-                rows, self._rows = self._rows, []
-                finished = tag is None and not rows and not probe and self._finished()
-            self._append_history(rows)
+                wrote = bool(self._rows)
+                finished = tag is None and not wrote and not probe and self._finished()
+            self._write_history()
             if finished:
                 return
             if probe:
@@ -328,6 +327,9 @@ class Persister:
                     rank=self.rank,
                     world_size=self.ranks.world_size,
                     timeout_s=self.rank_timeout_s,
+                    # Rank 0 waits for the whole and reports a missing rank; the others
+                    # must not block (rank 0 may be waiting for one of their older parts).
+                    wait=self.ranks.is_leader,
                 )
             else:
                 src = read_committed(self.tiers.memory, tag)
@@ -374,13 +376,19 @@ class Persister:
         for tag in plan_retention(versions, self.retention, {just_persisted}):
             delete_checkpoint(persistent, tag)
 
-    def _append_history(self, rows: list[HistoryRow]) -> None:
-        if not rows:
-            return
-        try:
-            with self._history_lock:
+    def _write_history(self) -> None:
+        """Append the queued rows. Taking them and writing them happen under one lock, so
+        that a flush() returning after the thread took rows finds them written."""
+        with self._history_lock:
+            with self._cond:
+                rows, self._rows = self._rows, []
+            if not rows:
+                return
+            try:
                 append_rows(self.tiers.history_store, rows)
-        except NebulaError as exc:
-            # The history is a report, not a checkpoint: losing rows must not fail training,
-            # but it is said.
-            log.warning("could not append %d row(s) to the checkpoint history: %s", len(rows), exc)
+            except NebulaError as exc:
+                # The history is a report, not a checkpoint: losing rows must not fail
+                # training, but it is said.
+                log.warning(
+                    "could not append %d row(s) to the checkpoint history: %s", len(rows), exc
+                )

@@ -12,6 +12,7 @@ import torch
 import xxhash
 
 import nebulaml as nm
+from nebulaml.manifest import seal
 from nebulaml.session import current
 
 STATE = {"w": torch.arange(64, dtype=torch.float32), "step": 3}
@@ -122,7 +123,7 @@ def test_a_whole_module_pickle_written_by_hand_is_refused(root: Path) -> None:
     manifest["items"][0]["size_bytes"] = len(buf.getvalue())
     manifest["total_bytes"] = len(buf.getvalue())
     manifest["items"][0]["checksum"]["value"] = xxhash.xxh3_64(buf.getvalue()).hexdigest()
-    manifest_path.write_text(json.dumps(manifest))
+    manifest_path.write_bytes(seal(manifest))  # the attacker re-seals the manifest too
     for path in Path(os.environ["NEBULA_MEMORY_TIER_PATH"]).rglob("manifest.json"):
         path.unlink()  # the memory copy would be read first
     handle = nm.get_checkpoint("global_step1", persist_path=str(root))

@@ -30,6 +30,24 @@ def _manifest(**overrides) -> Manifest:
     return Manifest(**fields)
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: d.update(committed_at=d["committed_at"].replace("1", "2")),
+        lambda d: d["producer"].update(host="elsewhere"),
+        lambda d: d.update(labels=[]),
+        lambda d: d.update(chdcksum=d.pop("checksum")),  # a flipped bit in a key
+        lambda d: d.pop("checksum"),
+    ],
+    ids=["time", "producer", "labels", "renamed-key", "no-checksum"],
+)
+def test_a_manifest_altered_in_any_field_is_refused(edit) -> None:
+    doc = json.loads(_manifest().to_bytes())
+    edit(doc)
+    with pytest.raises(nm.ManifestError):
+        parse_manifest(json.dumps(doc).encode(), "m")
+
+
 def test_round_trip() -> None:
     manifest = _manifest()
     assert parse_manifest(manifest.to_bytes(), "x") == manifest
@@ -122,7 +140,7 @@ def test_manifest_has_no_absolute_paths_or_pickles(root: Path) -> None:
     doc = json.loads(text)
     assert set(doc) == {
         "schema_version", "tag", "step", "created_at", "committed_at", "world_size",
-        "items", "total_bytes", "producer", "labels",
+        "items", "total_bytes", "producer", "labels", "checksum",
     }  # fmt: skip
     assert doc["committed_at"] >= doc["created_at"]
 
