@@ -4,7 +4,11 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.nebula-installed
 
-.PHONY: venv test lint demo scale clean
+# Azurite, the Azure Blob Storage emulator the tests start (npm; Node.js >= 18 needed).
+AZURITE_VERSION := 3.35.0
+AZURITE := .azurite/node_modules/.bin/azurite-blob
+
+.PHONY: venv test lint demo scale reliability clean azurite bench-azure
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,7 +22,12 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+$(AZURITE):
+	npm install --prefix .azurite --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION)
+
+azurite: $(AZURITE)
+
+test: lint $(AZURITE)
 	$(PY) -m pytest
 
 demo: venv
@@ -26,6 +35,12 @@ demo: venv
 
 scale: venv
 	$(PY) benchmarks/scale.py --ranks 64 128 256 --repeats 3
+
+bench-azure: venv $(AZURITE)
+	$(PY) benchmarks/azure_persist.py
+
+reliability: venv
+	$(PY) tests/reliability/run.py
 
 clean:
 	if test -x $(PY); then $(PY) -c "import nebulaml as nm, shutil; \

@@ -12,8 +12,10 @@ Not for: the save and load logic (checkpoint.py) or the public functions (api.py
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -38,6 +40,7 @@ ENV_RETENTION = "NEBULA_NUM_OF_VERSION_IN_RETENTION"
 ENV_EXIT_TIMEOUT = "NEBULA_EXIT_TIMEOUT_S"
 ENV_RANK_TIMEOUT = "NEBULA_RANK_TIMEOUT_S"
 DEFAULT_RANK_TIMEOUT_S = 300.0
+EXIT_NOT_PERSISTED = 1  # the exit status when a checkpoint could not be persisted at exit
 DEFAULT_INTERVAL_S = 100.0
 DEFAULT_RETENTION = 2
 DEFAULT_EXIT_TIMEOUT_S = 600.0
@@ -213,6 +216,7 @@ def start(config: Config) -> Session:
                 log.warning("re-init: checkpoint %r was not persisted before the switch", left)
             old.persister.raise_pending_error()
         _session = Session(config)
+        install_sigterm_handler()
         return _session
 
 
@@ -260,7 +264,33 @@ def _at_exit() -> None:
     error = session.persister.error
     if error is not None:
         sys.stderr.write(f"nebula: error: {error}\n")
+    if left is not None or error is not None:
+        # Never a silent exit 0 when a checkpoint was not made durable: the process says
+        # so (above) and its status says so. os._exit skips the handlers registered before
+        # nebula's, so flush what they would have.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        logging.shutdown()
+        os._exit(EXIT_NOT_PERSISTED)
     sys.stderr.flush()
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    # SIGTERM's default kills without running exit handlers; as an exit, the pending
+    # checkpoint is persisted (or the process says it was not).
+    raise SystemExit(128 + signum)
+
+
+def install_sigterm_handler() -> bool:
+    """Make SIGTERM a normal exit (status 143) when nobody else handles it, so that exit
+    persists the pending checkpoint. Returns whether it was installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False  # the application (or its framework) handles it
+    signal.signal(signal.SIGTERM, _terminate)
+    return True
 
 
 atexit.register(_at_exit)

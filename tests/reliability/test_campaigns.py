@@ -1,0 +1,33 @@
+"""The short tier of the reliability campaigns (the full tier: `make reliability`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from campaigns import corruption_campaign, hostile_pickle_campaign
+
+
+@pytest.fixture(autouse=True)
+def _quiet_warnings(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="nebulaml")  # each corrupt copy is warned about
+
+
+def test_corruption_is_always_detected_and_never_loads_wrong_data(tmp_path: Path) -> None:
+    figures = corruption_campaign(tmp_path, trials=80, seed=7)
+    assert figures.failures == []
+    assert figures.counts["detected %"] == 100.0
+    # Every load came back right: from the intact tier's copy (fallback), or refused.
+    assert figures.counts.get("loads correct", 0) + figures.counts.get("loads refused", 0) == 160
+    assert figures.counts.get("loads correct", 0) >= 150  # the other tier's copy was used
+    for kind in ("flips", "truncates", "zeros", "item mutations", "manifest mutations"):
+        assert figures.counts.get(kind, 0) > 0, kind
+
+
+def test_hostile_pickles_never_run(tmp_path: Path) -> None:
+    figures = hostile_pickle_campaign(tmp_path)
+    assert figures.failures == []
+    assert figures.counts["payloads"] >= 36  # 12 payloads x 3 pickle protocols
+    assert figures.counts["refused (UnsafeCheckpointError)"] == figures.counts["payloads"]
+    assert figures.counts["executed"] == 0
