@@ -519,7 +519,20 @@ def own_parts(store: Store, rank: int) -> list[tuple[str, str]]:
 
 
 def delete_checkpoint(store: Store, tag: str) -> None:
-    """Delete a tag: the manifest first (so it is invisible at once), then the data."""
+    """Delete a tag: the manifest first (so it is invisible at once), then the data.
+
+    A writer marker naming this process goes in right after the manifest goes out, so
+    that a delete cut short (the process killed) leaves a leftover that recovery knows to
+    be a dead writer's, not files nobody claims.
+    """
     validate_name("tag", tag)
     store.remove(tag, MANIFEST_NAME)
+    files = store.list_files(tag)
+    if files:
+        doc = {"host": _host(), "pid": os.getpid(), "rank": 0, "started_at": utc_now()}
+        store.write_bytes((tag, writer_marker_name(0)), json.dumps(doc).encode())
+    # Data first, our markers last: whatever a kill leaves behind still carries them.
+    for name in sorted(files, key=lambda n: n.startswith(".")):
+        if not name.startswith("."):
+            store.remove(tag, name)
     store.remove_dir(tag)

@@ -233,3 +233,149 @@ def hostile_pickle_campaign(work: Path, protocols: tuple[int, ...] = (2, 4, 5)) 
     figures.counts["executed"] = len([f for f in figures.failures if "canary" in f])
     os.environ.pop("NEBULA_MEMORY_TIER_PATH", None)
     return figures
+
+
+# crash ------------------------------------------------------------------------------------
+CRASH_CHILD = """
+import hashlib, os, signal, sys, torch
+import nebulaml as nm
+
+root, journal, kill_at, kill_step = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def digest():
+    h = hashlib.sha256()
+    for sd in (model.state_dict(), opt.state_dict()["state"]):
+        for key in sorted(sd, key=str):
+            value = sd[key]
+            for t in (value.values() if isinstance(value, dict) else [value]):
+                if isinstance(t, torch.Tensor):
+                    h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def die(point):
+    if kill_at == point and step >= kill_step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+nm.init(root, persistent_time_interval=0.3, num_of_version_in_retention=2)
+latest = nm.get_latest_checkpoint()
+step = 0
+if latest is not None:
+    model.load_state_dict(latest.load("model"))
+    opt.load_state_dict(latest.load("optimizer"))
+    step = int(latest.tag.removeprefix("global_step"))
+print("READY", step, flush=True)
+gen = torch.Generator().manual_seed(step)
+while True:
+    step += 1
+    x = torch.randn(32, 256, generator=gen)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    ckpt = nm.Checkpoint(f"global_step{step}", -2)
+    ckpt.save("model", model.state_dict())
+    die("after_item")
+    ckpt.save("optimizer", opt.state_dict())
+    die("before_manifest")
+    ckpt.commit()
+    die("after_manifest")
+    with open(journal, "a") as f:  # the ground truth: written only once commit returned
+        f.write(f"{step} {digest()}\\n")
+        f.flush()
+        os.fsync(f.fileno())
+    die("after_journal")
+"""
+
+KILL_POINTS = ("random", "after_item", "before_manifest", "after_manifest", "after_journal")
+
+
+def _digest_of(model_sd: dict[str, Any], opt_sd: dict[str, Any]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for sd in (model_sd, opt_sd["state"]):
+        for key in sorted(sd, key=str):
+            value = sd[key]
+            for t in value.values() if isinstance(value, dict) else [value]:
+                if isinstance(t, torch.Tensor):
+                    h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def crash_campaign(work: Path, kills: int, seed: int = 0) -> Figures:
+    """SIGKILL a training child again and again, at random times and at named points; after
+    each kill the newest acknowledged checkpoint (the child's fsynced journal) must still be
+    there and load with the digest the journal recorded."""
+    import subprocess
+    import sys
+
+    figures = Figures("crash")
+    rng = random.Random(seed)
+    work.mkdir(parents=True, exist_ok=True)
+    script, journal, root = work / "child.py", work / "journal.txt", work / "root"
+    script.write_text(CRASH_CHILD)
+    # The parent reads the same node's memory tier as the children.
+    os.environ["NEBULA_MEMORY_TIER_PATH"] = str(work / "mem")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for kill in range(kills):
+        point = KILL_POINTS[kill % len(KILL_POINTS)]
+        proc = subprocess.Popen(
+            [sys.executable, "-W", "ignore", str(script), str(root), str(journal), point,
+             str(rng.randint(1, 3))],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        ready = proc.stdout.readline()
+        if not ready.startswith("READY"):
+            proc.kill()
+            figures.failures.append(f"kill {kill}: child did not start: {proc.stderr.read()}")
+            continue
+        if point == "random":
+            time.sleep(rng.uniform(0.05, 1.5))
+            proc.kill()
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            figures.failures.append(f"kill {kill}: the child did not die at {point}")
+            continue
+        figures.add("kills")
+        figures.add(f"kills {point}")
+        acked = (
+            [line.split() for line in journal.read_text().splitlines()] if journal.exists() else []
+        )
+        acked = [a for a in acked if len(a) == 2]
+        latest = nm.get_latest_checkpoint(str(root))
+        if not acked:
+            continue
+        last_step, last_digest = int(acked[-1][0]), acked[-1][1]
+        if latest is None or int(latest.tag.removeprefix("global_step")) < last_step:
+            figures.add("acknowledged checkpoints lost")
+            figures.failures.append(f"kill {kill}: step {last_step} acknowledged, latest {latest}")
+            continue
+        try:
+            model_sd, opt_sd = latest.load("model"), latest.load("optimizer")
+        except nm.NebulaError as exc:
+            figures.add("latest failed to load")
+            figures.failures.append(f"kill {kill}: latest {latest.tag} failed to load: {exc}")
+            continue
+        if latest.tag == f"global_step{last_step}" and _digest_of(model_sd, opt_sd) != last_digest:
+            figures.failures.append(f"kill {kill}: {latest.tag} loads other state than acked")
+        figures.add("recoveries checked")
+    # Recovery: one more start cleans up and persists; then nothing may be left half-made.
+    nm.init(str(root), persistent_time_interval=0)
+    nm.flush_persistence()
+    nm.shutdown()
+    leftovers = nm.list_incomplete(str(root))
+    figures.counts["leftovers after recovery"] = len(leftovers)
+    if leftovers:
+        figures.failures.append(f"leftovers after recovery: {leftovers}")
+    figures.counts.setdefault("acknowledged checkpoints lost", 0)
+    figures.counts.setdefault("latest failed to load", 0)
+    os.environ.pop("NEBULA_MEMORY_TIER_PATH", None)
+    return figures

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, run in (
             ("corruption", lambda w: corruption_campaign(w, 80 if args.quick else 1000)),
             ("hostile pickles", hostile_pickle_campaign),
+            ("crash", lambda w: crash_campaign(w, 10 if args.quick else 200)),
         ):
             started = time.monotonic()
             figures = run(work / name.replace(" ", "-"))

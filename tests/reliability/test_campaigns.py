@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from campaigns import corruption_campaign, hostile_pickle_campaign
+from campaigns import corruption_campaign, crash_campaign, hostile_pickle_campaign
 
 
 @pytest.fixture(autouse=True)
@@ -31,3 +31,15 @@ def test_hostile_pickles_never_run(tmp_path: Path) -> None:
     assert figures.counts["payloads"] >= 36  # 12 payloads x 3 pickle protocols
     assert figures.counts["refused (UnsafeCheckpointError)"] == figures.counts["payloads"]
     assert figures.counts["executed"] == 0
+
+
+def test_sigkill_never_loses_an_acknowledged_checkpoint(tmp_path: Path) -> None:
+    # Random times and named points: after an item, before and after the manifest, after
+    # the journal (a persist or a retention delete is usually in flight at those points).
+    figures = crash_campaign(tmp_path, kills=5, seed=11)
+    assert figures.failures == []
+    assert figures.counts["kills"] == 5
+    assert figures.counts["acknowledged checkpoints lost"] == 0
+    assert figures.counts["latest failed to load"] == 0
+    assert figures.counts["leftovers after recovery"] == 0
+    assert figures.counts.get("recoveries checked", 0) >= 3
