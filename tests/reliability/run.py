@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from campaigns import Figures, corruption_campaign, hostile_pickle_campaign
+from campaigns import Figures, corruption_campaign, crash_campaign, hostile_pickle_campaign
 
 
 def main(argv: list[str] | None = None) -> int:
