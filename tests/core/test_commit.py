@@ -94,10 +94,12 @@ def test_delete_removes_the_manifest_first(tmp_path: Path) -> None:
     store.events.clear()
     with pytest.raises(nm.StorageError, match="injected"):
         delete_checkpoint(store, "global_step1")
-    # The delete died half-way: the data is partly there, but nothing is visible.
-    assert store.events == [("remove", "manifest.json")]
+    # The delete died half-way: the data is partly there, but nothing is visible, and
+    # the leftover carries a writer marker naming this process for recovery to judge.
+    assert store.events == [("remove", "manifest.json"), ("write", ".writer-0.json")]
     assert (tmp_path / "root" / "global_step1" / "model").exists()
     assert list_committed(store) == []
+    assert list_incomplete(store) == ["global_step1"]
 
 
 def test_commit_refuses_a_tag_another_writer_committed(tmp_path: Path) -> None:
