@@ -29,6 +29,18 @@ RootArg = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+StorageOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--storage-option",
+        metavar="KEY=VALUE",
+        show_default=False,
+        help="An fsspec storage option for URL roots, repeatable: e.g. account_name=ACCOUNT "
+        "with sas_token=... or account_key=..., or connection_string=... (az://). Without "
+        "it Azure credentials come from AZURE_STORAGE_CONNECTION_STRING, "
+        "AZURE_STORAGE_ACCOUNT_NAME with _KEY or _SAS_TOKEN, else DefaultAzureCredential.",
+    ),
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -54,15 +66,44 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
     raise typer.Exit(code)
 
 
+def parse_storage_options(items: list[str] | None) -> dict[str, str]:
+    """`--storage-option KEY=VALUE` values as a dict (a later KEY wins).
+
+    A malformed one is a usage error that never repeats what was given: it may hold a
+    secret.
+
+    Example:
+        >>> parse_storage_options(["account_name=acct", "sas_token=sv=1&sig=x"])
+        {'account_name': 'acct', 'sas_token': 'sv=1&sig=x'}
+    """
+    options: dict[str, str] = {}
+    for number, item in enumerate(items or [], start=1):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():  # e.g. a key pasted without its name
+            raise typer.BadParameter(
+                f"storage option #{number} is not KEY=VALUE (KEY a name like account_name)",
+                param_hint="--storage-option",
+            )
+        options[key] = value
+    return options
+
+
 def handles_errors(func: F) -> F:
-    """Turn `NebulaError`s raised by a command into one stderr line and an exit code."""
+    """Turn `NebulaError`s raised by a command into one stderr line and an exit code.
+
+    A command that declares `storage_option: StorageOpt` runs with those options given to
+    every root it opens by URL (`nebulaml.using_storage_options`).
+    """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         import nebulaml as nm
 
+        options = parse_storage_options(kwargs.get("storage_option"))
         try:
-            return func(*args, **kwargs)
+            with nm.using_storage_options(options):
+                return func(*args, **kwargs)
         except (nm.CheckpointNotFoundError, nm.ItemNotFoundError) as exc:
             fail(str(exc), EXIT_NOT_FOUND)
         except nm.InvalidArgumentError as exc:  # a bad tag or item name: a usage error

@@ -59,6 +59,7 @@ from .history import (
 )
 from .inspection import describe_item, inspect_checkpoint
 from .pruning import PrunePlan, execute_prune, list_prune_candidates, plan_prune
+from .storage import using_storage_options
 from .verification import verify_checkpoints
 
 __all__ = [
@@ -108,5 +109,6 @@ __all__ = [
     "read_history",
     "shutdown",
     "summarize_history",
+    "using_storage_options",
     "verify_checkpoints",
 ]

@@ -2,7 +2,9 @@
 
 The file sits at the persistent root (the memory root when there is no persistent tier)
 and is only ever appended to, one batch of whole lines per write, by the persister thread,
-so training never waits on it.
+so training never waits on it. On object stores (az://, memory://), which cannot append,
+the file holds the header and each batch is an object of its own beside it, in
+`.checkpointHistories.csv.d/` (`Store.append_text`); `read_history` reads them together.
 
 Columns (also documented in the README):
     tag, step, tier, rank, started_at, duration_s, blocking_s, size_bytes,
@@ -29,7 +31,7 @@ from .errors import (
     InvalidArgumentError,
     NebulaError,
 )
-from .storage import MissingFileError, Store
+from .storage import Store
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -164,10 +166,10 @@ def read_history(
     """
     cutoff = _cutoff(since)
     store = Store(root, storage_options)
-    try:
-        data = store.read_bytes(HISTORY_FILE)
-    except MissingFileError as exc:
-        raise HistoryNotFoundError(store.url) from exc
+    # The file, and on object stores the rows appended beside it (see Store.append_text).
+    data = store.read_appended(HISTORY_FILE)
+    if data is None:
+        raise HistoryNotFoundError(store.url)
     df = _parse(data, store.display(HISTORY_FILE))
     if cutoff is not None:
         df = df[df["started_at"] >= cutoff]

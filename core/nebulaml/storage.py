@@ -2,101 +2,107 @@
 
 `Store` is the only place in nebula that touches files. It gives the commit protocol the
 primitives it needs on any backend: durable writes (fsync on local disks), a create-only
-publish of small files (a hard link on local disks, an exclusive create elsewhere), and
-listing. Backend exceptions are translated here, once, into `StorageError`.
+publish of small files (a hard link on local disks, a conditional create on object
+stores), appends that concurrent writers cannot lose, and listing.
 
-Not for: knowing what a checkpoint is (catalog.py and commit.py build on these primitives).
+It is also the storage boundary: backend exceptions are translated here, once, into
+`StorageError` (with secrets redacted from every message), and on network stores each
+operation is retried on transient errors (a timeout, a reset connection, a 5xx) under a
+bounded `RetryPolicy` before the error reaches the caller.
+
+Not for: knowing what a checkpoint is (catalog.py and commit.py build on these primitives),
+or Azure's specifics (azure.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
-import io
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, timezone
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import CommitConflictError, NebulaError, StorageError, StorageFullError
+from . import azure, azure_blob
+from .errors import (
+    CommitConflictError,
+    InvalidArgumentError,
+    NebulaError,
+    StorageError,
+)
+from .redaction import redact, secrets_in
+from .retry import OPTION_NAMES as RETRY_OPTIONS
+from .retry import RetryPolicy
+from .retry import call as call_with_retries
+from .storage_io import (
+    LocalWriter,
+    MissingFileError,
+    RemoteReader,
+    RemoteWriter,
+    describe,
+    fsync_dir,
+    translate_errors,
+)
 
-_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-_WRITE_BUFFER_BYTES = 4 << 20
+T = TypeVar("T")
 
 
-class MissingFileError(StorageError, FileNotFoundError):
-    """A file or folder the caller asked for is not there."""
+def segments_folder(name: str) -> str:
+    """Where appends to file `name` go on object stores: a hidden folder beside it, one
+    object per append (hidden: never taken for a checkpoint tag).
+
+    Example:
+        >>> segments_folder("checkpointHistories.csv")
+        '.checkpointHistories.csv.d'
+    """
+    return f".{name}.d"
+
+
+_LOCAL_PROTOCOLS = (None, "file", "local")
+# Stores without appends (memory:// is fsspec's in-process object store, used in tests).
+_OBJECT_STORE_PROTOCOLS = frozenset({"az", "abfs", "abfss", "s3", "s3a", "gs", "gcs", "memory"})
+
+_scoped_options: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = contextvars.ContextVar(
+    "nebula_storage_options", default=()
+)
 
 
 @contextlib.contextmanager
-def translate_errors(what: str) -> Iterator[None]:
-    """Map backend exceptions to `StorageError` (and subclasses) naming `what`."""
+def using_storage_options(options: Mapping[str, Any]) -> Iterator[None]:
+    """Give `options` to every root opened by URL inside the block (not to local paths).
+
+    For the functions that take a root (`list_checkpoints`, `copy_checkpoint`,
+    `get_latest_checkpoint`, ...) when its credentials are not in the environment; options
+    passed explicitly (`init(storage_options=...)`) win over these. The `nebula` CLI's
+    `--storage-option KEY=VALUE` uses it.
+
+    Example:
+        >>> import nebulaml as nm
+        >>> with nm.using_storage_options({"account_name": "myaccount"}):
+        ...     pass  # e.g. nm.list_checkpoints("az://container/run1")
+    """
+    if not isinstance(options, Mapping):
+        raise InvalidArgumentError(f"storage options must be a mapping, not {type(options)}")
+    token = _scoped_options.set(tuple({**dict(_scoped_options.get()), **options}.items()))
     try:
         yield
-    except NebulaError:
-        raise  # already ours (a commit conflict is a FileExistsError too)
-    except FileNotFoundError as exc:
-        raise MissingFileError(f"{what}: not found") from exc
-    except OSError as exc:
-        if exc.errno in _FULL_ERRNOS:
-            raise StorageFullError(exc.errno, f"{what}: storage is full ({exc.strerror})") from exc
-        raise StorageError(f"{what}: {exc}") from exc
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
     finally:
-        os.close(fd)
-
-
-class _LocalWriter(io.RawIOBase):
-    """A buffered local file whose close() flushes and (when durable) fsyncs."""
-
-    def __init__(self, path: str, durable: bool) -> None:
-        super().__init__()
-        self._path, self._durable = path, durable
-        self._file = open(path, "wb", buffering=_WRITE_BUFFER_BYTES)  # noqa: SIM115
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        return self._file.write(data)
-
-    def flush(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            self._file.flush()
-            if self._durable:
-                os.fsync(self._file.fileno())  # a failed fsync fails the checkpoint
-        finally:
-            self._file.close()
-            super().close()
-
-    def abort(self) -> None:
-        with contextlib.suppress(OSError):
-            self._file.close()
-        super().close()
-        with contextlib.suppress(OSError):
-            os.unlink(self._path)
+        _scoped_options.reset(token)
 
 
 class Store:
     """A checkpoint root on one backend.
 
     Paths inside the root are given as parts (`"global_step5", "model"`), never as
-    strings with separators, so no caller builds paths by hand.
+    strings with separators, so no caller builds paths by hand. `storage_options` go to
+    the fsspec backend (for `az://` roots: adlfs, see azure.py), over any given by
+    `using_storage_options`; `nebula_retries`, `nebula_retry_base_s` and
+    `nebula_retry_max_s` set the retry policy of a network store.
 
     Example:
         >>> import tempfile
@@ -110,24 +116,50 @@ class Store:
     def __init__(
         self,
         url: str | os.PathLike[str],
-        storage_options: dict[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
         *,
         durable: bool = True,
     ) -> None:
         url = os.fspath(url)
-        with translate_errors(url):
+        protocol = fsspec.core.split_protocol(url)[0]
+        scoped = dict(_scoped_options.get()) if protocol not in _LOCAL_PROTOCOLS else {}
+        options = {**scoped, **(storage_options or {})}
+        self.is_azure = azure.is_azure_url(url)
+        secret_sources = dict(options)
+        if self.is_azure:  # what the Azure SDK may read from the environment is secret too
+            for name, var in (
+                ("account_key", azure.ENV_ACCOUNT_KEY),
+                ("sas_token", azure.ENV_SAS_TOKEN),
+                ("connection_string", azure.ENV_CONNECTION_STRING),
+            ):
+                secret_sources.setdefault(name, os.environ.get(var))
+        self._secrets = secrets_in(secret_sources)
+        where = redact(url, self._secrets)
+        self.policy = RetryPolicy.from_options(options, os.environ)
+        backend_options = {k: v for k, v in options.items() if k not in RETRY_OPTIONS}
+        with translate_errors(where, self._secrets, remote=True):
             try:
-                fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-            except ValueError as exc:  # an unknown protocol
-                raise StorageError(f"{url}: {exc}") from exc
+                if self.is_azure:
+                    fs, root = azure.open_filesystem(url, backend_options, os.environ)
+                    self._block_bytes, self._concurrency = azure.upload_settings(options)
+                else:
+                    fs, root = fsspec.core.url_to_fs(url, **backend_options)
             except ImportError as exc:  # a known protocol whose backend is not installed
-                raise StorageError(f"{url}: {exc}") from exc
+                raise StorageError(redact(f"{url}: {exc}", self._secrets)) from exc
+            except ValueError as exc:  # an unknown protocol, or options the backend refuses
+                raise StorageError(redact(f"{url}: {exc}", self._secrets)) from exc
         self.fs: fsspec.AbstractFileSystem = fs
         self.is_local = isinstance(fs, LocalFileSystem)
         self.root: str = os.path.abspath(root) if self.is_local else root.rstrip("/")
         # A URL that parses back to the same root (for display and for namespacing).
-        self.url: str = self.root if self.is_local else fs.unstrip_protocol(self.root)
+        if self.is_local:
+            self.url: str = self.root
+        elif self.is_azure:
+            self.url = azure.canonical_url(url)
+        else:
+            self.url = fs.unstrip_protocol(self.root)
         self.durable = durable
+        self._container_ready = False
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -145,20 +177,44 @@ class Store:
         """The OS path of `parts` if this store is on a local filesystem, else None."""
         return self.path(*parts) if self.is_local else None
 
+    # the boundary --------------------------------------------------------------------
+    def _translated(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return translate_errors(what, self._secrets, remote=not self.is_local)
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """`fn()`, a backend call: retried on transient errors (network stores), and
+        translated to `StorageError` naming `what`."""
+        if self.is_local:
+            with self._translated(what):
+                return fn()
+        tries = 0
+
+        def attempt() -> T:
+            nonlocal tries
+            tries += 1
+            return fn()
+
+        with translate_errors(what, self._secrets, remote=True, tries=self.policy.retries + 1):
+            return call_with_retries(attempt, self.policy, redact(what, self._secrets),
+                                     describe=self._describe_error)  # fmt: skip
+
+    def _describe_error(self, exc: BaseException) -> str:
+        return redact(describe(exc), self._secrets)
+
     # reading -----------------------------------------------------------------------
     def exists(self, *parts: str) -> bool:
-        with translate_errors(self.display(*parts)):
-            return bool(self.fs.exists(self.path(*parts)))
+        return self._call(self.display(*parts), lambda: bool(self.fs.exists(self.path(*parts))))
 
     def list_dirs(self) -> list[str]:
-        """Names of the folders directly under the root (hidden ones excluded)."""
+        """Names of the folders directly under the root (hidden ones excluded). On object
+        stores a folder exists while it holds a file."""
         return [name for name, kind in self._entries(()) if kind == "directory"]
 
     def list_files(self, *parts: str) -> dict[str, int]:
         """Files directly inside the folder `parts`, with their sizes in bytes."""
         out: dict[str, int] = {}
         if self.is_local:
-            with translate_errors(self.display(*parts)):
+            with self._translated(self.display(*parts)):
                 try:
                     with os.scandir(self.path(*parts)) as it:
                         for entry in it:
@@ -167,19 +223,25 @@ class Store:
                 except FileNotFoundError:
                     return {}
             return out
-        with translate_errors(self.display(*parts)):
-            try:
-                entries = self.fs.ls(self.path(*parts), detail=True)
-            except FileNotFoundError:
-                return {}
-        for entry in entries:
+        for entry in self._ls(parts):
             if entry.get("type") == "file":
                 out[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry.get("size") or 0)
         return out
 
+    def _ls(self, parts: tuple[str, ...]) -> list[dict[str, Any]]:
+        path = self.path(*parts)
+        if self.is_azure:  # one uncached request, no existence probes for an empty folder
+            return list(
+                self._call(self.display(*parts), lambda: azure_blob.list_folder(self.fs, path))
+            )
+        try:
+            return list(self._call(self.display(*parts), lambda: self.fs.ls(path, detail=True)))
+        except MissingFileError:
+            return []
+
     def _entries(self, parts: tuple[str, ...]) -> list[tuple[str, str]]:
         if self.is_local:
-            with translate_errors(self.display(*parts)):
+            with self._translated(self.display(*parts)):
                 try:
                     with os.scandir(self.path(*parts)) as it:
                         return [
@@ -189,13 +251,8 @@ class Store:
                         ]
                 except FileNotFoundError:
                     return []
-        with translate_errors(self.display(*parts)):
-            try:
-                entries = self.fs.ls(self.path(*parts), detail=True)
-            except FileNotFoundError:
-                return []
         out = []
-        for entry in entries:
+        for entry in self._ls(parts):
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
             if name and not name.startswith("."):
                 out.append((name, entry.get("type", "file")))
@@ -204,78 +261,151 @@ class Store:
     def modified_at(self, *parts: str) -> datetime | None:
         """A file's modification time (UTC), or None if the backend cannot tell or the
         file is gone."""
-        with translate_errors(self.display(*parts)):
+        path = self.path(*parts)
+        if self.is_local:
+            with self._translated(self.display(*parts)):
+                try:
+                    mtime = os.stat(path, follow_symlinks=False).st_mtime
+                except FileNotFoundError:
+                    return None
+            return datetime.fromtimestamp(mtime, timezone.utc)
+
+        def modified() -> Any:
             try:
-                if self.is_local:
-                    mtime = os.stat(self.path(*parts), follow_symlinks=False).st_mtime
-                    return datetime.fromtimestamp(mtime, timezone.utc)
-                modified = self.fs.modified(self.path(*parts))
-            except (NotImplementedError, FileNotFoundError):
+                return self.fs.modified(path)
+            except NotImplementedError:
                 return None
-        if not isinstance(modified, datetime):
+
+        try:
+            value = self._call(self.display(*parts), modified)
+        except MissingFileError:
             return None
-        return modified if modified.tzinfo is not None else modified.replace(tzinfo=timezone.utc)
+        if not isinstance(value, datetime):
+            return None
+        return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
 
     def read_bytes(self, *parts: str) -> bytes:
-        with translate_errors(self.display(*parts)):
-            if self.is_local:
-                with open(self.path(*parts), "rb") as f:
-                    return f.read()
-            return bytes(self.fs.cat_file(self.path(*parts)))
+        if self.is_local:
+            with self._translated(self.display(*parts)), open(self.path(*parts), "rb") as f:
+                return f.read()
+        return bytes(self._call(self.display(*parts), lambda: self.fs.cat_file(self.path(*parts))))
 
     @contextlib.contextmanager
     def open_read(self, *parts: str) -> Iterator[BinaryIO]:
         """A binary stream of a file; backend errors while reading become StorageError."""
         where = self.display(*parts)
-        with translate_errors(where):
-            if self.is_local:
-                f: BinaryIO = open(self.path(*parts), "rb")  # noqa: SIM115
-            else:
-                f = self.fs.open(self.path(*parts), "rb")
+        if self.is_local:
+            with self._translated(where):
+                f: Any = open(self.path(*parts), "rb")  # noqa: SIM115
+        else:
+            raw = self._call(where, lambda: self.fs.open(self.path(*parts), "rb"))
+            f = RemoteReader(raw, lambda fn: self._call(where, fn))
         try:
-            with translate_errors(where):
+            # The block is the caller's code: only OS errors are the storage's here.
+            with translate_errors(where, self._secrets):
                 yield f
         finally:
             f.close()
 
+    def read_appended(self, *parts: str) -> bytes | None:
+        """Everything `append_text` appended to a file, in order (None if never written).
+
+        On object stores the appends are separate objects under `.<file>.d/`, read in
+        the order of their names (the time each was written); a file at the name itself
+        (written whole, or by an older nebula) comes first.
+        """
+        try:
+            head: bytes | None = self.read_bytes(*parts)
+        except MissingFileError:
+            head = None
+        if not self._appends_as_objects:
+            return head
+        folder = (*parts[:-1], segments_folder(parts[-1]))
+        names = sorted(self.list_files(*folder))
+        if not names:
+            return head
+        paths = [self.path(*folder, name) for name in names]
+        found = self._call(self.display(*folder), lambda: self.fs.cat(paths, on_error="raise"))
+        if len(found) != len(paths):
+            raise StorageError(f"{self.display(*folder)}: {len(paths)} appends listed, "
+                               f"{len(found)} read")  # fmt: skip
+        pieces = [head] if head else []
+        pieces += [bytes(found[key]) for key in sorted(found)]  # one folder: by name
+        return b"".join(p if p.endswith(b"\n") else p + b"\n" for p in pieces if p)
+
     # writing -----------------------------------------------------------------------
     def make_dir(self, *parts: str) -> None:
-        """Create the folder `parts` (and the root); on local disks make the entry durable."""
+        """Create the folder `parts` (and the root); on local disks make the entry durable.
+        Object stores have no empty folders: there a folder appears with its first file
+        (the container of an `az://` root is created if it is missing)."""
         where = self.display(*parts)
-        with translate_errors(where):
-            if self.is_local:
+        if self.is_local:
+            with self._translated(where):
                 path = self.path(*parts)
                 existed = os.path.isdir(path)
                 os.makedirs(path, exist_ok=True)
                 if self.durable and not existed:
-                    _fsync_dir(os.path.dirname(path))
-            else:
-                self.fs.makedirs(self.path(*parts), exist_ok=True)
+                    fsync_dir(os.path.dirname(path))
+        elif self.is_azure:
+            if not self._container_ready:
+                container = self.root.split("/", 1)[0]
+                self._call(where, lambda: azure_blob.ensure_container(self.fs, container))
+                self._container_ready = True
+        else:
+            self._call(where, lambda: self.fs.makedirs(self.path(*parts), exist_ok=True))
 
     @contextlib.contextmanager
     def open_write(self, *parts: str) -> Iterator[BinaryIO]:
-        """Write a file; it is durable when the block exits, and removed if it raises."""
+        """Write a file; it is durable when the block exits, and removed if it raises.
+
+        On Azure the file is uploaded in blocks, several in flight, while the block runs,
+        and appears (whole) only when the block exits.
+        """
         where = self.display(*parts)
         path = self.path(*parts)
-        with translate_errors(where):
-            if self.is_local:
-                writer: Any = _LocalWriter(path, self.durable)
-            else:
-                writer = self.fs.open(path, "wb")
-        try:
-            with translate_errors(where):
-                yield writer
-        except BaseException:
-            if self.is_local:
+        if self.is_local:
+            with self._translated(where):
+                writer: Any = LocalWriter(path, self.durable)
+            try:
+                with self._translated(where):
+                    yield writer
+            except BaseException:
                 writer.abort()
-            else:
-                with contextlib.suppress(Exception):
-                    writer.close()
-                with contextlib.suppress(Exception):
-                    self.fs.rm_file(path)
+                raise
+            with self._translated(where):
+                writer.close()
+            return
+        if self.is_azure:
+            raw: Any = azure_blob.BlockWriter(
+                self.fs,
+                path,
+                block_bytes=self._block_bytes,
+                concurrency=self._concurrency,
+                policy=self.policy,
+                what=redact(where, self._secrets),
+                describe=self._describe_error,
+            )
+        else:
+            raw = self._call(where, lambda: self.fs.open(path, "wb"))
+
+        # The block writer retried each block already: its error says how often.
+        tries = self.policy.retries + 1 if self.is_azure else 1
+
+        def translated(fn: Callable[[], Any]) -> Any:
+            with translate_errors(where, self._secrets, remote=True, tries=tries):
+                return fn()
+
+        remote = RemoteWriter(raw, translated)
+        try:
+            with translate_errors(where, self._secrets):
+                yield remote  # type: ignore[misc]
+            remote.finish()
+        except BaseException:
+            remote.abort()
+            if not self.is_azure:  # an fsspec writer may have left a partial file
+                with contextlib.suppress(NebulaError):
+                    self.remove(*parts)
             raise
-        with translate_errors(where):
-            writer.close()
 
     def write_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
         """Write (or replace) a small file durably."""
@@ -286,26 +416,43 @@ class Store:
         """Make a small file appear whole, or not at all (the commit point of a tag).
 
         Local disks: write a temporary file, fsync, hard-link it into place (which fails
-        if the name exists) or rename it over, then fsync the folder. Other stores: an
-        exclusive create. Raises `CommitConflictError` if `create_only` and it exists.
+        if the name exists) or rename it over, then fsync the folder. Azure: one upload
+        with `If-None-Match: *`, which the service refuses if the name exists. Other
+        stores: an exclusive create. Raises `CommitConflictError` if `create_only` and it
+        exists. On Azure, a create that finds exactly the bytes it was to write is a
+        success, not a conflict: a retried upload whose first answer was lost finds its
+        own bytes there (the manifest and history names make other writers' differ).
         """
         where = self.display(*parts)
         path = self.path(*parts)
-        if not self.is_local:
-            with translate_errors(where):
-                if not create_only:
-                    with self.fs.open(path, "wb") as f:
-                        f.write(data)
-                    return
+        if self.is_azure:
+
+            def upload() -> None:
                 try:
-                    with self.fs.open(path, "xb") as f:
+                    azure_blob.create_blob(self.fs, path, data, overwrite=not create_only)
+                except FileExistsError as exc:
+                    # A retry (ours, or the HTTP client's own for a PUT on a dropped
+                    # connection) may find what the first try wrote: the same bytes.
+                    if bytes(self.fs.cat_file(path)) == data:
+                        return
+                    raise self._conflict(parts) from exc
+
+            self._call(where, upload)
+            return
+        if not self.is_local:
+
+            def create() -> None:
+                try:
+                    with self.fs.open(path, "xb" if create_only else "wb") as f:
                         f.write(data)
                 except FileExistsError as exc:
                     raise self._conflict(parts) from exc
+
+            self._call(where, create)
             return
         folder = os.path.dirname(path)
         tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
-        with translate_errors(where):
+        with self._translated(where):
             try:
                 with open(tmp, "wb") as f:
                     f.write(data)
@@ -327,7 +474,7 @@ class Store:
                 else:
                     os.replace(tmp, path)
                 if self.durable:
-                    _fsync_dir(folder)
+                    fsync_dir(folder)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
@@ -338,12 +485,27 @@ class Store:
             return CommitConflictError(self.display(*parts[:-2]), parts[-2])
         return CommitConflictError(self.url, parts[-1])
 
+    @property
+    def _appends_as_objects(self) -> bool:
+        # Object stores cannot append to an object safely from several writers; every
+        # append is an object of its own there. Local files take O_APPEND writes; other
+        # fsspec stores rewrite the file (safe for one writer at a time only).
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        return self.is_azure or bool(_OBJECT_STORE_PROTOCOLS.intersection(protocols))
+
     def append_text(self, parts: tuple[str, ...], text: str) -> None:
-        """Append text to a file (created if missing); durable on local disks."""
+        """Append text to a file (created if missing); read it back with `read_appended`.
+
+        Local disks: one O_APPEND write (whole lines from concurrent writers stay whole),
+        fsynced. Object stores (Azure, S3, GCS, memory://): a new object
+        `.<file>.d/<UTC time>-<random>.part` created create-only, so concurrent writers
+        never overwrite each other and a retried append is not written twice. Other
+        stores: read, then rewrite the file.
+        """
         where = self.display(*parts)
         data = text.encode("utf-8")
-        with translate_errors(where):
-            if self.is_local:
+        if self.is_local:
+            with self._translated(where):
                 fd = os.open(self.path(*parts), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                 try:
                     # One write per batch keeps concurrent appenders' lines whole.
@@ -352,37 +514,56 @@ class Store:
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                return
-            old = self.fs.cat_file(self.path(*parts)) if self.fs.exists(self.path(*parts)) else b""
-            with self.fs.open(self.path(*parts), "wb") as f:
+            return
+        if self._appends_as_objects:
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+            name = f"{stamp}-{uuid.uuid4().hex[:12]}.part"
+            self.publish((*parts[:-1], segments_folder(parts[-1]), name), data)
+            return
+        path = self.path(*parts)
+
+        def rewrite() -> None:
+            old = self.fs.cat_file(path) if self.fs.exists(path) else b""
+            with self.fs.open(path, "wb") as f:
                 f.write(bytes(old) + data)
+
+        self._call(where, rewrite)
 
     def remove(self, *parts: str) -> None:
         """Remove one file; a missing file is not an error."""
-        with translate_errors(self.display(*parts)):
+        where = self.display(*parts)
+        if not self.is_local:
+            with contextlib.suppress(MissingFileError):
+                self._call(where, lambda: self.fs.rm_file(self.path(*parts)))
+            return
+        with self._translated(where):
             try:
-                if self.is_local:
-                    os.unlink(self.path(*parts))
-                else:
-                    self.fs.rm_file(self.path(*parts))
+                os.unlink(self.path(*parts))
             except FileNotFoundError:
                 return
-        if self.is_local and self.durable and parts[:-1]:
+        if self.durable and parts[:-1]:
             with (
-                translate_errors(self.display(*parts[:-1])),
+                self._translated(self.display(*parts[:-1])),
                 contextlib.suppress(FileNotFoundError),
             ):
-                _fsync_dir(self.path(*parts[:-1]))
+                fsync_dir(self.path(*parts[:-1]))
 
     def remove_dir(self, *parts: str) -> None:
         """Remove a folder that holds only files (a tag folder); missing is not an error."""
         for name in self.list_files(*parts):
             self.remove(*parts, name)
-        with translate_errors(self.display(*parts)):
-            try:
-                if self.is_local:
-                    os.rmdir(self.path(*parts))
-                elif self.fs.exists(self.path(*parts)):
-                    self.fs.rm(self.path(*parts), recursive=True)
-            except FileNotFoundError:
-                return
+        where = self.display(*parts)
+        path = self.path(*parts)
+        if self.is_local:
+            with self._translated(where), contextlib.suppress(FileNotFoundError):
+                os.rmdir(path)
+            return
+
+        def rm_folder() -> None:
+            # A store with real folders (memory://, ADLS with a hierarchical namespace)
+            # keeps the empty folder; a flat blob store has nothing left to remove.
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=True)
+
+        with contextlib.suppress(MissingFileError):
+            self._call(where, rm_folder)

@@ -8,7 +8,16 @@ from typing import Annotated, Any
 
 import typer
 
-from ..output import JsonOpt, RootArg, emit_json, handles_errors, human_bytes, stderr, stdout
+from ..output import (
+    JsonOpt,
+    RootArg,
+    StorageOpt,
+    emit_json,
+    handles_errors,
+    human_bytes,
+    stderr,
+    stdout,
+)
 
 
 @handles_errors
@@ -32,6 +41,7 @@ def copy_command(
         bool, typer.Option("--overwrite", help="Replace a different committed copy at DEST.")
     ] = False,
     as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Copy a checkpoint to DEST, verify every item there, and commit it there last.
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from ..output import JsonOpt, RootArg, emit_json, handles_errors, stdout
+from ..output import JsonOpt, RootArg, StorageOpt, emit_json, handles_errors, stdout
 
 
 @handles_errors
 def flush_command(
     root: RootArg,
     as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Persist memory-tier checkpoints newer than ROOT's newest (what a crashed job left).
 

@@ -17,7 +17,16 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..output import JsonOpt, RootArg, emit_json, fail, handles_errors, human_bytes, stdout
+from ..output import (
+    JsonOpt,
+    RootArg,
+    StorageOpt,
+    emit_json,
+    fail,
+    handles_errors,
+    human_bytes,
+    stdout,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -90,6 +99,7 @@ def history_command(
         ),
     ] = None,
     as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Show recent checkpoint saves and persists and summarise them.
 

@@ -9,7 +9,16 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from ..output import JsonOpt, RootArg, emit_json, handles_errors, human_age, human_bytes, stdout
+from ..output import (
+    JsonOpt,
+    RootArg,
+    StorageOpt,
+    emit_json,
+    handles_errors,
+    human_age,
+    human_bytes,
+    stdout,
+)
 
 TagArg = Annotated[str, typer.Argument(help="The checkpoint's tag, e.g. global_step500.")]
 
@@ -27,6 +36,7 @@ def inspect_command(
         ),
     ] = None,
     as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Show a checkpoint's manifest, its items, and the tensors inside an item.
 

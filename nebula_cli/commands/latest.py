@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from ..output import JsonOpt, RootArg, emit_json, handles_errors
+from ..output import JsonOpt, RootArg, StorageOpt, emit_json, handles_errors
 
 
 @handles_errors
@@ -21,6 +21,7 @@ def latest_command(
         ),
     ] = None,
     as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Print the newest committed checkpoint's tag (exit 3 when there is none).
 

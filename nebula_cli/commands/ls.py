@@ -7,7 +7,16 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..output import JsonOpt, RootArg, emit_json, handles_errors, human_age, human_bytes, stdout
+from ..output import (
+    JsonOpt,
+    RootArg,
+    StorageOpt,
+    emit_json,
+    handles_errors,
+    human_age,
+    human_bytes,
+    stdout,
+)
 
 
 @handles_errors
@@ -17,6 +26,7 @@ def ls_command(
         bool, typer.Option("--all", "-a", help="Also list incomplete (uncommitted) tags.")
     ] = False,
     as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """List committed checkpoints, newest first, with the tiers that hold them.
 

@@ -8,7 +8,17 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from ..output import EXIT_ERROR, JsonOpt, RootArg, emit_json, fail, handles_errors, stderr, stdout
+from ..output import (
+    EXIT_ERROR,
+    JsonOpt,
+    RootArg,
+    StorageOpt,
+    emit_json,
+    fail,
+    handles_errors,
+    stderr,
+    stdout,
+)
 
 if TYPE_CHECKING:
     from nebulaml.pruning import PrunePlan
@@ -61,6 +71,7 @@ def prune_command(
         ),
     ] = 3600.0,
     as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Delete old checkpoints from ROOT, keeping the newest N.
 

@@ -11,7 +11,16 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from ..output import EXIT_ERROR, JsonOpt, RootArg, emit_json, handles_errors, stderr, stdout
+from ..output import (
+    EXIT_ERROR,
+    JsonOpt,
+    RootArg,
+    StorageOpt,
+    emit_json,
+    handles_errors,
+    stderr,
+    stdout,
+)
 
 TagArg = Annotated[
     str | None, typer.Argument(help="Only this checkpoint (default: every checkpoint).")
@@ -25,6 +34,7 @@ def verify_command(
     root: RootArg,
     tag: TagArg = None,
     as_json: JsonOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Re-read every item on every tier and check its size and checksum.
 

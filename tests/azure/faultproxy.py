@@ -1,0 +1,160 @@
+"""A fault-injecting HTTP proxy in front of Azurite: the network, misbehaving on cue.
+
+Tests point a root's endpoint at the proxy (127.0.0.1, its own port). Each request is
+read whole (head and Content-Length body), then, by the faults queued for requests whose
+method and path match, either answered by the proxy itself (`status`: e.g. 503, 403),
+cut off before Azurite sees it (`reset`: the connection is reset), or forwarded and its
+answer lost (`drop_response`: Azurite acts on it, the client sees a reset). Everything
+else is forwarded to Azurite unchanged, one request per connection (`Connection: close`).
+Every request is recorded in `log` as (method, path, outcome).
+
+Not for: speed (a thread per connection) or HTTP beyond what the Azure SDK sends.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+
+
+@dataclass
+class Fault:
+    kind: str  # "status", "reset" or "drop_response"
+    times: int  # how many matching requests it applies to
+    method: str | None = None  # e.g. "PUT"; None: any
+    path_contains: str | None = None  # e.g. "manifest.json", "comp=block"; None: any
+    status: int = 503
+
+
+class FaultProxy:
+    """Forwards 127.0.0.1:<port> to Azurite's port, injecting queued faults."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._faults: list[Fault] = []
+        self._lock = threading.Lock()
+        self.log: list[tuple[str, str, str]] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    # control -------------------------------------------------------------------------------
+    def inject(self, fault: Fault) -> None:
+        with self._lock:
+            self._faults.append(fault)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._faults.clear()
+            self.log.clear()
+
+    def outcomes(self, outcome: str | None = None) -> list[tuple[str, str, str]]:
+        with self._lock:
+            return [e for e in self.log if outcome is None or e[2] == outcome]
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+    # serving -------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _take_fault(self, method: str, path: str) -> Fault | None:
+        with self._lock:
+            for fault in self._faults:
+                if fault.times <= 0:
+                    continue
+                if fault.method and fault.method != method:
+                    continue
+                if fault.path_contains and fault.path_contains not in path:
+                    continue
+                fault.times -= 1
+                return fault
+        return None
+
+    def _record(self, method: str, path: str, outcome: str) -> None:
+        with self._lock:
+            self.log.append((method, path, outcome))
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            request = _read_request(conn)
+            if request is None:
+                return
+            head, body = request
+            request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+            method, path = request_line.split(" ")[:2]
+            fault = self._take_fault(method, path)
+            if fault is not None and fault.kind == "status":
+                self._record(method, path, f"status {fault.status}")
+                reply = (
+                    f"HTTP/1.1 {fault.status} Injected\r\nContent-Type: application/xml\r\n"
+                    f"Content-Length: 0\r\nConnection: close\r\n\r\n"
+                )
+                conn.sendall(reply.encode())
+                return
+            if fault is not None and fault.kind == "reset":
+                self._record(method, path, "reset")
+                _reset(conn)
+                return
+            response = self._forward(_close_after(head + body))
+            if fault is not None and fault.kind == "drop_response":
+                self._record(method, path, "drop_response")
+                _reset(conn)
+                return
+            self._record(method, path, "forwarded")
+            conn.sendall(_close_after(response, response=True))
+
+    def _forward(self, data: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", self.upstream_port), timeout=60) as up:
+            up.sendall(data)
+            chunks = []
+            while chunk := up.recv(1 << 20):
+                chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _read_request(conn: socket.socket) -> tuple[bytes, bytes] | None:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    while len(body) < length:
+        chunk = conn.recv(1 << 20)
+        if not chunk:
+            return None
+        body += chunk
+    return head + b"\r\n\r\n", body
+
+
+def _close_after(message: bytes, *, response: bool = False) -> bytes:
+    """A request or response with `Connection: close`: one request per connection, so
+    that the client never reuses a connection the proxy is about to close."""
+    head, sep, body = message.partition(b"\r\n\r\n")
+    if response and not sep:
+        return message
+    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"connection:")]
+    return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n" + body
+
+
+def _reset(conn: socket.socket) -> None:
+    """Close with RST (SO_LINGER 0): the client sees a connection reset."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -1,0 +1,117 @@
+"""The object-store commit protocol on Azure (DESIGN.md §4), seen from the wire.
+
+Items first, then `manifest.json` created only if absent; deletion removes the manifest
+first; two writers racing for one tag: exactly one commits, the other is told so.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from azurite import ACCOUNT, KEY, Azurite
+from faultproxy import FaultProxy
+
+import nebulaml as nm
+from nebulaml.commit import delete_checkpoint
+from nebulaml.storage import Store
+
+RACER = """
+import json, sys, time
+from nebulaml.storage import Store
+import nebulaml as nm
+url, options, who, start_at = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+store = Store(url, options)
+store.exists("global_step7")  # connected before the start line
+time.sleep(max(0.0, start_at - time.time()))
+try:
+    store.publish(("global_step7", "manifest.json"), json.dumps({"writer": who}).encode())
+    print("COMMITTED")
+except nm.CommitConflictError as exc:
+    print("CONFLICT", exc)
+"""
+
+
+@pytest.fixture
+def proxy(azure_env: Azurite) -> Iterator[FaultProxy]:
+    server = FaultProxy(azure_env.port)
+    yield server
+    server.close()
+
+
+def _through(proxy: FaultProxy) -> dict[str, object]:
+    return {
+        "connection_string": (
+            f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};"
+            f"BlobEndpoint=http://127.0.0.1:{proxy.port}/{ACCOUNT};"
+        ),
+        "nebula_block_bytes": 64 << 10,
+    }
+
+
+def test_two_processes_racing_for_a_tag_one_commits(az_url: str, azure_env: Azurite) -> None:
+    # Catches: a manifest written with overwrite (both "commit", the last one wins
+    # silently), or a check-then-write create that lets both through.
+    options = {"connection_string": azure_env.connection_string}
+    Store(az_url, options).make_dir()
+    start_at = time.time() + 3.0  # both are connected and waiting by then
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, az_url, json.dumps(options), who, str(start_at)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for who in ("a", "b")
+    ]
+    outputs = [r.communicate(timeout=120)[0].strip() for r in racers]
+    assert all(r.returncode == 0 for r in racers), outputs
+    assert sorted(o.split()[0] for o in outputs) == ["COMMITTED", "CONFLICT"], outputs
+    loser = next(o for o in outputs if o.startswith("CONFLICT"))
+    assert f"{az_url}: checkpoint 'global_step7' was committed by another writer first" in loser
+    winner = "a" if outputs[0].startswith("COMMITTED") else "b"
+    assert json.loads(Store(az_url, options).read_bytes("global_step7", "manifest.json")) == {
+        "writer": winner
+    }
+
+
+def test_items_go_up_first_and_the_manifest_last_created_only_if_absent(
+    az_url: str, proxy: FaultProxy
+) -> None:
+    # Catches: the manifest uploaded before (or while) the items are, so that a reader
+    # between the two sees a committed checkpoint whose items are missing or partial;
+    # and a manifest upload that may overwrite.
+    nm.init(az_url, persistent_time_interval=3600, storage_options=_through(proxy))
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(100_000)})
+    proxy.clear()
+    nm.flush_persistence()
+    puts = [path for method, path, _ in proxy.outcomes() if method == "PUT"]
+    manifest = [i for i, p in enumerate(puts) if p.split("?")[0].endswith("/manifest.json")]
+    items = [i for i, p in enumerate(puts) if "/global_step1/model" in p]
+    assert len(manifest) == 1 and len(items) > 2  # blocks, then the block list
+    assert max(items) < manifest[0]
+    assert "comp=blocklist" in puts[max(items)]
+    with pytest.raises(nm.CommitConflictError):  # the service refuses a second manifest
+        Store(az_url, _through(proxy)).publish(("global_step1", "manifest.json"), b"{}")
+
+
+def test_deletion_removes_the_manifest_first(az_url: str, proxy: FaultProxy) -> None:
+    # Catches: items deleted before the manifest: a reader in between would see a
+    # "committed" checkpoint with items missing.
+    store = Store(az_url, _through(proxy))
+    nm.init(az_url, persistent_time_interval=3600, storage_options=_through(proxy))
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(1000)})
+    nm.flush_persistence()
+    nm.shutdown()
+    proxy.clear()
+    delete_checkpoint(store, "global_step1")
+    deletes = [path for method, path, _ in proxy.outcomes() if method == "DELETE"]
+    assert deletes and deletes[0].split("?")[0].endswith("/global_step1/manifest.json")
+    assert store.list_files("global_step1") == {}
+    assert nm.list_checkpoints(az_url) == [] or all(
+        "persistent" not in c["tiers"] for c in nm.list_checkpoints(az_url)
+    )
