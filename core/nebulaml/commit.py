@@ -103,11 +103,15 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
 
 def delete_part(store: Store, tag: str, rank: int, *, keep_folder: bool = False) -> None:
     """Remove one rank's part of a shared tag folder: the manifest first (the tag is then
-    invisible on this tier), then this rank's marker and the items it lists, then the
-    folder if no other rank's files remain."""
+    invisible on this tier), then the items this rank's marker lists, then its markers,
+    then the folder if no other rank's files remain. A writer marker naming this process
+    is there from the start, so a delete cut short is a dead writer's leftover."""
+    files = store.list_files(tag)
+    if not files:
+        return
+    _claim(store, tag, rank)
     store.remove(tag, MANIFEST_NAME)
     own: set[str] = set()
-    files = store.list_files(tag)
     if marker_name(rank) in files:
         try:
             marker = parse_marker(
@@ -116,12 +120,18 @@ def delete_part(store: Store, tag: str, rank: int, *, keep_folder: bool = False)
             own = {item.file for item in marker.items}
         except (NebulaError, ValueError):
             own = set()
-    store.remove(tag, marker_name(rank))
     for name in sorted(own & set(files)):
         store.remove(tag, name)
+    store.remove(tag, marker_name(rank))
     store.remove(tag, writer_marker_name(rank))
     if not keep_folder and not store.list_files(tag):
         store.remove_dir(tag)
+
+
+def _claim(store: Store, tag: str, rank: int) -> None:
+    """Write this process's writer marker into `tag` (before it changes what is there)."""
+    doc = {"host": _host(), "pid": os.getpid(), "rank": rank, "started_at": utc_now()}
+    store.write_bytes((tag, writer_marker_name(rank)), json.dumps(doc).encode())
 
 
 def read_writers(store: Store, tag: str) -> list[dict[str, Any]]:
@@ -521,18 +531,17 @@ def own_parts(store: Store, rank: int) -> list[tuple[str, str]]:
 def delete_checkpoint(store: Store, tag: str) -> None:
     """Delete a tag: the manifest first (so it is invisible at once), then the data.
 
-    A writer marker naming this process goes in right after the manifest goes out, so
-    that a delete cut short (the process killed) leaves a leftover that recovery knows to
-    be a dead writer's, not files nobody claims.
+    A writer marker naming this process goes in before the manifest goes out, so that a
+    delete cut short (the process killed) leaves a leftover that recovery knows to be a
+    dead writer's, not files nobody claims.
     """
     validate_name("tag", tag)
-    store.remove(tag, MANIFEST_NAME)
     files = store.list_files(tag)
     if files:
-        doc = {"host": _host(), "pid": os.getpid(), "rank": 0, "started_at": utc_now()}
-        store.write_bytes((tag, writer_marker_name(0)), json.dumps(doc).encode())
+        _claim(store, tag, 0)  # before the manifest goes: no moment without a claim
+    store.remove(tag, MANIFEST_NAME)
     # Data first, our markers last: whatever a kill leaves behind still carries them.
-    for name in sorted(files, key=lambda n: n.startswith(".")):
-        if not name.startswith("."):
+    for name in files:
+        if not name.startswith(".") and name != MANIFEST_NAME:
             store.remove(tag, name)
     store.remove_dir(tag)

@@ -96,7 +96,7 @@ def test_delete_removes_the_manifest_first(tmp_path: Path) -> None:
         delete_checkpoint(store, "global_step1")
     # The delete died half-way: the data is partly there, but nothing is visible, and
     # the leftover carries a writer marker naming this process for recovery to judge.
-    assert store.events == [("remove", "manifest.json"), ("write", ".writer-0.json")]
+    assert store.events == [("write", ".writer-0.json"), ("remove", "manifest.json")]
     assert (tmp_path / "root" / "global_step1" / "model").exists()
     assert list_committed(store) == []
     assert list_incomplete(store) == ["global_step1"]
