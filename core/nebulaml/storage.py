@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import errno
 import os
+import stat
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, timezone
@@ -93,6 +94,26 @@ def using_storage_options(options: Mapping[str, Any]) -> Iterator[None]:
         yield
     finally:
         _scoped_options.reset(token)
+
+
+def _open_regular(path: str, where: str) -> BinaryIO:
+    """Open a local file for reading only if it is a regular file, not through a symlink:
+    a FIFO would block the reader forever, and a link could read outside the root."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StorageError(
+                f"{where}: is a symbolic link; nebula reads only its own files"
+            ) from exc
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StorageError(f"{where}: not a regular file; nebula reads only its own files")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class Store:
@@ -286,7 +307,8 @@ class Store:
 
     def read_bytes(self, *parts: str) -> bytes:
         if self.is_local:
-            with self._translated(self.display(*parts)), open(self.path(*parts), "rb") as f:
+            where = self.display(*parts)
+            with self._translated(where), _open_regular(self.path(*parts), where) as f:
                 return f.read()
         return bytes(self._call(self.display(*parts), lambda: self.fs.cat_file(self.path(*parts))))
 
@@ -296,7 +318,7 @@ class Store:
         where = self.display(*parts)
         if self.is_local:
             with self._translated(where):
-                f: Any = open(self.path(*parts), "rb")  # noqa: SIM115
+                f: Any = _open_regular(self.path(*parts), where)
         else:
             raw = self._call(where, lambda: self.fs.open(self.path(*parts), "rb"))
             f = RemoteReader(raw, lambda fn: self._call(where, fn))
