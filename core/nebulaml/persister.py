@@ -353,6 +353,7 @@ class Persister:
             error.__cause__ = exc
         if error is not None:
             log.error("%s", error)
+            self._discard_partial(tag)
         row = make_row(
             tag=tag,
             step=step_of(tag),
@@ -367,6 +368,21 @@ class Persister:
         with self._cond:
             self._rows.append(row)
         return error
+
+    def _discard_partial(self, tag: str) -> None:
+        """Remove what a failed persist wrote: on a full disk its partial files would keep
+        the next persist from fitting. A committed copy (another writer's) is left alone."""
+        persistent = self.tiers.persistent
+        assert persistent is not None
+        try:
+            if read_committed(persistent, tag) is not None:
+                return
+            if self.ranks.world_size > 1:
+                delete_part(persistent, tag, self.rank)
+            else:
+                delete_checkpoint(persistent, tag)
+        except NebulaError as exc:
+            log.warning("could not remove what the failed persist of %r left: %s", tag, exc)
 
     def _apply_retention(self, just_persisted: str) -> None:
         persistent = self.tiers.persistent

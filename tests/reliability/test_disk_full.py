@@ -1,0 +1,110 @@
+"""Disk full: a small tmpfs as the persistent root (and as the memory tier), filling up at
+different points of a save. A typed error reaches the caller, training goes on, nothing
+partial is committed, the previous checkpoint loads, and the next save after space is
+freed succeeds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import nebulaml as nm
+
+MB = 1 << 20
+
+
+def _mount_tmpfs(path: Path, size_bytes: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"cannot mount a tmpfs for the disk-full tests: {done.stderr}")
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, 4 * MB)
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _state(value: float, mb: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((int(mb * MB) // 4,), value)}
+
+
+def _fill(disk: Path, leave_free_bytes: int) -> Path:
+    """A filler file that leaves about `leave_free_bytes` free on the tmpfs."""
+    st = os.statvfs(disk)
+    free = st.f_bavail * st.f_frsize
+    filler = disk / "filler.bin"
+    filler.write_bytes(b"\0" * max(0, free - leave_free_bytes))
+    return filler
+
+
+@pytest.mark.parametrize(
+    "free_bytes",
+    # tmpfs counts 4 KiB pages: each 1 MiB item (plus its zip framing) takes 257 pages and
+    # each marker or manifest one page, so these leave room to fail at each step.
+    [int(0.3 * MB), int(1.2 * MB), (2 * 257 + 1) * 4096, (2 * 257 + 2) * 4096],
+    ids=["mid-first-item", "mid-second-item", "at-the-rank-marker", "at-the-manifest"],
+)
+def test_persistent_tier_fills_up(small_disk: Path, free_bytes: int) -> None:
+    root = small_disk / "root"
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=1)
+    ckpt = nm.Checkpoint("global_step1", 2)
+    ckpt.save("model", _state(1.0, 0.2))
+    ckpt.save("optimizer", _state(1.0, 0.2))
+    nm.flush_persistence()
+    filler = _fill(small_disk, free_bytes)
+    ckpt = nm.Checkpoint("global_step2", 2)
+    ckpt.save("model", _state(2.0, 1.0))
+    ckpt.save("optimizer", _state(2.0, 1.0))
+    with pytest.raises(nm.PersistError) as err:
+        nm.flush_persistence()
+    assert isinstance(err.value.__cause__, nm.StorageFullError), repr(err.value.__cause__)
+    assert "global_step2" in str(err.value)
+    # Training goes on: the next call works, and nothing partial is committed anywhere.
+    assert not (root / "global_step2" / "manifest.json").exists()
+    durable = nm.get_checkpoint("global_step1")
+    assert durable is not None and torch.equal(durable.load("model")["w"], _state(1.0, 0.2)["w"])
+    assert nm.get_latest_checkpoint().tag == "global_step2"  # still whole in the memory tier
+    # Space is freed: the next save persists, and the leftover of the failed one is gone.
+    filler.unlink()
+    ckpt = nm.Checkpoint("global_step3", 2)
+    ckpt.save("model", _state(3.0, 1.0))
+    ckpt.save("optimizer", _state(3.0, 1.0))
+    nm.flush_persistence()
+    assert (root / "global_step3" / "manifest.json").exists()
+    loaded = torch.load(root / "global_step3" / "model", weights_only=True)
+    assert torch.equal(loaded["w"], _state(3.0, 1.0)["w"])
+
+
+def test_memory_tier_fills_up(small_disk: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(small_disk / "memory"))
+    root = tmp_path / "root"
+    nm.init(str(root), persistent_time_interval=0)
+    nm.Checkpoint("global_step1").save("model", _state(1.0, 0.5))
+    nm.flush_persistence()
+    filler = _fill(small_disk, int(0.3 * MB))
+    with pytest.raises(nm.StorageFullError, match="storage is full"):
+        nm.Checkpoint("global_step2").save("model", _state(2.0, 1.0))
+    # The failed save left no partial item, and the previous checkpoint loads.
+    latest = nm.get_latest_checkpoint()
+    assert latest is not None and latest.tag == "global_step1"
+    assert torch.equal(latest.load("model")["w"], _state(1.0, 0.5)["w"])
+    filler.unlink()
+    nm.Checkpoint("global_step3").save("model", _state(3.0, 1.0))
+    nm.flush_persistence()
+    assert nm.get_latest_checkpoint().tag == "global_step3"
