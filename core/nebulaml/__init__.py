@@ -112,3 +112,21 @@ __all__ = [
     "using_storage_options",
     "verify_checkpoints",
 ]
+
+# Lightning's plugin and callback are imported on first use, from the Lightning package the
+# program uses (lightning or pytorch_lightning), so that `import nebulaml` imports neither
+# Lightning nor torch. They are not in __all__: `from nebulaml import *` (torch_nebula does
+# it) would import Lightning.
+_LIGHTNING_NAMES = ("NebulaCallback", "NebulaCheckpointIO")
+
+
+def __getattr__(name: str) -> object:
+    if name in _LIGHTNING_NAMES:
+        from ._lightning import pick_module
+
+        return getattr(pick_module(), name)
+    raise AttributeError(f"module 'nebulaml' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LIGHTNING_NAMES])

@@ -121,6 +121,8 @@ class Checkpoint:
         if not self.overwrite and persistent and read_committed(persistent, self.tag):
             raise CheckpointExistsError(tiers.persistent.url, self.tag)
         self._started_at, self._t0 = utc_now(), t0
+        if self.overwrite:
+            session.persister.release(self.tag)  # never rewrite what is being copied
         begin_tag(
             tiers.memory,
             self.tag,
@@ -138,7 +140,9 @@ class Checkpoint:
         """
         if self._committed:
             return True
-        session = _session.current("Checkpoint.commit")
+        # A background failure is raised after this commit, not instead of it: the items
+        # are written, and the checkpoint must not be lost to an older persist's error.
+        session = _session.current("Checkpoint.commit", raise_pending=False)
         t0 = time.perf_counter()
         if not self._begun:
             if session.world_size == 1:
@@ -181,6 +185,7 @@ class Checkpoint:
         # This rank's part is committed (on a node without the other ranks, the memory
         # tier never holds the whole): it is what this rank's persister copies.
         session.persister.notify_committed(self.tag, row)
+        session.persister.raise_pending_error()
         return True
 
     # loading -------------------------------------------------------------------------
@@ -188,14 +193,14 @@ class Checkpoint:
         self,
         name: str,
         map_location: MapLocation = None,
-        weights_only: bool = True,
+        weights_only: bool | None = True,
     ) -> Any:
         """Load the item `name` of this committed checkpoint.
 
         Reads the fastest tier that holds it and verifies size and checksum before
         unpickling; on a mismatch it tries the next tier, else raises
-        `CorruptCheckpointError`. With `weights_only=True` (the default) a pickle that
-        would execute code raises `UnsafeCheckpointError`.
+        `CorruptCheckpointError`. With `weights_only=True` (the default; None means True)
+        a pickle that would execute code raises `UnsafeCheckpointError`.
         """
         validate_name("item", name)
         tiers = self._tiers

@@ -98,6 +98,20 @@ class Persister:
             self._done.pop(tag, None)
             self._cond.notify_all()
 
+    def release(self, tag: str) -> None:
+        """Stop persisting `tag` before it is written again (a save with overwrite=True):
+        drop it from the queue, and wait while a persist of it is in flight, so that the
+        copy never reads a tag being replaced."""
+        with self._cond:
+            if self._pending == tag:
+                self._pending = None
+            for queue in (self._forced, self._candidates):
+                while tag in queue:
+                    queue.remove(tag)
+            while self._inflight == tag:
+                self._cond.wait(timeout=1.0)
+            self._done.pop(tag, None)
+
     def raise_pending_error(self) -> None:
         """Raise a background failure once; later calls go on until the next one."""
         with self._cond:

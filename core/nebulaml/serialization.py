@@ -16,7 +16,8 @@ import pickle
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from .errors import UnsafeCheckpointError
+from .allowlist import active_classes, allowed
+from .errors import InvalidArgumentError, UnsafeCheckpointError
 
 MapLocation = Any  # None | str | torch.device | dict | Callable, as torch.load takes
 
@@ -105,15 +106,28 @@ def read_item(
     where: str,
     *,
     map_location: MapLocation = None,
-    weights_only: bool = True,
+    weights_only: bool | None = True,
 ) -> Any:
     """Unpickle verified item bytes. Under weights_only=True a pickle that needs code
-    execution raises `UnsafeCheckpointError`; nothing falls back silently."""
+    execution raises `UnsafeCheckpointError`; nothing falls back silently.
+
+    `weights_only=None` (what Lightning passes when its caller did not choose) means True:
+    passed on as None, torch would let `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` turn it off.
+    While DeepSpeed's Nebula engine is loaded, DeepSpeed's few plain-data classes are
+    allowed too (allowlist.py says which, and why that is still weights-only).
+    """
     import torch
 
+    if weights_only is None:
+        weights_only = True
+    if not isinstance(weights_only, bool):
+        raise InvalidArgumentError(f"weights_only must be True or False, not {weights_only!r}")
     stream = io.BytesIO(data)
     try:
-        return torch.load(stream, map_location=map_location, weights_only=weights_only)
+        if not weights_only:
+            return torch.load(stream, map_location=map_location, weights_only=False)
+        with allowed(active_classes()):
+            return torch.load(stream, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         if weights_only and "Weights only load failed" in str(exc):
             raise UnsafeCheckpointError(where, _unsafe_detail(str(exc))) from None

@@ -220,12 +220,14 @@ def start(config: Config) -> Session:
         return _session
 
 
-def current(what: str) -> Session:
-    """The live session, after raising any pending background failure."""
+def current(what: str, *, raise_pending: bool = True) -> Session:
+    """The live session, after raising any pending background failure (unless the caller
+    raises it itself, later)."""
     session = _session
     if session is None:
         raise NotInitializedError(what)
-    session.persister.raise_pending_error()
+    if raise_pending:
+        session.persister.raise_pending_error()
     return session
 
 

@@ -241,8 +241,8 @@ class Store:
                         for entry in it:
                             if entry.is_file(follow_symlinks=False):
                                 out[entry.name] = entry.stat(follow_symlinks=False).st_size
-                except FileNotFoundError:
-                    return {}
+                except (FileNotFoundError, NotADirectoryError):
+                    return {}  # no such folder (a file of that name is not a tag folder)
             return out
         for entry in self._ls(parts):
             if entry.get("type") == "file":

@@ -6,6 +6,7 @@ import csv
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import nebulaml as nm
@@ -185,3 +186,35 @@ def test_flush_of_a_tag_resaved_with_overwrite_persists_the_new_version(root: Pa
     nm.Checkpoint("global_step1", overwrite=True).save("model", {"v": 2})
     nm.flush_persistence("global_step1")
     assert torch.load(root / "global_step1" / "model", weights_only=True) == {"v": 2}
+
+
+def test_resaving_a_tag_while_it_is_being_persisted_never_loses_it(root: Path) -> None:
+    # Lightning saves last.ckpt again and again: every overwrite races the persister.
+    nm.init(str(root), persistent_time_interval=0)
+    for i in range(60):
+        ckpt = nm.Checkpoint("last", overwrite=True)
+        ckpt.save("checkpoint", {"w": torch.full((1 << 16,), float(i))})
+    nm.flush_persistence()
+    (listed,) = nm.list_checkpoints()
+    assert listed["tag"] == "last" and "persistent" in listed["tiers"]
+    assert float(torch.load(root / "last" / "checkpoint", weights_only=True)["w"][0]) == 59.0
+
+
+def test_a_background_failure_is_raised_after_the_commit_not_instead_of_it(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "root"
+    nm.init(str(root), persistent_time_interval=0)
+    (root / "global_step1").write_text("a file where the tag's folder must go")
+    ckpt = nm.Checkpoint("global_step2", -2)
+    ckpt.save("m", {"v": 2})  # items written; the commit comes after the failure below
+    nm.Checkpoint("global_step1").save("m", {"v": 1})  # its persist fails in the background
+    persister = current("test", raise_pending=False).persister
+    deadline = time.monotonic() + 30
+    while persister.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert persister.error is not None
+    with pytest.raises(nm.PersistError, match="global_step1"):
+        ckpt.commit()  # says so, after committing
+    assert nm.get_latest_checkpoint().tag == "global_step2"
+    assert nm.get_latest_checkpoint().load("m") == {"v": 2}

@@ -1,0 +1,45 @@
+"""NebulaCheckpointIO and NebulaCallback for `lightning` (`import lightning.pytorch as pl`).
+
+Example:
+    >>> import nebulaml as nm, tempfile
+    >>> from lightning.pytorch import Trainer
+    >>> from nebulaml.lightning import NebulaCallback, NebulaCheckpointIO
+    >>> callback = NebulaCallback(every_n_train_steps=5,
+    ...                           config_params={"persistent_storage_path": tempfile.mkdtemp()})
+    >>> trainer = Trainer(plugins=[NebulaCheckpointIO()], callbacks=[callback], logger=False)
+
+For `pytorch_lightning` use nebulaml.pytorch_lightning; `nm.NebulaCheckpointIO` and
+`nm.NebulaCallback` pick the module of the package the program imported. What the classes
+do is described in nebulaml/_lightning.py.
+
+Not for: anything without Lightning; importing this module imports lightning.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from ._lightning import CallbackMixin, CheckpointIOMixin
+
+__all__ = ["NebulaCallback", "NebulaCheckpointIO"]
+
+
+class NebulaCheckpointIO(CheckpointIOMixin, CheckpointIO):
+    """Lightning's CheckpointIO through nebula: `Trainer(plugins=[NebulaCheckpointIO()])`.
+
+    A checkpoint path names a nebula tag (the file name without `.ckpt`) holding the item
+    "checkpoint". `trainer.save_checkpoint(path, storage_options={"is_best": True,
+    "persist_path": root})` labels it "best" (kept by retention and prune) and saves it into
+    `root`. Loading verifies it and uses weights_only=True unless told False.
+    """
+
+
+class NebulaCallback(CallbackMixin, ModelCheckpoint):
+    """ModelCheckpoint that starts nebula: `NebulaCallback(<ModelCheckpoint arguments>,
+    config_params={"persistent_storage_path": ..., ...})` calls `nm.init(**config_params)`.
+
+    Use it with `NebulaCheckpointIO` in the Trainer's plugins; it warns if it is without.
+    """
+
+    _checkpoint_io_class = NebulaCheckpointIO

@@ -1,0 +1,165 @@
+"""One rank of a DeepSpeed job that checkpoints through nebula (run by test_deepspeed.py).
+
+Usage: ds_child.py PHASE WORKDIR STAGES; RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT come from the environment, as a launcher sets them.
+
+For each ZeRO stage in STAGES (comma-separated) the job uses WORKDIR/zero<stage>/:
+    ds/             DeepSpeed's save_dir: its `latest` file and the placeholder files
+                    DeepSpeed's Nebula engine writes there
+    nebula/         the persistent root of the training run (the ds_config's
+                    persistent_storage_path)
+    nebula-resume/  the persistent root of the resumed run when it loads through
+                    `nebula_load_path` (odd stages): nothing is ever saved there
+
+PHASE "train": a tiny model trains 4 steps and is saved after steps 2 and 4 with
+`model_engine.save_checkpoint(save_dir, client_state=...)`. PHASE "resume": a fresh process
+builds the model from another seed and calls `model_engine.load_checkpoint(save_dir)`.
+Each phase writes WORKDIR/<phase>-rank<r>.json: per stage, the checkpoint engine's class,
+digests of the parameters and optimizer state (before and after loading), global_steps
+and the client state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STEPS = 4
+SAVE_AFTER = (2, 4)
+
+
+def ds_config(root: Path, stage: int, *, resume: bool) -> dict[str, Any]:
+    nebula: dict[str, Any] = {
+        "enabled": True,
+        "persistent_storage_path": str(root / "nebula"),
+        "persistent_time_interval": 100,
+        "num_of_version_in_retention": 2,
+        "enable_nebula_load": True,
+    }
+    if resume and stage % 2 == 1:
+        nebula["persistent_storage_path"] = str(root / "nebula-resume")
+        nebula["nebula_load_path"] = str(root / "nebula")
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "checkpoint": {"tag_validation": "FAIL"},
+        "nebula": nebula,
+        "steps_per_print": 1000,
+    }
+
+
+def build_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def digest(obj: Any, hasher: Any = None) -> str:
+    """sha256 over every tensor and value of a nested state, by key path."""
+    top = hasher is None
+    hasher = hasher or hashlib.sha256()
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        hasher.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        hasher.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, dict):
+        hasher.update(b"{")
+        for key in sorted(obj, key=repr):
+            hasher.update(repr(key).encode())
+            digest(obj[key], hasher)
+        hasher.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        hasher.update(b"[")
+        for value in obj:
+            digest(value, hasher)
+        hasher.update(b"]")
+    elif obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        hasher.update(repr(obj).encode())
+    else:  # DeepSpeed's loss scaler, enums, fragment addresses: their type and attributes
+        hasher.update(type(obj).__qualname__.encode())
+        digest(dict(vars(obj)) if hasattr(obj, "__dict__") else repr(obj), hasher)
+    return hasher.hexdigest() if top else ""
+
+
+def param_digest(engine: Any, stage: int) -> str:
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    if stage == 3:  # partitioned: gather the full parameters on every rank
+        with deepspeed.zero.GatheredParameters(params):
+            return digest([p.detach().clone() for p in params])
+    return digest([p.detach().clone() for p in params])
+
+
+def state_of(engine: Any, stage: int) -> dict[str, Any]:
+    return {
+        "params": param_digest(engine, stage),
+        "optimizer": digest(engine.optimizer.state_dict()),
+        "global_steps": engine.global_steps,
+    }
+
+
+def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [
+        (torch.randn(2, 8, generator=gen), torch.randn(2, 4, generator=gen)) for _ in range(STEPS)
+    ]
+
+
+def run_stage(phase: str, root: Path, stage: int, rank: int) -> dict[str, Any]:
+    import deepspeed
+
+    resume = phase == "resume"
+    model = build_model(seed=1 if resume else 0)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=ds_config(root, stage, resume=resume),
+    )
+    out: dict[str, Any] = {"engine": type(engine.checkpoint_engine).__name__}
+    save_dir = str(root / "ds")
+    if not resume:
+        for step, (x, y) in enumerate(batches(rank), start=1):
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            if step in SAVE_AFTER:
+                engine.save_checkpoint(save_dir, client_state={"epoch": step * 10})
+        out["saved"] = state_of(engine, stage)
+        return out
+    out["before"] = state_of(engine, stage)
+    load_path, client_state = engine.load_checkpoint(save_dir)
+    out["load_path"] = load_path
+    out["client_epoch"] = None if client_state is None else client_state.get("epoch")
+    out["after"] = state_of(engine, stage)
+    return out
+
+
+def main() -> int:
+    phase, workdir, stages = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # here, not at the top: pytest collects this file for doctests
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = int(os.environ["RANK"])
+    results = {}
+    for stage in (int(s) for s in stages.split(",")):
+        t0 = time.perf_counter()
+        results[str(stage)] = run_stage(phase, workdir / f"zero{stage}", stage, rank)
+        print(f"{phase} zero{stage} rank {rank}: {time.perf_counter() - t0:.1f} s", flush=True)
+    (workdir / f"{phase}-rank{rank}.json").write_text(json.dumps(results, indent=1))
+    torch.distributed.barrier()
+    print(f"OK {phase} rank {rank}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

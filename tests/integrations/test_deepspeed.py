@@ -1,0 +1,200 @@
+"""DeepSpeed's own NebulaCheckpointEngine (deepspeed==0.19.6) through `torch_nebula`.
+
+The first tests call `torch_nebula` exactly as that engine does (no DeepSpeed needed); the
+others run real DeepSpeed jobs on the CPU (gloo), ZeRO stages 0-3, world sizes 1 and 2:
+train and save in one set of processes, resume in another, compare.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from frameworks import child_env, require, run_ranks
+from typer.testing import CliRunner
+
+import nebulaml as nm
+import torch_nebula
+from nebula_cli.app import app
+
+CHILD = Path(__file__).with_name("ds_child.py")
+STAGES = (0, 1, 2, 3)
+
+
+# torch_nebula as DeepSpeed's engine calls it ---------------------------------------------
+def _engine_state(scale: float) -> dict[str, Any]:
+    model = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        model.weight.fill_(scale)
+    return {"module": model.state_dict(), "global_steps": 7, "ds_version": "0.19.6"}
+
+
+def test_the_engines_calls_save_commit_find_and_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug caught: any call or argument form of DeepSpeed's engine that nebula refuses
+    (None init values, -2 handles, commit's return value, tag=/persist_path= keywords,
+    callable/str/device map_location), or a save that does not snapshot live tensors."""
+    root = tmp_path / "nebula"
+    monkeypatch.setenv("NEBULA_PERSISTENT_STORAGE_PATH", str(root))
+    torch_nebula.init(
+        persistent_storage_path=None,
+        persistent_time_interval=None,
+        num_of_version_in_retention=None,
+    )
+    state = _engine_state(1.0)
+    checkpoint = torch_nebula.Checkpoint("global_step7", -2)
+    checkpoint.save("mp_rank_00_model_states.pt", state)
+    state["module"]["weight"].fill_(99.0)  # the engine trains on: the save must not see it
+    assert checkpoint.commit() is True  # the engine logs an error on a falsy result
+    assert torch_nebula.Checkpoint("global_step7", -2).commit() is True  # saved nothing
+
+    found = torch_nebula.get_checkpoint(tag="global_step7", persist_path=str(root))
+    latest = torch_nebula.get_latest_checkpoint(persist_path=str(root))
+    assert found is not None and latest is not None and latest.tag == found.tag == "global_step7"
+    for map_location in (lambda storage, loc: storage, "cpu", torch.device("cpu")):
+        loaded = found.load("mp_rank_00_model_states.pt", map_location=map_location)
+        assert torch.equal(loaded["module"]["weight"], torch.ones(2, 4))
+        assert loaded["global_steps"] == 7
+
+
+def test_the_engines_lookups_of_missing_checkpoints_return_none(tmp_path: Path) -> None:
+    """Bug caught: raising where the engine expects None (it then falls back to the
+    latest checkpoint, and logs that nothing was found)."""
+    root = str(tmp_path / "empty")
+    torch_nebula.init(persistent_storage_path=root, persistent_time_interval=100)
+    assert torch_nebula.get_checkpoint(tag="global_step1", persist_path=root) is None
+    assert torch_nebula.get_latest_checkpoint(persist_path=root) is None
+    assert torch_nebula.get_latest_checkpoint() is None
+
+
+def test_without_a_path_checkpoints_stay_in_the_memory_tier() -> None:
+    """`"nebula": {"enabled": true}` alone: DeepSpeed passes None, 100 and 2. Bug caught:
+    init refusing a missing path instead of running on the memory tier."""
+    torch_nebula.init(
+        persistent_storage_path=None, persistent_time_interval=100, num_of_version_in_retention=2
+    )
+    checkpoint = torch_nebula.Checkpoint("global_step1", -2)
+    checkpoint.save("x.pt", {"w": torch.ones(3)})
+    assert nm.list_checkpoints() == []  # -2: nothing is committed before commit()
+    assert checkpoint.commit() is True
+    assert [c["tiers"] for c in nm.list_checkpoints()] == [["memory"]]
+    latest = torch_nebula.get_latest_checkpoint(persist_path=None)
+    assert latest is not None
+    assert torch.equal(latest.load("x.pt", map_location="cpu")["w"], torch.ones(3))
+
+
+# real DeepSpeed jobs -------------------------------------------------------------------
+def _job(workdir: Path, memory_tier: Path, world_size: int, stages: tuple[int, ...]) -> dict:
+    """Train and save, then resume in new processes; the per-rank JSON of both phases."""
+    require("deepspeed")
+    env = child_env(memory_tier)
+    results: dict[str, list[dict]] = {}
+    for phase in ("train", "resume"):
+        argv = [sys.executable, str(CHILD), phase, str(workdir), ",".join(map(str, stages))]
+        finished = run_ranks(argv, world_size, env)
+        for rank, done in enumerate(finished):
+            assert done.returncode == 0, f"{phase} rank {rank}:\n{done.output[-6000:]}"
+        results[phase] = [
+            json.loads((workdir / f"{phase}-rank{rank}.json").read_text())
+            for rank in range(world_size)
+        ]
+    return results
+
+
+Job = Callable[[int], tuple[Path, dict]]
+
+
+@pytest.fixture(scope="module")
+def ds_jobs(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The job of a world size (run once per module), every ZeRO stage in it: DeepSpeed's
+    import alone costs seconds per process."""
+    jobs: dict[int, tuple[Path, dict]] = {}
+
+    def get(world_size: int) -> tuple[Path, dict]:
+        if world_size not in jobs:
+            base = tmp_path_factory.mktemp(f"ds-world{world_size}")
+            jobs[world_size] = (base, _job(base, base / "memory-tier", world_size, STAGES))
+        return jobs[world_size]
+
+    return get
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("stage", STAGES)
+def test_save_and_resume_go_through_nebula_with_identical_state(
+    ds_jobs: Job, stage: int, world_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bugs caught: DeepSpeed falling back to torch.save (torch_nebula not importable), an
+    item DeepSpeed cannot load back (its LossScaler, ZeroStageEnum, fragment_address under
+    weights_only), a rank's part missing from the commit, a wrong tag or item on load, and
+    `nebula_load_path` ignored (odd stages resume from an empty root and must load through
+    it)."""
+    workdir, results = ds_jobs(world_size)
+    monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(workdir / "memory-tier"))
+    root = workdir / f"zero{stage}"
+    for rank in range(world_size):
+        train = results["train"][rank][str(stage)]
+        resume = results["resume"][rank][str(stage)]
+        assert train["engine"] == resume["engine"] == "NebulaCheckpointEngine"
+        # The check has teeth: a fresh engine differs from the saved one...
+        assert resume["before"]["params"] != train["saved"]["params"]
+        assert resume["before"]["optimizer"] != train["saved"]["optimizer"]
+        # ... and after load_checkpoint it is the saved one, bit for bit.
+        assert resume["after"] == train["saved"], f"rank {rank}"
+        assert resume["after"]["global_steps"] == 4
+        assert resume["client_epoch"] == 40  # client_state of the last save
+        assert resume["load_path"].endswith("global_step4/" + Path(resume["load_path"]).name)
+
+    # DeepSpeed's save_dir holds only the engine's placeholders: the data is nebula's.
+    for placeholder in (root / "ds" / "global_step4").glob("*.pt"):
+        assert torch.load(placeholder, weights_only=True) == ""
+    assert (root / "ds" / "latest").read_text() == "global_step4"
+    # Both saves are committed, with every rank's part, on the persistent tier.
+    listed = {c["tag"]: c for c in nm.list_checkpoints(str(root / "nebula"))}
+    assert set(listed) == {"global_step2", "global_step4"}
+    assert "persistent" in listed["global_step4"]["tiers"]
+    manifest = json.loads((root / "nebula" / "global_step4" / "manifest.json").read_text())
+    assert manifest["world_size"] == world_size
+    ranks_with_items = {item["rank"] for item in manifest["items"]}
+    assert ranks_with_items == ({0} if stage == 0 else set(range(world_size)))
+    if stage % 2 == 1:  # resumed with persistent_storage_path=nebula-resume
+        assert nm.list_checkpoints(str(root / "nebula-resume")) == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_nebula_ls_shows_deepspeeds_checkpoints(
+    ds_jobs: Job, world_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug caught: checkpoints DeepSpeed wrote that the operator CLI cannot see."""
+    workdir, _results = ds_jobs(world_size)
+    monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(workdir / "memory-tier"))
+    for stage in STAGES:
+        result = CliRunner().invoke(app, ["ls", str(workdir / f"zero{stage}" / "nebula"), "--json"])
+        assert result.exit_code == 0, result.output
+        tags = [c["tag"] for c in json.loads(result.stdout)["checkpoints"]]
+        assert tags == ["global_step4", "global_step2"]
+
+
+def test_outside_deepspeed_its_classes_are_still_refused(
+    ds_jobs: Job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed's classes are allowed only while DeepSpeed's engine loads. Bug caught: an
+    allowlist that leaks into every load of the process (or into torch's global list)."""
+    workdir, _results = ds_jobs(1)
+    monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(workdir / "memory-tier"))
+    assert "deepspeed" not in sys.modules
+    latest = nm.get_latest_checkpoint(str(workdir / "zero1" / "nebula"))
+    assert latest is not None
+    name = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with pytest.raises(nm.UnsafeCheckpointError, match="deepspeed"):
+        latest.load(name)
+    trusted = latest.load(name, weights_only=False)  # the caller trusts it: explicit
+    assert "optimizer_state_dict" in trusted
+    allowed = torch.serialization.get_safe_globals()
+    assert not [g for g in allowed if "deepspeed" in getattr(g, "__module__", "")]
