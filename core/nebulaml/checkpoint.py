@@ -140,8 +140,8 @@ class Checkpoint:
         """
         if self._committed:
             return True
-        # A background failure is raised after this commit, not instead of it: the items
-        # are written, and the checkpoint must not be lost to an older persist's error.
+        # A pending background failure is left for the next call: the items are written,
+        # and the checkpoint must not be lost to an older persist's error.
         session = _session.current("Checkpoint.commit", raise_pending=False)
         t0 = time.perf_counter()
         if not self._begun:
@@ -185,7 +185,6 @@ class Checkpoint:
         # This rank's part is committed (on a node without the other ranks, the memory
         # tier never holds the whole): it is what this rank's persister copies.
         session.persister.notify_committed(self.tag, row)
-        session.persister.raise_pending_error()
         return True
 
     # loading -------------------------------------------------------------------------
