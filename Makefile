@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.nebula-installed
 AZURITE_VERSION := 3.35.0
 AZURITE := .azurite/node_modules/.bin/azurite-blob
 
-.PHONY: venv test lint demo scale reliability clean azurite bench-azure test-integrations
+.PHONY: venv test lint demo scale reliability clean azurite bench bench-azure test-integrations
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,6 +37,18 @@ test: lint $(AZURITE)
 
 demo: venv
 	$(PY) examples/train.py --demo
+
+# The peer benchmark (issue #3): nebula vs torch.save, DCP and torchsnapshot on a GPT-2-style
+# state built in memory. `make bench PRESET=small` for a quick run (~2 min); default ~15 min.
+PRESET ?= default
+BENCH_STAMP := $(VENV)/.nebula-bench-installed
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/bench.py --preset $(PRESET)
 
 scale: venv
 	$(PY) benchmarks/scale.py --ranks 64 128 256 --repeats 3

@@ -24,6 +24,7 @@ from .api import (
     list_incomplete,
     memory_tier_path,
     shutdown,
+    wait_for_snapshot,
 )
 from .checkpoint import Checkpoint
 from .copying import copy_checkpoint, persist_memory_tier
@@ -38,6 +39,7 @@ from .errors import (
     InvalidNameError,
     ItemNotFoundError,
     ManifestError,
+    MemoryBudgetError,
     NebulaError,
     NotInitializedError,
     PersistError,
@@ -76,6 +78,7 @@ __all__ = [
     "InvalidNameError",
     "ItemNotFoundError",
     "ManifestError",
+    "MemoryBudgetError",
     "NebulaError",
     "NotInitializedError",
     "PersistError",
@@ -111,6 +114,7 @@ __all__ = [
     "summarize_history",
     "using_storage_options",
     "verify_checkpoints",
+    "wait_for_snapshot",
 ]
 
 # Lightning's plugin and callback are imported on first use, from the Lightning package the

@@ -45,8 +45,16 @@ def init(
     (default `NEBULA_PERSISTENT_TIME_INTERVAL`, else 100). `num_of_version_in_retention`
     is how many checkpoints the persistent tier keeps (default
     `NEBULA_NUM_OF_VERSION_IN_RETENTION`, else 2). Options: `storage_options` (a dict
-    for fsspec) and `exit_timeout_s` (how long exit waits for a pending persist,
-    default `NEBULA_EXIT_TIMEOUT_S`, else 600).
+    for fsspec), `exit_timeout_s` (how long exit waits for a pending persist,
+    default `NEBULA_EXIT_TIMEOUT_S`, else 600) and `lazy_snapshot` (default
+    `NEBULA_LAZY_SNAPSHOT`, else False).
+
+    With `lazy_snapshot=True`, `Checkpoint.save` returns at once and the snapshot is
+    copied in the background while the next forward and backward run; the next
+    `optimizer.step()` (of any torch optimizer), `wait_for_snapshot()` and every other
+    call into nebula wait for it first. Until then the saved tensors must not be changed
+    in place by anything else: a model whose forward pass updates buffers (BatchNorm's
+    running statistics) must not use it.
 
     Example:
         >>> import nebulaml as nm, tempfile
@@ -56,6 +64,27 @@ def init(
         persistent_storage_path, persistent_time_interval, num_of_version_in_retention, kwargs
     )
     _session.start(config)
+
+
+def wait_for_snapshot() -> None:
+    """Wait until every lazy save's snapshot is taken and committed in the memory tier
+    (the fence), then raise a background failure if there was one. A no-op without
+    `lazy_snapshot`. `optimizer.step()` waits for the copies by itself.
+
+    Example:
+        >>> import nebulaml as nm, tempfile, torch
+        >>> nm.init(tempfile.mkdtemp(), lazy_snapshot=True)
+        >>> w = torch.zeros(3)
+        >>> nm.Checkpoint("global_step1").save("model", {"w": w})
+        >>> nm.wait_for_snapshot()
+        >>> w.add_(1)   # safe now: the snapshot holds the zeros
+        tensor([1., 1., 1.])
+        >>> nm.get_latest_checkpoint().load("model")["w"]
+        tensor([0., 0., 0.])
+    """
+    session = _session.current_or_none()
+    if session is not None:
+        session.wait_for_snapshots()
 
 
 def tiers_for(persist_path: PathLike | None, what: str) -> TierSet:

@@ -10,29 +10,50 @@ Not for: listing checkpoints or process-wide configuration (api.py, session.py).
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import session as _session
 from .catalog import read_committed, read_manifest
 from .checksum import new_hasher
-from .commit import await_commit, begin_tag, commit_rank, write_item, writer_marker_name
+from .commit import (
+    await_commit,
+    begin_tag,
+    commit_rank,
+    copy_item,
+    delete_checkpoint,
+    delete_part,
+    write_item,
+    writer_marker_name,
+)
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
     ItemNotFoundError,
+    MemoryBudgetError,
     TooManyItemsError,
     UnsupportedSchemaError,
 )
 from .history import make_row
-from .manifest import ItemEntry, utc_now
+from .leases import read_lease
+from .manifest import CHECKSUM_ALGO, ItemEntry, utc_now
 from .names import step_of, validate_name
-from .serialization import MapLocation, read_item
+from .serialization import (
+    MapLocation,
+    read_item,
+    read_item_mapped,
+    tensor_bytes_of,
+    to_saveable,
+)
+from .snapshot import Layout, checksum, fill, plan_layout
 from .storage import MissingFileError, Store
 from .tiers import TierSet
+
+log = logging.getLogger("nebulaml")
 
 MANUAL_COMMIT = -2
 
@@ -73,9 +94,13 @@ class Checkpoint:
         self.overwrite = overwrite
         self.labels: tuple[str, ...] = tuple(validate_name("label", x) for x in labels)
         self._items: list[ItemEntry] = []
+        self._names: list[str] = []  # saved, or queued by a lazy save
         self._committed = False
+        self._sealed = False  # a lazy commit is queued
+        self._lazy_error: BaseException | None = None
         self._begun = False
         self._tiers: TierSet | None = None  # bound by the first save, or by get_checkpoint
+        self._store: Store | None = None  # where the items go: memory, or streamed
         self._started_at = ""
         self._t0 = 0.0
         self._blocking_s = 0.0
@@ -98,21 +123,43 @@ class Checkpoint:
         Modules, optimizers and other objects with `state_dict()` are saved as their
         state dict, so every item loads with `torch.load(path, weights_only=True)`.
         """
-        session = _session.current("Checkpoint.save")
+        # A lazy save queues behind the earlier ones rather than waiting for them.
+        session = _session.current("Checkpoint.save", fence=False)
+        session.persister.raise_pending_error()
         validate_name("item", name)
         t0 = time.perf_counter()
-        if self._committed:
-            if self.num_of_files > 0 and self._items:
+        if self._committed or self._sealed:
+            if self.num_of_files > 0 and self._names:
                 raise TooManyItemsError(self.tag, self.num_of_files)
             raise CheckpointExistsError(session.tiers.display, self.tag)
-        if any(item.name == name for item in self._items):
+        if name in self._names:
             raise InvalidArgumentError(f"checkpoint {self.tag!r} already has an item {name!r}")
+        if session.snapshots is not None:
+            session.snapshots.raise_error()  # an earlier lazy save's failure, once
         if not self._begun:
             self._begin(session, t0)
-        entry = write_item(session.tiers.memory, self.tag, name, obj, rank=session.rank)
-        self._items.append(entry)
+        self._names.append(name)
+        if session.snapshots is None:
+            self._items.append(self._write(session, name, obj)())
+        else:
+            # Lazy: the copy runs in the background; the fence before optimizer.step()
+            # waits for it. The state dicts are taken now, the tensors read later.
+            saveable = to_saveable(obj)
+            finisher: list[Callable[[], ItemEntry]] = []
+
+            def copy() -> None:
+                try:
+                    finisher.append(self._write(session, name, saveable))
+                except BaseException as exc:
+                    self._lazy_error = exc  # the checkpoint is incomplete: never committed
+                    raise
+
+            session.snapshots.submit(copy, copies=True)
+            session.snapshots.submit(
+                lambda: finisher and self._items.append(finisher[0]()), copies=False
+            )
         self._blocking_s += time.perf_counter() - t0
-        if self.num_of_files > 0 and len(self._items) == self.num_of_files:
+        if self.num_of_files > 0 and len(self._names) == self.num_of_files:
             self.commit()
 
     def _begin(self, session: _session.Session, t0: float) -> None:
@@ -131,18 +178,80 @@ class Checkpoint:
             world_size=session.world_size,
         )
         self._tiers = tiers
+        self._store = tiers.memory
         self._begun = True
+
+    def _write(self, session: _session.Session, name: str, obj: Any) -> Callable[[], ItemEntry]:
+        """Write one item: into a reused memory-tier buffer when its layout maps exactly
+        (snapshot.py), else with torch.save; to the persistent tier once this checkpoint
+        does not fit the memory budget. The copy is done when this returns (`obj` may
+        change); the returned call hashes the copy and gives the item's entry."""
+        if self._store is session.tiers.memory:
+            layout = plan_layout(obj)
+            size = layout.size_bytes if layout is not None else _estimate_bytes(obj)
+            if not session.budget.reserve(name, size):
+                self._stream(session, size)
+            elif layout is not None:
+                return _write_snapshot(session, self.tag, name, layout)
+        assert self._store is not None
+        entry = write_item(self._store, self.tag, name, obj, rank=session.rank)
+        return lambda: entry
+
+    def _stream(self, session: _session.Session, size_bytes: int) -> None:
+        """Move this checkpoint to the persistent tier: it is written and committed there
+        directly, the items saved so far copied over first."""
+        persistent, memory = session.tiers.persistent, session.tiers.memory
+        limit = session.budget.limit_bytes or 0
+        if persistent is None:
+            raise MemoryBudgetError(self.tag, size_bytes, limit, "there is no persistent tier")
+        if session.world_size > 1:
+            raise MemoryBudgetError(
+                self.tag, size_bytes, limit, "streaming to the persistent tier needs one rank"
+            )
+        log.warning(
+            "checkpoint %r does not fit the memory budget (%d bytes): writing it to %s directly",
+            self.tag,
+            limit,
+            persistent.url,
+        )
+        begin_tag(persistent, self.tag, rank=session.rank, overwrite=self.overwrite)
+        for item in self._items:
+            copy_item(memory, persistent, self.tag, item, lambda _n: None)
+        delete_checkpoint(memory, self.tag, discard=session.pool.recycle)
+        self._store = persistent
 
     def commit(self) -> bool:
         """Commit the saved items in the memory tier and queue the persist; returns True.
 
         Committing twice, or a handle with nothing saved, is a no-op.
         """
-        if self._committed:
+        if self._committed or self._sealed:
             return True
         # A pending background failure is left for the next call: the items are written,
         # and the checkpoint must not be lost to an older persist's error.
-        session = _session.current("Checkpoint.commit", raise_pending=False)
+        session = _session.current("Checkpoint.commit", raise_pending=False, fence=False)
+        if session.snapshots is not None:
+            self._sealed = True  # no more saves; the commit runs after the copies
+            session.snapshots.submit(lambda: self._commit_lazily(session), copies=False)
+            return True
+        return self._commit_now(session)
+
+    def _commit_lazily(self, session: _session.Session) -> None:
+        if self._lazy_error is None:
+            self._commit_now(session)
+            return
+        # An item's snapshot failed (raised once, by the next call into nebula): the
+        # rest is removed, and the previous checkpoint stays the newest.
+        store = self._store
+        if store is None:
+            return
+        if session.world_size > 1:
+            delete_part(store, self.tag, session.rank)
+        else:
+            memory = store is session.tiers.memory
+            delete_checkpoint(store, self.tag, discard=session.pool.recycle if memory else None)
+
+    def _commit_now(self, session: _session.Session) -> bool:
         t0 = time.perf_counter()
         if not self._begun:
             if session.world_size == 1:
@@ -150,6 +259,8 @@ class Checkpoint:
             # Every rank's part makes the checkpoint, also the empty part of a rank that
             # saved nothing (DeepSpeed calls commit() on every rank).
             self._begin(session, t0)
+        if self._store is not None and self._store is session.tiers.persistent:
+            return self._commit_streamed(session, t0)
         memory = session.tiers.memory
         manifest = commit_rank(
             memory,
@@ -187,6 +298,34 @@ class Checkpoint:
         session.persister.notify_committed(self.tag, row)
         return True
 
+    def _commit_streamed(self, session: _session.Session, t0: float) -> bool:
+        persistent = session.tiers.persistent
+        assert persistent is not None
+        commit_rank(
+            persistent,
+            self.tag,
+            rank=session.rank,
+            world_size=session.world_size,
+            items=self._items,
+            created_at=self._started_at,
+            labels=self.labels,
+        )
+        persistent.remove(self.tag, writer_marker_name(session.rank))
+        self._committed = True
+        self._blocking_s += time.perf_counter() - t0
+        row = make_row(
+            tag=self.tag,
+            step=step_of(self.tag),
+            tier="persistent",
+            rank=session.rank,
+            started_at=self._started_at,
+            duration_s=time.perf_counter() - self._t0,
+            blocking_s=self._blocking_s,
+            size_bytes=sum(item.size_bytes for item in self._items),
+        )
+        session.persister.notify_streamed(self.tag, row)
+        return True
+
     # loading -------------------------------------------------------------------------
     def load(
         self,
@@ -199,7 +338,8 @@ class Checkpoint:
         Reads the fastest tier that holds it and verifies size and checksum before
         unpickling; on a mismatch it tries the next tier, else raises
         `CorruptCheckpointError`. With `weights_only=True` (the default; None means True)
-        a pickle that would execute code raises `UnsafeCheckpointError`.
+        a pickle that would execute code raises `UnsafeCheckpointError`. Each copy is read
+        under a read lease (leases.py): no prune, retention or eviction deletes it meanwhile.
         """
         validate_name("item", name)
         tiers = self._tiers
@@ -212,33 +352,41 @@ class Checkpoint:
         corrupt: list[CorruptCheckpointError] = []
         unsupported: UnsupportedSchemaError | None = None
         for _tier, store in tiers.stores:
-            # The manifest alone, not read_committed: an item of the wrong size must be
-            # reported as corrupt (and the next tier tried), not as a missing checkpoint.
-            try:
-                manifest = read_manifest(store, self.tag)
-            except UnsupportedSchemaError as exc:
-                unsupported = unsupported or exc  # raised if no tier has a readable copy
-                continue
-            if manifest is None:
-                continue
-            found_tag = True
-            entry = manifest.item(name)
-            if entry is None:
-                available = [item.name for item in manifest.items]
-                continue
-            try:
-                data = _read_verified(store, self.tag, entry)
-            except CorruptCheckpointError as exc:
-                corrupt.append(exc)
-                continue
-            except MissingFileError:
-                continue  # evicted from this tier while we read; try the next one
-            return read_item(
-                data,
-                store.display(self.tag, entry.file),
-                map_location=map_location,
-                weights_only=weights_only,
-            )
+            # A read lease keeps prune, retention and eviction off this copy while we read
+            # it; not readable: it is gone, or being deleted, from this tier.
+            with read_lease(store, self.tag) as readable:
+                if not readable:
+                    continue
+                # The manifest alone, not read_committed: an item of the wrong size must be
+                # reported as corrupt (and the next tier tried), not as a missing checkpoint.
+                try:
+                    manifest = read_manifest(store, self.tag)
+                except UnsupportedSchemaError as exc:
+                    unsupported = unsupported or exc  # raised if no tier has a readable copy
+                    continue
+                if manifest is None:
+                    continue
+                found_tag = True
+                entry = manifest.item(name)
+                if entry is None:
+                    available = [item.name for item in manifest.items]
+                    continue
+                where = store.display(self.tag, entry.file)
+                try:
+                    with store.open_mapped(self.tag, entry.file) as mapped:
+                        if mapped is not None and weights_only in (True, None):
+                            _verify(where, entry, mapped.view)
+                            return read_item_mapped(
+                                mapped.path, mapped.view, where, map_location=map_location
+                            )
+                    data = store.read_bytes(self.tag, entry.file)
+                    _verify(where, entry, data)
+                except CorruptCheckpointError as exc:
+                    corrupt.append(exc)
+                    continue
+                except MissingFileError:
+                    continue  # removed behind nebula's back (not by a delete); next tier
+            return read_item(data, where, map_location=map_location, weights_only=weights_only)
         if corrupt:
             raise corrupt[0]
         if unsupported is not None:
@@ -248,15 +396,39 @@ class Checkpoint:
         raise ItemNotFoundError(self.tag, name, available)
 
 
-def _read_verified(store: Store, tag: str, entry: ItemEntry) -> bytes:
-    data = store.read_bytes(tag, entry.file)
+def _estimate_bytes(obj: Any) -> int:
+    """What torch.save writes for `obj`: its tensor bytes and a margin for the rest."""
+    return tensor_bytes_of(to_saveable(obj)) + (1 << 20)
+
+
+def _write_snapshot(
+    session: _session.Session, tag: str, name: str, layout: Layout
+) -> Callable[[], ItemEntry]:
+    buffer = session.pool.open_item(tag, name, layout.size_bytes)
+    fill(buffer.tensor, buffer.view, layout)
+
+    def entry() -> ItemEntry:
+        return ItemEntry(
+            name=name,
+            file=name,
+            rank=session.rank,
+            size_bytes=layout.size_bytes,
+            checksum_algo=CHECKSUM_ALGO,
+            checksum=checksum(buffer.view),
+            tensor_bytes=layout.tensor_bytes,
+        )
+
+    return entry
+
+
+def _verify(where: str, entry: ItemEntry, data: bytes | memoryview) -> None:
+    """Check an item's bytes against its manifest entry before anything unpickles them."""
     hasher = new_hasher()
     hasher.update(data)
     actual = hasher.hexdigest()
     if len(data) != entry.size_bytes or actual != entry.checksum:
         raise CorruptCheckpointError(
-            store.display(tag, entry.file),
+            where,
             f"{entry.size_bytes} bytes with {entry.checksum_algo} {entry.checksum}",
             f"{len(data)} bytes with {entry.checksum_algo} {actual}",
         )
-    return data

@@ -5,7 +5,7 @@
     commit_rank    publish this rank's marker; the manifest once every rank's marker is there
     copy_checkpoint  the same protocol with items copied (and verified) from another tier;
                    optionally resuming an interrupted copy and re-reading what it wrote
-    delete_checkpoint  manifest first, then the data
+    delete_checkpoint  manifest first, then the data; never a tag being read (leases.py)
 
 Not for: deciding when to commit or persist (checkpoint.py and persister.py decide).
 """
@@ -30,7 +30,9 @@ from .errors import (
     ManifestError,
     NebulaError,
     RankTimeoutError,
+    StorageError,
 )
+from .leases import delete_claim, is_lease_file, live_leases
 from .manifest import (
     CHECKSUM_ALGO,
     ItemEntry,
@@ -80,10 +82,12 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
     if store.exists(tag, MANIFEST_NAME):
         if not overwrite:
             raise CheckpointExistsError(store.url, tag)
-        if world_size == 1:
-            delete_checkpoint(store, tag)
-        else:
-            delete_part(store, tag, rank)
+        deleted = (
+            delete_checkpoint(store, tag) if world_size == 1 else delete_part(store, tag, rank)
+        )
+        if not deleted:
+            readers = ", ".join(lease.describe() for lease in live_leases(store, tag))
+            raise CheckpointBusyError(store.url, tag, readers or "a reader", activity="read")
     elif store.exists(tag):
         for writer in read_writers(store, tag):
             # Another live process on this host is writing this part (a copy, a second
@@ -101,15 +105,37 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
     store.write_bytes((tag, writer_marker_name(rank)), json.dumps(doc).encode())
 
 
-def delete_part(store: Store, tag: str, rank: int, *, keep_folder: bool = False) -> None:
+def delete_part(store: Store, tag: str, rank: int, *, keep_folder: bool = False) -> bool:
     """Remove one rank's part of a shared tag folder: the manifest first (the tag is then
     invisible on this tier), then the items this rank's marker lists, then its markers,
     then the folder if no other rank's files remain. A writer marker naming this process
-    is there from the start, so a delete cut short is a dead writer's leftover."""
+    is there from the start, so a delete cut short is a dead writer's leftover.
+
+    Returns False, and changes nothing, while a live reader holds a lease on the
+    committed tag (leases.py); True once the part is gone.
+    """
     files = store.list_files(tag)
     if not files:
-        return
-    _claim(store, tag, rank)
+        return True
+    if MANIFEST_NAME not in files:
+        # Uncommitted: nobody can be reading it (leases.py), and a full disk must not keep
+        # a failed write's leftovers from going for want of room for a claim.
+        _remove_part(store, tag, rank, files, keep_folder)
+        return True
+    with delete_claim(store, tag) as readers:
+        if readers:
+            return False
+        _remove_part(store, tag, rank, files, keep_folder)
+    return True
+
+
+def _remove_part(
+    store: Store, tag: str, rank: int, files: dict[str, int], keep_folder: bool
+) -> None:
+    try:
+        _claim(store, tag, rank)
+    except MissingFileError:
+        return  # the folder went meanwhile: another deleter was quicker
     store.remove(tag, MANIFEST_NAME)
     own: set[str] = set()
     if marker_name(rank) in files:
@@ -124,8 +150,9 @@ def delete_part(store: Store, tag: str, rank: int, *, keep_folder: bool = False)
         store.remove(tag, name)
     store.remove(tag, marker_name(rank))
     store.remove(tag, writer_marker_name(rank))
-    if not keep_folder and not store.list_files(tag):
-        store.remove_dir(tag)
+    # Leases (our claim among them) are no other rank's files.
+    if not keep_folder and not [n for n in store.list_files(tag) if not is_lease_file(n)]:
+        _remove_folder(store, tag)
 
 
 def _claim(store: Store, tag: str, rank: int) -> None:
@@ -361,7 +388,7 @@ def copy_checkpoint(
             if progress is not None:
                 progress(base + n, total)
 
-        _copy_item(src.store, dst, tag, item, advance)
+        copy_item(src.store, dst, tag, item, advance)
         if verify:
             # Re-read from the destination rather than trusting the bytes we sent: this is
             # what a later reader gets, so it also catches a store that truncated or altered
@@ -449,9 +476,11 @@ def _check_item(store: Store, tag: str, item: ItemEntry) -> None:
         )
 
 
-def _copy_item(
+def copy_item(
     src: Store, dst: Store, tag: str, item: ItemEntry, advance: Callable[[int], None]
 ) -> None:
+    """Copy one item file of `tag`, hashing on the way; a mismatch with `item` raises
+    `CorruptCheckpointError`."""
     hasher = new_hasher()
     size = 0
     with src.open_read(tag, item.file) as fin, dst.open_write(tag, item.file) as fout:
@@ -495,7 +524,7 @@ def copy_part(
         return size  # this part is already durable there
     begin_tag(dst, tag, rank=rank, overwrite=True, world_size=world_size)
     for item in marker.items:
-        _copy_item(src, dst, tag, item, lambda _n: None)
+        copy_item(src, dst, tag, item, lambda _n: None)
     dst.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
     dst.remove(tag, writer_marker_name(rank))
     if wait:
@@ -528,20 +557,69 @@ def own_parts(store: Store, rank: int) -> list[tuple[str, str]]:
     return out
 
 
-def delete_checkpoint(store: Store, tag: str) -> None:
+def delete_checkpoint(
+    store: Store, tag: str, *, discard: Callable[[str, str], object] | None = None
+) -> bool:
     """Delete a tag: the manifest first (so it is invisible at once), then the data.
+
+    A checkpoint being read is never deleted: this publishes a delete claim, then looks
+    for live read leases (leases.py); if there is one it returns False and the tag stays
+    as it is (the caller reports it, or tries again later). Returns True once the tag is
+    gone (also when there was nothing to delete).
 
     A writer marker naming this process goes in before the manifest goes out, so that a
     delete cut short (the process killed) leaves a leftover that recovery knows to be a
-    dead writer's, not files nobody claims.
+    dead writer's, not files nobody claims. `discard(tag, name)`, when given, disposes of
+    each data file instead of removing it (the memory tier recycles them: slots.py).
     """
     validate_name("tag", tag)
     files = store.list_files(tag)
-    if files:
-        _claim(store, tag, 0)  # before the manifest goes: no moment without a claim
+    if not files:
+        store.remove_dir(tag)  # an empty folder (a store with real folders)
+        return True
+    if MANIFEST_NAME not in files:
+        # Uncommitted: nobody can be reading it (leases.py), and a full disk must not keep
+        # a failed write's leftovers from going for want of room for a claim.
+        try:
+            _claim(store, tag, 0)
+        except MissingFileError:
+            return True  # another deleter was quicker
+        _remove_checkpoint(store, tag, files, discard)
+        return True
+    with delete_claim(store, tag) as readers:
+        if readers:
+            return False
+        try:
+            _claim(store, tag, 0)  # before the manifest goes: no moment without a claim
+        except MissingFileError:
+            return True  # another deleter (prune, retention, eviction) was quicker
+        _remove_checkpoint(store, tag, files, discard)
+    return True
+
+
+def _remove_checkpoint(
+    store: Store, tag: str, files: dict[str, int], discard: Callable[[str, str], object] | None
+) -> None:
     store.remove(tag, MANIFEST_NAME)
     # Data first, our markers last: whatever a kill leaves behind still carries them.
     for name in files:
         if not name.startswith(".") and name != MANIFEST_NAME:
+            if discard is not None:
+                discard(tag, name)
             store.remove(tag, name)
-    store.remove_dir(tag)
+    _remove_folder(store, tag)
+
+
+def _remove_folder(store: Store, tag: str, tries: int = 3) -> None:
+    """Remove the folder of a deleted tag with what is left in it (markers, leases).
+
+    A reader may create its lease between the listing and the removal of the folder
+    (it then finds no manifest and leaves): the folder is not empty, so try again.
+    """
+    for attempt in range(tries):
+        try:
+            store.remove_dir(tag)
+            return
+        except StorageError:
+            if attempt == tries - 1:
+                raise

@@ -24,6 +24,7 @@ from .commit import CopyResult
 from .commit import copy_checkpoint as _copy
 from .errors import CheckpointNotFoundError, NebulaError, RootNotFoundError
 from .history import append_rows, make_row
+from .leases import read_lease
 from .manifest import utc_now
 from .names import step_of, validate_name
 from .storage import Store
@@ -83,8 +84,14 @@ def copy_checkpoint(
     dst = _destination(tiers, dest)
     source_tier, src = _source(tiers, tag, dst)
     t0 = time.perf_counter()
-    result = _copy(src, dst, overwrite=overwrite, resume=True, verify=True, progress=progress)
-    return _report(tiers, source_tier, src, dst, result, time.perf_counter() - t0)
+    # Under a read lease on the source: prune, retention and eviction leave it alone.
+    with read_lease(src.store, src.tag) as readable:
+        fresh = read_committed(src.store, src.tag) if readable else None
+        if fresh is None:
+            raise CheckpointNotFoundError(tiers.display, src.tag)  # deleted meanwhile
+        result = _copy(fresh, dst, overwrite=overwrite, resume=True, verify=True,
+                       progress=progress)  # fmt: skip
+    return _report(tiers, source_tier, fresh, dst, result, time.perf_counter() - t0)
 
 
 def persist_memory_tier(root: PathLike) -> list[str]:
@@ -118,15 +125,20 @@ def persist_memory_tier(root: PathLike) -> list[str]:
         return []
     started_at, t0 = utc_now(), time.perf_counter()
     error: NebulaError | None = None
-    try:
-        # overwrite, as the persister does: the memory copy is newer than a same-named
-        # persistent one (a tag re-saved with overwrite=True).
-        _copy(newest, persistent, overwrite=True, resume=True, verify=True)
-    except NebulaError as exc:
-        error = exc
-        raise
-    finally:
-        _record(tiers, newest, started_at, time.perf_counter() - t0, error)
+    # Under a read lease on the memory copy: a running job's eviction leaves it alone.
+    with read_lease(tiers.memory, newest.tag) as readable:
+        source = read_committed(tiers.memory, newest.tag) if readable else None
+        if source is None:
+            return []  # evicted meanwhile: the job that holds this memory tier runs
+        try:
+            # overwrite, as the persister does: the memory copy is newer than a same-named
+            # persistent one (a tag re-saved with overwrite=True).
+            _copy(source, persistent, overwrite=True, resume=True, verify=True)
+        except NebulaError as exc:
+            error = exc
+            raise
+        finally:
+            _record(tiers, source, started_at, time.perf_counter() - t0, error)
     return [newest.tag]
 
 

@@ -80,11 +80,11 @@ class CheckpointExistsError(NebulaError, FileExistsError):
 
 
 class CheckpointBusyError(NebulaError):
-    """A live process on this host is writing the tag; touching it now would corrupt it."""
+    """A live process is writing (or reading) the tag; replacing it now would corrupt that."""
 
-    def __init__(self, where: str, tag: str, writer: str) -> None:
+    def __init__(self, where: str, tag: str, writer: str, *, activity: str = "written") -> None:
         super().__init__(
-            f"{where}: checkpoint {tag!r} is being written by {writer}; wait for it to "
+            f"{where}: checkpoint {tag!r} is being {activity} by {writer}; wait for it to "
             f"finish (or stop that process), then try again"
         )
         self.where, self.tag, self.writer = where, tag, writer
@@ -185,3 +185,15 @@ class RankTimeoutError(NebulaError, TimeoutError):
 
 class PersistTimeoutError(NebulaError, TimeoutError):
     """A wait for the persister (flush, exit) ran past its limit."""
+
+
+class MemoryBudgetError(NebulaError, MemoryError):
+    """A checkpoint does not fit the memory tier's budget and has nowhere else to go."""
+
+    def __init__(self, tag: str, need_bytes: int, limit_bytes: int, why: str) -> None:
+        super().__init__(
+            f"checkpoint {tag!r} needs {need_bytes} bytes in the memory tier, over its budget "
+            f"of {limit_bytes} bytes (NEBULA_MEMORY_BUFFER_SIZE), and {why}. Raise "
+            f"NEBULA_MEMORY_BUFFER_SIZE, or give nm.init() a persistent_storage_path"
+        )
+        self.tag, self.need_bytes, self.limit_bytes = tag, need_bytes, limit_bytes

@@ -24,6 +24,7 @@ from .manifest import marker_name, utc_now
 from .names import order_key, step_of
 from .ranks import RankInfo
 from .retention import Version, plan_retention
+from .slots import SlotPool
 from .tiers import TierSet
 
 log = logging.getLogger("nebulaml")
@@ -51,8 +52,10 @@ class Persister:
         retention: int,
         ranks: RankInfo | None = None,
         rank_timeout_s: float = 300.0,
+        pool: SlotPool | None = None,
     ) -> None:
         self.tiers = tiers
+        self.pool = pool  # evicted memory-tier files go back to it for reuse
         self.interval_s = interval_s
         self.retention = retention
         self.ranks = ranks or RankInfo()
@@ -69,6 +72,7 @@ class Persister:
         self._done: dict[str, BaseException | None] = {}
         self._error: PersistError | None = None
         self._rows: list[HistoryRow] = []
+        self._retention_lock = threading.Lock()  # the thread and a streamed commit apply it
         self._stopping = False
         self._history_lock = threading.Lock()  # flush() and the thread both append
         self._thread = threading.Thread(target=self._run, name="nebula-persister", daemon=True)
@@ -87,6 +91,17 @@ class Persister:
                     self._candidates.append(tag)
             self._cond.notify_all()
         self.evict_memory()
+
+    def notify_streamed(self, tag: str, row: HistoryRow) -> None:
+        """A tag too large for the memory budget was committed straight to the persistent
+        tier: older pending copies are superseded, and retention runs on the thread."""
+        with self._cond:
+            self._rows.append(row)
+            if self._pending is not None and order_key(self._pending, "") < order_key(tag, ""):
+                self._pending = None
+            self._cond.notify_all()
+        if self.ranks.is_leader:
+            self._retire_after_stream(tag)
 
     def request(self, tag: str) -> None:
         """Persist `tag` (committed in the memory tier) as soon as possible."""
@@ -171,12 +186,14 @@ class Persister:
                 t for t in (self._pending, self._inflight, *self._forced, *self._candidates) if t
             }
 
-    def evict_memory(self) -> None:
+    def evict_memory(self, *, superseded_newest: bool = False) -> None:
         """Drop memory copies that are no longer needed.
 
         With a persistent tier the memory tier keeps its newest checkpoint and those
         pending or in flight. Without one it is the only tier, and retention applies.
-        With several ranks each rank removes only its own part (manifest first).
+        With several ranks each rank removes only its own part (manifest first). With
+        `superseded_newest` (the memory budget needs room) the newest goes too once the
+        persistent tier holds it or a newer checkpoint.
         """
         memory = self.tiers.memory
         if self.ranks.world_size > 1:
@@ -191,7 +208,10 @@ class Persister:
             doomed = plan_retention(versions, self.retention, protected)
         else:
             newest = max(versions, key=lambda v: order_key(v.tag, v.committed_at)).tag
-            doomed = [v.tag for v in versions if v.tag != newest and v.tag not in protected]
+            keep = newest
+            if superseded_newest and self._superseded(newest):
+                keep = None
+            doomed = [v.tag for v in versions if v.tag != keep and v.tag not in protected]
         for tag in doomed:
             # Re-check under the lock: a flush may have asked for it meanwhile.
             if tag in self.protected():
@@ -199,7 +219,21 @@ class Persister:
             if self.ranks.world_size > 1:
                 delete_part(memory, tag, self.rank)
             else:
-                delete_checkpoint(memory, tag)
+                recycle = self.pool.recycle if self.pool is not None else None
+                delete_checkpoint(memory, tag, discard=recycle)
+
+    def _superseded(self, tag: str) -> bool:
+        """Whether the persistent tier holds `tag`, or a newer checkpoint, committed."""
+        persistent = self.tiers.persistent
+        if persistent is None:
+            return False
+        if read_committed(persistent, tag) is not None:
+            return True
+        step = step_of(tag)
+        if step is None:
+            return False
+        steps = [step_of(c.tag) for c in list_committed(persistent)]
+        return any(s is not None and s > step for s in steps)
 
     def close(self, timeout_s: float | None = None) -> str | None:
         """Persist what is pending, stop the thread, write the history.
@@ -401,10 +435,23 @@ class Persister:
     def _apply_retention(self, just_persisted: str) -> None:
         persistent = self.tiers.persistent
         assert persistent is not None
-        committed = list_committed(persistent)
-        versions = [Version(c.tag, c.committed_at, c.manifest.labels) for c in committed]
-        for tag in plan_retention(versions, self.retention, {just_persisted}):
-            delete_checkpoint(persistent, tag)
+        with self._retention_lock:
+            committed = list_committed(persistent)
+            versions = [Version(c.tag, c.committed_at, c.manifest.labels) for c in committed]
+            for tag in plan_retention(versions, self.retention, {just_persisted}):
+                delete_checkpoint(persistent, tag)
+
+    def _retire_after_stream(self, tag: str) -> None:
+        persistent = self.tiers.persistent
+        assert persistent is not None
+        try:
+            self._apply_retention(tag)
+        except NebulaError as exc:
+            error = PersistError(tag, persistent.url, exc)
+            error.__cause__ = exc
+            log.error("%s", error)
+            with self._cond:
+                self._error = error
 
     def _write_history(self) -> None:
         """Append the queued rows. Taking them and writing them happen under one lock, so

@@ -5,11 +5,12 @@
                            whether their writer is alive on this host
     plan_prune             a pure function from that listing to a `PrunePlan`, no I/O
     execute_prune          deletes what the plan says, manifest first, re-checking each
-                           tag just before it goes
+                           tag just before it goes; a tag being read is kept and reported
 
 Never deleted: the newest committed checkpoint, a labelled one (unless the caller includes
-labelled ones), a tag a live process on this host is writing, a leftover that was written
-to within the grace period, and anything without our markers (DESIGN.md §4).
+labelled ones), a tag a live process on this host is writing, a checkpoint being read (a
+live read lease, leases.py), a leftover that was written to within the grace period, and
+anything without our markers (DESIGN.md §4).
 
 Not for: the job's own retention while it trains (retention.py, applied by the persister).
 """
@@ -33,6 +34,7 @@ from .storage import Store
 
 PathLike = str | os.PathLike[str]
 DEFAULT_GRACE_S = 3600.0
+BEING_READ = "being read"  # why execute_prune kept a tag a reader holds a lease on
 _MARKER_PREFIXES = (".rank-", ".writer-")
 
 
@@ -205,7 +207,8 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
     committed tag must still be committed, unlabelled (unless the plan includes labelled
     ones) and not the newest; a leftover must still be uncommitted, carry our markers,
     have no live writer on this host and have been idle for the grace period. A tag that
-    fails the check is skipped and reported, never deleted.
+    fails the check, or that a reader holds a lease on when its turn comes, is skipped and
+    reported ("being read"), never deleted.
     """
     for decision in (*plan.delete, *plan.incomplete):
         validate_name("tag", decision.tag)
@@ -225,7 +228,9 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
         if witness is None:
             skipped.append(PruneDecision(decision.tag, "it is now the newest committed"))
             continue
-        delete_checkpoint(store, decision.tag)
+        if not delete_checkpoint(store, decision.tag):
+            skipped.append(PruneDecision(decision.tag, BEING_READ))
+            continue
         deleted.append(decision.tag)
     now = datetime.now(timezone.utc)
     for decision in plan.incomplete:
@@ -237,7 +242,9 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
         if spare is not None:
             skipped.append(PruneDecision(decision.tag, spare, False))
             continue
-        delete_checkpoint(store, decision.tag)
+        if not delete_checkpoint(store, decision.tag):
+            skipped.append(PruneDecision(decision.tag, BEING_READ, False))
+            continue
         deleted.append(decision.tag)
     return PruneResult(tuple(deleted), tuple(skipped))
 

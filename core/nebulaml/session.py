@@ -23,12 +23,15 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from .budget import MemoryBudget
 from .catalog import list_committed, list_incomplete
 from .commit import WRITER_PREFIX, delete_checkpoint, own_parts, read_writers, writer_alive
 from .errors import InvalidArgumentError, NotInitializedError
+from .fence import SnapshotWorker
 from .names import order_key
 from .persister import Persister
-from .ranks import RankInfo, detect_ranks
+from .ranks import RankInfo, detect_ranks, memory_budget_bytes
+from .slots import SlotPool
 from .storage import Store
 from .tiers import TierSet, open_tiers, record_root
 
@@ -39,12 +42,13 @@ ENV_INTERVAL = "NEBULA_PERSISTENT_TIME_INTERVAL"
 ENV_RETENTION = "NEBULA_NUM_OF_VERSION_IN_RETENTION"
 ENV_EXIT_TIMEOUT = "NEBULA_EXIT_TIMEOUT_S"
 ENV_RANK_TIMEOUT = "NEBULA_RANK_TIMEOUT_S"
+ENV_LAZY = "NEBULA_LAZY_SNAPSHOT"
 DEFAULT_RANK_TIMEOUT_S = 300.0
 EXIT_NOT_PERSISTED = 1  # the exit status when a checkpoint could not be persisted at exit
 DEFAULT_INTERVAL_S = 100.0
 DEFAULT_RETENTION = 2
 DEFAULT_EXIT_TIMEOUT_S = 600.0
-KNOWN_OPTIONS = ("storage_options", "exit_timeout_s", "rank_timeout_s")
+KNOWN_OPTIONS = ("storage_options", "exit_timeout_s", "rank_timeout_s", "lazy_snapshot")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,7 @@ class Config:
     exit_timeout_s: float
     rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S
     storage_options: tuple[tuple[str, Any], ...] = ()
+    lazy_snapshot: bool = False
 
 
 def _number(value: object, source: str, kind: type, minimum: float) -> Any:
@@ -116,6 +121,11 @@ def resolve_config(
     exit_timeout = options.get("exit_timeout_s")
     if exit_timeout is None:
         exit_timeout = os.environ.get(ENV_EXIT_TIMEOUT, DEFAULT_EXIT_TIMEOUT_S)
+    lazy = options.get("lazy_snapshot")
+    if lazy is None:
+        lazy = os.environ.get(ENV_LAZY, "0").strip().lower() in ("1", "true", "yes", "on")
+    if not isinstance(lazy, bool):
+        raise InvalidArgumentError(f"lazy_snapshot must be True or False, not {lazy!r}")
     storage_options = options.get("storage_options") or {}
     if not isinstance(storage_options, dict):
         raise InvalidArgumentError("storage_options must be a dict")
@@ -126,6 +136,7 @@ def resolve_config(
         exit_timeout_s=_number(exit_timeout, "exit_timeout_s", float, 0),
         rank_timeout_s=_number(rank_timeout, "rank_timeout_s", float, 0),
         storage_options=tuple(sorted(storage_options.items())),
+        lazy_snapshot=lazy,
     )
 
 
@@ -146,14 +157,31 @@ class Session:
         # Leftovers of this node's crashed saves and persists; other nodes' are theirs.
         for _tier, store in self.tiers.stores:
             remove_dead_writers(store)
+        share = memory_budget_bytes(self.ranks)
+        # The budget is per process, the memory tier shared by the node's processes.
+        limit = None if share is None else share * self.ranks.local_world_size
+        self.pool = SlotPool(self.tiers.memory, limit_bytes=limit)
         self.persister = Persister(
             self.tiers,
             interval_s=config.persistent_time_interval_s,
             retention=config.num_of_version_in_retention,
             ranks=self.ranks,
             rank_timeout_s=config.rank_timeout_s,
+            pool=self.pool,
+        )
+        self.budget = MemoryBudget(
+            limit, pool=self.pool, persister=self.persister, wait_s=config.exit_timeout_s
         )
         self.recovered: str | None = self._recover()
+        self.snapshots: SnapshotWorker | None = None
+        if config.lazy_snapshot:
+            self.snapshots = SnapshotWorker()
+            self.snapshots.install_fence()
+
+    def wait_for_snapshots(self) -> None:
+        """The fence: every lazy save's snapshot and commit done; raises their failure."""
+        if self.snapshots is not None:
+            self.snapshots.wait()
 
     def _recover(self) -> str | None:
         """Queue the memory tier's newest checkpoint (this rank's part of it) if the
@@ -178,7 +206,11 @@ class Session:
 
     def close(self, timeout_s: float | None = None) -> str | None:
         """Persist what is pending and stop; returns a tag left unpersisted, if any."""
-        return self.persister.close(timeout_s)
+        if self.snapshots is not None:
+            self.snapshots.close()  # the lazy saves commit first, then are persisted
+        left = self.persister.close(timeout_s)
+        self.pool.close()  # the files stay; the persister reads them, not the mappings
+        return left
 
 
 def remove_dead_writers(store: Store) -> list[str]:
@@ -220,12 +252,15 @@ def start(config: Config) -> Session:
         return _session
 
 
-def current(what: str, *, raise_pending: bool = True) -> Session:
-    """The live session, after raising any pending background failure (unless the caller
-    raises it itself, later)."""
+def current(what: str, *, raise_pending: bool = True, fence: bool = True) -> Session:
+    """The live session, after the lazy snapshots are done (unless `fence` is False: a
+    save or commit queues behind them) and any pending background failure is raised
+    (unless the caller raises it itself, later)."""
     session = _session
     if session is None:
         raise NotInitializedError(what)
+    if fence:
+        session.wait_for_snapshots()
     if raise_pending:
         session.persister.raise_pending_error()
     return session
@@ -234,6 +269,7 @@ def current(what: str, *, raise_pending: bool = True) -> Session:
 def current_or_none() -> Session | None:
     session = _session
     if session is not None:
+        session.wait_for_snapshots()
         session.persister.raise_pending_error()
     return session
 
@@ -263,7 +299,12 @@ def _at_exit() -> None:
             f"it is still in the memory tier ({session.tiers.memory.url}), and the next "
             f"nm.init({where!r}) on this node persists it\n"
         )
-    error = session.persister.error
+    error: BaseException | None = session.persister.error
+    if error is None and session.snapshots is not None:
+        try:
+            session.snapshots.wait()
+        except Exception as exc:  # noqa: BLE001 - reported below, and by the exit status
+            error = exc
     if error is not None:
         sys.stderr.write(f"nebula: error: {error}\n")
     if left is not None or error is not None:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import errno
+import mmap
 import os
 import stat
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, BinaryIO, TypeVar
 
@@ -94,6 +96,14 @@ def using_storage_options(options: Mapping[str, Any]) -> Iterator[None]:
         yield
     finally:
         _scoped_options.reset(token)
+
+
+@dataclass(frozen=True, slots=True)
+class MappedRead:
+    """A file mapped for reading: its bytes, and a path naming the open file."""
+
+    view: memoryview
+    path: str
 
 
 def _open_regular(path: str, where: str) -> BinaryIO:
@@ -240,7 +250,12 @@ class Store:
                     with os.scandir(self.path(*parts)) as it:
                         for entry in it:
                             if entry.is_file(follow_symlinks=False):
-                                out[entry.name] = entry.stat(follow_symlinks=False).st_size
+                                try:
+                                    out[entry.name] = entry.stat(follow_symlinks=False).st_size
+                                except FileNotFoundError:
+                                    # Removed since the scan saw it (a reader's lease, say):
+                                    # that file is gone, not the folder.
+                                    continue
                 except (FileNotFoundError, NotADirectoryError):
                     return {}  # no such folder (a file of that name is not a tag folder)
             return out
@@ -326,6 +341,35 @@ class Store:
             # The block is the caller's code: only OS errors are the storage's here.
             with translate_errors(where, self._secrets):
                 yield f
+        finally:
+            f.close()
+
+    @contextlib.contextmanager
+    def open_mapped(self, *parts: str) -> Iterator[MappedRead | None]:
+        """A local file mapped read-only, for loads that must not copy it twice: `view`
+        over its bytes, and `path`, a name of this very open file (not of whatever the
+        name points to by the time it is reopened). None where that is not possible (a
+        remote store, an empty file, no /proc); the caller reads bytes instead."""
+        if not self.is_local or not os.path.isdir("/proc/self/fd"):
+            yield None
+            return
+        where = self.display(*parts)
+        with self._translated(where):
+            f = _open_regular(self.path(*parts), where)
+        try:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                yield None
+                return
+            with self._translated(where):
+                mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+            view = memoryview(mm)
+            try:
+                yield MappedRead(view=view, path=f"/proc/self/fd/{f.fileno()}")
+            finally:
+                view.release()
+                with contextlib.suppress(BufferError):
+                    mm.close()
         finally:
             f.close()
 

@@ -18,6 +18,7 @@ from .api import check_root, tiers_for
 from .checksum import new_hasher
 from .errors import CheckpointNotFoundError, InvalidNameError, ManifestError
 from .inspection import read_manifest_strict
+from .leases import read_lease
 from .manifest import CHECKSUM_ALGO, ItemEntry, Manifest
 from .names import MANIFEST_NAME, order_key, validate_name
 from .storage import MissingFileError, Store
@@ -146,8 +147,19 @@ def _verify_copy(copy: _Copy, advance: Callable[[int], None]) -> list[dict[str, 
         assert copy.error is not None
         where = store.display(tag, MANIFEST_NAME)
         return [_result(copy, None, where, "corrupt", "a valid manifest", copy.error.why)]
+    # Under a read lease: prune, retention and eviction leave the copy alone meanwhile.
+    with read_lease(store, tag) as readable:
+        if not readable:
+            return []  # deleted (evicted) since it was listed
+        return _verify_items(copy, copy.manifest, advance)
+
+
+def _verify_items(
+    copy: _Copy, manifest: Manifest, advance: Callable[[int], None]
+) -> list[dict[str, Any]]:
+    store, tag = copy.store, copy.tag
     out = []
-    for item in copy.manifest.items:
+    for item in manifest.items:
         where = store.display(tag, item.file)
         expected = f"{item.size_bytes} bytes with {item.checksum_algo} {item.checksum}"
         size = copy.files.get(item.file)

@@ -10,6 +10,7 @@ import torch
 import nebulaml as nm
 from nebulaml.catalog import list_committed, list_incomplete, read_committed
 from nebulaml.commit import begin_tag, commit_rank, delete_checkpoint, write_item
+from nebulaml.leases import is_lease_file
 from nebulaml.storage import Store
 
 
@@ -96,7 +97,10 @@ def test_delete_removes_the_manifest_first(tmp_path: Path) -> None:
         delete_checkpoint(store, "global_step1")
     # The delete died half-way: the data is partly there, but nothing is visible, and
     # the leftover carries a writer marker naming this process for recovery to judge.
-    assert store.events == [("write", ".writer-0.json"), ("remove", "manifest.json")]
+    # Before all that, the delete claim that readers' leases are checked against.
+    assert store.events[0][0] == "write" and is_lease_file(store.events[0][1])
+    events = [event for event in store.events if not is_lease_file(event[1])]
+    assert events == [("write", ".writer-0.json"), ("remove", "manifest.json")]
     assert (tmp_path / "root" / "global_step1" / "model").exists()
     assert list_committed(store) == []
     assert list_incomplete(store) == ["global_step1"]

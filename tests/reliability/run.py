@@ -1,5 +1,9 @@
 """`make reliability`: run every campaign at full size and print one table of figures.
 
+The campaigns of campaigns.py and concurrency.py return their figures; the scenario files
+that are plain tests (disk full, hostile paths, exit signals) are run with pytest, and
+their rows count the scenarios that passed, failed and were skipped.
+
 Usage: python tests/reliability/run.py [--quick]
 """
 
@@ -7,15 +11,55 @@ from __future__ import annotations
 
 import argparse
 import logging
+import subprocess
 import sys
 import tempfile
 import time
 import warnings
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from campaigns import Figures, corruption_campaign, crash_campaign, hostile_pickle_campaign
+from concurrency import concurrency_campaign
+
+HERE = Path(__file__).parent
+
+SCENARIO_FILES = (
+    ("disk full", "test_disk_full.py"),
+    ("hostile paths", "test_hostile_paths.py"),
+    ("exit signals", "test_exit_signals.py"),
+)
+
+
+def scenario_campaign(name: str, test_file: str, work: Path) -> Figures:
+    """Run one scenario file with pytest (in a child process) and count its outcomes."""
+    figures = Figures(name)
+    work.mkdir(parents=True, exist_ok=True)
+    report = work / "junit.xml"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               f"--junitxml={report}", str(HERE / test_file)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=1800)
+    try:
+        cases = ET.parse(report).getroot().iter("testcase")
+    except (OSError, ET.ParseError):
+        figures.failures.append(
+            f"pytest {test_file} exited {done.returncode}: {done.stdout[-2000:]}"
+        )
+        return figures
+    for case in cases:
+        kinds = {"failure", "error", "skipped"}
+        outcome = next((child.tag for child in case if child.tag in kinds), "passed")
+        if outcome in ("failure", "error"):
+            figures.add("scenarios failed")
+            figures.failures.append(f"{test_file}::{case.get('name')}")
+        elif outcome == "skipped":
+            figures.add("scenarios skipped")
+        else:
+            figures.add("scenarios passed")
+    figures.counts.setdefault("scenarios failed", 0)
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
             ("corruption", lambda w: corruption_campaign(w, 80 if args.quick else 1000)),
             ("hostile pickles", hostile_pickle_campaign),
             ("crash", lambda w: crash_campaign(w, 10 if args.quick else 200)),
+            ("concurrency", lambda w: concurrency_campaign(w, 60 if args.quick else 1500)),
+            *(
+                (name, lambda w, name=name, path=path: scenario_campaign(name, path, w))
+                for name, path in SCENARIO_FILES
+            ),
         ):
             started = time.monotonic()
             figures = run(work / name.replace(" ", "-"))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from campaigns import corruption_campaign, crash_campaign, hostile_pickle_campaign
+from concurrency import concurrency_campaign
 
 
 @pytest.fixture(autouse=True)
@@ -43,3 +44,21 @@ def test_sigkill_never_loses_an_acknowledged_checkpoint(tmp_path: Path) -> None:
     assert figures.counts["latest failed to load"] == 0
     assert figures.counts["leftovers after recovery"] == 0
     assert figures.counts.get("recoveries checked", 0) >= 3
+
+
+def test_prune_retention_save_and_load_interleaved_lose_nothing(tmp_path: Path) -> None:
+    # A training child saves 60 steps (retention 2); a second child and threads here load
+    # random committed tags, some under a held read lease, and prune to the newest.
+    figures = concurrency_campaign(tmp_path, rounds=60, seed=3)
+    assert figures.failures == []
+    assert figures.counts["saves"] == 60
+    assert figures.counts["saves lost"] == 0
+    assert figures.counts["newest deleted"] == 0
+    assert figures.counts["loads failed because deleted while read"] == 0
+    assert figures.counts["loads correct"] >= 100
+    assert figures.counts["loads under a lease"] > 0
+    # The interleavings happened: deleters met leases, and pruned around them.
+    assert figures.counts["prune kept: being read"] > 0
+    assert figures.counts["tags pruned"] > 0
+    assert figures.counts.get("prunes (nebula prune)", 0) >= 1
+    assert figures.counts["newest checks"] > 100

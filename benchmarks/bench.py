@@ -1,0 +1,252 @@
+"""Peer benchmark (issue #3): nebula against torch.save, DCP and torchsnapshot, one run.
+
+    python benchmarks/bench.py [--preset small|default|large] [--repeats 3]
+        [--loop-steps 30] [--every 10] [--work DIR] [--json PATH] [--methods NAME ...]
+    make bench [PRESET=small]
+
+The state is a GPT-2-style model in fp32 with AdamW state after one step, built in memory
+(no download): small ~16M parameters (0.2 GB of state, ~2 min), default ~124M (1.5 GB,
+~10-15 min on 2 cores), large ~355M (4.3 GB; needs ~20 GB of RAM). Every method
+checkpoints the same state; saves, loads and loop segments are interleaved (round-robin
+over the methods in each repeat), so that noise hits all methods alike.
+
+Per method: stall (the time training is blocked: the save call, plus any wait the method
+imposes before the optimizer may mutate the state, e.g. DCP's staging future or nebula's
+lazy fence), durable (from the save's start until the checkpoint is fsynced on disk),
+GB/s (state bytes / durable), peak extra memory (anonymous RSS above the level before
+the save, plus buffers the method keeps between saves, plus its files in /dev/shm,
+sampled every 5 ms), resume time (fastest: nebula's memory tier, the peers' files in the
+page cache; and from disk, page cache dropped), and the share of a training loop's time
+lost to a checkpoint every N steps, against the same loop without checkpoints.
+
+The run also measures this machine's limits (copy bandwidth into reused and fresh memory,
+sequential write with fsync and cold sequential read in the work folder), and checks the
+issue's target ratios (pass/fail). stdout: the tables; stderr: progress; the JSON file:
+every figure and every sample (sizes in bytes, times in seconds). Not a test.
+
+Methods: torch_save, dcp_save, dcp_async, dcp_async_reused, torchsnapshot, nebula,
+nebula_lazy (`nm.init(..., lazy_snapshot=True)`; shown as unavailable where nebulaml has
+no lazy mode). runner.py says exactly how each figure is taken; report.py, the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from limits import GIB, measure_limits
+from model import PRESETS, TrainState
+from nebula_methods import Nebula
+from peers import DcpAsync, DcpSave, Method, TorchSave, TorchSnapshot, Unavailable
+from report import method_figures, render, target_ratios
+from rich.console import Console
+from runner import MethodResult, Steps, progress, run_loads, run_loops, run_saves, usable
+
+import nebulaml as nm
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def all_methods() -> list[Method]:
+    """Every method, in the order of the table."""
+    return [
+        TorchSave(),
+        DcpSave(),
+        DcpAsync(reused_stager=False),
+        DcpAsync(reused_stager=True),
+        TorchSnapshot(),
+        Nebula(lazy=False),
+        Nebula(lazy=True),
+    ]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    names = [m.name for m in all_methods()]
+    parser = argparse.ArgumentParser(
+        prog="bench.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
+        help="model size (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed saves and loads per method (default: 3)"
+    )
+    parser.add_argument(
+        "--loop-steps",
+        type=int,
+        default=30,
+        help="training steps per loop run; 0 skips the loop benchmark (default: 30)",
+    )
+    parser.add_argument(
+        "--every", type=int, default=10, help="checkpoint every N loop steps (default: 10)"
+    )
+    parser.add_argument(
+        "--work",
+        type=Path,
+        help="folder on the disk to test (a subfolder is made there and removed after); "
+        "default: the system's temporary folder. Not a tmpfs, or 'durable' means RAM",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        help="where to write the figures (default: benchmarks/results/bench-PRESET.json)",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=names,
+        default=names,
+        metavar="NAME",
+        help=f"methods to run, from: {', '.join(names)} (default: all)",
+    )
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.every < 1 or args.loop_steps < 0:
+        parser.error("--repeats and --every must be >= 1, --loop-steps >= 0")
+    return args
+
+
+def fs_type(path: Path) -> str:
+    """The type of the filesystem that holds `path` (from /proc/mounts)."""
+    best, kind = "", "unknown"
+    real = str(path.resolve())
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                _dev, mount, fstype, *_ = line.split()
+                if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(
+                    best
+                ):
+                    best, kind = mount, fstype
+    except OSError:
+        pass
+    return kind
+
+
+def versions() -> dict[str, str | None]:
+    try:
+        import torchsnapshot
+
+        snapshot_version: str | None = getattr(torchsnapshot, "__version__", "installed")
+    except ImportError:
+        snapshot_version = None
+    return {
+        "torch": torch.__version__,
+        "nebulaml": nm.__version__,
+        "torchsnapshot": snapshot_version,
+    }
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Build the state, measure the limits and every method; return the JSON document."""
+    preset = PRESETS[args.preset]
+    progress(f"building the {preset.name} state ({preset.about} parameters) ...")
+    state = TrainState(preset)
+    step_s = state.time_step(3)
+    state_bytes = state.state_bytes
+    progress(
+        f"{state.num_params / 1e6:.1f}M parameters, {state_bytes / 1e9:.2f} GB, step {step_s:.2f} s"
+    )
+    progress("measuring this machine's limits ...")
+    limits = measure_limits(work / "limits", copy_bytes=min(state_bytes, GIB))
+    limits["work_fs_type"] = fs_type(work)
+
+    methods = [m for m in all_methods() if m.name in args.methods]
+    results = {m.name: MethodResult(m.name, m.label) for m in methods}
+    for method in methods:
+        try:
+            method.setup(work / method.name, state)
+        except Unavailable as exc:
+            results[method.name].unavailable = str(exc)
+            progress(f"{method.label}: unavailable: {exc}")
+    ready = list(usable(methods, results))
+    steps = Steps()
+    try:
+        run_saves(ready, results, state, steps, args.repeats)
+        run_loads(ready, results, state, args.repeats)
+    finally:
+        for method in ready:
+            method.teardown()
+    loop_baseline: dict[str, Any] = {}
+    if args.loop_steps > 0 and ready:
+        loop_baseline = run_loops(
+            ready,
+            results,
+            state,
+            steps,
+            n_steps=args.loop_steps,
+            every=args.every,
+            folder_for=lambda m: work / "loop" / m.name,
+        )
+    figures = {m.name: method_figures(results[m.name], state_bytes) for m in methods}
+    return {
+        "schema": "nebula-bench/1",
+        "preset": preset.name,
+        "args": {
+            "repeats": args.repeats,
+            "loop_steps": args.loop_steps,
+            "every": args.every,
+            "methods": args.methods,
+        },
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "versions": versions(),
+        },
+        "state": {
+            "num_params": state.num_params,
+            "state_bytes": state_bytes,
+            "batch": preset.batch,
+            "seq_len": preset.seq_len,
+            "step_s": step_s,
+        },
+        "limits": limits,
+        "methods": figures,
+        "loop_baseline": loop_baseline,
+        "ratios": target_ratios(figures, limits, state_bytes),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    parent = args.work or Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="nebula-bench-", dir=parent))
+    kind = fs_type(work)
+    if kind in ("tmpfs", "ramfs"):
+        progress(f"warning: {work} is on {kind}: 'durable' and 'disk' figures measure RAM")
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    t0 = time.perf_counter()
+    try:
+        doc = run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    doc["started_at"] = started_at
+    doc["duration_s"] = time.perf_counter() - t0
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    render(console, doc, [m.name for m in all_methods() if m.name in args.methods])
+    out = args.json or RESULTS / f"bench-{args.preset}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    progress(f"wrote {out} ({doc['duration_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

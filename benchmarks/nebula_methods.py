@@ -1,0 +1,141 @@
+"""nebula as a benchmark method: the default (synchronous snapshot) and the lazy mode.
+
+A save is what a training script does: `Checkpoint(tag, 2)`, `save("model", ...)`,
+`save("optimizer", ...)` (the second save commits in the memory tier; the persist to the
+work folder runs in nebula's background thread). The caller may mutate the state once
+`save` returns, or, in lazy mode, once `nm.wait_for_snapshot()` returns (lazy mode also
+fences by itself before `optimizer.step()`). Durable: `nm.flush_persistence()` returned.
+
+nebula's session is process-wide, so the two variants take turns: `activate` calls
+`nm.init` for this variant's root, and `deactivate` shuts the session down and, unless
+asked to keep it, deletes the variant's memory tier (RAM). After a (re)start the next
+save is a first save, so the harness saves twice, untimed, before it times one (nebula
+reuses its two snapshot buffers from the third save of a session on).
+
+Loading from disk: the session is shut down and the memory tier deleted
+(`shutil.rmtree(nm.memory_tier_path(root))`); `nm.get_latest_checkpoint(root)` then finds
+only the persistent copy, and its `load` reads (and verifies) the files in the work folder.
+
+Not for: the peers (peers.py) or timing (runner.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+from model import TrainState
+from peers import Method, Pending, Unavailable, no_wait
+
+import nebulaml as nm
+
+RETENTION = 2
+
+
+def init_nebula(root: Path, *, lazy: bool) -> str | None:
+    """`nm.init` for `root`; returns None, or why the lazy mode is not available (then no
+    session is left running)."""
+    kwargs: dict[str, Any] = {"persistent_time_interval": 0, "num_of_version_in_retention": 2}
+    if not lazy:
+        nm.init(str(root), **kwargs)
+        return None
+    if not hasattr(nm, "wait_for_snapshot"):
+        return "this nebulaml has no lazy mode (no nm.wait_for_snapshot)"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            nm.init(str(root), lazy_snapshot=True, **kwargs)
+        except TypeError as exc:
+            return f"nm.init does not take lazy_snapshot ({exc})"
+    ignored = [w for w in caught if "lazy_snapshot" in str(w.message)]
+    if ignored:
+        nm.shutdown()
+        return f"nm.init ignored lazy_snapshot: {ignored[0].message}"
+    return None
+
+
+class Nebula(Method):
+    """nebula, synchronous snapshot (`lazy=False`) or lazy mode (`lazy=True`)."""
+
+    def __init__(self, *, lazy: bool) -> None:
+        if lazy:
+            super().__init__("nebula_lazy", "nebula lazy", defers_fence=True)
+        else:
+            super().__init__("nebula", "nebula")
+        self.lazy = lazy
+        self.active = False
+        self.tags: list[str] = []
+
+    @property
+    def root(self) -> Path:
+        return self.folder / "root"
+
+    def memory_tier(self) -> Path:
+        return Path(nm.memory_tier_path(str(self.root)))
+
+    def setup(self, folder: Path, state: TrainState) -> None:
+        super().setup(folder, state)
+        shutil.rmtree(self.memory_tier(), ignore_errors=True)
+        self.tags = []
+        reason = init_nebula(self.root, lazy=self.lazy)  # a probe: is this mode here?
+        if reason is not None:
+            raise Unavailable(reason)
+        nm.shutdown()
+        self.active = False
+
+    def activate(self, state: TrainState) -> bool:
+        first = super().activate(state)
+        if self.active:
+            return first
+        reason = init_nebula(self.root, lazy=self.lazy)
+        if reason is not None:  # it was available at setup
+            raise RuntimeError(f"{self.label}: {reason}")
+        self.active = True
+        return True
+
+    def deactivate(self, *, keep_memory: bool = True) -> None:
+        if self.active:
+            nm.shutdown()
+            self.active = False
+        if not keep_memory:
+            shutil.rmtree(self.memory_tier(), ignore_errors=True)
+
+    def save(self, state: TrainState, step: int) -> Pending:
+        tag = f"global_step{step}"
+        ckpt = nm.Checkpoint(tag, 2)
+        ckpt.save("model", state.model.state_dict())
+        ckpt.save("optimizer", state.optimizer.state_dict())
+        self.tags.append(tag)
+        self.saved = [self.root / t for t in self.tags[-RETENTION:]]
+        wait = nm.wait_for_snapshot if self.lazy else no_wait
+        return Pending(wait, nm.flush_persistence)
+
+    def load(self, state: TrainState, *, from_disk: bool) -> Any:
+        ckpt = nm.get_latest_checkpoint(str(self.root))
+        if ckpt is None:
+            raise RuntimeError(f"{self.label}: no checkpoint under {self.root}")
+        return {"model": ckpt.load("model"), "optimizer": ckpt.load("optimizer")}
+
+    def prepare_disk_load(self) -> None:
+        self.deactivate(keep_memory=False)
+        newest = nm.list_checkpoints(str(self.root))[0]
+        if newest["tiers"] != ["persistent"]:
+            raise RuntimeError(f"{self.label}: {newest['tag']} is still in {newest['tiers']}")
+
+    def disk_paths(self) -> list[Path]:
+        return [self.root]
+
+    def fast_load_paths(self) -> list[Path]:
+        return []  # the memory tier is RAM already
+
+    def shm_dirs(self) -> list[Path]:
+        return [self.memory_tier()]
+
+    def prune(self) -> None:
+        """Retention (2 on the persistent tier) is nebula's own job."""
+
+    def teardown(self) -> None:
+        self.deactivate(keep_memory=False)
+        super().teardown()

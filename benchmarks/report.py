@@ -1,0 +1,276 @@
+"""Figures, the issue's target ratios, the tables on stdout and the JSON document.
+
+Every figure is a median over the repeats, with min and max beside it. The targets
+(issue #3) are checked for each nebula variant that ran:
+
+  stall_vs_torch_save        nebula stall / torch.save+fsync stall            <= 0.03
+  stall_vs_dcp_async_reused  nebula stall / dcp.async_save (reused) stall     <= 0.5
+  loop_overhead              loop time with a save every N steps / without - 1 <= 0.02
+  persist_vs_disk_write      persist GB/s / sequential write GB/s              >= 0.8
+  resume_memory_speedup      torch.load from disk s / nebula memory load s      >= 2
+  disk_load_vs_disk_read     nebula disk load GB/s / sequential read GB/s       >= 0.8
+  peak_memory                peak extra bytes <= 2 x state bytes + 256 MiB
+
+Persist GB/s is the bytes nebula wrote for one checkpoint over the time from the end of
+the save call until durable (the background persist; measured on the synchronous variant,
+whose background does nothing else). Load GB/s is the bytes of the checkpoint read over
+the load time.
+
+Not for: measuring (runner.py, limits.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from measure import summarize
+from rich.console import Console
+from rich.table import Table
+from runner import MethodResult
+
+MEMORY_SLACK_BYTES = 256 << 20
+NEBULA_VARIANTS = ("nebula", "nebula_lazy")
+
+
+def method_figures(result: MethodResult, state_bytes: int) -> dict[str, Any]:
+    """Summaries (median, min, max) of one method's samples."""
+    if result.unavailable is not None:
+        return {"label": result.label, "unavailable": result.unavailable}
+    saves = result.saves
+    durable = [s.durable_s for s in saves]
+    loads_disk = result.load_disk_s
+    figures: dict[str, Any] = {
+        "label": result.label,
+        "stall_s": summarize([s.stall_s for s in saves]),
+        "blocking_s": summarize([s.blocking_s for s in saves]),
+        "fence_s": summarize([s.fence_s for s in saves]),
+        "durable_s": summarize(durable),
+        "background_s": summarize([s.background_s for s in saves]),
+        "durable_gbps": summarize([state_bytes / d / 1e9 for d in durable]),
+        "peak_extra_bytes": max(s.peak_extra_bytes for s in saves),
+        "peak_anon_bytes": max(s.peak_anon_bytes for s in saves),
+        "peak_shm_bytes": max(s.peak_shm_bytes for s in saves),
+        "written_bytes": result.written_bytes,
+        "load_fast_s": summarize(result.load_fast_s),
+        "load_disk_s": summarize(loads_disk),
+        "load_disk_gbps": summarize([result.written_bytes / s / 1e9 for s in loads_disk]),
+        "load_disk_cache_resident": result.load_disk_cache_resident,
+        "first_save": None if result.first_save is None else _sample_dict(result.first_save),
+        "samples": [_sample_dict(s) for s in saves],
+        "loop": result.loop,
+    }
+    return figures
+
+
+def _sample_dict(sample: Any) -> dict[str, Any]:
+    return {k: getattr(sample, k) for k in sample.__slots__}
+
+
+def _median(figures: dict[str, Any], name: str, key: str) -> float | None:
+    method = figures.get(name)
+    if not method or "unavailable" in method or not method.get(key):
+        return None
+    return method[key]["median"]
+
+
+def _ratio(
+    name: str, method: str, value: float | None, op: str, limit: float, target: str
+) -> dict[str, Any]:
+    passed = None if value is None else (value <= limit if op == "<=" else value >= limit)
+    return {
+        "name": name,
+        "method": method,
+        "value": value,
+        "op": op,
+        "limit": limit,
+        "target": target,
+        "pass": passed,
+    }
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def target_ratios(
+    figures: dict[str, Any], limits: dict[str, Any], state_bytes: int
+) -> list[dict[str, Any]]:
+    """The issue's target ratios for each nebula variant that ran."""
+    ratios = []
+    variants = [v for v in NEBULA_VARIANTS if v in figures and "unavailable" not in figures[v]]
+    persist_source = "nebula" if "nebula" in variants else (variants[0] if variants else None)
+    for v in variants:
+        stall = _median(figures, v, "stall_s")
+        ratios.append(
+            _ratio(
+                "stall_vs_torch_save",
+                v,
+                _div(stall, _median(figures, "torch_save", "stall_s")),
+                "<=",
+                0.03,
+                "nebula stall <= 3% of torch.save+fsync",
+            )
+        )
+        ratios.append(
+            _ratio(
+                "stall_vs_dcp_async_reused",
+                v,
+                _div(stall, _median(figures, "dcp_async_reused", "stall_s")),
+                "<=",
+                0.5,
+                "nebula stall <= 0.5 x dcp.async_save (reused stager) stall",
+            )
+        )
+        loop = figures[v].get("loop") or {}
+        ratios.append(
+            _ratio(
+                "loop_overhead",
+                v,
+                loop.get("overhead"),
+                "<=",
+                0.02,
+                "loop time lost to checkpoints <= 2%",
+            )
+        )
+        if v == persist_source:
+            background = _median(figures, v, "background_s")
+            written = figures[v]["written_bytes"]
+            persist_gbps = _div(written / 1e9, background)
+            ratios.append(
+                _ratio(
+                    "persist_vs_disk_write",
+                    v,
+                    _div(persist_gbps, limits.get("disk_write_gbps")),
+                    ">=",
+                    0.8,
+                    "persist GB/s >= 80% of sequential write (fsync) GB/s",
+                )
+            )
+        ratios.append(
+            _ratio(
+                "resume_memory_speedup",
+                v,
+                _div(
+                    _median(figures, "torch_save", "load_disk_s"),
+                    _median(figures, v, "load_fast_s"),
+                ),
+                ">=",
+                2.0,
+                "memory-tier resume >= 2x faster than torch.load from disk",
+            )
+        )
+        ratios.append(
+            _ratio(
+                "disk_load_vs_disk_read",
+                v,
+                _div(_median(figures, v, "load_disk_gbps"), limits.get("disk_read_gbps")),
+                ">=",
+                0.8,
+                "load from disk GB/s >= 80% of sequential read GB/s",
+            )
+        )
+        peak = figures[v]["peak_extra_bytes"]
+        ratios.append(
+            _ratio(
+                "peak_memory",
+                v,
+                peak / state_bytes,
+                "<=",
+                (2 * state_bytes + MEMORY_SLACK_BYTES) / state_bytes,
+                "peak extra memory <= 2 x state + 256 MiB (value: x state)",
+            )
+        )
+    return ratios
+
+
+def _fmt(summary: dict[str, float] | None, digits: int = 2) -> str:
+    if not summary:
+        return "-"
+    med, lo, hi = summary["median"], summary["min"], summary["max"]
+    return f"{med:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+
+
+def _gb(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e9:.2f}"
+
+
+def render(
+    console: Console,
+    doc: dict[str, Any],
+    order: Sequence[str],
+) -> None:
+    """The three tables: methods, machine limits, targets."""
+    state = doc["state"]
+    title = (
+        f"preset {doc['preset']}: {state['num_params'] / 1e6:.0f}M parameters, "
+        f"{state['state_bytes'] / 1e9:.2f} GB of state (fp32 + AdamW), "
+        f"step {state['step_s']:.2f} s; median \\[min-max] of {doc['args']['repeats']}"
+    )
+    table = Table(title=title, title_justify="left")
+    for column in (
+        "method",
+        "stall s",
+        "durable s",
+        "GB/s",
+        "peak extra GB (anon+shm)",
+        "resume fast s",
+        "resume disk s",
+        f"loop +% (save every {doc['args']['every']})",
+    ):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for name in order:
+        fig = doc["methods"][name]
+        if "unavailable" in fig:
+            table.add_row(fig["label"], f"unavailable: {fig['unavailable']}", *[""] * 6)
+            continue
+        rounds = (fig.get("loop") or {}).get("overhead_per_round")
+        overhead = "-"
+        if rounds:
+            pct = summarize([100 * x for x in rounds])
+            overhead = f"{pct['median']:+.1f} [{pct['min']:+.0f}..{pct['max']:+.0f}]"
+        table.add_row(
+            fig["label"],
+            _fmt(fig["stall_s"], 3),
+            _fmt(fig["durable_s"]),
+            f"{fig['durable_gbps']['median']:.2f}",
+            f"{_gb(fig['peak_extra_bytes'])} "
+            f"({_gb(fig['peak_anon_bytes'])}+{_gb(fig['peak_shm_bytes'])})",
+            _fmt(fig["load_fast_s"]),
+            _fmt(fig["load_disk_s"]),
+            overhead,
+        )
+    console.print(table)
+
+    lim = doc["limits"]
+    limits = Table(title="this machine", title_justify="left")
+    limits.add_column("limit")
+    limits.add_column("GB/s", justify="right")
+    limits.add_row("copy into a reused buffer", f"{lim['copy_reused_gbps']:.2f}")
+    limits.add_row("copy into fresh pages", f"{lim['copy_fresh_gbps']:.2f}")
+    limits.add_row(
+        f"sequential write + fsync ({lim['disk_bytes'] >> 20} MiB)", f"{lim['disk_write_gbps']:.2f}"
+    )
+    limits.add_row(
+        f"sequential read, cache dropped ({lim['read_cache_resident']:.0%} resident)",
+        f"{lim['disk_read_gbps']:.2f}",
+    )
+    base = doc.get("loop_baseline") or {}
+    if base:
+        runs = base["segment_s"]
+        limits.add_row(
+            f"{base['steps_per_segment']} training steps, no checkpoint: median "
+            f"{base['median_s']:.2f} s of {len(runs)} runs, {min(runs):.2f}-{max(runs):.2f} s "
+            f"(spread {base['spread']:.0%}: the loop figures' noise)",
+            "-",
+        )
+    console.print(limits)
+
+    targets = Table(title="targets (issue #3)", title_justify="left")
+    for column in ("ratio", "method", "value", "target", "result"):
+        targets.add_column(column, justify="right" if column == "value" else "left")
+    for r in doc["ratios"]:
+        value = "-" if r["value"] is None else f"{r['value']:.3g}"
+        verdict = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "n/a"}[r["pass"]]
+        targets.add_row(r["name"], r["method"], value, f"{r['op']} {r['limit']:.3g}", verdict)
+    console.print(targets)

@@ -1,0 +1,339 @@
+"""The benchmark's three phases, each timing every method on the same training state.
+
+saves   round-robin over the methods in each repeat (noise hits all alike). One save:
+        t0, `save` returns (blocking), [a forward+backward, untimed, if the method defers
+        its fence], `wait_mutable` returns (fence), `wait_durable` returns (durable).
+        stall = blocking + fence; durable = wall time from t0; background = durable time
+        after `save` returned. Memory is sampled through the whole save (measure.py),
+        less the forward/backward's own memory (calibrated) while that runs.
+        Each method saves twice, untimed, before its first timed save (and nebula after
+        each restart of its session), so the timed saves are steady-state saves.
+loads   the newest checkpoint of each method, round-robin: first the fastest resume
+        (nebula: the memory tier; peers: their files, read once beforehand so they sit
+        in the page cache), then from disk (after fsync + posix_fadvise(DONTNEED) of the
+        files, and for nebula without its memory tier).
+loop    real training steps (forward, backward, AdamW), in `steps // every` rounds.
+        A round runs, for each method, one segment: a checkpoint, then `every` steps
+        (the method's fence waited before the first optimizer step), then the wait until
+        that checkpoint is durable if it is not yet (counted: a save every `every` steps
+        cannot be faster than that in the long run); and segments of `every` steps
+        without a checkpoint before, between and after groups of three methods. The order
+        alternates (forward, reversed) from round to round. A segment's overhead is its
+        time over the no-checkpoint time interpolated between the two that bracket it,
+        minus 1; a method's overhead is the median over the rounds. The untimed first
+        saves (nebula: after each session restart) are done before the segment starts.
+
+Not for: the CLI (bench.py) or rendering (report.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from measure import MemorySampler, drop_page_cache, files_under, resident_fraction, tree_bytes
+from model import TrainState
+from peers import Method
+
+_T0 = time.perf_counter()
+# Saves after a (re)start before the timed ones. Two: nebula keeps two snapshot buffers
+# (the newest committed copy and the one being filled), so the third save of a session is
+# the first to reuse memory, as every save of a long training run does.
+WARMUP_SAVES = 2
+
+
+def progress(message: str) -> None:
+    """Progress goes to stderr; stdout is the table."""
+    sys.stderr.write(f"[bench {time.perf_counter() - _T0:6.1f} s] {message}\n")
+    sys.stderr.flush()
+
+
+@dataclass(slots=True)
+class SaveSample:
+    """One timed save."""
+
+    blocking_s: float
+    fence_s: float
+    stall_s: float
+    durable_s: float
+    background_s: float
+    peak_extra_bytes: int
+    peak_anon_bytes: int
+    peak_shm_bytes: int
+
+
+@dataclass(slots=True)
+class MethodResult:
+    """Everything measured for one method."""
+
+    name: str
+    label: str
+    unavailable: str | None = None
+    first_save: SaveSample | None = None
+    saves: list[SaveSample] = field(default_factory=list)
+    written_bytes: int = 0
+    load_fast_s: list[float] = field(default_factory=list)
+    load_disk_s: list[float] = field(default_factory=list)
+    load_disk_cache_resident: float = 0.0
+    loop: dict[str, Any] = field(default_factory=dict)
+
+
+class Steps:
+    """Step numbers for checkpoint tags, increasing over the whole run."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def __call__(self) -> int:
+        self._next += 1
+        return self._next
+
+
+def forward_backward_bytes(state: TrainState, repeats: int = 3) -> int:
+    """The anonymous memory a forward/backward itself takes at its peak (median): not
+    counted against a method whose save overlaps one."""
+    peaks = []
+    for _ in range(repeats):
+        gc.collect()
+        with MemorySampler() as mem:
+            state.forward_backward()
+        peaks.append(mem.peak_anon_bytes)
+    return int(statistics.median(peaks))
+
+
+def time_save(method: Method, state: TrainState, step: int, overlap_bytes: int = 0) -> SaveSample:
+    """Time one save of `method` through durable, sampling memory. `overlap_bytes` is
+    the forward/backward's own memory, discounted while it runs."""
+    gc.collect()
+    retained = method.retained_bytes(state)
+    with MemorySampler(method.shm_dirs(), retained_bytes=retained) as mem:
+        t0 = time.perf_counter()
+        pending = method.save(state, step)
+        t1 = time.perf_counter()
+        if method.defers_fence:
+            mem.discount_bytes = overlap_bytes
+            state.forward_backward()  # the next step's compute, overlapping the snapshot
+            mem.discount_bytes = 0
+        t2 = time.perf_counter()
+        pending.wait_mutable()
+        t3 = time.perf_counter()
+        pending.wait_durable()
+        t4 = time.perf_counter()
+    return SaveSample(
+        blocking_s=t1 - t0,
+        fence_s=t3 - t2,
+        stall_s=(t1 - t0) + (t3 - t2),
+        durable_s=t4 - t0,
+        background_s=t4 - t1,
+        peak_extra_bytes=mem.peak_extra_bytes,
+        peak_anon_bytes=mem.peak_anon_bytes,
+        peak_shm_bytes=mem.peak_shm_bytes,
+    )
+
+
+def _ready(
+    method: Method, state: TrainState, steps: Steps, result: MethodResult, overlap_bytes: int = 0
+) -> None:
+    """Activate `method`; after a (re)start, save `WARMUP_SAVES` times untimed (the very
+    first save is recorded)."""
+    if not method.activate(state):
+        return
+    for _ in range(WARMUP_SAVES):
+        sample = time_save(method, state, steps(), overlap_bytes)
+        if result.first_save is None:
+            result.first_save = sample
+        method.prune()
+
+
+def run_saves(
+    methods: Sequence[Method],
+    results: dict[str, MethodResult],
+    state: TrainState,
+    steps: Steps,
+    repeats: int,
+) -> None:
+    """The save phase: `repeats` rounds, each timing one save of every method."""
+    overlap = forward_backward_bytes(state)
+    progress(f"a forward/backward takes {overlap / 1e9:.2f} GB of its own at its peak")
+    for r in range(repeats):
+        last = r == repeats - 1
+        for method in methods:
+            result = results[method.name]
+            _ready(method, state, steps, result, overlap)
+            sample = time_save(method, state, steps(), overlap)
+            result.saves.append(sample)
+            method.prune()
+            progress(
+                f"save {r + 1}/{repeats} {method.label}: stall {sample.stall_s:.3f} s, "
+                f"durable {sample.durable_s:.2f} s"
+            )
+            method.deactivate(keep_memory=last)  # the last save stays for the loads
+            if last:
+                method.release()
+    for method in methods:
+        results[method.name].written_bytes = tree_bytes([method.latest()])
+
+
+def _time_load(method: Method, state: TrainState, *, from_disk: bool) -> float:
+    gc.collect()
+    t0 = time.perf_counter()
+    loaded = method.load(state, from_disk=from_disk)
+    seconds = time.perf_counter() - t0
+    del loaded
+    gc.collect()
+    return seconds
+
+
+def _warm_page_cache(paths: list[Path]) -> None:
+    buffer = bytearray(64 << 20)
+    for path in files_under(paths):
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+
+
+def run_loads(
+    methods: Sequence[Method], results: dict[str, MethodResult], state: TrainState, repeats: int
+) -> None:
+    """The load phase: fastest resume for all methods, then from disk, round-robin."""
+    for r in range(repeats):
+        for method in methods:
+            _warm_page_cache(method.fast_load_paths())
+            seconds = _time_load(method, state, from_disk=False)
+            results[method.name].load_fast_s.append(seconds)
+            progress(f"load {r + 1}/{repeats} {method.label} (fastest): {seconds:.2f} s")
+    for method in methods:
+        method.prepare_disk_load()
+    for r in range(repeats):
+        for method in methods:
+            result = results[method.name]
+            drop_page_cache(method.disk_paths())
+            result.load_disk_cache_resident = max(
+                result.load_disk_cache_resident, resident_fraction(method.disk_paths())
+            )
+            seconds = _time_load(method, state, from_disk=True)
+            result.load_disk_s.append(seconds)
+            progress(f"load {r + 1}/{repeats} {method.label} (disk): {seconds:.2f} s")
+
+
+def _segment(
+    state: TrainState, method: Method | None, steps: Steps, every: int
+) -> dict[str, float]:
+    """One checkpoint and the `every` training steps after it (or the steps alone), until
+    the checkpoint is durable; a wait left at the end is counted and reported."""
+    stall = 0.0
+    pending = None
+    t_start = time.perf_counter()
+    if method is not None:
+        pending = method.save(state, steps())
+        stall = time.perf_counter() - t_start
+    for i in range(every):
+        state.forward_backward()
+        if i == 0 and pending is not None:
+            t0 = time.perf_counter()
+            pending.wait_mutable()  # before the optimizer step mutates the tensors
+            stall += time.perf_counter() - t0
+        state.optimizer_step()
+    t_steps = time.perf_counter()
+    if pending is not None:
+        pending.wait_durable()
+    t_end = time.perf_counter()
+    return {"segment_s": t_end - t_start, "stall_s": stall, "wait_at_end_s": t_end - t_steps}
+
+
+def _round_order(methods: Sequence[Method], group: int, reverse: bool) -> list[Method | None]:
+    """Method segments in groups of `group`, a no-checkpoint segment (None) before,
+    between and after the groups."""
+    order: list[Method | None] = [None]
+    for k in range(0, len(methods), group):
+        order.extend([*methods[k : k + group], None])
+    return order[::-1] if reverse else order
+
+
+def run_loops(
+    methods: Sequence[Method],
+    results: dict[str, MethodResult],
+    state: TrainState,
+    steps: Steps,
+    *,
+    n_steps: int,
+    every: int,
+    folder_for: Callable[[Method], Path],
+    group: int = 3,
+) -> dict[str, Any]:
+    """The loop phase: `n_steps // every` rounds; each round runs one segment per method
+    and a no-checkpoint segment before, between and after groups of `group` methods,
+    in alternating order. A method segment is compared with the no-checkpoint time
+    interpolated (linearly, in time) between the two that bracket it, so that drift in
+    the machine's load cancels; the method's overhead is the median over the rounds.
+    Returns the no-checkpoint figures."""
+    rounds = max(1, n_steps // every)
+    base: list[float] = []
+    segments: dict[str, list[dict[str, float]]] = {m.name: [] for m in methods}
+    for method in methods:
+        method.setup(folder_for(method), state)
+    scratch = {m.name: MethodResult(m.name, m.label) for m in methods}
+    try:
+        for r in range(rounds):
+            timeline: list[tuple[Method | None, float, float]] = []  # (who, mid time, s)
+            for method in _round_order(methods, group, reverse=r % 2 == 1):
+                if method is not None:
+                    _ready(method, state, steps, scratch[method.name])
+                t0 = time.perf_counter()
+                seg = _segment(state, method, steps, every)
+                timeline.append((method, t0 + seg["segment_s"] / 2, seg["segment_s"]))
+                if method is None:
+                    base.append(seg["segment_s"])
+                    progress(f"loop {r + 1}/{rounds} no checkpoint: {seg['segment_s']:.2f} s")
+                    continue
+                segments[method.name].append(seg)
+                method.prune()
+                method.deactivate(keep_memory=False)
+                progress(f"loop {r + 1}/{rounds} {method.label}: {seg['segment_s']:.2f} s")
+            for method, mid, _s in timeline:
+                if method is not None:
+                    segments[method.name][-1]["reference_s"] = _interpolate(timeline, mid)
+    finally:
+        for method in methods:
+            method.teardown()
+    for method in methods:
+        segs = segments[method.name]
+        per_round = [s["segment_s"] / s["reference_s"] - 1 for s in segs]
+        results[method.name].loop = {
+            "overhead": statistics.median(per_round),
+            "overhead_per_round": per_round,
+            "segment_s": [s["segment_s"] for s in segs],
+            "reference_s": [s["reference_s"] for s in segs],
+            "stall_s": [s["stall_s"] for s in segs],
+            "wait_at_end_s": [s["wait_at_end_s"] for s in segs],
+        }
+    med = statistics.median(base)
+    return {
+        "rounds": rounds,
+        "steps_per_segment": every,
+        "segment_s": base,
+        "median_s": med,
+        "spread": (max(base) - min(base)) / med,
+    }
+
+
+def _interpolate(timeline: list[tuple[Method | None, float, float]], mid: float) -> float:
+    """The no-checkpoint segment time at `mid`, between the nearest ones before and after."""
+    base = [(t, s) for who, t, s in timeline if who is None]
+    before = [(t, s) for t, s in base if t <= mid]
+    after = [(t, s) for t, s in base if t > mid]
+    if not before or not after:
+        return (before or after)[-1 if before else 0][1]
+    (t0, s0), (t1, s1) = before[-1], after[0]
+    return s0 + (s1 - s0) * (mid - t0) / (t1 - t0)
+
+
+def usable(methods: Sequence[Method], results: dict[str, MethodResult]) -> Iterator[Method]:
+    """The methods that are not unavailable."""
+    return (m for m in methods if results[m.name].unavailable is None)

@@ -1,0 +1,174 @@
+"""The fast snapshot: a laid-out item refilled in a reused buffer is what torch.load reads.
+
+Each test names the bug it catches: a storage copied to another storage's place, stale
+bytes of an earlier checkpoint left in a reused buffer, a layout reused after the shapes
+changed, an object the layout cannot map written wrongly instead of by torch.save.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import nebulaml as nm
+from nebulaml.slots import SlotPool
+from nebulaml.snapshot import checksum, fill, plan_layout
+from nebulaml.storage import Store
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            _assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+def _state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    big = torch.randn(64, 33)
+    shared = torch.arange(100, dtype=torch.int64)
+    return {
+        "model": collections.OrderedDict(w=big, b=torch.randn(33), t=big.t()),
+        "views": [shared[10:20], shared[50:], shared],  # one storage, three tensors
+        "dtypes": (torch.ones(3, dtype=torch.bfloat16), torch.tensor([True, False])),
+        "half": torch.randn(7, dtype=torch.float16),
+        "empty": torch.empty(0),
+        "scalar": torch.tensor(3.5),
+        "param": torch.nn.Parameter(torch.randn(5)),
+        "meta": {"step": 7, "lr": 0.1, "name": "x", "none": None, "size": torch.Size([2, 3])},
+    }
+
+
+def _fill_file(path: Path, obj: Any) -> str:
+    layout = plan_layout(obj)
+    assert layout is not None
+    pool = SlotPool(Store(path.parent, durable=False))
+    mapped = pool.open_item(".", path.name, layout.size_bytes)
+    fill(mapped.tensor, mapped.view, layout)
+    digest = checksum(mapped.view)
+    pool.close()
+    return digest
+
+
+def test_a_filled_buffer_loads_as_the_object_with_torch_load(tmp_path: Path) -> None:
+    state = _state()
+    _fill_file(tmp_path / "item", state)
+    loaded = torch.load(tmp_path / "item", weights_only=True)
+    _assert_same(state, loaded)
+    # Views keep sharing one storage, as torch.save writes them.
+    views = loaded["views"]
+    assert views[0].untyped_storage().data_ptr() == views[2].untyped_storage().data_ptr()
+
+
+def test_the_file_is_byte_for_byte_what_torch_save_writes(tmp_path: Path) -> None:
+    # The same bytes as torch.save (CRC off, as nebula writes), so every reader of torch's
+    # format reads it; only the archive's random serialization id may differ.
+    from torch.utils.serialization import config
+
+    state = _state()
+    _fill_file(tmp_path / "item", state)
+    previous = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+    finally:
+        config.save.compute_crc32 = previous
+    ours, theirs = (tmp_path / "item").read_bytes(), buffer.getvalue()
+    assert len(ours) == len(theirs)
+    differing = [i for i in range(len(ours)) if ours[i] != theirs[i]]
+    # serialization_id is a 20-character random id: nothing else may differ
+    assert len(differing) <= 20, differing[:40]
+
+
+def test_a_reused_buffer_carries_nothing_over(tmp_path: Path) -> None:
+    state = _state()
+    first = _fill_file(tmp_path / "item", state)
+    with open(tmp_path / "item", "r+b") as f:  # garbage everywhere, gaps included
+        f.write(b"\xff" * os.path.getsize(tmp_path / "item"))
+    assert _fill_file(tmp_path / "item", state) == first
+
+
+def test_objects_the_layout_cannot_map_fall_back_to_torch_save(tmp_path: Path) -> None:
+    class Opaque:
+        def __init__(self) -> None:
+            self.t = torch.ones(2)
+
+    assert plan_layout({"x": Opaque()}) is None
+    assert plan_layout({"x": torch.ones(2).to_sparse()}) is None
+    assert plan_layout({torch.ones(1): 1}) is None or True  # tensor keys: either is correct
+    nm.init(str(tmp_path / "p"), persistent_time_interval=0)
+    nm.Checkpoint("global_step1").save("item", {"x": [1, 2], "s": torch.ones(2).to_sparse()})
+    loaded = nm.get_latest_checkpoint().load("item")
+    assert torch.equal(loaded["s"].to_dense(), torch.ones(2))
+
+
+def _memory_file(root: Path, tag: str, item: str) -> os.stat_result:
+    return os.stat(os.path.join(nm.memory_tier_path(str(root)), tag, item))
+
+
+def test_saves_reuse_two_buffers_and_every_committed_copy_stays_intact(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=3)
+    weights = torch.zeros(4096)
+    inodes: dict[int, int] = {}
+    for step in range(1, 7):
+        weights.fill_(step)
+        nm.Checkpoint(f"global_step{step}").save("model", {"w": weights})
+        inodes[step] = _memory_file(root, f"global_step{step}", "model").st_ino
+        nm.flush_persistence()
+        # Every copy still committed anywhere holds exactly what was saved at its step.
+        for info in nm.list_checkpoints():
+            tag = info["tag"]
+            got = nm.get_checkpoint(tag).load("model")["w"]
+            assert torch.equal(got, torch.full((4096,), float(tag.removeprefix("global_step"))))
+    # Steady state: two files take turns (the newest copy, and the one being filled).
+    assert len(set(inodes.values())) == 2
+    assert inodes[3] == inodes[1] and inodes[4] == inodes[2]
+
+
+def test_a_loaded_object_does_not_change_when_its_buffer_is_reused(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=1)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.full((1000,), 1.0)})
+    nm.flush_persistence()
+    loaded = nm.get_latest_checkpoint().load("model")  # from the memory tier, mapped
+    for step in range(2, 5):
+        nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.full((1000,), step)})
+        nm.flush_persistence()
+    assert torch.equal(loaded["w"], torch.full((1000,), 1.0))
+
+
+def test_a_layout_is_laid_out_again_when_the_shapes_change(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0)
+    for step, n in enumerate([10, 5000, 7, 5000, 0], start=1):
+        state = {"w": torch.arange(n, dtype=torch.float32), "n": n}
+        nm.Checkpoint(f"global_step{step}").save("model", state)
+        nm.flush_persistence()
+        _assert_same(nm.get_latest_checkpoint().load("model"), state)
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_memory_tier_loads_verify_before_unpickling(root: Path, weights_only: bool) -> None:
+    nm.init(str(root), persistent_time_interval=3600)  # stays in the memory tier only
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(64)})
+    path = os.path.join(nm.memory_tier_path(str(root)), "global_step1", "model")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(nm.CorruptCheckpointError):
+        nm.get_checkpoint("global_step1").load("model", weights_only=weights_only)
