@@ -17,7 +17,7 @@ from typing import Any
 
 from . import session as _session
 from .catalog import read_committed, read_manifest
-from .checksum import new_hasher
+from .checksum import verify_bytes
 from .commit import (
     await_commit,
     begin_tag,
@@ -40,16 +40,17 @@ from .errors import (
 )
 from .history import make_row
 from .leases import read_lease
-from .manifest import CHECKSUM_ALGO, ItemEntry, utc_now
+from .manifest import ItemEntry, utc_now
 from .names import step_of, validate_name
 from .serialization import (
     MapLocation,
+    estimate_bytes,
     read_item,
     read_item_mapped,
-    tensor_bytes_of,
     to_saveable,
 )
-from .snapshot import Layout, checksum, fill, plan_layout
+from .slots import write_snapshot
+from .snapshot import cuda_ready_event, plan_layout
 from .storage import MissingFileError, Store
 from .tiers import TierSet
 
@@ -145,11 +146,12 @@ class Checkpoint:
             # Lazy: the copy runs in the background; the fence before optimizer.step()
             # waits for it. The state dicts are taken now, the tensors read later.
             saveable = to_saveable(obj)
+            ready = cuda_ready_event(saveable)
             finisher: list[Callable[[], ItemEntry]] = []
 
             def copy() -> None:
                 try:
-                    finisher.append(self._write(session, name, saveable))
+                    finisher.append(self._write(session, name, saveable, ready))
                 except BaseException as exc:
                     self._lazy_error = exc  # the checkpoint is incomplete: never committed
                     raise
@@ -181,18 +183,22 @@ class Checkpoint:
         self._store = tiers.memory
         self._begun = True
 
-    def _write(self, session: _session.Session, name: str, obj: Any) -> Callable[[], ItemEntry]:
+    def _write(
+        self, session: _session.Session, name: str, obj: Any, ready: Any = None
+    ) -> Callable[[], ItemEntry]:
         """Write one item: into a reused memory-tier buffer when its layout maps exactly
         (snapshot.py), else with torch.save; to the persistent tier once this checkpoint
         does not fit the memory budget. The copy is done when this returns (`obj` may
         change); the returned call hashes the copy and gives the item's entry."""
         if self._store is session.tiers.memory:
             layout = plan_layout(obj)
-            size = layout.size_bytes if layout is not None else _estimate_bytes(obj)
+            size = layout.size_bytes if layout is not None else estimate_bytes(obj)
             if not session.budget.reserve(name, size):
                 self._stream(session, size)
             elif layout is not None:
-                return _write_snapshot(session, self.tag, name, layout)
+                return write_snapshot(
+                    session.pool, self.tag, name, layout, rank=session.rank, ready=ready
+                )
         assert self._store is not None
         entry = write_item(self._store, self.tag, name, obj, rank=session.rank)
         return lambda: entry
@@ -375,12 +381,12 @@ class Checkpoint:
                 try:
                     with store.open_mapped(self.tag, entry.file) as mapped:
                         if mapped is not None and weights_only in (True, None):
-                            _verify(where, entry, mapped.view)
+                            verify_bytes(where, entry, mapped.view)
                             return read_item_mapped(
                                 mapped.path, mapped.view, where, map_location=map_location
                             )
                     data = store.read_bytes(self.tag, entry.file)
-                    _verify(where, entry, data)
+                    verify_bytes(where, entry, data)
                 except CorruptCheckpointError as exc:
                     corrupt.append(exc)
                     continue
@@ -394,41 +400,3 @@ class Checkpoint:
         if not found_tag:
             raise CheckpointNotFoundError(tiers.display, self.tag)
         raise ItemNotFoundError(self.tag, name, available)
-
-
-def _estimate_bytes(obj: Any) -> int:
-    """What torch.save writes for `obj`: its tensor bytes and a margin for the rest."""
-    return tensor_bytes_of(to_saveable(obj)) + (1 << 20)
-
-
-def _write_snapshot(
-    session: _session.Session, tag: str, name: str, layout: Layout
-) -> Callable[[], ItemEntry]:
-    buffer = session.pool.open_item(tag, name, layout.size_bytes)
-    fill(buffer.tensor, buffer.view, layout)
-
-    def entry() -> ItemEntry:
-        return ItemEntry(
-            name=name,
-            file=name,
-            rank=session.rank,
-            size_bytes=layout.size_bytes,
-            checksum_algo=CHECKSUM_ALGO,
-            checksum=checksum(buffer.view),
-            tensor_bytes=layout.tensor_bytes,
-        )
-
-    return entry
-
-
-def _verify(where: str, entry: ItemEntry, data: bytes | memoryview) -> None:
-    """Check an item's bytes against its manifest entry before anything unpickles them."""
-    hasher = new_hasher()
-    hasher.update(data)
-    actual = hasher.hexdigest()
-    if len(data) != entry.size_bytes or actual != entry.checksum:
-        raise CorruptCheckpointError(
-            where,
-            f"{entry.size_bytes} bytes with {entry.checksum_algo} {entry.checksum}",
-            f"{len(data)} bytes with {entry.checksum_algo} {actual}",
-        )

@@ -11,7 +11,8 @@ from typing import BinaryIO
 
 import xxhash
 
-from .manifest import CHECKSUM_ALGO
+from .errors import CorruptCheckpointError
+from .manifest import CHECKSUM_ALGO, ItemEntry
 
 
 def new_hasher() -> xxhash.xxh3_64:
@@ -63,3 +64,17 @@ def hash_stream(stream: BinaryIO, chunk_bytes: int = 8 << 20) -> tuple[int, str]
         hasher.update(chunk)
         size += len(chunk)
     return size, hasher.hexdigest()
+
+
+def verify_bytes(where: str, entry: ItemEntry, data: bytes | memoryview) -> None:
+    """Check an item's bytes against its manifest entry before anything unpickles them;
+    a mismatch raises `CorruptCheckpointError` naming `where`."""
+    hasher = new_hasher()
+    hasher.update(data)
+    actual = hasher.hexdigest()
+    if len(data) != entry.size_bytes or actual != entry.checksum:
+        raise CorruptCheckpointError(
+            where,
+            f"{entry.size_bytes} bytes with {entry.checksum_algo} {entry.checksum}",
+            f"{len(data)} bytes with {entry.checksum_algo} {actual}",
+        )

@@ -73,6 +73,12 @@ def tensor_bytes_of(obj: Any) -> int:
     return total
 
 
+def estimate_bytes(obj: Any) -> int:
+    """About what `write_item` writes for `obj`: its tensor bytes and a margin for the
+    rest (the memory budget reserves this much before an object of no fixed layout)."""
+    return tensor_bytes_of(to_saveable(obj)) + (1 << 20)
+
+
 def write_item(obj: Any, out: BinaryIO) -> int:
     """Serialise `obj` into `out` in torch's zip format; returns its tensor bytes."""
     import torch

@@ -25,10 +25,13 @@ import contextlib
 import mmap
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .manifest import CHECKSUM_ALGO, ItemEntry
 from .names import validate_name
+from .snapshot import Layout, checksum, fill
 from .storage import Store
 
 POOL_DIR = ".slots"
@@ -44,6 +47,7 @@ class MappedFile:
     mm: mmap.mmap
     view: memoryview
     tensor: Any = field(repr=False)
+    pinned: bool = False
 
     @classmethod
     def open(cls, fd: int, size_bytes: int) -> MappedFile:
@@ -58,7 +62,19 @@ class MappedFile:
         except OSError:
             return True
 
+    def pin(self) -> None:
+        """Page-lock the mapping once, for CUDA copies into it (a no-op without CUDA)."""
+        if not self.pinned:
+            from .snapshot import pin
+
+            self.pinned = pin(self.tensor)
+
     def close(self) -> None:
+        if self.pinned:
+            from .snapshot import unpin
+
+            unpin(self.tensor)
+            self.pinned = False
         self.tensor = None
         self.view.release()
         with contextlib.suppress(BufferError):
@@ -228,3 +244,28 @@ class SlotPool:
         """Unmap everything (the files stay)."""
         for key in list(self._maps):
             self._drop(key)
+
+
+def write_snapshot(
+    pool: SlotPool, tag: str, name: str, layout: Layout, *, rank: int, ready: Any = None
+) -> Callable[[], ItemEntry]:
+    """Copy the item laid out by `layout` into its reused buffer in `tag`. The copy is
+    done when this returns (the caller's tensors may change); the returned call hashes
+    the buffer and gives the item's manifest entry (a lazy save runs it later)."""
+    buffer = pool.open_item(tag, name, layout.size_bytes)
+    if any(s.device.type == "cuda" for s in layout.storages):
+        buffer.pin()  # once per buffer: it is reused from one checkpoint to the next
+    fill(buffer.tensor, buffer.view, layout, ready=ready)
+
+    def entry() -> ItemEntry:
+        return ItemEntry(
+            name=name,
+            file=name,
+            rank=rank,
+            size_bytes=layout.size_bytes,
+            checksum_algo=CHECKSUM_ALGO,
+            checksum=checksum(buffer.view),
+            tensor_bytes=layout.tensor_bytes,
+        )
+
+    return entry

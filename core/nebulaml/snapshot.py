@@ -225,21 +225,73 @@ def _gaps(
     return tuple(gaps)
 
 
-def fill(buffer: Any, view: memoryview, layout: Layout) -> None:
+def fill(buffer: Any, view: memoryview, layout: Layout, *, ready: Any = None) -> None:
     """Write the item into `buffer` (a uint8 tensor of exactly `layout.size_bytes` bytes)
     whose bytes `view` also exposes: torch's own bytes, zeros in the gaps, and a copy of
-    every storage. Reads the storages once; the caller may mutate them when it returns."""
+    every storage. Reads the storages once; the caller may mutate them when it returns.
+
+    CUDA storages are copied on a side stream that first waits for `ready` (a CUDA event
+    recorded when the save was asked for; else the device's current stream), straight
+    from the tensors' own memory (nothing is allocated on the GPU) into `buffer`, which
+    should be pinned (`pin`) for the copy to run at the link's speed.
+    """
     import torch
 
     for offset, data in layout.segments:
         view[offset : offset + len(data)] = data
     for offset, length in layout.gaps:
         view[offset : offset + length] = bytes(length)
+    streams: dict[Any, Any] = {}
     for (offset, length), storage in zip(layout.regions, layout.storages, strict=True):
         if length == 0:
             continue
-        source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-        buffer[offset : offset + length].copy_(source)
+        device = storage.device
+        source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        if device.type != "cuda":
+            buffer[offset : offset + length].copy_(source)
+            continue
+        stream = streams.get(device)
+        if stream is None:
+            stream = streams[device] = torch.cuda.Stream(device)
+            if ready is not None and ready.device == device:  # pragma: no cover - GPU
+                stream.wait_event(ready)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            buffer[offset : offset + length].copy_(source, non_blocking=True)
+    for stream in streams.values():
+        stream.synchronize()
+
+
+def pin(buffer: Any) -> bool:
+    """Page-lock `buffer` (a host uint8 tensor over a mapped file) for CUDA copies; False
+    where there is no CUDA. The mapping stays pinned until `unpin`."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    result = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    return int(result) == 0
+
+
+def unpin(buffer: Any) -> None:
+    """Undo `pin`."""
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+def cuda_ready_event(obj: Any) -> Any:
+    """A CUDA event recorded now on the current stream if `obj` holds CUDA tensors (a
+    lazy snapshot copies them later, but as they are at this point of the stream)."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    storages = _storages_in_pickle_order(obj) or []
+    if not any(s.device.type == "cuda" for s in storages):
+        return None
+    return torch.cuda.current_stream().record_event()  # pragma: no cover - GPU
 
 
 def checksum(view: memoryview) -> str:
