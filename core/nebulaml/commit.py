@@ -575,7 +575,7 @@ def delete_checkpoint(
     validate_name("tag", tag)
     files = store.list_files(tag)
     if not files:
-        store.remove_dir(tag)  # an empty folder (a store with real folders)
+        _remove_folder(store, tag)  # an empty folder (a store with real folders)
         return True
     if MANIFEST_NAME not in files:
         # Uncommitted: nobody can be reading it (leases.py), and a full disk must not keep
@@ -610,12 +610,14 @@ def _remove_checkpoint(
     _remove_folder(store, tag)
 
 
-def _remove_folder(store: Store, tag: str, tries: int = 3) -> None:
+def _remove_folder(store: Store, tag: str, tries: int = 8) -> None:
     """Remove the folder of a deleted tag with what is left in it (markers, leases).
 
-    A reader may create its lease between the listing and the removal of the folder
-    (it then finds no manifest and leaves): the folder is not empty, so try again.
+    A reader may create its lease between the listing and the removal of the folder (it
+    then finds no manifest and leaves), or another deleter its claim (it then finds the
+    folder gone, or empties it too): the folder is not empty, so try again, a little later.
     """
+    delay_s = 0.001
     for attempt in range(tries):
         try:
             store.remove_dir(tag)
@@ -623,3 +625,5 @@ def _remove_folder(store: Store, tag: str, tries: int = 3) -> None:
         except StorageError:
             if attempt == tries - 1:
                 raise
+        time.sleep(delay_s)
+        delay_s *= 2

@@ -209,7 +209,10 @@ class Session:
         if self.snapshots is not None:
             self.snapshots.close()  # the lazy saves commit first, then are persisted
         left = self.persister.close(timeout_s)
-        self.pool.close()  # the files stay; the persister reads them, not the mappings
+        # The free buffers are a cache of this process's; left behind they would hold RAM
+        # (/dev/shm) after the job. The checkpoints themselves stay.
+        self.pool.trim()
+        self.pool.close()
         return left
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from .manifest import CHECKSUM_ALGO, ItemEntry
 from .names import validate_name
 from .snapshot import Layout, checksum, fill
 from .storage import Store
+from .storage_io import translate_errors
 
 POOL_DIR = ".slots"
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -91,8 +93,7 @@ class SlotPool:
         >>> pool = SlotPool(Store(tempfile.mkdtemp(), durable=False))
         >>> pool.store.make_dir("t1")
         >>> f = pool.open_item("t1", "model", 64)
-        >>> f.tensor.fill_(7); f.view[0]
-        7
+        >>> f.view[0] = 7
         >>> pool.recycle("t1", "model")        # the tag is gone; its file waits in the pool
         True
         >>> pool.store.make_dir("t2")
@@ -109,6 +110,8 @@ class SlotPool:
         self.limit_bytes = limit_bytes
         self._pool = os.path.join(root, POOL_DIR)
         self._maps: dict[tuple[int, int], MappedFile] = {}
+        # The training thread fills buffers while the persister thread recycles them.
+        self._lock = threading.RLock()
 
     # filling ---------------------------------------------------------------------------
     def open_item(self, tag: str, name: str, size_bytes: int) -> MappedFile:
@@ -117,14 +120,24 @@ class SlotPool:
         validate_name("item", name)
         dest = self.store.local_path(tag, name)
         assert dest is not None
-        self._sweep()
-        for candidate in self._free_files(name, size_bytes):
+        with self._lock, translate_errors(self.store.display(tag, name)):
+            self._sweep()
+            for candidate in self._free_files(name, size_bytes):
+                try:
+                    os.rename(candidate, dest)  # atomic: another rank may take it first
+                    break
+                except FileNotFoundError:
+                    continue
+            fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                os.rename(candidate, dest)  # atomic: another rank may take it first
-                break
-            except FileNotFoundError:
-                continue
-        fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                return self._map(fd, size_bytes)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(dest)  # no partial item left behind
+                raise
+
+    def _map(self, fd: int, size_bytes: int) -> MappedFile:
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
         mapped = self._maps.get(key)
@@ -133,8 +146,12 @@ class SlotPool:
             return mapped
         if mapped is not None:
             self._drop(key)
-        if st.st_size != size_bytes:
+        if st.st_size > size_bytes:
             os.ftruncate(fd, size_bytes)
+        elif st.st_size < size_bytes:
+            # Allocated now, so that a full RAM disk is an ENOSPC here (StorageFullError),
+            # not a SIGBUS when the copy touches a page that has no room.
+            os.posix_fallocate(fd, 0, size_bytes)
         mapped = MappedFile.open(fd, size_bytes)
         self._maps[key] = mapped
         return mapped
@@ -157,19 +174,20 @@ class SlotPool:
         validate_name("item", name)
         path = self.store.local_path(tag, name)
         assert path is not None
-        try:
-            size = os.lstat(path).st_size
-        except FileNotFoundError:
-            return False
-        if not self._room_for(name, size):
-            self._unlink(path)
-            return False
-        os.makedirs(self._pool, mode=0o700, exist_ok=True)
-        try:
-            os.rename(path, os.path.join(self._pool, f"{name}.{uuid.uuid4().hex[:12]}"))
-        except FileNotFoundError:
-            return False
-        return True
+        with self._lock:
+            try:
+                size = os.lstat(path).st_size
+            except FileNotFoundError:
+                return False
+            if not self._room_for(name, size):
+                self._unlink(path)
+                return False
+            os.makedirs(self._pool, mode=0o700, exist_ok=True)
+            try:
+                os.rename(path, os.path.join(self._pool, f"{name}.{uuid.uuid4().hex[:12]}"))
+            except FileNotFoundError:
+                return False
+            return True
 
     def _room_for(self, name: str, size_bytes: int) -> bool:
         try:
@@ -223,7 +241,7 @@ class SlotPool:
         return total
 
     def _unlink(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        with self._lock, contextlib.suppress(FileNotFoundError):
             st = os.lstat(path)
             os.unlink(path)
             # Our mapping would keep the pages alive after the name is gone.
@@ -232,18 +250,21 @@ class SlotPool:
     # mappings --------------------------------------------------------------------------
     def _sweep(self) -> None:
         """Forget mappings of files deleted meanwhile (by eviction, prune, recovery)."""
-        for key in [k for k, m in self._maps.items() if m.unlinked()]:
-            self._drop(key)
+        with self._lock:
+            for key in [k for k, m in list(self._maps.items()) if m.unlinked()]:
+                self._drop(key)
 
     def _drop(self, key: tuple[int, int]) -> None:
-        mapped = self._maps.pop(key, None)
+        with self._lock:
+            mapped = self._maps.pop(key, None)
         if mapped is not None:
             mapped.close()
 
     def close(self) -> None:
         """Unmap everything (the files stay)."""
-        for key in list(self._maps):
-            self._drop(key)
+        with self._lock:
+            for key in list(self._maps):
+                self._drop(key)
 
 
 def write_snapshot(

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -113,6 +114,36 @@ def test_a_checkpoint_being_read_is_not_deleted(tmp_path: Path) -> None:
     assert leases_in(tmp_path / "root" / TAG) == []
     assert delete_checkpoint(store, TAG) is True
     assert not (tmp_path / "root" / TAG).exists()
+
+
+@pytest.fixture(params=["local", "memory"])
+def any_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A root on the local disk, or in fsspec's memory store (an object store: no folders)."""
+    if request.param == "local":
+        return str(tmp_path / "root")
+    return f"memory://leases-{uuid.uuid4().hex[:12]}"  # the memory store is global
+
+
+def test_the_protocol_on_each_backend(any_url: str) -> None:
+    store = Store(any_url)
+    commit(store, TAG, 1.0)
+    commit(store, "global_step2", 2.0)
+    with read_lease(store, TAG) as readable:
+        assert readable
+        assert [lease.kind for lease in live_leases(store, TAG)] == ["read"]
+        assert delete_checkpoint(store, TAG) is False
+        # A deleter that claims between a reader's lease and its check backs off too.
+        hooked = HookedStore(any_url, before_list=lambda n: outcome.append(
+            delete_checkpoint(Store(any_url), "global_step2")) if n == 1 else None)  # fmt: skip
+        outcome: list[bool] = []
+        with read_lease(hooked, "global_step2") as second:
+            assert outcome == [False] and second
+    assert [name for name in store.list_files(TAG) if is_lease_file(name)] == []
+    assert delete_checkpoint(store, TAG) is True
+    assert read_committed(store, TAG) is None
+    with read_lease(store, TAG) as readable:
+        assert readable is False
+    assert TAG not in store.list_dirs()  # no lease left a folder behind
 
 
 def test_no_lease_on_a_tag_that_is_not_there(tmp_path: Path) -> None:

@@ -172,3 +172,15 @@ def test_memory_tier_loads_verify_before_unpickling(root: Path, weights_only: bo
         f.write(b"\x00\x01\x02")
     with pytest.raises(nm.CorruptCheckpointError):
         nm.get_checkpoint("global_step1").load("model", weights_only=weights_only)
+
+
+def test_free_buffers_are_released_at_shutdown_and_checkpoints_kept(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0)
+    for step in (1, 2, 3):
+        nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.ones(1000)})
+        nm.flush_persistence()
+    memory = Path(nm.memory_tier_path(str(root)))
+    assert list((memory / ".slots").iterdir())  # a free buffer waits for the next save
+    nm.shutdown()
+    assert not list((memory / ".slots").iterdir())  # RAM given back when the job ends
+    assert (memory / "global_step3" / "manifest.json").exists()

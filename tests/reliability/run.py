@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             ("corruption", lambda w: corruption_campaign(w, 80 if args.quick else 1000)),
             ("hostile pickles", hostile_pickle_campaign),
             ("crash", lambda w: crash_campaign(w, 10 if args.quick else 200)),
-            ("concurrency", lambda w: concurrency_campaign(w, 60 if args.quick else 1500)),
+            ("concurrency", lambda w: concurrency_campaign(w, 60 if args.quick else 3000)),
             *(
                 (name, lambda w, name=name, path=path: scenario_campaign(name, path, w))
                 for name, path in SCENARIO_FILES
@@ -84,13 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             figures = run(work / name.replace(" ", "-"))
             runs.append((figures, time.monotonic() - started))
-    print(f"{'campaign':<18} {'figure':<34} {'value':>10}")
+    print(f"{'campaign':<18} {'figure':<42} {'value':>10}")
     failed = False
     for figures, seconds in runs:
         for key, value in sorted(figures.counts.items()):
-            print(f"{figures.name:<18} {key:<34} {value:>10}")
-        print(f"{figures.name:<18} {'invariant failures':<34} {len(figures.failures):>10}")
-        print(f"{figures.name:<18} {'seconds':<34} {seconds:>10.1f}")
+            print(f"{figures.name:<18} {key:<42} {value:>10}")
+        print(f"{figures.name:<18} {'invariant failures':<42} {len(figures.failures):>10}")
+        print(f"{figures.name:<18} {'seconds':<42} {seconds:>10.1f}")
         for failure in figures.failures:
             print(f"  FAILED: {failure}")
         failed = failed or bool(figures.failures)
