@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 from limits import GIB, measure_limits
+from measure import CpuShare
 from model import PRESETS, TrainState
 from nebula_methods import Nebula
 from peers import DcpAsync, DcpSave, Method, TorchSave, TorchSnapshot, Unavailable
@@ -55,6 +56,7 @@ from runner import MethodResult, Steps, progress, run_loads, run_loops, run_save
 import nebulaml as nm
 
 RESULTS = Path(__file__).resolve().parent / "results"
+NOISY_CPU_SHARE = 0.05
 
 
 def all_methods() -> list[Method]:
@@ -233,12 +235,19 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"warning: {work} is on {kind}: 'durable' and 'disk' figures measure RAM")
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
     t0 = time.perf_counter()
+    cpu = CpuShare()
     try:
         doc = run(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     doc["started_at"] = started_at
     doc["duration_s"] = time.perf_counter() - t0
+    doc["machine"]["other_cpu_share"] = other = cpu.other_share()
+    if other > NOISY_CPU_SHARE:
+        progress(
+            f"warning: other processes used {other:.0%} of the CPUs during this run; "
+            f"the timings (the loop's above all) are disturbed: run it again on a quiet machine"
+        )
     console = Console() if sys.stdout.isatty() else Console(width=160)
     render(console, doc, [m.name for m in all_methods() if m.name in args.methods])
     out = args.json or RESULTS / f"bench-{args.preset}.json"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import resource
 import statistics
 import threading
 import time
@@ -184,6 +185,31 @@ class MemorySampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self._sample()
+
+
+class CpuShare:
+    """How much of the machine's CPU time other processes used during a window: the
+    system's busy time (/proc/stat) minus this process's own (getrusage), over wall time
+    times the CPU count. Above a few percent, the timings are disturbed."""
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        # user nice system idle iowait irq softirq steal ...: busy = all but idle, iowait
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return time.perf_counter(), busy, usage.ru_utime + usage.ru_stime
+
+    def other_share(self) -> float:
+        """Other processes' share of all CPUs since this object was made (0..1)."""
+        t1, busy1, own1 = self._read()
+        t0, busy0, own0 = self._start
+        wall = (t1 - t0) * (os.cpu_count() or 1)
+        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / wall) if wall > 0 else 0.0
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:

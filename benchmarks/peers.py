@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ class Pending:
 
 
 @dataclass
-class Method:
+class Method(ABC):
     """One way to checkpoint. Subclasses implement `save`, `load`, and say what they hold."""
 
     name: str
@@ -83,20 +84,24 @@ class Method:
 
     def deactivate(self, *, keep_memory: bool = True) -> None:
         """Another method is about to run (nebula's session is process-wide)."""
+        return None  # nothing to do, unless a subclass says otherwise
 
+    @abstractmethod
     def save(self, state: TrainState, step: int) -> Pending:
-        raise NotImplementedError
+        """Start a checkpoint of `state` tagged `step`; returns once the call unblocks."""
 
+    @abstractmethod
     def load(self, state: TrainState, *, from_disk: bool) -> Any:
         """Resume from the newest checkpoint: the fastest way (`from_disk=False`) or
         from the persistent copy (the caller has dropped it from the page cache)."""
-        raise NotImplementedError
 
     def release(self) -> None:
         """The last timed save is done: free what only saving needs (loads follow)."""
+        return None  # nothing to do, unless a subclass says otherwise
 
     def prepare_disk_load(self) -> None:
         """Make the next loads read the persistent tier (nebula drops its memory tier)."""
+        return None  # nothing to do, unless a subclass says otherwise
 
     def latest(self) -> Path:
         """Where the newest checkpoint's files are (for sizes and page-cache control)."""

@@ -264,6 +264,9 @@ def render(
             f"(spread {base['spread']:.0%}: the loop figures' noise)",
             "-",
         )
+    other = doc["machine"].get("other_cpu_share")
+    if other is not None:
+        limits.add_row(f"CPU used by other processes during the run: {other:.0%}", "-")
     console.print(limits)
 
     targets = Table(title="targets (issue #3)", title_justify="left")

@@ -46,7 +46,7 @@ from .serialization import (
     MapLocation,
     estimate_bytes,
     read_item,
-    read_item_mapped,
+    read_item_local,
     to_saveable,
 )
 from .slots import write_snapshot
@@ -379,11 +379,15 @@ class Checkpoint:
                     continue
                 where = store.display(self.tag, entry.file)
                 try:
-                    with store.open_mapped(self.tag, entry.file) as mapped:
-                        if mapped is not None and weights_only in (True, None):
-                            verify_bytes(where, entry, mapped.view)
-                            return read_item_mapped(
-                                mapped.path, mapped.view, where, map_location=map_location
+                    with store.read_local(self.tag, entry.file) as local:
+                        if local is not None and weights_only in (True, None):
+                            verify_bytes(where, entry, local.view)
+                            return read_item_local(
+                                local.path,
+                                local.buffer,
+                                local.view,
+                                where,
+                                map_location=map_location,
                             )
                     data = store.read_bytes(self.tag, entry.file)
                     verify_bytes(where, entry, data)

@@ -144,41 +144,45 @@ def read_item(
         raise
 
 
-def read_item_mapped(
+def read_item_local(
     path: str,
+    buffer: Any,
     view: memoryview,
     where: str,
     *,
     map_location: MapLocation = None,
 ) -> Any:
-    """Unpickle a verified, mapped item file with weights_only=True, without copying it
-    twice: `torch.load(mmap=True)` maps the tensors, and each storage is then cloned once
-    into memory of its own, so that nothing loaded refers to the file (which the memory
-    tier reuses for later checkpoints). Three times faster than reading the bytes and
-    unpickling them (1.4 GB of AdamW state, 2 cores). Anything but plain containers of
-    tensors is loaded again from a copy of `view`, the usual way.
+    """Unpickle a verified item file, already read whole into `buffer`, with
+    weights_only=True, without copying its tensor bytes again: `torch.load(mmap=True)`
+    gives the structure (mapping the file, reading none of its data), and each storage
+    is then rebound to its own slice of `buffer`. So a load costs one large read; and
+    nothing loaded refers to the file, which the memory tier reuses. Anything but plain
+    containers of CPU tensors is unpickled from `view` the usual way.
     """
     import torch
 
-    try:
-        with allowed(active_classes()):
-            obj = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
-    except pickle.UnpicklingError as exc:
-        if "Weights only load failed" in str(exc):
-            raise UnsafeCheckpointError(where, _unsafe_detail(str(exc))) from None
-        raise
-    if _detach_storages(obj):
-        return obj
-    del obj
-    return read_item(bytes(view), where, map_location=map_location, weights_only=True)
+    if map_location is None or str(map_location) == "cpu":
+        try:
+            with allowed(active_classes()):
+                obj = torch.load(path, weights_only=True, mmap=True)
+        except pickle.UnpicklingError as exc:
+            if "Weights only load failed" in str(exc):
+                raise UnsafeCheckpointError(where, _unsafe_detail(str(exc))) from None
+            raise
+        if _rebind_storages(obj, buffer, view):
+            return obj
+        del obj
+    return read_item(view, where, map_location=map_location, weights_only=True)
 
 
-def _detach_storages(obj: Any) -> bool:
-    """Give every tensor in `obj` a private copy of its storage (shared storages stay
-    shared); False if `obj` holds objects whose tensors this walk cannot reach."""
+def _rebind_storages(obj: Any, buffer: Any, view: memoryview) -> bool:
+    """Point every tensor of `obj` (loaded with mmap=True from the file `view` holds) at
+    the same bytes in `buffer`; False if `obj` holds objects whose tensors this walk
+    cannot reach, or storages it cannot place."""
     import torch
 
-    clones: dict[int, Any] = {}
+    from .snapshot import data_records
+
     tensors: list[Any] = []
     stack = [obj]
     while stack:
@@ -186,7 +190,7 @@ def _detach_storages(obj: Any) -> bool:
         if isinstance(cur, torch.Tensor):
             if cur.__dict__ or type(cur) not in (torch.Tensor, torch.nn.Parameter):
                 return False
-            if cur.layout != torch.strided:
+            if cur.layout != torch.strided or cur.device.type != "cpu":
                 return False
             tensors.append(cur)
         elif isinstance(cur, dict):
@@ -197,15 +201,32 @@ def _detach_storages(obj: Any) -> bool:
             cur, (str, bytes, int, float, complex, bool, type(None), torch.Size, torch.dtype)
         ):
             return False
+    storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}
+    placed = [s for s in storages.values() if s.nbytes() > 0]
+    if not placed:
+        return True
+    records = sorted(data_records([(0, view)], len(view)).values())
+    if len(records) < len(placed):
+        return False
+    # The file is mapped whole: a storage's address is the mapping's base plus its
+    # record's offset, so the lowest address belongs to the lowest record.
+    base = min(s.data_ptr() for s in placed) - records[0][0]
+    offsets = {offset for offset, _ in records}
+    rebound: dict[int, Any] = {}
+    for key, storage in storages.items():
+        n, offset = storage.nbytes(), storage.data_ptr() - base
+        if n == 0:
+            continue
+        if offset not in offsets or offset + n > len(view):
+            return False
+        rebound[key] = torch.frombuffer(
+            buffer, dtype=torch.uint8, count=n, offset=offset
+        ).untyped_storage()
     with torch.no_grad():
         for tensor in tensors:
-            storage = tensor.untyped_storage()
-            if storage.device.type != "cpu":
-                continue  # map_location moved it: a copy already
-            copy = clones.get(storage._cdata)
-            if copy is None:
-                copy = clones[storage._cdata] = storage.clone()
-            tensor.set_(copy, tensor.storage_offset(), tensor.size(), tensor.stride())
+            new = rebound.get(tensor.untyped_storage()._cdata)
+            if new is not None:
+                tensor.set_(new, tensor.storage_offset(), tensor.size(), tensor.stride())
     return True
 
 

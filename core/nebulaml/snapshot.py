@@ -175,7 +175,7 @@ def plan_layout(obj: Any) -> Layout | None:
     with _zip_crc_off(), torch.serialization.skip_data():
         torch.save(saveable, recorder)
     size = recorder.end
-    records = _data_records(recorder.segments, size)
+    records = data_records(recorder.segments, size)
     if records is None or len(records) != len(storages):
         return None
     regions = tuple(records[i] for i in range(len(storages)))
@@ -190,8 +190,9 @@ def plan_layout(obj: Any) -> Layout | None:
     )
 
 
-def _data_records(segments: list[tuple[int, bytes]], size: int) -> dict[int, tuple[int, int]]:
-    """{storage key: (offset, size)} of the `<archive>/data/<key>` records."""
+def data_records(segments: list[tuple[int, Any]], size: int) -> dict[int, tuple[int, int]]:
+    """{storage key: (offset, size)} of the `<archive>/data/<key>` records of the zip
+    whose bytes are `segments` (offset, bytes), zeros elsewhere."""
     records: dict[int, tuple[int, int]] = {}
     reader = _SparseReader(segments, size)
     with zipfile.ZipFile(reader) as archive:

@@ -99,11 +99,16 @@ def using_storage_options(options: Mapping[str, Any]) -> Iterator[None]:
 
 
 @dataclass(frozen=True, slots=True)
-class MappedRead:
-    """A file mapped for reading: its bytes, and a path naming the open file."""
+class LocalRead:
+    """A local file read whole: its bytes, and a path naming the open file."""
 
+    buffer: mmap.mmap
     view: memoryview
     path: str
+
+
+_READ_CHUNK_BYTES = 64 << 20
+_ANON_POPULATED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _open_regular(path: str, where: str) -> BinaryIO:
@@ -345,11 +350,11 @@ class Store:
             f.close()
 
     @contextlib.contextmanager
-    def open_mapped(self, *parts: str) -> Iterator[MappedRead | None]:
-        """A local file mapped read-only, for loads that must not copy it twice: `view`
-        over its bytes, and `path`, a name of this very open file (not of whatever the
-        name points to by the time it is reopened). None where that is not possible (a
-        remote store, an empty file, no /proc); the caller reads bytes instead."""
+    def read_local(self, *parts: str) -> Iterator[LocalRead | None]:
+        """Read a local file whole, in large reads, into fresh anonymous memory (`buffer`,
+        which loaded tensors may keep using), with `path`, a name of this very open file
+        (not of whatever the name points to by the time it is reopened). None where that
+        is not possible (a remote store, an empty file, no /proc): read bytes instead."""
         if not self.is_local or not os.path.isdir("/proc/self/fd"):
             yield None
             return
@@ -357,19 +362,25 @@ class Store:
         with self._translated(where):
             f = _open_regular(self.path(*parts), where)
         try:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                yield None
-                return
             with self._translated(where):
-                mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
-            view = memoryview(mm)
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    yield None
+                    return
+                # Faulted in by the kernel in one go: about twice as fast as page by page
+                # (1.4 GB: 0.55 s against 1.0-1.2 s on 2 cores).
+                buffer = mmap.mmap(-1, size, flags=_ANON_POPULATED)
+                view = memoryview(buffer)
+                done = 0
+                while done < size:
+                    n = f.readinto(view[done : min(size, done + _READ_CHUNK_BYTES)])
+                    if not n:
+                        break
+                    done += n
             try:
-                yield MappedRead(view=view, path=f"/proc/self/fd/{f.fileno()}")
+                yield LocalRead(buffer=buffer, view=view[:done], path=f"/proc/self/fd/{f.fileno()}")
             finally:
                 view.release()
-                with contextlib.suppress(BufferError):
-                    mm.close()
         finally:
             f.close()
 

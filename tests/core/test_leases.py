@@ -218,15 +218,15 @@ def test_load_holds_a_lease_while_it_reads(tmp_path: Path) -> None:
 
     class DeletingStore(Store):
         """Tries to delete the tag (through another Store) whenever load reads a file of it,
-        however it reads it (the manifest, the item as bytes or mapped)."""
+        however it reads it (the manifest, the item as bytes or read whole)."""
 
         def read_bytes(self, *parts: str) -> bytes:
             attempts.append(delete_checkpoint(Store(url), TAG))
             return super().read_bytes(*parts)
 
-        def open_mapped(self, *parts: str) -> Any:
+        def read_local(self, *parts: str) -> Any:
             attempts.append(delete_checkpoint(Store(url), TAG))
-            return super().open_mapped(*parts)  # type: ignore[misc]
+            return super().read_local(*parts)  # type: ignore[misc]
 
     handle = Checkpoint._committed_handle(TAG, TierSet(memory=DeletingStore(url), persistent=None))
     assert torch.equal(handle.load("model")["w"], torch.full((4,), 7.0))
