@@ -13,6 +13,7 @@ Not for: the commit protocol itself (commit.py) or process-wide state (session.p
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -281,6 +282,7 @@ class Persister:
         return None
 
     def _run(self) -> None:
+        _lower_priority()
         while True:
             probe: list[str] = []
             with self._cond:
@@ -469,3 +471,16 @@ class Persister:
                 log.warning(
                     "could not append %d row(s) to the checkpoint history: %s", len(rows), exc
                 )
+
+
+PERSIST_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Run this (the persister's) thread at a lower CPU priority than training: on a
+    machine with few cores a persist competes with the training step for them, and the
+    step matters more than how soon the copy is durable. Linux sets it per thread."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PERSIST_NICE)
+    except (AttributeError, OSError) as exc:  # not Linux, or not allowed: keep going
+        log.debug("could not lower the persister's priority: %s", exc)

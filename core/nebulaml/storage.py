@@ -350,6 +350,34 @@ class Store:
             f.close()
 
     @contextlib.contextmanager
+    def map_read(self, *parts: str) -> Iterator[memoryview | None]:
+        """A local file's bytes, mapped read-only (no copy into this process); None for a
+        remote store or an empty file."""
+        if not self.is_local:
+            yield None
+            return
+        where = self.display(*parts)
+        with self._translated(where):
+            f = _open_regular(self.path(*parts), where)
+        try:
+            with self._translated(where):
+                size = os.fstat(f.fileno()).st_size
+                mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else None
+            if mm is None:
+                yield None
+                return
+            view = memoryview(mm)
+            try:
+                with translate_errors(where, self._secrets):
+                    yield view
+            finally:
+                view.release()
+                with contextlib.suppress(BufferError):
+                    mm.close()
+        finally:
+            f.close()
+
+    @contextlib.contextmanager
     def read_local(self, *parts: str) -> Iterator[LocalRead | None]:
         """Read a local file whole, in large reads, into fresh anonymous memory (`buffer`,
         which loaded tensors may keep using), with `path`, a name of this very open file
