@@ -1,6 +1,6 @@
 """What this machine can do at best, measured in the same run as the methods.
 
-Four figures, each the median of `repeats` runs:
+Four figures, each a median of several runs:
   copy into a reused buffer   `dst.copy_(src)` into an already-touched tensor (memory bw)
   copy into fresh pages       `torch.empty_like(src).copy_(src)`: allocation + page faults
   sequential write            `write_bytes` to a new file in the work dir in `chunk_bytes`
@@ -8,6 +8,8 @@ Four figures, each the median of `repeats` runs:
   sequential read             the same file read back in `chunk_bytes` reads after
                               fsync + posix_fadvise(DONTNEED); `read_cache_resident` says
                               what fraction of it mincore still saw cached before the read
+The disk figures are measured at the start and again at the end of the run (the disk's
+speed varies from minute to minute on these machines); each is the median of all runs.
 
 Not for: the methods themselves (peers.py, nebula_methods.py).
 """
@@ -82,14 +84,31 @@ def disk_bandwidth(
     finally:
         path.unlink(missing_ok=True)
     nbytes = count * chunk_bytes
-    return {
-        "disk_write_gbps": nbytes / statistics.median(writes) / 1e9,
-        "disk_read_gbps": nbytes / statistics.median(reads) / 1e9,
-        "disk_bytes": nbytes,
-        "disk_chunk_bytes": chunk_bytes,
-        "read_cache_drop": "fsync + posix_fadvise(POSIX_FADV_DONTNEED)",
-        "read_cache_resident": max(resident),
-    }
+    return _disk_figures(
+        {
+            "disk_write_runs_gbps": [nbytes / s / 1e9 for s in writes],
+            "disk_read_runs_gbps": [nbytes / s / 1e9 for s in reads],
+            "disk_bytes": nbytes,
+            "disk_chunk_bytes": chunk_bytes,
+            "read_cache_drop": "fsync + posix_fadvise(POSIX_FADV_DONTNEED)",
+            "read_cache_resident": max(resident),
+        }
+    )
+
+
+def _disk_figures(figures: dict[str, Any]) -> dict[str, Any]:
+    figures["disk_write_gbps"] = statistics.median(figures["disk_write_runs_gbps"])
+    figures["disk_read_gbps"] = statistics.median(figures["disk_read_runs_gbps"])
+    return figures
+
+
+def add_disk_runs(limits: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """`limits` with the disk runs of `more` (measured later in the run) added: the disk's
+    speed varies from minute to minute here, so its figures are medians over both."""
+    for key in ("disk_write_runs_gbps", "disk_read_runs_gbps"):
+        limits[key] = limits[key] + more[key]
+    limits["read_cache_resident"] = max(limits["read_cache_resident"], more["read_cache_resident"])
+    return _disk_figures(limits)
 
 
 def measure_limits(work: Path, *, copy_bytes: int, repeats: int = 3) -> dict[str, Any]:

@@ -202,7 +202,10 @@ def render(
 ) -> None:
     """The three tables: methods, machine limits, targets."""
     state = doc["state"]
+    versions = doc["machine"]["versions"]
     title = (
+        f"nebulaml {versions['nebulaml']} ({versions.get('nebulaml_commit') or '?'}), "
+        f"torch {versions['torch']}; "
         f"preset {doc['preset']}: {state['num_params'] / 1e6:.0f}M parameters, "
         f"{state['state_bytes'] / 1e9:.2f} GB of state (fp32 + AdamW), "
         f"step {state['step_s']:.2f} s; median \\[min-max] of {doc['args']['repeats']}"
@@ -248,11 +251,16 @@ def render(
     limits.add_column("GB/s", justify="right")
     limits.add_row("copy into a reused buffer", f"{lim['copy_reused_gbps']:.2f}")
     limits.add_row("copy into fresh pages", f"{lim['copy_fresh_gbps']:.2f}")
+    writes, reads = lim["disk_write_runs_gbps"], lim["disk_read_runs_gbps"]
     limits.add_row(
-        f"sequential write + fsync ({lim['disk_bytes'] >> 20} MiB)", f"{lim['disk_write_gbps']:.2f}"
+        f"sequential write + fsync, {lim['disk_bytes'] >> 20} MiB in "
+        f"{lim['disk_chunk_bytes'] >> 20} MiB writes: median of {len(writes)} runs "
+        f"({min(writes):.2f}-{max(writes):.2f})",
+        f"{lim['disk_write_gbps']:.2f}",
     )
     limits.add_row(
-        f"sequential read, cache dropped ({lim['read_cache_resident']:.0%} resident)",
+        f"sequential read, page cache dropped ({lim['read_cache_resident']:.0%} resident): "
+        f"median of {len(reads)} runs ({min(reads):.2f}-{max(reads):.2f})",
         f"{lim['disk_read_gbps']:.2f}",
     )
     base = doc.get("loop_baseline") or {}
