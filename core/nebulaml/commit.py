@@ -106,14 +106,22 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
     store.write_bytes((tag, writer_marker_name(rank)), json.dumps(doc).encode())
 
 
-def delete_part(store: Store, tag: str, rank: int, *, keep_folder: bool = False) -> bool:
+def delete_part(
+    store: Store,
+    tag: str,
+    rank: int,
+    *,
+    keep_folder: bool = False,
+    discard: Callable[[str, str], object] | None = None,
+) -> bool:
     """Remove one rank's part of a shared tag folder: the manifest first (the tag is then
     invisible on this tier), then the items this rank's marker lists, then its markers,
     then the folder if no other rank's files remain. A writer marker naming this process
     is there from the start, so a delete cut short is a dead writer's leftover.
 
     Returns False, and changes nothing, while a live reader holds a lease on the
-    committed tag (leases.py); True once the part is gone.
+    committed tag (leases.py); True once the part is gone. `discard(tag, name)`, when
+    given, disposes of each item file instead (the memory tier recycles them: slots.py).
     """
     files = store.list_files(tag)
     if not files:
@@ -121,17 +129,22 @@ def delete_part(store: Store, tag: str, rank: int, *, keep_folder: bool = False)
     if MANIFEST_NAME not in files:
         # Uncommitted: nobody can be reading it (leases.py), and a full disk must not keep
         # a failed write's leftovers from going for want of room for a claim.
-        _remove_part(store, tag, rank, files, keep_folder)
+        _remove_part(store, tag, rank, files, keep_folder, discard)
         return True
     with delete_claim(store, tag) as readers:
         if readers:
             return False
-        _remove_part(store, tag, rank, files, keep_folder)
+        _remove_part(store, tag, rank, files, keep_folder, discard)
     return True
 
 
 def _remove_part(
-    store: Store, tag: str, rank: int, files: dict[str, int], keep_folder: bool
+    store: Store,
+    tag: str,
+    rank: int,
+    files: dict[str, int],
+    keep_folder: bool,
+    discard: Callable[[str, str], object] | None = None,
 ) -> None:
     try:
         _claim(store, tag, rank)
@@ -148,6 +161,8 @@ def _remove_part(
         except (NebulaError, ValueError):
             own = set()
     for name in sorted(own & set(files)):
+        if discard is not None:
+            discard(tag, name)
         store.remove(tag, name)
     store.remove(tag, marker_name(rank))
     store.remove(tag, writer_marker_name(rank))

@@ -217,10 +217,10 @@ class Persister:
             # Re-check under the lock: a flush may have asked for it meanwhile.
             if tag in self.protected():
                 continue
+            recycle = self.pool.recycle if self.pool is not None else None
             if self.ranks.world_size > 1:
-                delete_part(memory, tag, self.rank)
+                delete_part(memory, tag, self.rank, discard=recycle)
             else:
-                recycle = self.pool.recycle if self.pool is not None else None
                 delete_checkpoint(memory, tag, discard=recycle)
 
     def _superseded(self, tag: str) -> bool:
