@@ -16,7 +16,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +103,9 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
             delete_part(store, tag, rank, keep_folder=True)
     store.make_dir(tag)
     doc = {"host": _host(), "pid": os.getpid(), "rank": rank, "started_at": utc_now()}
-    store.write_bytes((tag, writer_marker_name(rank)), json.dumps(doc).encode())
+    # Whole or not at all: a deleter reading a half-written marker would take the tag for
+    # a dead writer's leftover (the concurrency campaign caught a prune doing so).
+    store.publish((tag, writer_marker_name(rank)), json.dumps(doc).encode(), create_only=False)
 
 
 def delete_part(
@@ -168,13 +170,15 @@ def _remove_part(
     store.remove(tag, writer_marker_name(rank))
     # Leases (our claim among them) are no other rank's files.
     if not keep_folder and not [n for n in store.list_files(tag) if not is_lease_file(n)]:
-        _remove_folder(store, tag)
+        _remove_folder(store, tag, files)
 
 
 def _claim(store: Store, tag: str, rank: int) -> None:
     """Write this process's writer marker into `tag` (before it changes what is there)."""
     doc = {"host": _host(), "pid": os.getpid(), "rank": rank, "started_at": utc_now()}
-    store.write_bytes((tag, writer_marker_name(rank)), json.dumps(doc).encode())
+    # Whole or not at all: a deleter reading a half-written marker would take the tag for
+    # a dead writer's leftover (the concurrency campaign caught a prune doing so).
+    store.publish((tag, writer_marker_name(rank)), json.dumps(doc).encode(), create_only=False)
 
 
 def read_writers(store: Store, tag: str) -> list[dict[str, Any]]:
@@ -468,7 +472,7 @@ def _resume_tag(dst: Store, tag: str, items: tuple[ItemEntry, ...]) -> dict[str,
             dst.remove(tag, name)
     dst.make_dir(tag)
     doc = {"host": _host(), "pid": me, "rank": 0, "started_at": utc_now()}
-    dst.write_bytes((tag, writer_marker_name(0)), json.dumps(doc).encode())
+    dst.publish((tag, writer_marker_name(0)), json.dumps(doc).encode(), create_only=False)
     return kept
 
 
@@ -607,7 +611,11 @@ def delete_checkpoint(
         return True
     if MANIFEST_NAME not in files:
         # Uncommitted: nobody can be reading it (leases.py), and a full disk must not keep
-        # a failed write's leftovers from going for want of room for a claim.
+        # a failed write's leftovers from going for want of room for a claim. But a live
+        # writer may have started it since the caller judged it a leftover: its marker
+        # would be overwritten by our claim, and its files deleted under it.
+        if _live_writer(store, tag):
+            return False
         try:
             _claim(store, tag, 0)
         except MissingFileError:
@@ -625,6 +633,12 @@ def delete_checkpoint(
     return True
 
 
+def _live_writer(store: Store, tag: str) -> bool:
+    """Whether another live process on this host is writing `tag` (its writer marker)."""
+    me = os.getpid()
+    return any(w.get("pid") != me and writer_alive(w) for w in read_writers(store, tag))
+
+
 def _remove_checkpoint(
     store: Store, tag: str, files: dict[str, int], discard: Callable[[str, str], object] | None
 ) -> None:
@@ -635,18 +649,24 @@ def _remove_checkpoint(
             if discard is not None:
                 discard(tag, name)
             store.remove(tag, name)
-    _remove_folder(store, tag)
+    _remove_folder(store, tag, files)
 
 
-def _remove_folder(store: Store, tag: str, tries: int = 8) -> None:
+def _remove_folder(store: Store, tag: str, known: Iterable[str] = (), tries: int = 8) -> None:
     """Remove the folder of a deleted tag with what is left in it (markers, leases).
 
     A reader may create its lease between the listing and the removal of the folder (it
     then finds no manifest and leaves), or another deleter its claim (it then finds the
     folder gone, or empties it too): the folder is not empty, so try again, a little later.
+    Files that were not there when the delete listed the folder (`known`), other than
+    leases and claims, are a new writer's (the tag saved again): the folder is theirs then.
     """
     delay_s = 0.001
+    known = set(known) | {writer_marker_name(0)}
     for attempt in range(tries):
+        present = store.list_files(tag)
+        if any(name not in known and not is_lease_file(name) for name in present):
+            return
         try:
             store.remove_dir(tag)
             return
