@@ -176,9 +176,9 @@ def _remove_part(
 def _claim(store: Store, tag: str, rank: int) -> None:
     """Write this process's writer marker into `tag` (before it changes what is there)."""
     doc = {"host": _host(), "pid": os.getpid(), "rank": rank, "started_at": utc_now()}
-    # Whole or not at all: a deleter reading a half-written marker would take the tag for
-    # a dead writer's leftover (the concurrency campaign caught a prune doing so).
-    store.publish((tag, writer_marker_name(rank)), json.dumps(doc).encode(), create_only=False)
+    # Written in place, not published: on a full disk a delete must still get its claim
+    # in (a deleter's half-written claim only makes another deleter delete too).
+    store.write_bytes((tag, writer_marker_name(rank)), json.dumps(doc).encode())
 
 
 def read_writers(store: Store, tag: str) -> list[dict[str, Any]]:
