@@ -38,7 +38,7 @@ from .errors import (
     TooManyItemsError,
     UnsupportedSchemaError,
 )
-from .history import make_row
+from .history import HistoryRow, make_row
 from .leases import read_lease
 from .manifest import ItemEntry, utc_now
 from .names import step_of, validate_name
@@ -286,19 +286,7 @@ class Checkpoint:
                 world_size=session.world_size,
                 timeout_s=session.config.rank_timeout_s,
             )
-        memory.remove(self.tag, writer_marker_name(session.rank))
-        self._committed = True
-        self._blocking_s += time.perf_counter() - t0
-        row = make_row(
-            tag=self.tag,
-            step=step_of(self.tag),
-            tier="memory",
-            rank=session.rank,
-            started_at=self._started_at,
-            duration_s=time.perf_counter() - self._t0,
-            blocking_s=self._blocking_s,
-            size_bytes=sum(item.size_bytes for item in self._items),
-        )
+        row = self._finish_commit(session, memory, "memory", t0)
         # This rank's part is committed (on a node without the other ranks, the memory
         # tier never holds the whole): it is what this rank's persister copies.
         session.persister.notify_committed(self.tag, row)
@@ -316,21 +304,28 @@ class Checkpoint:
             created_at=self._started_at,
             labels=self.labels,
         )
-        persistent.remove(self.tag, writer_marker_name(session.rank))
+        row = self._finish_commit(session, persistent, "persistent", t0)
+        session.persister.notify_streamed(self.tag, row)
+        return True
+
+    def _finish_commit(
+        self, session: _session.Session, store: Store, tier: str, t0: float
+    ) -> HistoryRow:
+        """After the commit on `store`: drop this rank's writer marker, mark the handle
+        committed, and give the history row of the save."""
+        store.remove(self.tag, writer_marker_name(session.rank))
         self._committed = True
         self._blocking_s += time.perf_counter() - t0
-        row = make_row(
+        return make_row(
             tag=self.tag,
             step=step_of(self.tag),
-            tier="persistent",
+            tier=tier,
             rank=session.rank,
             started_at=self._started_at,
             duration_s=time.perf_counter() - self._t0,
             blocking_s=self._blocking_s,
             size_bytes=sum(item.size_bytes for item in self._items),
         )
-        session.persister.notify_streamed(self.tag, row)
-        return True
 
     # loading -------------------------------------------------------------------------
     def load(

@@ -32,7 +32,7 @@ from .errors import (
     RankTimeoutError,
     StorageError,
 )
-from .leases import delete_claim, is_lease_file, live_leases
+from .leases import delete_claim, is_lease_file, live_leases, process_alive
 from .manifest import (
     CHECKSUM_ALGO,
     ItemEntry,
@@ -207,15 +207,7 @@ def writer_alive(writer: dict[str, Any], host: str | None = None) -> bool:
     if writer.get("host") != (host or _host()):
         return False
     pid = writer.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists; it belongs to another user
-    return True
+    return isinstance(pid, int) and not isinstance(pid, bool) and process_alive(pid)
 
 
 def describe_writer(writer: dict[str, Any]) -> str:

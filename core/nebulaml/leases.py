@@ -104,7 +104,7 @@ def lease_alive(lease: Lease, *, now: datetime | None = None, ttl_s: float = LEA
     """Whether `lease` still counts: its process is alive (this host), or it is younger
     than `ttl_s` seconds (another host)."""
     if lease.host == _host():
-        return _process_alive(lease.pid)
+        return process_alive(lease.pid)
     age_s = ((now or datetime.now(timezone.utc)) - lease.taken_at).total_seconds()
     return age_s < ttl_s
 
@@ -175,7 +175,8 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "unknown"
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this host (of any user)."""
     if pid <= 0:
         return False
     try:

@@ -350,6 +350,19 @@ class Store:
             f.close()
 
     @contextlib.contextmanager
+    def _open_local(self, *parts: str) -> Iterator[tuple[BinaryIO, int]]:
+        """A local regular file (see `_open_regular`) and its size; closed at the end."""
+        where = self.display(*parts)
+        with self._translated(where):
+            f = _open_regular(self.path(*parts), where)
+        try:
+            with self._translated(where):
+                size = os.fstat(f.fileno()).st_size
+            yield f, size
+        finally:
+            f.close()
+
+    @contextlib.contextmanager
     def map_read(self, *parts: str) -> Iterator[memoryview | None]:
         """A local file's bytes, mapped read-only (no copy into this process); None for a
         remote store or an empty file."""
@@ -357,15 +370,12 @@ class Store:
             yield None
             return
         where = self.display(*parts)
-        with self._translated(where):
-            f = _open_regular(self.path(*parts), where)
-        try:
-            with self._translated(where):
-                size = os.fstat(f.fileno()).st_size
-                mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else None
-            if mm is None:
+        with self._open_local(*parts) as (f, size):
+            if size == 0:
                 yield None
                 return
+            with self._translated(where):
+                mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
             view = memoryview(mm)
             try:
                 with translate_errors(where, self._secrets):
@@ -374,8 +384,6 @@ class Store:
                 view.release()
                 with contextlib.suppress(BufferError):
                     mm.close()
-        finally:
-            f.close()
 
     @contextlib.contextmanager
     def read_local(self, *parts: str) -> Iterator[LocalRead | None]:
@@ -386,15 +394,11 @@ class Store:
         if not self.is_local or not os.path.isdir("/proc/self/fd"):
             yield None
             return
-        where = self.display(*parts)
-        with self._translated(where):
-            f = _open_regular(self.path(*parts), where)
-        try:
-            with self._translated(where):
-                size = os.fstat(f.fileno()).st_size
-                if size == 0:
-                    yield None
-                    return
+        with self._open_local(*parts) as (f, size):
+            if size == 0:
+                yield None
+                return
+            with self._translated(self.display(*parts)):
                 # Faulted in by the kernel in one go: about twice as fast as page by page
                 # (1.4 GB: 0.55 s against 1.0-1.2 s on 2 cores).
                 buffer = mmap.mmap(-1, size, flags=_ANON_POPULATED)
@@ -409,8 +413,6 @@ class Store:
                 yield LocalRead(buffer=buffer, view=view[:done], path=f"/proc/self/fd/{f.fileno()}")
             finally:
                 view.release()
-        finally:
-            f.close()
 
     def read_appended(self, *parts: str) -> bytes | None:
         """Everything `append_text` appended to a file, in order (None if never written).
