@@ -112,7 +112,6 @@ def test_objects_the_layout_cannot_map_fall_back_to_torch_save(tmp_path: Path) -
 
     assert plan_layout({"x": Opaque()}) is None
     assert plan_layout({"x": torch.ones(2).to_sparse()}) is None
-    assert plan_layout({torch.ones(1): 1}) is None or True  # tensor keys: either is correct
     nm.init(str(tmp_path / "p"), persistent_time_interval=0)
     nm.Checkpoint("global_step1").save("item", {"x": [1, 2], "s": torch.ones(2).to_sparse()})
     loaded = nm.get_latest_checkpoint().load("item")
