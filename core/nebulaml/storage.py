@@ -43,6 +43,7 @@ from .retry import OPTION_NAMES as RETRY_OPTIONS
 from .retry import RetryPolicy
 from .retry import call as call_with_retries
 from .storage_io import (
+    DirectFile,
     LocalWriter,
     MissingFileError,
     RemoteReader,
@@ -50,6 +51,7 @@ from .storage_io import (
     describe,
     fsync_dir,
     translate_errors,
+    write_view_chunks,
 )
 
 T = TypeVar("T")
@@ -513,6 +515,30 @@ class Store:
                 with contextlib.suppress(NebulaError):
                     self.remove(*parts)
             raise
+
+    def write_view(
+        self, parts: tuple[str, ...], view: memoryview, each: Callable[[memoryview], None]
+    ) -> None:
+        """Write `view` (page-aligned memory, such as `map_read`'s) as the file `parts`,
+        durable on return and removed if this raises; `each(piece)` (a hash update) runs on
+        every piece, in order, while the piece before it is written.
+
+        On a local durable disk the pieces go with O_DIRECT (storage_io.DirectFile); other
+        stores take them through `open_write`.
+        """
+        if not self.is_local:
+            with self.open_write(*parts) as f:
+                write_view_chunks(lambda piece, _offset: f.write(piece), view, each)
+            return
+        where = self.display(*parts)
+        with self._translated(where):
+            out = DirectFile(self.path(*parts), durable=self.durable)
+            try:
+                write_view_chunks(out.write_at, view, each)
+                out.close()
+            except BaseException:
+                out.abort()
+                raise
 
     def write_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
         """Write (or replace) a small file durably."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import io
 import os
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,6 +24,8 @@ from .retry import is_transient
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _WRITE_BUFFER_BYTES = 4 << 20
+DIRECT_ALIGN = 4096  # offsets and lengths of direct writes (a multiple of any block size)
+VIEW_CHUNK_BYTES = 64 << 20
 
 
 class MissingFileError(StorageError, FileNotFoundError):
@@ -125,6 +129,149 @@ class LocalWriter(io.RawIOBase):
         super().close()
         with contextlib.suppress(OSError):
             os.unlink(self._path)
+
+
+class DirectFile:
+    """A new local file written at offsets with O_DIRECT where the filesystem allows it.
+
+    Direct writes go from the caller's memory to the device: no copy into the page cache,
+    no dirty pages for the kernel's writeback to flush while training runs, no cached
+    pages pushing training's memory out. In a training loop on 2 cores, persisting 1.5 GB
+    every 10 steps this way cost no measurable time against 7.5-10% through the page
+    cache, at the same 2 GB/s (benchmarks/README.md has the method).
+
+    Falls back to buffered writes, silently, where O_DIRECT is refused (tmpfs) or for a
+    piece that is not aligned (the tail of a file). Memory handed to `write_at` must be
+    page-aligned at `DIRECT_ALIGN` offsets, as a mapped file's is.
+
+    Example:
+        >>> import mmap, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "f")
+        >>> f = DirectFile(path, durable=True)
+        >>> m = mmap.mmap(-1, 5000); m[:] = b"x" * 5000
+        >>> f.write_at(memoryview(m), 0); f.close(); os.path.getsize(path)
+        5000
+    """
+
+    def __init__(self, path: str, *, durable: bool) -> None:
+        self._path, self._durable = path, durable
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        self.direct = durable and hasattr(os, "O_DIRECT")
+        try:
+            self._fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o666)
+        except OSError as exc:
+            if not self.direct or exc.errno != errno.EINVAL:
+                raise
+            self.direct = False
+            self._fd = os.open(path, flags, 0o666)
+
+    def _buffered(self) -> None:
+        if self.direct:
+            fl = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fl & ~os.O_DIRECT)
+            self.direct = False
+
+    def write_at(self, data: memoryview, offset: int) -> None:
+        """Write all of `data` at `offset`."""
+        done = 0
+        while done < len(data):
+            rest = data[done:]
+            if self.direct and (offset + done) % DIRECT_ALIGN == 0:
+                rest = rest[: len(rest) - len(rest) % DIRECT_ALIGN]
+                if not rest:
+                    self._buffered()  # the unaligned tail
+                    continue
+            elif self.direct:
+                self._buffered()  # a short write left an unaligned offset
+            try:
+                n = os.pwrite(self._fd, rest, offset + done)
+            except OSError as exc:
+                if not self.direct or exc.errno != errno.EINVAL:
+                    raise
+                self._buffered()  # alignment this filesystem refuses: write through the cache
+                continue
+            if n == 0:
+                raise OSError(errno.EIO, "a write made no progress", self._path)
+            done += n
+
+    def close(self) -> None:
+        """Flush to the device (when durable) and close; a failed fsync raises (and the
+        file stays open for `abort`)."""
+        if self._durable:
+            os.fsync(self._fd)
+        fd, self._fd = self._fd, -1
+        os.close(fd)
+
+    def abort(self) -> None:
+        """Close and remove the partial file."""
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(OSError):
+            os.unlink(self._path)
+
+
+class _Write:
+    """One `write_at(piece, offset)` in a thread of its own (or in this one where no thread
+    may start: a persist at interpreter exit)."""
+
+    def __init__(
+        self, write_at: Callable[[memoryview, int], None], piece: memoryview, offset: int
+    ) -> None:
+        self._error: BaseException | None = None
+        thread = threading.Thread(
+            target=self._run, args=(write_at, piece, offset), name="nebula-write", daemon=True
+        )
+        try:
+            thread.start()
+        except RuntimeError:
+            self._thread: threading.Thread | None = None
+            self._run(write_at, piece, offset)
+        else:
+            self._thread = thread
+
+    def _run(self, write_at: Callable[[memoryview, int], None], piece: memoryview, at: int) -> None:
+        try:
+            write_at(piece, at)
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread by result())
+            self._error = exc
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def result(self) -> None:
+        self.join()
+        if self._error is not None:
+            raise self._error
+
+
+def write_view_chunks(
+    write_at: Callable[[memoryview, int], None],
+    view: memoryview,
+    each: Callable[[memoryview], None],
+) -> None:
+    """Write `view` in `VIEW_CHUNK_BYTES` pieces, in order, calling `each(piece)` (a hash
+    update) before its write: another thread writes piece k while this one runs `each`
+    on piece k+1, so a checksum adds no time to a write that is slower than the hash."""
+    pieces: list[memoryview] = []  # released when written: the caller may unmap the view
+    writing: _Write | None = None
+    try:
+        for start in range(0, len(view), VIEW_CHUNK_BYTES):
+            pieces.append(view[start : start + VIEW_CHUNK_BYTES])
+            each(pieces[-1])
+            if writing is not None:
+                writing.result()
+                pieces.pop(0).release()
+            writing = _Write(write_at, pieces[-1], start)
+        if writing is not None:
+            writing.result()
+    finally:
+        if writing is not None:
+            writing.join()  # never leave a write running on memory the caller frees
+        for piece in pieces:
+            piece.release()
 
 
 class RemoteReader(io.RawIOBase):

@@ -1,5 +1,6 @@
-"""Disk full: a small tmpfs as the persistent root (and as the memory tier), filling up at
-different points of a save. A typed error reaches the caller, training goes on, nothing
+"""Disk full: a small tmpfs (and a loop-mounted ext4, where persists write with O_DIRECT)
+as the persistent root (and a tmpfs as the memory tier), filling up at different points of
+a save. A typed error reaches the caller, training goes on, nothing
 partial is committed, the previous checkpoint loads, and the next save after space is
 freed succeeds."""
 
@@ -27,15 +28,37 @@ def _mount_tmpfs(path: Path, size_bytes: int) -> None:
         check=False,
     )
     if done.returncode != 0:
-        if os.environ.get("CI"):
-            pytest.fail(f"cannot mount a tmpfs for the disk-full tests: {done.stderr}")
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        _cannot("mount a tmpfs", done.stderr)
+
+
+def _cannot(what: str, stderr: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"cannot {what} for the disk-full tests: {stderr}")
+    pytest.skip(f"cannot {what} here: {stderr.strip()}")
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     disk = tmp_path / "disk"
     _mount_tmpfs(disk, 4 * MB)
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.fixture
+def small_ext4(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB ext4 image, loop-mounted: a real disk filesystem, where O_DIRECT works."""
+    image, disk = tmp_path / "disk.ext4", tmp_path / "ext4"
+    disk.mkdir()
+    with image.open("wb") as f:
+        f.truncate(8 * MB)
+    for args in (
+        ["mkfs.ext4", "-q", "-F", str(image)],
+        ["mount", "-o", "loop", str(image), str(disk)],
+    ):
+        done = subprocess.run(args, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            _cannot(f"run {args[0]}", done.stderr)
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=False)
 
@@ -61,6 +84,17 @@ def _fill(disk: Path, leave_free_bytes: int) -> Path:
     ids=["mid-first-item", "mid-second-item", "at-the-rank-marker", "at-the-manifest"],
 )
 def test_persistent_tier_fills_up(small_disk: Path, free_bytes: int) -> None:
+    _fills_up_during_a_persist(small_disk, free_bytes)
+
+
+@pytest.mark.parametrize(
+    "free_bytes", [int(0.3 * MB), int(1.2 * MB)], ids=["mid-first-item", "mid-second-item"]
+)
+def test_persistent_ext4_fills_up_during_direct_writes(small_ext4: Path, free_bytes: int) -> None:
+    _fills_up_during_a_persist(small_ext4, free_bytes)
+
+
+def _fills_up_during_a_persist(small_disk: Path, free_bytes: int) -> None:
     root = small_disk / "root"
     nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=1)
     ckpt = nm.Checkpoint("global_step1", 2)
