@@ -138,7 +138,7 @@ class DirectFile:
     no dirty pages for the kernel's writeback to flush while training runs, no cached
     pages pushing training's memory out. In a training loop on 2 cores, persisting 1.5 GB
     every 10 steps this way cost no measurable time against 7.5-10% through the page
-    cache, at the same 2 GB/s (benchmarks/README.md has the method).
+    cache, at the same 2 GB/s (`python -m benchmarks.interference`).
 
     Falls back to buffered writes, silently, where O_DIRECT is refused (tmpfs) or for a
     piece that is not aligned (the tail of a file). Memory handed to `write_at` must be
