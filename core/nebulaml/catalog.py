@@ -18,6 +18,8 @@ from .names import MANIFEST_NAME, order_key, validate_name
 from .storage import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
+# How many times `list_committed` lists the folders while newer ones are in flux.
+_LIST_PASSES = 3
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -93,6 +95,15 @@ def list_committed(
 ) -> list[CheckpointInfo]:
     """Committed checkpoints on `store`, oldest first (see names.order_key).
 
+    A listing is not a snapshot: a tag listed may be deleted before its manifest is read,
+    and a tag committed after the folders were listed is not in them. Retention, eviction
+    and prune delete a tag once a newer one is committed, so while training saves and
+    evicts, one pass can miss every tag at least as new as the newest and return an older
+    one as the newest, or none (the concurrency campaign's "newest deleted"). So while a
+    folder newer than the newest found did not read as committed (deleted meanwhile, or
+    still being written), the folders are listed again and the newer ones read, up to
+    `_LIST_PASSES` times in all.
+
     A manifest of a schema this version cannot read raises `UnsupportedSchemaError`, or,
     when the caller passes an `unsupported` list (to look for another tier's readable
     copy), is appended to it and left out.
@@ -102,23 +113,36 @@ def list_committed(
         >>> list_committed(Store(tempfile.mkdtemp()))
         []
     """
-    infos = []
-    for tag in store.list_dirs():
-        try:
-            validate_name("tag", tag)
-        except InvalidNameError:
-            continue  # not a folder nebula writes
-        try:
-            info = read_committed(store, tag)
-        except UnsupportedSchemaError as exc:
-            if unsupported is None:
-                raise
-            unsupported.append(exc)
-            continue
-        if info is not None:
-            infos.append(info)
-    infos.sort(key=lambda info: info.sort_key)
-    return infos
+    found: dict[str, CheckpointInfo] = {}
+    refused: set[str] = set()  # an unsupported schema, reported once
+    for attempt in range(_LIST_PASSES):
+        newest = max((info.sort_key for info in found.values()), default=None)
+        unsettled: list[str] = []  # folders that did not read as committed
+        for tag in store.list_dirs():
+            if tag in found or tag in refused:
+                continue
+            try:
+                validate_name("tag", tag)
+            except InvalidNameError:
+                continue  # not a folder nebula writes
+            if attempt and newest is not None and order_key(tag, "") <= newest:
+                continue  # a later pass looks only for what is newer than the newest
+            try:
+                info = read_committed(store, tag)
+            except UnsupportedSchemaError as exc:
+                if unsupported is None:
+                    raise
+                unsupported.append(exc)
+                refused.add(tag)
+                continue
+            if info is not None:
+                found[tag] = info
+            else:
+                unsettled.append(tag)
+        newest = max((info.sort_key for info in found.values()), default=None)
+        if not any(newest is None or order_key(tag, "") > newest for tag in unsettled):
+            break
+    return sorted(found.values(), key=lambda info: info.sort_key)
 
 
 def list_incomplete(store: Store) -> list[str]:

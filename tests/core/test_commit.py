@@ -106,6 +106,52 @@ def test_delete_removes_the_manifest_first(tmp_path: Path) -> None:
     assert list_incomplete(store) == ["global_step1"]
 
 
+def _commit(store: Store, tag: str) -> None:
+    items = _write_two_items(store, tag)
+    commit_rank(store, tag, rank=0, world_size=1, items=items, created_at="t")
+
+
+class TrainingBehindTheListing(Store):
+    """A memory tier that training changes right after its first folder listing, before
+    any manifest is read (the concurrency campaign's interleaving, made certain)."""
+
+    def __init__(self, url: str, meanwhile) -> None:
+        super().__init__(url)
+        self.meanwhile = meanwhile
+        self.listings = 0
+
+    def list_dirs(self) -> list[str]:
+        listed = super().list_dirs()
+        self.listings += 1
+        if self.meanwhile is not None:
+            self.meanwhile(Store(self.url))
+            self.meanwhile = None
+        return listed
+
+
+def test_a_listing_never_loses_the_newest_to_saves_and_evictions_meanwhile(
+    tmp_path: Path,
+) -> None:
+    # Listed: step78 committed, step79 being written. Before either manifest is read,
+    # step79 commits and evicts step78, then step80 commits and evicts step79: the tier
+    # always held a newest at least as new as step78, and a listing must say so.
+    def training(store: Store) -> None:
+        commit_rank(store, "global_step79", rank=0, world_size=1, items=items79, created_at="t")
+        assert delete_checkpoint(store, "global_step78")
+        _commit(store, "global_step80")
+        assert delete_checkpoint(store, "global_step79")
+
+    store = TrainingBehindTheListing(str(tmp_path / "mem"), training)
+    _commit(Store(store.url), "global_step78")
+    items79 = _write_two_items(Store(store.url), "global_step79")
+    assert [info.tag for info in list_committed(store)] == ["global_step80"]
+    assert store.listings == 2
+    # Nothing in flux: one listing, as before.
+    store.listings = 0
+    assert [info.tag for info in list_committed(store)] == ["global_step80"]
+    assert store.listings == 1
+
+
 def test_commit_refuses_a_tag_another_writer_committed(tmp_path: Path) -> None:
     first, second = Store(tmp_path / "root"), Store(tmp_path / "root")
     items = _write_two_items(first, "global_step1")
