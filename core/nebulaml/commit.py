@@ -559,7 +559,9 @@ def copy_part(
     for item in marker.items:
         copy_item(src, dst, tag, item, lambda _n: None)
     dst.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
-    dst.remove(tag, writer_marker_name(rank))
+    # The writer's marker goes only once the tag is committed (or, without `wait`, once
+    # this part is): with every part written but no manifest yet, a prune of leftovers
+    # would otherwise take the tag for a dead job's and delete it under the commit.
     if wait:
         await_commit(
             dst, tag, world_size=world_size, timeout_s=timeout_s, poll_s=0.05, max_poll_s=0.5
@@ -568,6 +570,7 @@ def copy_part(
         markers = read_markers(dst, tag, world_size)
         if markers is not None and read_committed(dst, tag) is None:
             _publish_manifest(dst, tag, world_size, markers)
+    dst.remove(tag, writer_marker_name(rank))
     return size
 
 

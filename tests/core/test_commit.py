@@ -186,3 +186,35 @@ def test_begin_refuses_a_tag_another_live_process_is_writing(tmp_path: Path) -> 
         writer.wait()
     begin_tag(store, "global_step1", rank=0, overwrite=False)  # the writer is gone now
     assert "model" not in store.list_files("global_step1")
+
+
+def test_a_persist_between_its_last_part_and_its_manifest_is_not_a_leftover(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks persist their parts; when the last part is in and the manifest is not,
+    a prune of leftovers (grace 0) must see a live writer, not a dead job's folder."""
+    import nebulaml.commit as commit
+
+    memory, root = Store(tmp_path / "mem"), Store(tmp_path / "root")
+    for rank in (0, 1):
+        begin_tag(memory, "global_step1", rank=rank, overwrite=False, world_size=2)
+        item = write_item(memory, "global_step1", f"model-{rank}", {"w": torch.ones(4)}, rank=rank)
+        commit_rank(memory, "global_step1", rank=rank, world_size=2, items=[item], created_at="t")
+    publish, pruned = commit._publish_manifest, []
+
+    def prune_first(store: Store, tag: str, *args: object) -> object:
+        if store.url == root.url:
+            plan = nm.plan_prune(nm.list_prune_candidates(root.url, incomplete=True), 1, grace_s=0)
+            pruned.append((plan, nm.execute_prune(root.url, plan)))
+        return publish(store, tag, *args)
+
+    monkeypatch.setattr(commit, "_publish_manifest", prune_first)
+    commit.copy_part(memory, root, "global_step1", rank=0, world_size=2, timeout_s=5, wait=False)
+    commit.copy_part(memory, root, "global_step1", rank=1, world_size=2, timeout_s=5)
+    [(plan, result)] = pruned
+    assert result.deleted == () and plan.incomplete == ()
+    assert [d.reason.split(" by ")[0] for d in plan.protected] == ["being written"]
+    committed = read_committed(root, "global_step1")
+    assert committed is not None and len(committed.manifest.items) == 2
+    assert nm.get_checkpoint("global_step1", root.url).load("model-1")["w"].sum() == 4
+    assert not [f for f in root.list_files("global_step1") if f.startswith(".writer-")]
