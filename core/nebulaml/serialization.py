@@ -152,12 +152,12 @@ def read_item_local(
     *,
     map_location: MapLocation = None,
 ) -> Any:
-    """Unpickle a verified item file, already read whole into `buffer`, with
-    weights_only=True, without copying its tensor bytes again: `torch.load(mmap=True)`
-    gives the structure (mapping the file, reading none of its data), and each storage
-    is then rebound to its own slice of `buffer`. So a load costs one large read; and
-    nothing loaded refers to the file, which the memory tier reuses. Anything but plain
-    containers of CPU tensors is unpickled from `view` the usual way.
+    """Unpickle a verified item file, already in `buffer` (read whole, or mapped: see
+    `Store.read_local`), with weights_only=True, without copying its tensor bytes again:
+    `torch.load(mmap=True)` gives the structure (mapping the file, reading none of its
+    data), and each storage is then rebound to its own slice of `buffer`, which the
+    loaded tensors keep alive. Anything but plain containers of CPU tensors is unpickled
+    from `view` the usual way.
     """
     import torch
 

@@ -34,7 +34,7 @@ from .manifest import CHECKSUM_ALGO, ItemEntry
 from .names import validate_name
 from .snapshot import Layout, checksum, fill
 from .storage import Store
-from .storage_io import translate_errors
+from .storage_io import claim_unused, translate_errors
 
 POOL_DIR = ".slots"
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -176,18 +176,27 @@ class SlotPool:
         assert path is not None
         with self._lock:
             try:
-                size = os.lstat(path).st_size
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             except FileNotFoundError:
                 return False
-            if not self._room_for(name, size):
+            except OSError:  # not a file nebula wrote (a link, a FIFO): not for reuse
                 self._unlink(path)
                 return False
-            os.makedirs(self._pool, mode=0o700, exist_ok=True)
             try:
-                os.rename(path, os.path.join(self._pool, f"{name}.{uuid.uuid4().hex[:12]}"))
-            except FileNotFoundError:
-                return False
-            return True
+                size = os.fstat(fd).st_size
+                # A load has it mapped (storage.read_local): reusing it would write the
+                # next save under the loaded tensors. Removed, it lives on until unmapped.
+                if not claim_unused(fd) or not self._room_for(name, size):
+                    self._unlink(path)
+                    return False
+                os.makedirs(self._pool, mode=0o700, exist_ok=True)
+                try:
+                    os.rename(path, os.path.join(self._pool, f"{name}.{uuid.uuid4().hex[:12]}"))
+                except FileNotFoundError:
+                    return False
+                return True
+            finally:
+                os.close(fd)
 
     def _room_for(self, name: str, size_bytes: int) -> bool:
         try:

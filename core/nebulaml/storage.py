@@ -23,6 +23,7 @@ import mmap
 import os
 import stat
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -50,6 +51,7 @@ from .storage_io import (
     RemoteWriter,
     describe,
     fsync_dir,
+    mark_in_use,
     translate_errors,
     write_view_chunks,
 )
@@ -111,6 +113,7 @@ class LocalRead:
 
 _READ_CHUNK_BYTES = 64 << 20
 _ANON_POPULATED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+_MADV_POPULATE_READ = 22  # not in Python's mmap module before 3.13
 
 
 def _open_regular(path: str, where: str) -> BinaryIO:
@@ -131,6 +134,41 @@ def _open_regular(path: str, where: str) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _read_whole(f: BinaryIO, size: int) -> tuple[mmap.mmap, int]:
+    """The file's bytes in fresh anonymous memory, and how many were read."""
+    # Faulted in by the kernel in one go: about twice as fast as page by page
+    # (1.4 GB: 0.55 s against 1.0-1.2 s on 2 cores).
+    buffer = mmap.mmap(-1, size, flags=_ANON_POPULATED)
+    with memoryview(buffer) as view:
+        done = 0
+        while done < size:
+            n = f.readinto(view[done : min(size, done + _READ_CHUNK_BYTES)])
+            if not n:
+                break
+            done += n
+    return buffer, done
+
+
+def _map_in_use(f: BinaryIO, size: int, path: str, where: str) -> mmap.mmap:
+    """The file mapped copy-on-write (writes to it stay in this process), marked in use
+    until the mapping is garbage: see `Store.read_local`."""
+    fd = os.dup(f.fileno())
+    try:
+        mark_in_use(fd)
+        # Marked: no recycling from now on. Still the item, not a file recycled before?
+        here, there = os.fstat(fd), os.stat(path, follow_symlinks=False)
+        if (here.st_dev, here.st_ino) != (there.st_dev, there.st_ino):
+            raise MissingFileError(f"{where}: not found (recycled while it was opened)")
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    weakref.finalize(mapped, os.close, fd)  # the mark goes with the last loaded tensor
+    with contextlib.suppress(OSError):  # page tables filled in one call (Linux 5.14+)
+        mapped.madvise(_MADV_POPULATE_READ)
+    return mapped
 
 
 class Store:
@@ -389,28 +427,32 @@ class Store:
 
     @contextlib.contextmanager
     def read_local(self, *parts: str) -> Iterator[LocalRead | None]:
-        """Read a local file whole, in large reads, into fresh anonymous memory (`buffer`,
-        which loaded tensors may keep using), with `path`, a name of this very open file
-        (not of whatever the name points to by the time it is reopened). None where that
-        is not possible (a remote store, an empty file, no /proc): read bytes instead."""
+        """A local file's bytes in memory that loaded tensors may keep using (`buffer`),
+        with `path`, a name of this very open file (not of whatever the name points to by
+        the time it is reopened). None where that is not possible (a remote store, an
+        empty file, no /proc): read bytes instead.
+
+        On a disk the file is read whole, in large reads, into fresh anonymous memory. In
+        RAM (a store that is not `durable`: the memory tier) it is mapped copy-on-write
+        instead, no copy at all (1.5 GB: 0.23 s against 0.85 s to copy and hash), and
+        marked in use (`storage_io.mark_in_use`) for as long as the mapping lives, so the
+        slot pool never recycles it under the loaded tensors. A file recycled before the
+        mark raises `MissingFileError`, as if it were gone.
+        """
         if not self.is_local or not os.path.isdir("/proc/self/fd"):
             yield None
             return
+        where = self.display(*parts)
         with self._open_local(*parts) as (f, size):
             if size == 0:
                 yield None
                 return
-            with self._translated(self.display(*parts)):
-                # Faulted in by the kernel in one go: about twice as fast as page by page
-                # (1.4 GB: 0.55 s against 1.0-1.2 s on 2 cores).
-                buffer = mmap.mmap(-1, size, flags=_ANON_POPULATED)
-                view = memoryview(buffer)
-                done = 0
-                while done < size:
-                    n = f.readinto(view[done : min(size, done + _READ_CHUNK_BYTES)])
-                    if not n:
-                        break
-                    done += n
+            with self._translated(where):
+                if self.durable:
+                    buffer, done = _read_whole(f, size)
+                else:
+                    buffer, done = _map_in_use(f, size, self.path(*parts), where), size
+            view = memoryview(buffer)
             try:
                 yield LocalRead(buffer=buffer, view=view[:done], path=f"/proc/self/fd/{f.fileno()}")
             finally:

@@ -131,6 +131,27 @@ class LocalWriter(io.RawIOBase):
             os.unlink(self._path)
 
 
+def mark_in_use(fd: int) -> None:
+    """Mark a memory-tier file as mapped by a load (a shared flock on `fd`, held while any
+    duplicate of `fd` stays open, across processes, gone when the process dies).
+
+    Loads from the memory tier map the item file copy-on-write instead of copying it; the
+    slot pool must then not recycle that file for a later save, which would write new
+    bytes under the loaded tensors. `claim_unused` is the pool's side of this.
+    """
+    fcntl.flock(fd, fcntl.LOCK_SH)
+
+
+def claim_unused(fd: int) -> bool:
+    """Lock a memory-tier file for recycling (an exclusive flock, without waiting): False
+    if a load has it mapped (`mark_in_use`); the caller then removes it instead."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 class DirectFile:
     """A new local file written at offsets with O_DIRECT where the filesystem allows it.
 

@@ -136,6 +136,7 @@ def test_saves_reuse_two_buffers_and_every_committed_copy_stays_intact(root: Pat
             tag = info["tag"]
             got = nm.get_checkpoint(tag).load("model")["w"]
             assert torch.equal(got, torch.full((4096,), float(tag.removeprefix("global_step"))))
+            del got  # a dropped load no longer holds its file (and the pool may reuse it)
     # Steady state: two files take turns (the newest copy, and the one being filled).
     assert len(set(inodes.values())) == 2
     assert inodes[3] == inodes[1] and inodes[4] == inodes[2]
@@ -183,3 +184,100 @@ def test_free_buffers_are_released_at_shutdown_and_checkpoints_kept(root: Path) 
     nm.shutdown()
     assert not list((memory / ".slots").iterdir())  # RAM given back when the job ends
     assert (memory / "global_step3" / "manifest.json").exists()
+
+
+def _mapping_of(address: int) -> str | None:
+    """The path of the file mapped at `address` in this process, or None."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5].strip() if len(fields) == 6 else None
+    return None
+
+
+def test_a_memory_tier_load_maps_the_file_instead_of_copying_it(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=3600)  # in the memory tier only
+    nm.Checkpoint("global_step1").save("model", {"w": torch.arange(100_000.0)})
+    loaded = nm.get_checkpoint("global_step1").load("model")
+    path = os.path.join(nm.memory_tier_path(str(root)), "global_step1", "model")
+    assert _mapping_of(loaded["w"].data_ptr()) == path
+    assert torch.equal(loaded["w"], torch.arange(100_000.0))
+
+
+def test_writes_to_a_loaded_tensor_stay_in_this_process(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=3600)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(50_000)})
+    loaded = nm.get_checkpoint("global_step1").load("model")
+    loaded["w"].add_(1)  # copy-on-write: the file keeps what was saved
+    assert torch.equal(nm.get_checkpoint("global_step1").load("model")["w"], torch.ones(50_000))
+    assert torch.equal(loaded["w"], torch.full((50_000,), 2.0))
+
+
+def _pooled(memory: Path) -> set[int]:
+    slots = memory / ".slots"
+    return {p.stat().st_ino for p in slots.iterdir()} if slots.exists() else set()
+
+
+def test_the_pool_never_takes_a_file_a_load_holds(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=1)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(50_000)})
+    nm.flush_persistence()
+    memory = Path(nm.memory_tier_path(str(root)))
+    held = nm.get_checkpoint("global_step1").load("model")
+    inode = os.stat(memory / "global_step1" / "model").st_ino
+    nm.Checkpoint("global_step2").save("model", {"w": torch.zeros(50_000)})
+    nm.flush_persistence()  # global_step1 leaves the memory tier: its file is not pooled
+    assert not (memory / "global_step1").exists()
+    assert inode not in _pooled(memory)
+    assert torch.equal(held["w"], torch.ones(50_000))
+    del held  # once dropped, the files of loads are pooled again
+    dropped = nm.get_checkpoint("global_step2").load("model")
+    inode = os.stat(memory / "global_step2" / "model").st_ino
+    del dropped
+    nm.Checkpoint("global_step3").save("model", {"w": torch.zeros(50_000)})
+    nm.flush_persistence()
+    assert inode in _pooled(memory) | {os.stat(memory / "global_step3" / "model").st_ino}
+
+
+def test_recycle_removes_a_file_a_load_has_marked(tmp_path: Path) -> None:
+    from nebulaml.storage_io import mark_in_use
+
+    store = Store(str(tmp_path), durable=False)
+    pool = SlotPool(store)
+    (tmp_path / "t1").mkdir()
+    (tmp_path / "t1" / "model").write_bytes(b"x" * 8192)
+    fd = os.open(tmp_path / "t1" / "model", os.O_RDONLY)  # another open file, as a loader's
+    try:
+        mark_in_use(fd)
+        assert pool.recycle("t1", "model") is False
+        assert not (tmp_path / "t1" / "model").exists()
+        assert pool.pool_bytes() == 0
+        assert os.pread(fd, 4, 0) == b"xxxx"  # the loader's file lives on, unnamed
+    finally:
+        os.close(fd)
+    pool.close()
+
+
+def test_a_file_recycled_before_its_load_marked_it_is_read_from_the_next_tier(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nebulaml.storage as storage
+
+    nm.init(str(root), persistent_time_interval=0)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(50_000)})
+    nm.flush_persistence()
+    memory_file = Path(nm.memory_tier_path(str(root))) / "global_step1" / "model"
+    mark = storage.mark_in_use
+
+    def recycled_first(fd: int) -> None:
+        # The slot pool won the race: the file went (to be refilled) and another took the name.
+        memory_file.rename(memory_file.with_name("elsewhere"))
+        memory_file.write_bytes(memory_file.with_name("elsewhere").read_bytes())
+        mark(fd)
+
+    monkeypatch.setattr(storage, "mark_in_use", recycled_first)
+    loaded = nm.get_checkpoint("global_step1").load("model")
+    assert _mapping_of(loaded["w"].data_ptr()) != str(memory_file)  # the persistent copy
+    assert torch.equal(loaded["w"], torch.ones(50_000))

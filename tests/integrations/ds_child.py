@@ -89,13 +89,36 @@ def digest(obj: Any, hasher: Any = None) -> str:
     return hasher.hexdigest() if top else ""
 
 
+def _settle(engine: Any) -> None:
+    """Wait for the collectives DeepSpeed left running: ZeRO-3's loads and gathers issue
+    async all-gathers and wait for the last one only ("enqueued, not necessarily
+    complete": partition_parameters.py). On CUDA one stream orders them; gloo runs them on
+    worker threads, so the state read right after `load_checkpoint` was, about one run in
+    ten, still being written (and right a second later). Gloo's barrier waits for every
+    collective issued before it on its group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    groups = {id(g): g for g in (None, getattr(engine.optimizer, "dp_process_group", None))}
+    for group in groups.values():
+        dist.barrier(group=group)
+
+
 def param_digest(engine: Any, stage: int) -> str:
     import deepspeed
 
     params = list(engine.module.parameters())
     if stage == 3:  # partitioned: gather the full parameters on every rank
-        with deepspeed.zero.GatheredParameters(params):
-            return digest([p.detach().clone() for p in params])
+        # One at a time: a gather of several issues one async all-gather per parameter and
+        # waits for the last only ("enqueued, not necessarily complete": DeepSpeed 0.19.6,
+        # partition_parameters.py). On CUDA one stream orders them; gloo runs them on worker
+        # threads, so reading the others right away sometimes saw them half-written.
+        gathered = []
+        for p in params:
+            with deepspeed.zero.GatheredParameters([p]):
+                gathered.append(p.detach().clone())
+        return digest(gathered)
     return digest([p.detach().clone() for p in params])
 
 
@@ -137,6 +160,7 @@ def run_stage(phase: str, root: Path, stage: int, rank: int) -> dict[str, Any]:
         return out
     out["before"] = state_of(engine, stage)
     load_path, client_state = engine.load_checkpoint(save_dir)
+    _settle(engine)
     out["load_path"] = load_path
     out["client_epoch"] = None if client_state is None else client_state.get("epoch")
     out["after"] = state_of(engine, stage)
