@@ -390,15 +390,19 @@ class Store:
             f.close()
 
     @contextlib.contextmanager
-    def _open_local(self, *parts: str) -> Iterator[tuple[BinaryIO, int]]:
-        """A local regular file (see `_open_regular`) and its size; closed at the end."""
+    def _open_local(self, *parts: str) -> Iterator[tuple[BinaryIO, int] | None]:
+        """A local regular file (see `_open_regular`) and its size, closed at the end;
+        None for a remote store or an empty file (the callers then read bytes)."""
+        if not self.is_local:
+            yield None
+            return
         where = self.display(*parts)
         with self._translated(where):
             f = _open_regular(self.path(*parts), where)
         try:
             with self._translated(where):
                 size = os.fstat(f.fileno()).st_size
-            yield f, size
+            yield (f, size) if size else None
         finally:
             f.close()
 
@@ -406,14 +410,12 @@ class Store:
     def map_read(self, *parts: str) -> Iterator[memoryview | None]:
         """A local file's bytes, mapped read-only (no copy into this process); None for a
         remote store or an empty file."""
-        if not self.is_local:
-            yield None
-            return
         where = self.display(*parts)
-        with self._open_local(*parts) as (f, size):
-            if size == 0:
+        with self._open_local(*parts) as opened:
+            if opened is None:
                 yield None
                 return
+            f, size = opened
             with self._translated(where):
                 mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
             view = memoryview(mm)
@@ -439,14 +441,15 @@ class Store:
         slot pool never recycles it under the loaded tensors. A file recycled before the
         mark raises `MissingFileError`, as if it were gone.
         """
-        if not self.is_local or not os.path.isdir("/proc/self/fd"):
+        if not os.path.isdir("/proc/self/fd"):
             yield None
             return
         where = self.display(*parts)
-        with self._open_local(*parts) as (f, size):
-            if size == 0:
+        with self._open_local(*parts) as opened:
+            if opened is None:
                 yield None
                 return
+            f, size = opened
             with self._translated(where):
                 if self.durable:
                     buffer, done = _read_whole(f, size)
