@@ -40,7 +40,7 @@ from .errors import (
 )
 from .history import HistoryRow, make_row
 from .leases import read_lease
-from .manifest import ItemEntry, utc_now
+from .manifest import ItemEntry, Manifest, utc_now
 from .names import step_of, validate_name
 from .serialization import (
     MapLocation,
@@ -268,15 +268,7 @@ class Checkpoint:
         if self._store is not None and self._store is session.tiers.persistent:
             return self._commit_streamed(session, t0)
         memory = session.tiers.memory
-        manifest = commit_rank(
-            memory,
-            self.tag,
-            rank=session.rank,
-            world_size=session.world_size,
-            items=self._items,
-            created_at=self._started_at,
-            labels=self.labels,
-        )
+        manifest = self._commit_part(session, memory)
         if manifest is None and session.ranks.all_local:
             # The other ranks share this memory tier: wait (bounded) until their parts
             # are there and the checkpoint is committed, so that it loads on every rank.
@@ -292,11 +284,11 @@ class Checkpoint:
         session.persister.notify_committed(self.tag, row)
         return True
 
-    def _commit_streamed(self, session: _session.Session, t0: float) -> bool:
-        persistent = session.tiers.persistent
-        assert persistent is not None
-        commit_rank(
-            persistent,
+    def _commit_part(self, session: _session.Session, store: Store) -> Manifest | None:
+        """Publish this rank's part of the tag on `store` (commit.commit_rank): the
+        manifest if this call committed the tag, None while other ranks' parts are due."""
+        return commit_rank(
+            store,
             self.tag,
             rank=session.rank,
             world_size=session.world_size,
@@ -304,6 +296,11 @@ class Checkpoint:
             created_at=self._started_at,
             labels=self.labels,
         )
+
+    def _commit_streamed(self, session: _session.Session, t0: float) -> bool:
+        persistent = session.tiers.persistent
+        assert persistent is not None
+        self._commit_part(session, persistent)
         row = self._finish_commit(session, persistent, "persistent", t0)
         session.persister.notify_streamed(self.tag, row)
         return True
