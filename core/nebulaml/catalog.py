@@ -115,8 +115,8 @@ def list_committed(
     """
     found: dict[str, CheckpointInfo] = {}
     refused: set[str] = set()  # an unsupported schema, reported once
-    for attempt in range(_LIST_PASSES):
-        newest = max((info.sort_key for info in found.values()), default=None)
+    newest: tuple[int, str, str] | None = None  # the sort key of the newest found so far
+    for _ in range(_LIST_PASSES):
         unsettled: list[str] = []  # folders that did not read as committed
         for tag in store.list_dirs():
             if tag in found or tag in refused:
@@ -125,7 +125,7 @@ def list_committed(
                 validate_name("tag", tag)
             except InvalidNameError:
                 continue  # not a folder nebula writes
-            if attempt and newest is not None and order_key(tag, "") <= newest:
+            if newest is not None and order_key(tag, "") <= newest:
                 continue  # a later pass looks only for what is newer than the newest
             try:
                 info = read_committed(store, tag)
