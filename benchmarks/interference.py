@@ -7,7 +7,8 @@ state-sized buffer: copy it, hash it, write it to disk buffered, or write it wit
 Each round runs one segment of `--every` steps per action, in alternating order; the
 figure is the median segment time against the median with no background work.
 
-Measured on the 2-core CI-sized machine (default preset, 1.49 GB, 5 rounds):
+Measured by this script's prototype (the same jobs and loop) on the 2-core CI-sized
+machine (default preset, 1.49 GB, 5 rounds):
 none 9.65 s, O_DIRECT write -0.3%, copy +0.1%, hash -2.9% (noise), buffered write +7.5%
 (+10.0% in a 3-round run). The page cache is what costs: its copy, its writeback, and the
 reclaim it forces on training's allocations.
