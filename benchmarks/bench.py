@@ -53,7 +53,16 @@ from nebula_methods import Nebula
 from peers import DcpAsync, DcpSave, Method, TorchSave, TorchSnapshot, Unavailable
 from report import method_figures, render, target_ratios
 from rich.console import Console
-from runner import MethodResult, Steps, progress, run_loads, run_loops, run_saves, usable
+from runner import (
+    MethodResult,
+    Steps,
+    keep_freed_memory,
+    progress,
+    run_loads,
+    run_loops,
+    run_saves,
+    usable,
+)
 
 import nebulaml as nm
 
@@ -100,6 +109,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--every", type=int, default=10, help="checkpoint every N loop steps (default: 10)"
+    )
+    parser.add_argument(
+        "--loop-malloc",
+        choices=["keep", "system"],
+        default="keep",
+        help="the loop's allocator: 'keep' tells glibc's malloc to keep freed memory for "
+        "the next step, as a tuned training loop does (runner.keep_freed_memory says why); "
+        "'system' leaves its defaults, under which every step faults its temporaries in "
+        "again and the loop figures swing by 20%% (default: %(default)s)",
     )
     parser.add_argument(
         "--work",
@@ -217,6 +235,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             method.teardown()
     loop_baseline: dict[str, Any] = {}
     if args.loop_steps > 0 and ready:
+        kept = args.loop_malloc == "keep" and keep_freed_memory()
+        progress(f"the loop's allocator: {'keep freed memory' if kept else 'system defaults'}")
         loop_baseline = run_loops(
             ready,
             results,
@@ -226,6 +246,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             every=args.every,
             folder_for=lambda m: work / "loop" / m.name,
         )
+        loop_baseline["malloc"] = "keep" if kept else "system"
     progress("measuring the disk again ...")
     limits = add_disk_runs(limits, disk_bandwidth(work / "limits"))
     figures = {m.name: method_figures(results[m.name], state_bytes) for m in methods}
@@ -236,6 +257,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "repeats": args.repeats,
             "loop_steps": args.loop_steps,
             "every": args.every,
+            "loop_malloc": args.loop_malloc,
             "methods": args.methods,
         },
         "machine": {

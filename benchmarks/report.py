@@ -269,7 +269,8 @@ def render(
         limits.add_row(
             f"{base['steps_per_segment']} training steps, no checkpoint: median "
             f"{base['median_s']:.2f} s of {len(runs)} runs, {min(runs):.2f}-{max(runs):.2f} s "
-            f"(spread {base['spread']:.0%}: the loop figures' noise)",
+            f"(spread {base['spread']:.0%}: the loop figures' noise); malloc: "
+            f"{base.get('malloc', 'system')}",
             "-",
         )
     other = doc["machine"].get("other_cpu_share")

@@ -32,6 +32,7 @@ from .names import order_key
 from .persister import Persister
 from .ranks import RankInfo, detect_ranks, memory_budget_bytes
 from .slots import SlotPool
+from .snapshot import LayoutCache
 from .storage import Store
 from .tiers import TierSet, open_tiers, record_root
 
@@ -161,6 +162,7 @@ class Session:
         # The budget is per process, the memory tier shared by the node's processes.
         limit = None if share is None else share * self.ranks.local_world_size
         self.pool = SlotPool(self.tiers.memory, limit_bytes=limit)
+        self.layouts = LayoutCache()  # each item name's last layout (snapshot.py)
         self.persister = Persister(
             self.tiers,
             interval_s=config.persistent_time_interval_s,

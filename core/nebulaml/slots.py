@@ -26,13 +26,12 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .manifest import CHECKSUM_ALGO, ItemEntry
 from .names import validate_name
-from .snapshot import Layout, checksum, fill
+from .snapshot import FILL_WORKERS, Layout, fill
 from .storage import Store
 from .storage_io import claim_unused, translate_errors
 
@@ -112,6 +111,7 @@ class SlotPool:
         self._maps: dict[tuple[int, int], MappedFile] = {}
         # The training thread fills buffers while the persister thread recycles them.
         self._lock = threading.RLock()
+        store.mapped = self.view_of  # the persister reads the files through our mappings
 
     # filling ---------------------------------------------------------------------------
     def open_item(self, tag: str, name: str, size_bytes: int) -> MappedFile:
@@ -155,6 +155,18 @@ class SlotPool:
         mapped = MappedFile.open(fd, size_bytes)
         self._maps[key] = mapped
         return mapped
+
+    def view_of(self, st_dev: int, st_ino: int, size_bytes: int) -> memoryview | None:
+        """A read-only view of this pool's mapping of the file (st_dev, st_ino) when it has
+        one of `size_bytes`, else None. Its pages are mapped already: reading them faults
+        nothing in. The caller releases it; until then the memory stays mapped, even if the
+        pool drops the file meanwhile (`MappedFile.close` leaves a mapping with views to
+        the garbage collector)."""
+        with self._lock:
+            mapped = self._maps.get((st_dev, st_ino))
+            if mapped is None or mapped.size_bytes != size_bytes or mapped.tensor is None:
+                return None
+            return mapped.view.toreadonly()
 
     def _free_files(self, name: str, size_bytes: int) -> list[str]:
         """Pool files for `name`, the one of the right size first."""
@@ -277,25 +289,28 @@ class SlotPool:
 
 
 def write_snapshot(
-    pool: SlotPool, tag: str, name: str, layout: Layout, *, rank: int, ready: Any = None
-) -> Callable[[], ItemEntry]:
-    """Copy the item laid out by `layout` into its reused buffer in `tag`. The copy is
-    done when this returns (the caller's tensors may change); the returned call hashes
-    the buffer and gives the item's manifest entry (a lazy save runs it later)."""
+    pool: SlotPool,
+    tag: str,
+    name: str,
+    layout: Layout,
+    *,
+    rank: int,
+    ready: Any = None,
+    workers: int = FILL_WORKERS,
+) -> ItemEntry:
+    """Copy the item laid out by `layout` into its reused buffer in `tag`, hashing it on
+    the way (`workers` threads: snapshot.fill); the copy is done when this returns (the
+    caller's tensors may change). Returns the item's manifest entry."""
     buffer = pool.open_item(tag, name, layout.size_bytes)
     if any(s.device.type == "cuda" for s in layout.storages):
         buffer.pin()  # once per buffer: it is reused from one checkpoint to the next
-    fill(buffer.tensor, buffer.view, layout, ready=ready)
-
-    def entry() -> ItemEntry:
-        return ItemEntry(
-            name=name,
-            file=name,
-            rank=rank,
-            size_bytes=layout.size_bytes,
-            checksum_algo=CHECKSUM_ALGO,
-            checksum=checksum(buffer.view),
-            tensor_bytes=layout.tensor_bytes,
-        )
-
-    return entry
+    digest = fill(buffer.tensor, buffer.view, layout, ready=ready, workers=workers)
+    return ItemEntry(
+        name=name,
+        file=name,
+        rank=rank,
+        size_bytes=layout.size_bytes,
+        checksum_algo=CHECKSUM_ALGO,
+        checksum=digest,
+        tensor_bytes=layout.tensor_bytes,
+    )

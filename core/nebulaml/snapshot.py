@@ -8,7 +8,19 @@ with `torch.save` costs more in zip CRCs and first-touch page faults than in cop
   keeps only the bytes torch writes (the pickle, the zip headers and directory, a few
   kilobytes) and where each tensor storage's bytes go;
 - the *fill*: each storage copied, as bytes, to its place in a buffer reused from one save
-  to the next (slots.py), then one xxh3 pass over the result.
+  to the next (slots.py), hashed (xxh3) on the way.
+
+The layout of an item name is kept (`LayoutCache`) and used again while the object has the
+same structure: the same containers, plain values, aliasing and tensor metadata; only the
+tensors' bytes may differ. Laying out a GPT-2 optimizer state takes about 30 ms, as long
+as copying 0.4 GB.
+
+A fill copies with `memmove` (glibc's streaming stores use a third less CPU than torch's
+`copy_`) in 1 MiB pieces. One worker copies pieces from the front of the file and hashes
+each while it is in the cache; the others copy pieces from the back; where they meet, the
+first hashes what they copied. With one worker (a lazy save, which runs beside training)
+the whole fill is one pass over memory: about 0.17 CPU-seconds for 1.5 GB here, against
+0.25 for `copy_` and a hash after it.
 
 The file is byte for byte what `torch.load(path, weights_only=True)` reads. Objects the
 layout cannot map exactly (anything but dicts, lists, tuples, plain values and dense
@@ -21,9 +33,12 @@ Not for: where the buffers live or how they are reused (slots.py), or the commit
 from __future__ import annotations
 
 import bisect
+import ctypes
 import io
+import threading
 import zipfile
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .checksum import new_hasher
@@ -31,6 +46,10 @@ from .serialization import _zip_crc_off, to_saveable
 
 _PLAIN = (str, bytes, int, float, bool, complex, type(None))
 _HASH_CHUNK_BYTES = 16 << 20
+# A fill's unit of work: small enough that a piece just copied is still in the cache when
+# it is hashed, large enough that the Python around each call costs nothing.
+_PIECE_BYTES = 1 << 20
+FILL_WORKERS = 2  # a synchronous save's copy: the training loop waits for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,28 +149,86 @@ class _SparseReader(io.RawIOBase):
 def _storages_in_pickle_order(obj: Any) -> list[Any] | None:
     """The distinct tensor storages of `obj` in the order torch's pickler meets them, or
     None if `obj` holds anything whose pickling order this walk cannot mirror."""
+    walked = _walk(obj)
+    return None if walked is None else walked[0]
+
+
+def _walk(obj: Any) -> tuple[list[Any], tuple[Any, ...] | None] | None:
+    """(the distinct storages in pickling order, the signature of everything else that
+    goes into the pickle), or None if the layout cannot map `obj`. The signature is None
+    when `obj` holds something it cannot describe (the layout is then never reused).
+
+    Two objects with equal signatures pickle to the same bytes, given the same storage
+    sizes: the signature holds every container's type and length, every plain value
+    (floats by their bits), every tensor's metadata, and which objects are the same
+    object (the pickler writes a second meeting as a reference).
+    """
     import torch
 
     found: dict[int, Any] = {}
+    storage_index: dict[int, int] = {}
+    seen: dict[int, int] = {}
+    sig: list[Any] = []
+    describable = True
 
     def walk(value: Any) -> bool:
-        if isinstance(value, _PLAIN):
+        nonlocal describable
+        if value is None or value is True or value is False:
+            sig.append(value)
             return True
-        if type(value) in (torch.Tensor, torch.nn.Parameter):
+        first = seen.get(id(value))
+        if first is not None:
+            sig.append(("again", first))  # the same object as an earlier one
+            return True
+        seen[id(value)] = len(seen)
+        kind = type(value)
+        if isinstance(value, _PLAIN):
+            sig.append((kind, value.hex() if kind is float else value))
+            if kind not in _PLAIN:
+                describable = False  # a subclass may pickle in its own way
+            return True
+        if kind in (torch.Tensor, torch.nn.Parameter):
             if value.layout != torch.strided or value.is_quantized or value.__dict__:
                 return False
             if value.device.type not in ("cpu", "cuda"):
                 return False
             storage = value.untyped_storage()
+            key = storage_index.setdefault(storage._cdata, len(storage_index))
             found.setdefault(storage._cdata, storage)
+            sig.append(
+                (
+                    kind,
+                    key,
+                    storage.nbytes(),
+                    str(value.device),
+                    value.dtype,
+                    tuple(value.shape),
+                    value.stride(),
+                    value.storage_offset(),
+                    value.requires_grad,
+                    value.is_conj(),
+                    value.is_neg(),
+                )
+            )
+            if kind is torch.nn.Parameter or value._backward_hooks:
+                describable = False
             return True
-        if isinstance(value, dict) and type(value).__module__ in ("builtins", "collections"):
+        if isinstance(value, dict) and kind.__module__ in ("builtins", "collections"):
+            if kind not in (dict, OrderedDict):
+                describable = False  # defaultdict's factory, a Counter's class, ...
+            sig.append((kind, len(value)))
             return all(walk(k) and walk(v) for k, v in value.items())
-        if type(value) in (list, tuple):
+        if kind in (list, tuple):
+            sig.append((kind, len(value)))
             return all(walk(v) for v in value)
-        return isinstance(value, (torch.dtype, torch.Size, torch.device))
+        if isinstance(value, (torch.dtype, torch.Size, torch.device)):
+            sig.append((kind, value))
+            return True
+        return False
 
-    return list(found.values()) if walk(obj) else None
+    if not walk(obj):
+        return None
+    return list(found.values()), (tuple(sig) if describable else None)
 
 
 def plan_layout(obj: Any) -> Layout | None:
@@ -165,12 +242,14 @@ def plan_layout(obj: Any) -> Layout | None:
         >>> plan_layout({"f": print}) is None   # not plain data: torch.save writes it
         True
     """
+    saveable = to_saveable(obj)
+    walked = _walk(saveable)
+    return None if walked is None else _record_layout(saveable, walked[0])
+
+
+def _record_layout(saveable: Any, storages: list[Any]) -> Layout | None:
     import torch
 
-    saveable = to_saveable(obj)
-    storages = _storages_in_pickle_order(saveable)
-    if storages is None:
-        return None
     recorder = _Recorder()
     with _zip_crc_off(), torch.serialization.skip_data():
         torch.save(saveable, recorder)
@@ -188,6 +267,53 @@ def plan_layout(obj: Any) -> Layout | None:
         gaps=_gaps(recorder.segments, regions, size),
         storages=tuple(storages),
     )
+
+
+class LayoutCache:
+    """The last layout of each item name, reused while the object keeps its structure.
+
+    The cache holds no storage (a reused layout takes the object's current ones), so it
+    keeps no tensor alive. `hits` and `misses` count the plans.
+
+    Example:
+        >>> import torch
+        >>> cache = LayoutCache()
+        >>> w = torch.zeros(4)
+        >>> a = cache.plan("model", {"w": w, "step": 1})
+        >>> w += 1                                   # new bytes, same structure
+        >>> b = cache.plan("model", {"w": w, "step": 1})
+        >>> c = cache.plan("model", {"w": w, "step": 2})   # a plain value changed
+        >>> (cache.hits, cache.misses), b.segments == a.segments, c.segments == a.segments
+        ((1, 2), True, False)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[tuple[Any, ...], Layout]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def plan(self, name: str, obj: Any) -> Layout | None:
+        """`plan_layout(obj)`, from the last layout of `name` when `obj` matches it."""
+        saveable = to_saveable(obj)
+        walked = _walk(saveable)
+        if walked is None:
+            return None
+        storages, signature = walked
+        with self._lock:
+            last = self._last.get(name)
+        if last is not None and signature is not None and last[0] == signature:
+            with self._lock:
+                self.hits += 1
+            return replace(last[1], storages=tuple(storages))
+        layout = _record_layout(saveable, storages)
+        with self._lock:
+            self.misses += 1
+            if layout is None or signature is None:
+                self._last.pop(name, None)
+            else:
+                self._last[name] = (signature, replace(layout, storages=()))
+        return layout
 
 
 def data_records(segments: list[tuple[int, Any]], size: int) -> dict[int, tuple[int, int]]:
@@ -226,22 +352,94 @@ def _gaps(
     return tuple(gaps)
 
 
-def fill(buffer: Any, view: memoryview, layout: Layout, *, ready: Any = None) -> None:
+def fill(
+    buffer: Any, view: memoryview, layout: Layout, *, ready: Any = None, workers: int = 1
+) -> str:
     """Write the item into `buffer` (a uint8 tensor of exactly `layout.size_bytes` bytes)
     whose bytes `view` also exposes: torch's own bytes, zeros in the gaps, and a copy of
-    every storage. Reads the storages once; the caller may mutate them when it returns.
+    every storage; returns the xxh3 of the whole. Reads the storages once; the caller may
+    mutate them when it returns.
 
-    CUDA storages are copied on a side stream that first waits for `ready` (a CUDA event
-    recorded when the save was asked for; else the device's current stream), straight
-    from the tensors' own memory (nothing is allocated on the GPU) into `buffer`, which
-    should be pinned (`pin`) for the copy to run at the link's speed.
+    Host storages are copied by `workers` threads (this one included), hashed as they go
+    (module docstring). CUDA storages are copied on a side stream that first waits for
+    `ready` (a CUDA event recorded when the save was asked for; else the device's
+    current stream), straight from the tensors' own memory (nothing is allocated on the
+    GPU) into `buffer`, which should be pinned (`pin`) for the copy to run at the link's
+    speed; the buffer is hashed after.
     """
-    import torch
-
+    if buffer.numel() != layout.size_bytes or len(view) != layout.size_bytes:
+        raise ValueError(f"a buffer of {len(view)} bytes for an item of {layout.size_bytes}")
     for offset, data in layout.segments:
         view[offset : offset + len(data)] = data
     for offset, length in layout.gaps:
         view[offset : offset + length] = bytes(length)
+    if any(s.device.type != "cpu" for s in layout.storages):
+        _fill_devices(buffer, layout, ready)
+        return checksum(view)
+    return _fill_host(buffer.data_ptr(), view, layout, max(1, workers))
+
+
+def _pieces(base: int, layout: Layout) -> list[tuple[int, int, int]]:
+    """(destination address, source address, bytes) of every storage's copy, in file
+    order, in pieces of at most `_PIECE_BYTES`."""
+    pieces: list[tuple[int, int, int]] = []
+    for (offset, length), storage in sorted(
+        zip(layout.regions, layout.storages, strict=True), key=lambda pair: pair[0][0]
+    ):
+        if storage.nbytes() != length:  # memmove checks nothing: neither may we skip it
+            raise ValueError(f"a storage of {storage.nbytes()} bytes laid out as {length}")
+        src = storage.data_ptr()
+        for start in range(0, length, _PIECE_BYTES):
+            n = min(_PIECE_BYTES, length - start)
+            pieces.append((base + offset + start, src + start, n))
+    return pieces
+
+
+def _fill_host(base: int, view: memoryview, layout: Layout, workers: int) -> str:
+    """Copy host storages into the buffer at `base` and hash the buffer: this thread takes
+    pieces from the front and hashes up to each; helpers take pieces from the back."""
+    pieces = _pieces(base, layout)
+    hasher = new_hasher()
+    lock = threading.Lock()
+    front, back = 0, len(pieces)  # pieces[front:back] are not taken yet
+
+    def from_back() -> None:
+        nonlocal back
+        while True:
+            with lock:
+                if back <= front:
+                    return
+                back -= 1
+                dst, src, n = pieces[back]
+            ctypes.memmove(dst, src, n)
+
+    helpers = [threading.Thread(target=from_back, daemon=True) for _ in range(workers - 1)]
+    for helper in helpers:
+        helper.start()
+    hashed = 0
+    try:
+        while True:
+            with lock:
+                if front >= back:
+                    break
+                dst, src, n = pieces[front]
+                front += 1
+            ctypes.memmove(dst, src, n)
+            end = dst - base + n
+            if end - hashed >= _PIECE_BYTES:
+                hasher.update(view[hashed:end])
+                hashed = end
+    finally:
+        for helper in helpers:
+            helper.join()  # never leave a copy running into a buffer the caller reuses
+    for start in range(hashed, len(view), _HASH_CHUNK_BYTES):
+        hasher.update(view[start : min(start + _HASH_CHUNK_BYTES, len(view))])
+    return hasher.hexdigest()
+
+
+def _fill_devices(buffer: Any, layout: Layout, ready: Any) -> None:
+    import torch
+
     streams: dict[Any, Any] = {}
     for (offset, length), storage in zip(layout.regions, layout.storages, strict=True):
         if length == 0:

@@ -236,6 +236,9 @@ class Store:
             self.url = fs.unstrip_protocol(self.root)
         self.durable = durable
         self._container_ready = False
+        # Mappings this process already holds, by (st_dev, st_ino, size): the slot pool's
+        # of the memory tier's files (slots.SlotPool.view_of). None: map afresh.
+        self.mapped: Callable[[int, int, int], memoryview | None] | None = None
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -409,13 +412,29 @@ class Store:
     @contextlib.contextmanager
     def map_read(self, *parts: str) -> Iterator[memoryview | None]:
         """A local file's bytes, mapped read-only (no copy into this process); None for a
-        remote store or an empty file."""
+        remote store or an empty file.
+
+        Where this process maps the file already (`mapped`: the slot pool, which filled
+        it), that mapping is lent instead: a new one of 1.5 GB costs 0.15 s of page faults
+        and 0.03 s to unmap, in the persister, beside training."""
         where = self.display(*parts)
         with self._open_local(*parts) as opened:
             if opened is None:
                 yield None
                 return
             f, size = opened
+            lent = None
+            if self.mapped is not None:
+                with self._translated(where):
+                    st = os.fstat(f.fileno())
+                lent = self.mapped(st.st_dev, st.st_ino, size)
+            if lent is not None:
+                try:
+                    with translate_errors(where, self._secrets):
+                        yield lent
+                finally:
+                    lent.release()
+                return
             with self._translated(where):
                 mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
             view = memoryview(mm)

@@ -21,13 +21,26 @@ import nebulaml as nm
 MB = 1 << 20
 
 
-def _usage(folder: str) -> int:
-    total = 0
-    for here, _dirs, files in os.walk(folder):
-        for name in files:
+def _usage(folder: str) -> int | None:
+    """Bytes of the files under `folder` at one moment, each file once; None when files
+    went during the walk. A walk is not atomic: it could count a file the pool moved
+    from `.slots/` into a tag twice, or the file an eviction removed (one a load still
+    holds is not reused) and the one the next save then made, which never coexisted."""
+    files: dict[str, tuple[int, int, int]] = {}
+    for here, _dirs, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(here, name)
             with contextlib.suppress(FileNotFoundError):
-                total += os.lstat(os.path.join(here, name)).st_size
-    return total
+                st = os.lstat(path)
+                files[path] = (st.st_dev, st.st_ino, st.st_size)
+    for path, (dev, ino, _size) in files.items():
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            return None
+    return sum(size for _dev, _ino, size in {v[:2]: v for v in files.values()}.values())
 
 
 class UsageSampler:
@@ -40,7 +53,7 @@ class UsageSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _usage(self.folder))
+            self.peak = max(self.peak, _usage(self.folder) or 0)
             self._stop.wait(0.001)
 
     def __enter__(self) -> UsageSampler:
@@ -50,7 +63,7 @@ class UsageSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _usage(self.folder))
+        self.peak = max(self.peak, _usage(self.folder) or 0)
 
 
 @pytest.fixture

@@ -8,8 +8,11 @@ changed, an object the layout cannot map written wrongly instead of by torch.sav
 from __future__ import annotations
 
 import collections
+import dataclasses
+import gc
 import io
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +20,10 @@ import pytest
 import torch
 
 import nebulaml as nm
+from nebulaml import session as nm_session
+from nebulaml import snapshot
 from nebulaml.slots import SlotPool
-from nebulaml.snapshot import checksum, fill, plan_layout
+from nebulaml.snapshot import Layout, LayoutCache, checksum, fill, plan_layout
 from nebulaml.storage import Store
 
 
@@ -55,13 +60,13 @@ def _state() -> dict[str, Any]:
     }
 
 
-def _fill_file(path: Path, obj: Any) -> str:
+def _fill_file(path: Path, obj: Any, workers: int = 1) -> str:
     layout = plan_layout(obj)
     assert layout is not None
     pool = SlotPool(Store(path.parent, durable=False))
     mapped = pool.open_item(".", path.name, layout.size_bytes)
-    fill(mapped.tensor, mapped.view, layout)
-    digest = checksum(mapped.view)
+    digest = fill(mapped.tensor, mapped.view, layout, workers=workers)
+    assert digest == checksum(mapped.view)  # the hash taken on the way is the file's
     pool.close()
     return digest
 
@@ -103,6 +108,122 @@ def test_a_reused_buffer_carries_nothing_over(tmp_path: Path) -> None:
     with open(tmp_path / "item", "r+b") as f:  # garbage everywhere, gaps included
         f.write(b"\xff" * os.path.getsize(tmp_path / "item"))
     assert _fill_file(tmp_path / "item", state) == first
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_every_worker_count_writes_and_hashes_the_same_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    # Small, odd pieces: many of them, so that the workers meet mid-tensor, and helpers
+    # copy pieces the first worker must hash after them (a hash that skips or reorders
+    # their pieces, or runs before they are copied, gives another digest or file).
+    monkeypatch.setattr(snapshot, "_PIECE_BYTES", 4096 + 8)
+    torch.manual_seed(1)
+    state = {**_state(), "odd": torch.randn(12_345), "big": torch.randn(3, 50_001)}
+    expected_digest = _fill_file(tmp_path / "one", state, workers=1)
+    digest = _fill_file(tmp_path / "item", state, workers=workers)
+    assert digest == expected_digest
+    assert (tmp_path / "item").read_bytes() == (tmp_path / "one").read_bytes()
+    _assert_same(state, torch.load(tmp_path / "item", weights_only=True))
+
+
+def test_a_fill_refuses_a_buffer_of_another_size(tmp_path: Path) -> None:
+    # memmove checks no bounds: a buffer too small must be refused, not overrun.
+    layout = plan_layout({"w": torch.ones(1000)})
+    assert layout is not None
+    pool = SlotPool(Store(tmp_path, durable=False))
+    mapped = pool.open_item(".", "item", layout.size_bytes - 4096)
+    with pytest.raises(ValueError, match="bytes for an item of"):
+        fill(mapped.tensor, mapped.view, layout)
+    pool.close()
+
+
+def _same_layout(a: Layout | None, b: Layout | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    same_storages = [x._cdata for x in a.storages] == [y._cdata for y in b.storages]
+    return (a.size_bytes, a.regions, a.gaps, a.segments) == (
+        b.size_bytes,
+        b.regions,
+        b.gaps,
+        b.segments,
+    ) and same_storages
+
+
+def _without_serialization_id(layout: Layout) -> Layout:
+    # torch writes a random id into every archive; a reused layout keeps the old one.
+    return dataclasses.replace(
+        layout, segments=tuple(seg for seg in layout.segments if b"serialization_id" not in seg[1])
+    )
+
+
+def test_a_reused_layout_is_the_one_a_fresh_plan_gives() -> None:
+    # Each step changes one thing the pickle depends on (or nothing): a reused layout
+    # that missed it would write a file torch.load reads wrongly, with a valid checksum.
+    w = torch.randn(8, 4)
+    other = torch.randn(8, 4)
+    steps: list[tuple[str, Any, bool]] = [
+        ("first", {"w": w, "lr": 0.5, "k": "a"}, False),
+        ("new bytes only", {"w": w.add_(1), "lr": 0.5, "k": "a"}, True),
+        ("a plain value", {"w": w, "lr": 0.25, "k": "a"}, False),
+        ("-0.0 for 0.0", {"w": w, "lr": -0.0, "k": "a"}, False),
+        ("back to 0.0", {"w": w, "lr": 0.0, "k": "a"}, False),
+        ("another storage", {"w": other, "lr": 0.0, "k": "a"}, True),
+        ("a reshaped view", {"w": other.view(4, 8), "lr": 0.0, "k": "a"}, False),
+        ("a transposed view", {"w": other.view(4, 8).t(), "lr": 0.0, "k": "a"}, False),
+        ("another dtype", {"w": other.view(torch.int32), "lr": 0.0, "k": "a"}, False),
+        ("key order", {"lr": 0.0, "w": other, "k": "a"}, False),
+        ("an int for a float", {"lr": 0, "w": other, "k": "a"}, False),
+        ("a list for a tuple", {"lr": 0, "w": other, "k": ["a"]}, False),
+        ("a tuple", {"lr": 0, "w": other, "k": ("a",)}, False),
+        ("one tensor twice", {"a": w, "b": w}, False),
+        ("two views of one storage", {"a": w, "b": w[1:]}, False),
+        ("two storages", {"a": w, "b": other}, False),
+        ("same again", {"a": w, "b": other}, True),
+        ("one string object twice", {"a": [KEY, KEY]}, False),
+        ("two equal strings", {"a": [KEY, "".join(["st", "ep"])]}, False),
+        ("a defaultdict", collections.defaultdict(list, w=w), False),
+        ("the same defaultdict", collections.defaultdict(list, w=w), False),
+    ]
+    cache = LayoutCache()
+    for what, obj, reused in steps:
+        hits = cache.hits
+        got = cache.plan("item", obj)
+        fresh = plan_layout(obj)
+        assert got is not None and fresh is not None, what
+        assert cache.hits == hits + reused, what
+        assert _same_layout(_without_serialization_id(got), _without_serialization_id(fresh)), what
+
+
+KEY = "step"
+
+
+def test_a_layout_cache_keeps_no_tensor_alive() -> None:
+    # A cached layout that held its storages would keep a saved model's memory alive
+    # after the training script dropped it, for as long as the session lives.
+    cache = LayoutCache()
+    w = torch.randn(1000)
+    cache.plan("item", {"w": w})
+    alive = weakref.ref(w.untyped_storage())  # torch keeps one Python storage per storage
+    del w
+    gc.collect()
+    assert alive() is None
+
+
+def test_saves_of_an_unchanged_structure_reuse_the_layout(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0)
+    w = torch.zeros(1000)
+    for step in range(1, 5):
+        w.fill_(step)
+        nm.Checkpoint(f"global_step{step}").save("model", {"w": w, "epoch": 1})
+    session = nm_session.current("test")
+    assert (session.layouts.hits, session.layouts.misses) == (3, 1)
+    nm.flush_persistence()
+    for info in nm.list_checkpoints():
+        step = int(info["tag"].removeprefix("global_step"))
+        assert torch.equal(
+            nm.get_checkpoint(info["tag"]).load("model")["w"], torch.full((1000,), float(step))
+        )
 
 
 def test_objects_the_layout_cannot_map_fall_back_to_torch_save(tmp_path: Path) -> None:
@@ -281,3 +402,45 @@ def test_a_file_recycled_before_its_load_marked_it_is_read_from_the_next_tier(
     loaded = nm.get_checkpoint("global_step1").load("model")
     assert _mapping_of(loaded["w"].data_ptr()) != str(memory_file)  # the persistent copy
     assert torch.equal(loaded["w"], torch.ones(50_000))
+
+
+def _minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_a_persist_reads_the_pools_mapping_and_faults_nothing_in(tmp_path: Path) -> None:
+    # The persister hashes and writes memory-tier files through Store.map_read; a fresh
+    # mapping of 1.5 GB costs 0.15 s of page faults beside training. The pool's own
+    # mapping is populated already.
+    size = 32 << 20
+    pool = SlotPool(Store(tmp_path, durable=False))
+    pool.store.make_dir("t")
+    mapped = pool.open_item("t", "model", size)
+    mapped.tensor.fill_(7)
+    with pool.store.map_read("t", "model") as view:
+        assert view is not None and view.readonly
+        before = _minor_faults()
+        assert bytes(view[::4096]) == b"\x07" * (size // 4096)
+        lent_faults = _minor_faults() - before
+    with Store(tmp_path, durable=False).map_read("t", "model") as view:  # the control
+        assert view is not None
+        before = _minor_faults()
+        assert bytes(view[::4096]) == b"\x07" * (size // 4096)
+        fresh_faults = _minor_faults() - before
+    # A fresh mapping faults its pages in 16 at a time (fault-around): ~512 faults here.
+    assert fresh_faults > (size // 4096) // 32  # the measure sees faults where there are
+    assert lent_faults < 20
+    pool.close()
+
+
+def test_a_lent_mapping_outlives_the_pool_dropping_the_file(tmp_path: Path) -> None:
+    pool = SlotPool(Store(tmp_path, durable=False))
+    pool.store.make_dir("t")
+    pool.open_item("t", "model", 1 << 20).tensor.fill_(3)
+    with pool.store.map_read("t", "model") as view:
+        assert view is not None
+        os.unlink(tmp_path / "t" / "model")
+        pool.close()  # unmaps what it can: not what a reader still holds
+        assert bytes(view) == b"\x03" * (1 << 20)
