@@ -50,7 +50,7 @@ from .serialization import (
     to_saveable,
 )
 from .slots import write_snapshot
-from .snapshot import FILL_WORKERS, cuda_ready_event
+from .snapshot import cuda_ready_event
 from .storage import MissingFileError, Store
 from .tiers import TierSet
 
@@ -189,25 +189,15 @@ class Checkpoint:
         """Write one item: into a reused memory-tier buffer when its layout maps exactly
         (snapshot.py), else with torch.save; to the persistent tier once this checkpoint
         does not fit the memory budget. The copy is done when this returns (`obj` may
-        change); the returned call gives the item's entry.
-
-        A lazy save copies on one thread, beside training; a synchronous one on
-        `FILL_WORKERS`, while training waits (snapshot.py)."""
+        change); the returned call gives the item's entry."""
         if self._store is session.tiers.memory:
             layout = session.layouts.plan(name, obj)
             size = layout.size_bytes if layout is not None else estimate_bytes(obj)
             if not session.budget.reserve(name, size):
                 self._stream(session, size)
             elif layout is not None:
-                workers = 1 if session.snapshots is not None else FILL_WORKERS
                 written = write_snapshot(
-                    session.pool,
-                    self.tag,
-                    name,
-                    layout,
-                    rank=session.rank,
-                    ready=ready,
-                    workers=workers,
+                    session.pool, self.tag, name, layout, rank=session.rank, ready=ready
                 )
                 return lambda: written
         assert self._store is not None
