@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
+import ctypes.util
 import errno
+import functools
 import mmap
 import os
 import stat
+import sys
 import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -149,6 +153,62 @@ def _read_whole(f: BinaryIO, size: int) -> tuple[mmap.mmap, int]:
                 break
             done += n
     return buffer, done
+
+
+# statfs(2) f_type of the local filesystems a disk load maps its file from. Not network
+# filesystems (NFS, SMB, FUSE mounts such as blobfuse, 9p): a page evicted under memory
+# pressure is read again from the file, and if another host removed it meanwhile that
+# read is a SIGBUS in the training process instead of an error at load time.
+_MAPPABLE_FS = {
+    0xEF53: "ext2/3/4",
+    0x58465342: "xfs",
+    0x9123683E: "btrfs",
+    0xF2F52010: "f2fs",
+    0x2FC12FC1: "zfs",
+    0x01021994: "tmpfs",
+}
+
+
+def _fs_type(fd: int) -> int | None:
+    """The statfs(2) f_type of the filesystem that holds `fd`; None where unknown."""
+    libc = _libc()
+    if libc is None:
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first word
+    if libc.fstatfs(fd, buf) != 0:
+        return None
+    return int.from_bytes(buf.raw[: ctypes.sizeof(ctypes.c_long)], sys.byteorder, signed=True)
+
+
+@functools.cache
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name, use_errno=True) if name else None
+
+
+def _map_file(f: BinaryIO, size: int) -> mmap.mmap | None:
+    """A local disk file's bytes mapped copy-on-write and read in, in one call: no copy
+    out of the page cache and no fresh memory to zero (1.5 GB: 0.6 s, the disk's read
+    speed, against 1.0-1.5 s to read it whole). None where that is not safe or not
+    possible (see `_MAPPABLE_FS`; a kernel before 5.14): read the file instead.
+
+    nebula never writes a committed file in place (an overwrite removes the old files
+    first; `DirectFile` makes a new file), so the mapped bytes are the ones verified."""
+    if _fs_type(f.fileno()) not in _MAPPABLE_FS:
+        return None
+    mapped = mmap.mmap(
+        f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+    )
+    try:
+        mapped.madvise(mmap.MADV_SEQUENTIAL)  # read ahead in large requests
+        mapped.madvise(_MADV_POPULATE_READ)  # a read error raises here, not later
+        mapped.madvise(mmap.MADV_NORMAL)
+    except OSError as exc:
+        mapped.close()
+        if exc.errno == errno.EINVAL:  # no MADV_POPULATE_READ: read it instead
+            return None
+        raise
+    return mapped
 
 
 def _map_in_use(f: BinaryIO, size: int, path: str, where: str) -> mmap.mmap:
@@ -453,7 +513,8 @@ class Store:
         the time it is reopened). None where that is not possible (a remote store, an
         empty file, no /proc): read bytes instead.
 
-        On a disk the file is read whole, in large reads, into fresh anonymous memory. In
+        On a local disk the file is mapped copy-on-write and read in at once (`_map_file`);
+        on a network filesystem, read whole, in large reads, into fresh memory. In
         RAM (a store that is not `durable`: the memory tier) it is mapped copy-on-write
         instead, no copy at all (1.5 GB: 0.23 s against 0.85 s to copy and hash), and
         marked in use (`storage_io.mark_in_use`) for as long as the mapping lives, so the
@@ -471,7 +532,8 @@ class Store:
             f, size = opened
             with self._translated(where):
                 if self.durable:
-                    buffer, done = _read_whole(f, size)
+                    mapped = _map_file(f, size)
+                    buffer, done = (mapped, size) if mapped is not None else _read_whole(f, size)
                 else:
                     buffer, done = _map_in_use(f, size, self.path(*parts), where), size
             view = memoryview(buffer)

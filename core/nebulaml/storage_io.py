@@ -176,7 +176,11 @@ class DirectFile:
 
     def __init__(self, path: str, *, durable: bool) -> None:
         self._path, self._durable = path, durable
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        # A new file, never an old one truncated: a load may have the old one mapped
+        # (storage._map_file), and a truncated mapping is a SIGBUS, not an error.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         self.direct = durable and hasattr(os, "O_DIRECT")
         try:
             self._fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o666)

@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import io
 import os
+import shutil
 import weakref
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 
 import nebulaml as nm
 from nebulaml import session as nm_session
-from nebulaml import snapshot
+from nebulaml import snapshot, storage
 from nebulaml.slots import SlotPool
 from nebulaml.snapshot import Layout, LayoutCache, checksum, fill, plan_layout
 from nebulaml.storage import Store
@@ -444,3 +445,49 @@ def test_a_lent_mapping_outlives_the_pool_dropping_the_file(tmp_path: Path) -> N
         os.unlink(tmp_path / "t" / "model")
         pool.close()  # unmaps what it can: not what a reader still holds
         assert bytes(view) == b"\x03" * (1 << 20)
+
+
+def _persisted_only(root: Path, tag_state: dict[str, Any]) -> None:
+    """Commit each tag's "model" and persist it; then drop the memory tier, so that
+    loads read the persistent tier."""
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5)
+    for tag, state in tag_state.items():
+        nm.Checkpoint(tag).save("model", state)
+    nm.flush_persistence()
+    nm.shutdown()
+    shutil.rmtree(nm.memory_tier_path(str(root)))
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5)
+
+
+def test_a_disk_load_maps_the_persisted_file(root: Path) -> None:
+    # Mapped, not read into fresh memory: the disk's read speed, no copy, no zeroing.
+    _persisted_only(root, {"global_step1": {"w": torch.arange(100_000.0)}})
+    loaded = nm.get_checkpoint("global_step1").load("model")
+    assert _mapping_of(loaded["w"].data_ptr()) == str(root / "global_step1" / "model")
+    assert torch.equal(loaded["w"], torch.arange(100_000.0))
+    loaded["w"].add_(1)  # copy-on-write: the file keeps what was saved
+    again = nm.get_checkpoint("global_step1").load("model")
+    assert torch.equal(again["w"], torch.arange(100_000.0))
+
+
+def test_a_mapped_disk_load_survives_an_overwrite_of_its_checkpoint(root: Path) -> None:
+    # A truncated or rewritten mapped file would change the loaded tensors (or kill the
+    # process with SIGBUS when they are read): an overwrite must write new files.
+    _persisted_only(root, {"global_step1": {"w": torch.ones(300_000)}})
+    loaded = nm.get_checkpoint("global_step1").load("model")
+    nm.Checkpoint("global_step1", overwrite=True).save("model", {"w": torch.zeros(1000)})
+    nm.flush_persistence()
+    assert torch.equal(loaded["w"], torch.ones(300_000))
+    assert torch.equal(nm.get_checkpoint("global_step1").load("model")["w"], torch.zeros(1000))
+
+
+def test_a_disk_load_on_a_network_filesystem_reads_the_file(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NFS and FUSE mounts are not mapped: a page read again after another host removed
+    # the file would be a SIGBUS in training instead of an error at load time.
+    monkeypatch.setattr(storage, "_MAPPABLE_FS", {})
+    _persisted_only(root, {"global_step1": {"w": torch.arange(100_000.0)}})
+    loaded = nm.get_checkpoint("global_step1").load("model")
+    assert _mapping_of(loaded["w"].data_ptr()) != str(root / "global_step1" / "model")
+    assert torch.equal(loaded["w"], torch.arange(100_000.0))
