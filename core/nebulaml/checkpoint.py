@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from . import session as _session
@@ -141,25 +141,22 @@ class Checkpoint:
             self._begin(session, t0)
         self._names.append(name)
         if session.snapshots is None:
-            self._items.append(self._write(session, name, obj)())
+            self._items.append(self._write(session, name, obj))
         else:
-            # Lazy: the copy runs in the background; the fence before optimizer.step()
-            # waits for it. The state dicts are taken now, the tensors read later.
+            # Lazy: the copy (hashed on the way) runs in the background; the fence before
+            # optimizer.step() waits for it. The state dicts are taken now, the tensors
+            # read later.
             saveable = to_saveable(obj)
             ready = cuda_ready_event(saveable)
-            finisher: list[Callable[[], ItemEntry]] = []
 
             def copy() -> None:
                 try:
-                    finisher.append(self._write(session, name, saveable, ready))
+                    self._items.append(self._write(session, name, saveable, ready))
                 except BaseException as exc:
                     self._lazy_error = exc  # the checkpoint is incomplete: never committed
                     raise
 
             session.snapshots.submit(copy, copies=True)
-            session.snapshots.submit(
-                lambda: finisher and self._items.append(finisher[0]()), copies=False
-            )
         self._blocking_s += time.perf_counter() - t0
         if self.num_of_files > 0 and len(self._names) == self.num_of_files:
             self.commit()
@@ -185,24 +182,22 @@ class Checkpoint:
 
     def _write(
         self, session: _session.Session, name: str, obj: Any, ready: Any = None
-    ) -> Callable[[], ItemEntry]:
+    ) -> ItemEntry:
         """Write one item: into a reused memory-tier buffer when its layout maps exactly
         (snapshot.py), else with torch.save; to the persistent tier once this checkpoint
         does not fit the memory budget. The copy is done when this returns (`obj` may
-        change); the returned call gives the item's entry."""
+        change); returns the item's entry."""
         if self._store is session.tiers.memory:
             layout = session.layouts.plan(name, obj)
             size = layout.size_bytes if layout is not None else estimate_bytes(obj)
             if not session.budget.reserve(name, size):
                 self._stream(session, size)
             elif layout is not None:
-                written = write_snapshot(
+                return write_snapshot(
                     session.pool, self.tag, name, layout, rank=session.rank, ready=ready
                 )
-                return lambda: written
         assert self._store is not None
-        entry = write_item(self._store, self.tag, name, obj, rank=session.rank)
-        return lambda: entry
+        return write_item(self._store, self.tag, name, obj, rank=session.rank)
 
     def _stream(self, session: _session.Session, size_bytes: int) -> None:
         """Move this checkpoint to the persistent tier: it is written and committed there

@@ -31,7 +31,7 @@ from typing import Any
 
 from .manifest import CHECKSUM_ALGO, ItemEntry
 from .names import validate_name
-from .snapshot import FILL_WORKERS, Layout, fill
+from .snapshot import Layout, fill
 from .storage import Store
 from .storage_io import claim_unused, translate_errors
 
@@ -296,15 +296,14 @@ def write_snapshot(
     *,
     rank: int,
     ready: Any = None,
-    workers: int = FILL_WORKERS,
 ) -> ItemEntry:
     """Copy the item laid out by `layout` into its reused buffer in `tag`, hashing it on
-    the way (`workers` threads: snapshot.fill); the copy is done when this returns (the
+    the way (snapshot.fill); the copy is done when this returns (the
     caller's tensors may change). Returns the item's manifest entry."""
     buffer = pool.open_item(tag, name, layout.size_bytes)
     if any(s.device.type == "cuda" for s in layout.storages):
         buffer.pin()  # once per buffer: it is reused from one checkpoint to the next
-    digest = fill(buffer.tensor, buffer.view, layout, ready=ready, workers=workers)
+    digest = fill(buffer.tensor, buffer.view, layout, ready=ready)
     return ItemEntry(
         name=name,
         file=name,

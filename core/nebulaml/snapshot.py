@@ -354,7 +354,12 @@ def _gaps(
 
 
 def fill(
-    buffer: Any, view: memoryview, layout: Layout, *, ready: Any = None, workers: int = 1
+    buffer: Any,
+    view: memoryview,
+    layout: Layout,
+    *,
+    ready: Any = None,
+    workers: int = FILL_WORKERS,
 ) -> str:
     """Write the item into `buffer` (a uint8 tensor of exactly `layout.size_bytes` bytes)
     whose bytes `view` also exposes: torch's own bytes, zeros in the gaps, and a copy of
