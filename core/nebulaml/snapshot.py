@@ -438,9 +438,7 @@ def _fill_host(base: int, view: memoryview, layout: Layout, workers: int) -> str
     finally:
         for helper in helpers:
             helper.join()  # never leave a copy running into a buffer the caller reuses
-    for start in range(hashed, len(view), _HASH_CHUNK_BYTES):
-        hasher.update(view[start : min(start + _HASH_CHUNK_BYTES, len(view))])
-    return hasher.hexdigest()
+    return _hash_from(hasher, view, hashed)
 
 
 def _fill_devices(buffer: Any, layout: Layout, ready: Any) -> None:
@@ -500,8 +498,13 @@ def cuda_ready_event(obj: Any) -> Any:
 
 
 def checksum(view: memoryview) -> str:
-    """xxh3 of the filled buffer, in chunks (xxhash releases the GIL on large inputs)."""
-    hasher = new_hasher()
-    for start in range(0, len(view), _HASH_CHUNK_BYTES):
-        hasher.update(view[start : start + _HASH_CHUNK_BYTES])
+    """xxh3 of the filled buffer."""
+    return _hash_from(new_hasher(), view, 0)
+
+
+def _hash_from(hasher: Any, view: memoryview, start: int) -> str:
+    """Feed `view[start:]` to `hasher` in chunks (xxhash releases the GIL on large
+    inputs); its hex digest."""
+    for offset in range(start, len(view), _HASH_CHUNK_BYTES):
+        hasher.update(view[offset : offset + _HASH_CHUNK_BYTES])
     return hasher.hexdigest()
