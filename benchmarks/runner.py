@@ -31,8 +31,6 @@ Not for: the CLI (bench.py) or rendering (report.py).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import statistics
 import sys
@@ -42,7 +40,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from measure import MemorySampler, drop_page_cache, files_under, resident_fraction, tree_bytes
+from measure import (
+    MemorySampler,
+    _libc,
+    drop_page_cache,
+    files_under,
+    resident_fraction,
+    tree_bytes,
+)
 from model import TrainState
 from peers import Method
 
@@ -118,13 +123,9 @@ def keep_freed_memory() -> bool:
     allocator) and on CPUs are told to (PyTorch's tuning guide: jemalloc or tcmalloc);
     this does the same with glibc, for every method and for the no-checkpoint segments.
     """
-    name = ctypes.util.find_library("c")
-    if name is None:
+    if not hasattr(_libc, "mallopt") or not hasattr(_libc, "gnu_get_libc_version"):
         return False
-    libc = ctypes.CDLL(name)
-    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
-        return False
-    return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    return bool(_libc.mallopt(_M_MMAP_MAX, 0)) and bool(_libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def forward_backward_bytes(state: TrainState, repeats: int = 3) -> int:
