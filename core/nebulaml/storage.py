@@ -453,8 +453,8 @@ class Store:
             f.close()
 
     @contextlib.contextmanager
-    def _open_local(self, *parts: str) -> Iterator[tuple[BinaryIO, int] | None]:
-        """A local regular file (see `_open_regular`) and its size, closed at the end;
+    def _open_local(self, *parts: str) -> Iterator[tuple[BinaryIO, os.stat_result] | None]:
+        """A local regular file (see `_open_regular`) and its `fstat`, closed at the end;
         None for a remote store or an empty file (the callers then read bytes)."""
         if not self.is_local:
             yield None
@@ -464,8 +464,8 @@ class Store:
             f = _open_regular(self.path(*parts), where)
         try:
             with self._translated(where):
-                size = os.fstat(f.fileno()).st_size
-            yield (f, size) if size else None
+                st = os.fstat(f.fileno())
+            yield (f, st) if st.st_size else None
         finally:
             f.close()
 
@@ -482,11 +482,10 @@ class Store:
             if opened is None:
                 yield None
                 return
-            f, size = opened
+            f, st = opened
+            size = st.st_size
             lent = None
             if self.mapped is not None:
-                with self._translated(where):
-                    st = os.fstat(f.fileno())
                 lent = self.mapped(st.st_dev, st.st_ino, size)
             if lent is not None:
                 try:
@@ -529,7 +528,8 @@ class Store:
             if opened is None:
                 yield None
                 return
-            f, size = opened
+            f, st = opened
+            size = st.st_size
             with self._translated(where):
                 if self.durable:
                     mapped = _map_file(f, size)
