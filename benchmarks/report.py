@@ -215,7 +215,8 @@ def render(
         f"torch {versions['torch']}; "
         f"preset {doc['preset']}: {state['num_params'] / 1e6:.0f}M parameters, "
         f"{state['state_bytes'] / 1e9:.2f} GB of state (fp32 + AdamW), "
-        f"step {state['step_s']:.2f} s; median \\[min-max] of {doc['args']['repeats']}"
+        f"step {state['step_s']:.2f} s; median \\[min-max] of {doc['args']['repeats']} saves, "
+        f"{doc['args'].get('load_repeats', doc['args']['repeats'])} loads"
     )
     table = Table(title=title, title_justify="left")
     for column in (

@@ -40,7 +40,7 @@ from .errors import (
 )
 from .history import HistoryRow, make_row
 from .leases import read_lease
-from .manifest import ItemEntry, Manifest, utc_now
+from .manifest import KNOWN_CHECKSUM_ALGOS, ItemEntry, Manifest, utc_now
 from .names import step_of, validate_name
 from .serialization import (
     MapLocation,
@@ -367,9 +367,12 @@ class Checkpoint:
                     continue
                 where = store.display(self.tag, entry.file)
                 try:
-                    with store.read_local(self.tag, entry.file) as local:
-                        if local is not None and weights_only in (True, None):
-                            verify_bytes(where, entry, local.view)
+                    local_reads = weights_only in (True, None)
+                    known = entry.checksum_algo in KNOWN_CHECKSUM_ALGOS
+                    algo = entry.checksum_algo if local_reads and known else None
+                    with store.read_local(self.tag, entry.file, algo=algo) as local:
+                        if local is not None and local_reads:
+                            verify_bytes(where, entry, local.view, checksum=local.checksum)
                             return read_item_local(
                                 local.path,
                                 local.buffer,

@@ -471,7 +471,7 @@ def _resume_tag(dst: Store, tag: str, items: tuple[ItemEntry, ...]) -> dict[str,
 def _matches(store: Store, tag: str, item: ItemEntry) -> bool:
     try:
         with store.open_read(tag, item.file) as f:
-            size, digest = hash_stream(f, _COPY_CHUNK_BYTES)
+            size, digest = hash_stream(f, _COPY_CHUNK_BYTES, item.checksum_algo)
     except MissingFileError:
         return False
     return size == item.size_bytes and digest == item.checksum
@@ -479,7 +479,7 @@ def _matches(store: Store, tag: str, item: ItemEntry) -> bool:
 
 def _check_item(store: Store, tag: str, item: ItemEntry) -> None:
     with store.open_read(tag, item.file) as f:
-        size, digest = hash_stream(f, _COPY_CHUNK_BYTES)
+        size, digest = hash_stream(f, _COPY_CHUNK_BYTES, item.checksum_algo)
     if size != item.size_bytes or digest != item.checksum:
         raise CorruptCheckpointError(
             store.display(tag, item.file),
@@ -493,7 +493,7 @@ def copy_item(
 ) -> None:
     """Copy one item file of `tag`, hashing on the way; a mismatch with `item` raises
     `CorruptCheckpointError`."""
-    hasher = new_hasher()
+    hasher = new_hasher(item.checksum_algo)
     size = 0
 
     def hashed(piece: memoryview) -> None:

@@ -19,7 +19,13 @@ from .names import validate_name
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMAS = (1,)
-CHECKSUM_ALGO = "xxh3_64"
+# Item files: xxh3-64 over the xxh3-64 digests of their 1 MiB pieces (checksum.py), so
+# that several threads hash one file. Items written before it carry LEGACY_CHECKSUM_ALGO,
+# plain xxh3-64 over the file, and still verify. A manifest seals itself with plain xxh3.
+CHECKSUM_ALGO = "xxh3_64_tree_1m"
+LEGACY_CHECKSUM_ALGO = "xxh3_64"
+KNOWN_CHECKSUM_ALGOS = (CHECKSUM_ALGO, LEGACY_CHECKSUM_ALGO)
+SEAL_ALGO = "xxh3_64"
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +172,7 @@ def seal(doc: dict[str, Any]) -> bytes:
         >>> json.loads(seal({"tag": "t"}))["checksum"]["algo"]
         'xxh3_64'
     """
-    doc = {**doc, "checksum": {"algo": CHECKSUM_ALGO, "value": _self_checksum(doc)}}
+    doc = {**doc, "checksum": {"algo": SEAL_ALGO, "value": _self_checksum(doc)}}
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
 
@@ -175,7 +181,7 @@ def _check_seal(doc: dict[str, Any], where: str) -> None:
     if unknown:
         raise ManifestError(where, f"manifest has unknown field(s) {', '.join(unknown)}")
     checksum = _require(doc, "checksum", dict, where)
-    if checksum.get("algo") != CHECKSUM_ALGO or checksum.get("value") != _self_checksum(doc):
+    if checksum.get("algo") != SEAL_ALGO or checksum.get("value") != _self_checksum(doc):
         raise ManifestError(where, "manifest does not match its own checksum (it was altered)")
 
 

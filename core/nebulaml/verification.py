@@ -19,7 +19,7 @@ from .checksum import new_hasher
 from .errors import CheckpointNotFoundError, InvalidNameError, ManifestError
 from .inspection import read_manifest_strict
 from .leases import read_lease
-from .manifest import CHECKSUM_ALGO, ItemEntry, Manifest
+from .manifest import KNOWN_CHECKSUM_ALGOS, ItemEntry, Manifest
 from .names import MANIFEST_NAME, order_key, validate_name
 from .storage import MissingFileError, Store
 
@@ -52,7 +52,8 @@ class _Copy:
         return [
             item
             for item in self.manifest.items
-            if self.files.get(item.file) == item.size_bytes and item.checksum_algo == CHECKSUM_ALGO
+            if self.files.get(item.file) == item.size_bytes
+            and item.checksum_algo in KNOWN_CHECKSUM_ALGOS
         ]
 
 
@@ -169,29 +170,29 @@ def _verify_items(
         if size != item.size_bytes:
             out.append(_result(copy, item.name, where, "corrupt", expected, f"{size} bytes"))
             continue
-        if item.checksum_algo != CHECKSUM_ALGO:
+        if item.checksum_algo not in KNOWN_CHECKSUM_ALGOS:
             actual = f"a checksum algorithm this nebula does not know ({item.checksum_algo!r})"
             out.append(_result(copy, item.name, where, "corrupt", expected, actual))
             continue
         try:
-            size, checksum = _hash_file(store, tag, item.file, advance)
+            size, checksum = _hash_file(store, tag, item, advance)
         except MissingFileError:
             if not store.exists(tag, MANIFEST_NAME):
                 return []  # the copy was deleted (evicted) while we read it
             out.append(_result(copy, item.name, where, "missing", expected, "no such file"))
             continue
-        actual = f"{size} bytes with {CHECKSUM_ALGO} {checksum}"
+        actual = f"{size} bytes with {item.checksum_algo} {checksum}"
         ok = size == item.size_bytes and checksum == item.checksum
         out.append(_result(copy, item.name, where, "ok" if ok else "corrupt", expected, actual))
     return out
 
 
 def _hash_file(
-    store: Store, tag: str, file: str, advance: Callable[[int], None]
+    store: Store, tag: str, item: ItemEntry, advance: Callable[[int], None]
 ) -> tuple[int, str]:
-    hasher = new_hasher()
+    hasher = new_hasher(item.checksum_algo)
     size = 0
-    with store.open_read(tag, file) as stream:
+    with store.open_read(tag, item.file) as stream:
         while chunk := stream.read(_CHUNK_BYTES):
             hasher.update(chunk)
             size += len(chunk)

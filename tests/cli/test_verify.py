@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 import nebulaml as nm
 from nebula_cli.app import app
+from nebulaml.manifest import CHECKSUM_ALGO
 
 
 def _populate(root: Path) -> Path:
@@ -66,12 +67,12 @@ def test_bit_flip_in_the_memory_copy_only(root: Path) -> None:
     (bad,) = [r for r in doc["results"] if r["status"] != "ok"]
     assert (bad["tier"], bad["tag"], bad["item"]) == ("memory", "global_step200", "model")
     want = _item(root, "global_step200", "model")
-    expected = f"{want['size_bytes']} bytes with xxh3_64 {want['checksum']['value']}"
+    expected = f"{want['size_bytes']} bytes with {CHECKSUM_ALGO} {want['checksum']['value']}"
     assert bad["expected"] == expected
     assert result.stderr == (
         f"nebula: error: {memory / 'model'}: expected {expected}, found {bad['actual']}\n"
     )
-    assert bad["actual"].startswith(f"{want['size_bytes']} bytes with xxh3_64 ")
+    assert bad["actual"].startswith(f"{want['size_bytes']} bytes with {CHECKSUM_ALGO} ")
 
 
 def test_one_tag_and_exit_3_when_it_or_the_root_does_not_exist(root: Path, tmp_path: Path) -> None:
@@ -101,7 +102,8 @@ def test_corrupt_manifest_and_missing_item_fail_naming_the_files(root: Path) -> 
     want = _item(root, "global_step200", "optimizer")
     assert lines[0] == (
         f"nebula: error: {root / 'global_step200' / 'optimizer'}: expected "
-        f"{want['size_bytes']} bytes with xxh3_64 {want['checksum']['value']}, found no such file"
+        f"{want['size_bytes']} bytes with {CHECKSUM_ALGO} {want['checksum']['value']}, "
+        "found no such file"
     )
     assert lines[1].startswith(f"nebula: error: {manifest}: expected a valid manifest, found "
                                "manifest is not valid JSON")  # fmt: skip

@@ -224,9 +224,9 @@ def test_load_holds_a_lease_while_it_reads(tmp_path: Path) -> None:
             attempts.append(delete_checkpoint(Store(url), TAG))
             return super().read_bytes(*parts)
 
-        def read_local(self, *parts: str) -> Any:
+        def read_local(self, *parts: str, algo: str | None = None) -> Any:
             attempts.append(delete_checkpoint(Store(url), TAG))
-            return super().read_local(*parts)  # type: ignore[misc]
+            return super().read_local(*parts, algo=algo)  # type: ignore[misc]
 
     handle = Checkpoint._committed_handle(TAG, TierSet(memory=DeletingStore(url), persistent=None))
     assert torch.equal(handle.load("model")["w"], torch.full((4,), 7.0))

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import xxhash
 
 import nebulaml as nm
-from nebulaml.manifest import seal
+from nebulaml.checksum import checksum_of
+from nebulaml.manifest import CHECKSUM_ALGO, seal
 from nebulaml.session import current
 
 STATE = {"w": torch.arange(64, dtype=torch.float32), "step": 3}
@@ -59,9 +59,9 @@ def test_corruption_on_every_tier_raises_naming_file_expected_actual(root: Path)
     assert str(mem_item) in message
     manifest = json.loads((root / "global_step3" / "manifest.json").read_text())
     expected = manifest["items"][0]["checksum"]["value"]
-    actual = xxhash.xxh3_64(mem_item.read_bytes()).hexdigest()
-    assert f"expected {mem_item.stat().st_size} bytes with xxh3_64 {expected}" in message
-    assert f"found {mem_item.stat().st_size} bytes with xxh3_64 {actual}" in message
+    actual = checksum_of(mem_item.read_bytes())
+    assert f"expected {mem_item.stat().st_size} bytes with {CHECKSUM_ALGO} {expected}" in message
+    assert f"found {mem_item.stat().st_size} bytes with {CHECKSUM_ALGO} {actual}" in message
 
 
 def test_zeroed_range_is_detected(root: Path) -> None:
@@ -122,7 +122,7 @@ def test_a_whole_module_pickle_written_by_hand_is_refused(root: Path) -> None:
     manifest = json.loads(manifest_path.read_text())
     manifest["items"][0]["size_bytes"] = len(buf.getvalue())
     manifest["total_bytes"] = len(buf.getvalue())
-    manifest["items"][0]["checksum"]["value"] = xxhash.xxh3_64(buf.getvalue()).hexdigest()
+    manifest["items"][0]["checksum"]["value"] = checksum_of(buf.getvalue())
     manifest_path.write_bytes(seal(manifest))  # the attacker re-seals the manifest too
     for path in Path(os.environ["NEBULA_MEMORY_TIER_PATH"]).rglob("manifest.json"):
         path.unlink()  # the memory copy would be read first

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import gc
 import io
+import mmap
 import os
 import shutil
+import threading
 import weakref
 from pathlib import Path
 from typing import Any
@@ -21,10 +24,12 @@ import pytest
 import torch
 
 import nebulaml as nm
+from nebulaml import checksum, snapshot, storage
 from nebulaml import session as nm_session
-from nebulaml import snapshot, storage
+from nebulaml.checksum import checksum_of
+from nebulaml.manifest import CHECKSUM_ALGO
 from nebulaml.slots import SlotPool
-from nebulaml.snapshot import Layout, LayoutCache, checksum, fill, plan_layout
+from nebulaml.snapshot import Layout, LayoutCache, fill, plan_layout
 from nebulaml.storage import Store
 
 
@@ -67,7 +72,7 @@ def _fill_file(path: Path, obj: Any, workers: int = 1) -> str:
     pool = SlotPool(Store(path.parent, durable=False))
     mapped = pool.open_item(".", path.name, layout.size_bytes)
     digest = fill(mapped.tensor, mapped.view, layout, workers=workers)
-    assert digest == checksum(mapped.view)  # the hash taken on the way is the file's
+    assert digest == checksum_of(mapped.view)  # the hash taken on the way is the file's
     pool.close()
     return digest
 
@@ -119,6 +124,7 @@ def test_every_worker_count_writes_and_hashes_the_same_file(
     # copy pieces the first worker must hash after them (a hash that skips or reorders
     # their pieces, or runs before they are copied, gives another digest or file).
     monkeypatch.setattr(snapshot, "_PIECE_BYTES", 4096 + 8)
+    monkeypatch.setattr(checksum, "LEAF_BYTES", 4096 + 8)  # a piece is a checksum leaf
     torch.manual_seed(1)
     state = {**_state(), "odd": torch.randn(12_345), "big": torch.randn(3, 50_001)}
     expected_digest = _fill_file(tmp_path / "one", state, workers=1)
@@ -491,3 +497,52 @@ def test_a_disk_load_on_a_network_filesystem_reads_the_file(
     loaded = nm.get_checkpoint("global_step1").load("model")
     assert _mapping_of(loaded["w"].data_ptr()) != str(root / "global_step1" / "model")
     assert torch.equal(loaded["w"], torch.arange(100_000.0))
+
+
+def test_a_disk_load_hashes_while_it_reads_and_finds_a_flipped_byte(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Small read-ahead chunks: many of them, so that hashing runs beside reading. Catches:
+    # a checksum of fewer bytes than the file (a chunk skipped, hashed before it was read),
+    # or one computed while reading but never compared.
+    monkeypatch.setattr(storage, "_POPULATE_CHUNK_BYTES", 64 << 10)
+    hashed: list[str | None] = []
+    real_map_file = storage._map_file
+
+    def spying(f: Any, size: int, algo: str | None = None) -> Any:
+        mapped = real_map_file(f, size, algo)
+        hashed.append(None if mapped is None else mapped[1])
+        return mapped
+
+    monkeypatch.setattr(storage, "_map_file", spying)
+    _persisted_only(root, {"global_step1": {"w": torch.arange(300_000.0)}})
+    path = root / "global_step1" / "model"
+    loaded = nm.get_checkpoint("global_step1").load("model")
+    assert torch.equal(loaded["w"], torch.arange(300_000.0))
+    assert hashed == [checksum_of(path.read_bytes())]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside the tensor bytes, in a middle chunk
+    path.write_bytes(bytes(data))
+    with pytest.raises(nm.CorruptCheckpointError, match="model: corrupt item"):
+        nm.get_checkpoint("global_step1").load("model")
+
+
+def test_a_read_error_part_way_through_a_mapped_load_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A file truncated under its mapping: pages past its new end cannot be read in, so
+    # the fifth chunk fails (EFAULT, where touching the page would be a SIGBUS). Catches:
+    # an error in the reading thread lost (a hang, or bytes never read hashed as if they
+    # were), or the thread left running.
+    monkeypatch.setattr(storage, "_POPULATE_CHUNK_BYTES", 256 << 10)
+    path = tmp_path / "shrinks"
+    path.write_bytes(os.urandom(3 << 20))
+    before = threading.active_count()
+    with path.open("r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 3 << 20, flags=mmap.MAP_PRIVATE)
+        f.truncate(1 << 20)
+        with pytest.raises(OSError) as err:
+            storage._populate_hashing(mapped, 3 << 20, CHECKSUM_ALGO)
+        mapped.close()  # nothing holds the mapping any more
+    assert err.value.errno == errno.EFAULT
+    assert threading.active_count() == before

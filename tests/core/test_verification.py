@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import nebulaml as nm
+from nebulaml.manifest import CHECKSUM_ALGO
 
 
 def _populate(root: Path) -> tuple[Path, Path]:
@@ -52,7 +53,7 @@ def test_every_item_on_every_tier_is_checked_newest_first(root: Path) -> None:
     assert (
         results[4]["expected"]
         == results[4]["actual"]
-        == (f"{model['size_bytes']} bytes with xxh3_64 {model['checksum']['value']}")
+        == (f"{model['size_bytes']} bytes with {CHECKSUM_ALGO} {model['checksum']['value']}")
     )
     assert results[4]["file"] == str(root / "global_step100" / "model")
 
@@ -68,8 +69,11 @@ def test_a_bit_flip_in_the_memory_copy_names_exactly_that_copy(root: Path) -> No
         "global_step200", "memory", "model", "corrupt",
     )  # fmt: skip
     assert bad["file"] == str(mem / "model")
-    assert bad["expected"] == f"{want['size_bytes']} bytes with xxh3_64 {want['checksum']['value']}"
-    assert bad["actual"].startswith(f"{want['size_bytes']} bytes with xxh3_64 ")
+    assert (
+        bad["expected"]
+        == f"{want['size_bytes']} bytes with {CHECKSUM_ALGO} {want['checksum']['value']}"
+    )
+    assert bad["actual"].startswith(f"{want['size_bytes']} bytes with {CHECKSUM_ALGO} ")
     assert bad["actual"] != bad["expected"]
 
 

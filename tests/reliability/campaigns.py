@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 import nebulaml as nm
+from nebulaml.checksum import checksum_of
 from nebulaml.manifest import seal
 
 
@@ -182,8 +183,6 @@ def hostile_pickle_campaign(work: Path, protocols: tuple[int, ...] = (2, 4, 5)) 
     import io
     import pickle
 
-    import xxhash
-
     figures = Figures("hostile pickles")
     canary = work / "canary"
     os.environ["NEBULA_MEMORY_TIER_PATH"] = str(work / "mem")
@@ -206,7 +205,7 @@ def hostile_pickle_campaign(work: Path, protocols: tuple[int, ...] = (2, 4, 5)) 
                 (folder / "item").write_bytes(data)
                 manifest = json.loads((folder / "manifest.json").read_text())
                 manifest["items"][0]["size_bytes"] = len(data)
-                manifest["items"][0]["checksum"]["value"] = xxhash.xxh3_64(data).hexdigest()
+                manifest["items"][0]["checksum"]["value"] = checksum_of(data)
                 manifest["total_bytes"] = len(data)
                 (folder / "manifest.json").write_bytes(seal(manifest))
             figures.add("payloads")
