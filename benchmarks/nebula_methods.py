@@ -64,6 +64,7 @@ class Nebula(Method):
             super().__init__("nebula_lazy", "nebula lazy", defers_fence=True)
         else:
             super().__init__("nebula", "nebula")
+        self.exclusive_session = True
         self.lazy = lazy
         self.active = False
         self.tags: list[str] = []

@@ -66,6 +66,10 @@ class Method(ABC):
     # The caller may run the next forward/backward before `wait_mutable` (the stall
     # benchmark models a real step for such methods).
     defers_fence: bool = False
+    # The method's session is process-wide (nebula's): two such methods cannot both be
+    # running, so `deactivate` shuts it down. The loop runs each of these in a stretch of
+    # its own, one session throughout, as a training job does.
+    exclusive_session: bool = False
     folder: Path = field(default=Path("."), init=False)
     saved: list[Path] = field(default_factory=list, init=False)  # oldest first
     started: bool = field(default=False, init=False)

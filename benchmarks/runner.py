@@ -14,17 +14,22 @@ loads   the newest checkpoint of each method, round-robin: first the fastest res
         files, and for nebula without its memory tier).
 loop    real training steps (forward, backward, AdamW), in `steps // every` rounds, by
         default with glibc's malloc told to keep freed memory (`keep_freed_memory`).
-        A round runs, for each method, one segment: a checkpoint, then `every` steps
-        (the method's fence waited before the first optimizer step), then the wait until
-        that checkpoint is durable if it is not yet (counted: a save every `every` steps
-        cannot be faster than that in the long run); and segments of `every` steps
-        without a checkpoint before and after each method's (`group` = 1: this machine's
-        step time drifts by 20% within a minute, and with a no-checkpoint segment after
-        every three methods only, nebula's loop figure came out at -1.5% and -4.2%). The
-        order alternates (forward, reversed) from round to round. A segment's overhead is
-        its time over the no-checkpoint time interpolated between the two that bracket it,
-        minus 1; a method's overhead is the median over the rounds. The untimed first
-        saves (nebula: after each session restart) are done before the segment starts.
+        A method's segment: a checkpoint, then `every` steps (the method's fence waited
+        before the first optimizer step), then the wait until that checkpoint is durable
+        if it is not yet (counted: a save every `every` steps cannot be faster than that
+        in the long run). The peers run in rounds: one segment each, and a segment of
+        `every` steps without a checkpoint before and after each one (`group` = 1: this
+        machine's step time drifts by 20% within a minute), the order alternating
+        (forward, reversed) from round to round. nebula's session is process-wide, so
+        each nebula variant runs after them in a stretch of its own, one session
+        throughout, as in a training job: no-checkpoint and nebula segments in turn,
+        `rounds` of each. (Restarting its session before each of its segments, among the
+        peers' as an earlier version did, left the no-checkpoint segments next to
+        nebula's 4-7% slower than the others, and nebula's own figure at -0.4%.) A
+        segment's overhead is its time over the no-checkpoint time interpolated between
+        the two that bracket it, minus 1; a method's overhead is the median over the
+        rounds. The untimed first saves (nebula: once, when its stretch starts) are done
+        before the segment starts.
 
 Not for: the CLI (bench.py) or rendering (report.py).
 """
@@ -300,38 +305,53 @@ def run_loops(
     folder_for: Callable[[Method], Path],
     group: int = 1,
 ) -> dict[str, Any]:
-    """The loop phase: `n_steps // every` rounds; each round runs one segment per method
-    and a no-checkpoint segment before, between and after groups of `group` methods,
-    in alternating order. A method segment is compared with the no-checkpoint time
-    interpolated (linearly, in time) between the two that bracket it, so that drift in
-    the machine's load cancels; the method's overhead is the median over the rounds.
-    Returns the no-checkpoint figures."""
+    """The loop phase: `n_steps // every` rounds. The methods without a process-wide
+    session run together: each round, one segment per method and a no-checkpoint segment
+    before, between and after groups of `group` methods, in alternating order. Then each
+    method with such a session (`exclusive_session`: nebula) runs in a stretch of its own,
+    one session throughout: no-checkpoint and method segments in turn, `rounds` of each.
+    A method segment is compared with the no-checkpoint time interpolated (linearly, in
+    time) between the two that bracket it, so that drift in the machine's load cancels;
+    the method's overhead is the median over the rounds. Returns the no-checkpoint
+    figures."""
     rounds = max(1, n_steps // every)
     base: list[float] = []
     segments: dict[str, list[dict[str, float]]] = {m.name: [] for m in methods}
     for method in methods:
         method.setup(folder_for(method), state)
     scratch = {m.name: MethodResult(m.name, m.label) for m in methods}
-    try:
-        for r in range(rounds):
-            timeline: list[tuple[Method | None, float, float]] = []  # (who, mid time, s)
-            for method in _round_order(methods, group, reverse=r % 2 == 1):
-                if method is not None:
-                    _ready(method, state, steps, scratch[method.name])
-                t0 = time.perf_counter()
-                seg = _segment(state, method, steps, every)
-                timeline.append((method, t0 + seg["segment_s"] / 2, seg["segment_s"]))
-                if method is None:
-                    base.append(seg["segment_s"])
-                    progress(f"loop {r + 1}/{rounds} no checkpoint: {seg['segment_s']:.2f} s")
-                    continue
-                segments[method.name].append(seg)
-                method.prune()
+
+    def play(order: list[Method | None], stretch: str) -> None:
+        timeline: list[tuple[Method | None, float, float]] = []  # (who, mid time, s)
+        for method in order:
+            if method is not None:
+                _ready(method, state, steps, scratch[method.name])
+            t0 = time.perf_counter()
+            seg = _segment(state, method, steps, every)
+            timeline.append((method, t0 + seg["segment_s"] / 2, seg["segment_s"]))
+            label = "no checkpoint" if method is None else method.label
+            progress(f"loop {stretch} {label}: {seg['segment_s']:.2f} s")
+            if method is None:
+                base.append(seg["segment_s"])
+                continue
+            segments[method.name].append(seg)
+            method.prune()
+            if not method.exclusive_session:
                 method.deactivate(keep_memory=False)
-                progress(f"loop {r + 1}/{rounds} {method.label}: {seg['segment_s']:.2f} s")
-            for method, mid, _s in timeline:
-                if method is not None:
-                    segments[method.name][-1]["reference_s"] = _interpolate(timeline, mid)
+        for method, mid, _s in timeline:
+            if method is not None:
+                segments[method.name][-1 - _later(timeline, mid, method)]["reference_s"] = (
+                    _interpolate(timeline, mid)
+                )
+
+    try:
+        shared = [m for m in methods if not m.exclusive_session]
+        for r in range(rounds if shared else 0):
+            play(_round_order(shared, group, reverse=r % 2 == 1), f"{r + 1}/{rounds}")
+        for method in methods:
+            if method.exclusive_session:
+                play([None, *[method, None] * rounds], f"({method.label}, alone)")
+                method.deactivate(keep_memory=False)
     finally:
         for method in methods:
             method.teardown()
@@ -345,6 +365,7 @@ def run_loops(
             "reference_s": [s["reference_s"] for s in segs],
             "stall_s": [s["stall_s"] for s in segs],
             "wait_at_end_s": [s["wait_at_end_s"] for s in segs],
+            "own_session": method.exclusive_session,
         }
     med = statistics.median(base)
     return {
@@ -354,6 +375,11 @@ def run_loops(
         "median_s": med,
         "spread": (max(base) - min(base)) / med,
     }
+
+
+def _later(timeline: list[tuple[Method | None, float, float]], mid: float, who: Method) -> int:
+    """How many segments of `who` in `timeline` come after the one at `mid`."""
+    return sum(1 for w, t, _s in timeline if w is who and t > mid)
 
 
 def _interpolate(timeline: list[tuple[Method | None, float, float]], mid: float) -> float:
