@@ -107,6 +107,14 @@ def checksum_of(
         for offset in range(0, len(view), _LEGACY_CHUNK_BYTES):
             hasher.update(view[offset : offset + _LEGACY_CHUNK_BYTES])
         return str(hasher.hexdigest())
+    return tree_hexdigest(tree_leaves(view, workers))
+
+
+def tree_leaves(data: bytes | bytearray | memoryview, workers: int = HASH_WORKERS) -> list[bytes]:
+    """The `leaf_digest` of each `LEAF_BYTES` piece of `data` (which starts on a piece
+    boundary of its file), hashed by `workers` threads (this one included) when `data` is
+    large."""
+    view = memoryview(data).cast("B")
     count = -(-len(view) // LEAF_BYTES)
     leaves = [b""] * count
     workers = max(1, min(workers, len(view) // _PARALLEL_FROM_BYTES))
@@ -127,7 +135,7 @@ def checksum_of(
     finally:
         for helper in helpers:
             helper.join()
-    return tree_hexdigest(leaves)
+    return leaves
 
 
 class HashingWriter:

@@ -546,3 +546,22 @@ def test_a_read_error_part_way_through_a_mapped_load_raises(
         mapped.close()  # nothing holds the mapping any more
     assert err.value.errno == errno.EFAULT
     assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("chunk", [64 << 10, (1 << 20) + 4096, 3 << 20])
+@pytest.mark.parametrize("algo", [CHECKSUM_ALGO, "xxh3_64"])
+def test_a_mapped_read_hashes_every_byte_once_whatever_its_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int, algo: str
+) -> None:
+    # Chunks smaller than a checksum piece, across pieces, and larger; a file that ends
+    # mid-piece. Catches: a piece hashed before all of it is read, hashed twice, or the
+    # short last piece dropped, for either algorithm.
+    monkeypatch.setattr(storage, "_POPULATE_CHUNK_BYTES", chunk)
+    path = tmp_path / "item"
+    path.write_bytes(os.urandom((5 << 20) + 12_345))
+    with path.open("rb") as f:
+        mapped = storage._map_file(f, path.stat().st_size, algo)
+    assert mapped is not None
+    buffer, digest = mapped
+    assert digest == checksum_of(path.read_bytes(), algo)
+    buffer.close()
