@@ -3,16 +3,16 @@ whole run, as in a training job.
 
     python -m benchmarks.loop_alone [--lazy] [--rounds 4] [--every 10] [--preset default]
 
-`make bench` runs every method's loop segments in one process, and a method's session is
-started before its segment and shut down after it. In its default run (README, "Speed")
-the no-checkpoint segments right after nebula's were up to 20% slower than the others, so
-nebula's figure came out below zero: that run cannot tell nebula's loop cost. This script
-keeps one session (`nm.init` once, memory tier kept) and alternates segments of `every`
-training steps with and without a checkpoint (a save at the segment's start, the lazy
-fence before the first optimizer step, then `flush_persistence()` at its end, counted),
-in the order (with, without), (without, with), ... so that drift cancels. Each segment
-is compared with the mean of the two no-checkpoint segments nearest it; the overhead is
-the median. glibc's malloc keeps freed memory, as in `make bench` (runner.py says why).
+The loop part of `make bench` for nebula alone, in a few minutes: one process, one
+session for the whole run, as in a training job (`make bench` now runs each nebula
+variant's loop segments the same way, after the peers'; it used to restart the session
+before each of them, among the peers' segments, which slowed the no-checkpoint segments
+next to nebula's and put its figure below zero). Segments of `every` training steps with
+and without a checkpoint alternate (a save at the segment's start, the lazy fence before
+the first optimizer step, then `flush_persistence()` at its end, counted), in the order
+(with, without), (without, with), ... so that drift cancels. Each segment is compared
+with the mean of the two no-checkpoint segments nearest it; the overhead is the median.
+glibc's malloc keeps freed memory, as in `make bench` (runner.py says why).
 
 Prints each segment (with its step times) and the overhead. Not a test.
 """
