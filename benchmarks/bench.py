@@ -208,6 +208,7 @@ def _git_commit() -> str | None:
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Build the state, measure the limits and every method; return the JSON document."""
+    measured = versions()  # now, before anything is measured: core/ may be edited later
     preset = PRESETS[args.preset]
     progress(f"building the {preset.name} state ({preset.about} parameters) ...")
     state = TrainState(preset)
@@ -274,7 +275,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "versions": versions(),
+            "versions": measured,
         },
         "state": {
             "num_params": state.num_params,
