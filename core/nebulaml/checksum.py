@@ -17,7 +17,7 @@ what keeps hostile pickles inert).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 import xxhash
@@ -70,6 +70,11 @@ class TreeHasher:
         return top.hexdigest()
 
 
+def unknown_algo(algo: str) -> str:
+    """How an error names a checksum algorithm this nebula does not know."""
+    return f"a checksum algorithm this nebula does not know ({algo!r})"
+
+
 def new_hasher(algo: str = CHECKSUM_ALGO) -> Any:
     """A fresh streaming hasher (`update`, `hexdigest`) for `algo`, one of
     `KNOWN_CHECKSUM_ALGOS`; `InvalidArgumentError` (a ValueError) for any other, such as
@@ -78,7 +83,7 @@ def new_hasher(algo: str = CHECKSUM_ALGO) -> Any:
         return TreeHasher()
     if algo == LEGACY_CHECKSUM_ALGO:
         return xxhash.xxh3_64()
-    raise InvalidArgumentError(f"a checksum algorithm this nebula does not know ({algo!r})")
+    raise InvalidArgumentError(unknown_algo(algo))
 
 
 def leaf_digest(piece: bytes | bytearray | memoryview) -> bytes:
@@ -175,14 +180,20 @@ class HashingWriter:
 
 
 def hash_stream(
-    stream: BinaryIO, chunk_bytes: int = 8 << 20, algo: str = CHECKSUM_ALGO
+    stream: BinaryIO,
+    chunk_bytes: int = 8 << 20,
+    algo: str = CHECKSUM_ALGO,
+    advance: Callable[[int], None] | None = None,
 ) -> tuple[int, str]:
-    """Read `stream` to its end; return (size in bytes, hex checksum under `algo`)."""
+    """Read `stream` to its end; return (size in bytes, hex checksum under `algo`).
+    `advance(n)` is called with the size of each chunk read (progress)."""
     hasher = new_hasher(algo)
     size = 0
     while chunk := stream.read(chunk_bytes):
         hasher.update(chunk)
         size += len(chunk)
+        if advance is not None:
+            advance(len(chunk))
     return size, hasher.hexdigest()
 
 
@@ -195,8 +206,7 @@ def verify_bytes(
     entry's algorithm, already taken while they were read (else they are hashed here)."""
     expected = f"{entry.size_bytes} bytes with {entry.checksum_algo} {entry.checksum}"
     if entry.checksum_algo not in KNOWN_CHECKSUM_ALGOS:
-        found = f"a checksum algorithm this nebula does not know ({entry.checksum_algo!r})"
-        raise CorruptCheckpointError(where, expected, found)
+        raise CorruptCheckpointError(where, expected, unknown_algo(entry.checksum_algo))
     actual = checksum if checksum is not None else checksum_of(data, entry.checksum_algo)
     if len(data) != entry.size_bytes or actual != entry.checksum:
         raise CorruptCheckpointError(

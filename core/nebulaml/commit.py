@@ -35,7 +35,6 @@ from .errors import (
 )
 from .leases import delete_claim, is_lease_file, live_leases, process_alive
 from .manifest import (
-    CHECKSUM_ALGO,
     ItemEntry,
     Manifest,
     Producer,
@@ -221,12 +220,10 @@ def write_item(store: Store, tag: str, name: str, obj: Any, *, rank: int) -> Ite
     with store.open_write(tag, name) as raw:
         out = HashingWriter(raw)
         tensor_bytes = serialise(obj, out)  # type: ignore[arg-type]
-    return ItemEntry(
-        name=name,
-        file=name,
+    return ItemEntry.written(
+        name,
         rank=rank,
         size_bytes=out.size_bytes,
-        checksum_algo=CHECKSUM_ALGO,
         checksum=out.hexdigest(),
         tensor_bytes=tensor_bytes,
     )

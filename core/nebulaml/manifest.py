@@ -40,6 +40,14 @@ class ItemEntry:
     checksum: str
     tensor_bytes: int
 
+    @classmethod
+    def written(
+        cls, name: str, *, rank: int, size_bytes: int, checksum: str, tensor_bytes: int
+    ) -> ItemEntry:
+        """The entry of an item this nebula has just written: file `name`, checksum
+        under `CHECKSUM_ALGO`."""
+        return cls(name, name, rank, size_bytes, CHECKSUM_ALGO, checksum, tensor_bytes)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,

@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .manifest import CHECKSUM_ALGO, ItemEntry
+from .manifest import ItemEntry
 from .names import validate_name
 from .snapshot import Layout, fill
 from .storage import Store
@@ -289,27 +289,19 @@ class SlotPool:
 
 
 def write_snapshot(
-    pool: SlotPool,
-    tag: str,
-    name: str,
-    layout: Layout,
-    *,
-    rank: int,
-    ready: Any = None,
+    pool: SlotPool, tag: str, name: str, layout: Layout, *, rank: int, ready: Any = None
 ) -> ItemEntry:
     """Copy the item laid out by `layout` into its reused buffer in `tag`, hashing it on
-    the way (snapshot.fill); the copy is done when this returns (the
-    caller's tensors may change). Returns the item's manifest entry."""
+    the way (snapshot.fill); the copy is done when this returns (the caller's tensors may
+    change). Returns the item's manifest entry."""
     buffer = pool.open_item(tag, name, layout.size_bytes)
     if any(s.device.type == "cuda" for s in layout.storages):
         buffer.pin()  # once per buffer: it is reused from one checkpoint to the next
     digest = fill(buffer.tensor, buffer.view, layout, ready=ready)
-    return ItemEntry(
-        name=name,
-        file=name,
+    return ItemEntry.written(
+        name,
         rank=rank,
         size_bytes=layout.size_bytes,
-        checksum_algo=CHECKSUM_ALGO,
         checksum=digest,
         tensor_bytes=layout.tensor_bytes,
     )

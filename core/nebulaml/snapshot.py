@@ -362,15 +362,15 @@ def fill(
 ) -> str:
     """Write the item into `buffer` (a uint8 tensor of exactly `layout.size_bytes` bytes)
     whose bytes `view` also exposes: torch's own bytes, zeros in the gaps, and a copy of
-    every storage; returns the xxh3 of the whole. Reads the storages once; the caller may
-    mutate them when it returns.
+    every storage; returns the item's checksum (`CHECKSUM_ALGO`, checksum.py). Reads the
+    storages once; the caller may mutate them when it returns.
 
     Host storages are copied by `workers` threads (this one included), each piece hashed
-    as it is done (module docstring). CUDA storages are copied on a side stream that first waits for
-    `ready` (a CUDA event recorded when the save was asked for; else the device's
-    current stream), straight from the tensors' own memory (nothing is allocated on the
-    GPU) into `buffer`, which should be pinned (`pin`) for the copy to run at the link's
-    speed; the buffer is hashed after.
+    as it is done (module docstring). CUDA storages are copied on a side stream that first
+    waits for `ready` (a CUDA event recorded when the save was asked for; else the
+    device's current stream), straight from the tensors' own memory (nothing is allocated
+    on the GPU) into `buffer`, which should be pinned (`pin`) for the copy to run at the
+    link's speed; the buffer is hashed after.
     """
     if buffer.numel() != layout.size_bytes or len(view) != layout.size_bytes:
         raise ValueError(f"a buffer of {len(view)} bytes for an item of {layout.size_bytes}")

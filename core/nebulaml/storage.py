@@ -267,17 +267,17 @@ def _populate_hashing(mapped: mmap.mmap, size: int, algo: str) -> str:
                 read_up_to = start + n
                 cond.notify()
 
-    hasher = new_hasher(algo)
-    leaves: list[bytes] = []  # CHECKSUM_ALGO's, hashed by several threads
+    tree = algo == CHECKSUM_ALGO  # its pieces are hashed whole, by several threads
+    leaves: list[bytes] = []
+    hasher = None if tree else new_hasher(algo)  # an unknown algo raises here
+
+    def hashable(upto: int) -> int:
+        return upto if upto >= size or not tree else upto - upto % LEAF_BYTES
+
     reader = threading.Thread(target=populate, name="nebula-read", daemon=True)
     reader.start()
     view = memoryview(mapped)
     try:
-        tree = algo == CHECKSUM_ALGO
-
-        def hashable(upto: int) -> int:  # the tree's pieces are hashed whole
-            return upto if upto >= size or not tree else upto - upto % LEAF_BYTES
-
         hashed = 0
         while hashed < size:
             with cond:
@@ -286,7 +286,7 @@ def _populate_hashing(mapped: mmap.mmap, size: int, algo: str) -> str:
                 upto, failure = hashable(read_up_to), error
             if upto <= hashed:
                 raise failure  # type: ignore[misc]
-            if tree:
+            if hasher is None:
                 leaves += tree_leaves(view[hashed:upto], _LOAD_HASH_WORKERS)
             else:
                 hasher.update(view[hashed:upto])
@@ -296,7 +296,7 @@ def _populate_hashing(mapped: mmap.mmap, size: int, algo: str) -> str:
         reader.join()
         view.release()
         del anchor
-    return tree_hexdigest(leaves) if algo == CHECKSUM_ALGO else str(hasher.hexdigest())
+    return tree_hexdigest(leaves) if hasher is None else str(hasher.hexdigest())
 
 
 def _map_in_use(f: BinaryIO, size: int, path: str, where: str) -> mmap.mmap:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api import check_root, tiers_for
-from .checksum import new_hasher
+from .checksum import hash_stream, unknown_algo
 from .errors import CheckpointNotFoundError, InvalidNameError, ManifestError
 from .inspection import read_manifest_strict
 from .leases import read_lease
@@ -171,7 +171,7 @@ def _verify_items(
             out.append(_result(copy, item.name, where, "corrupt", expected, f"{size} bytes"))
             continue
         if item.checksum_algo not in KNOWN_CHECKSUM_ALGOS:
-            actual = f"a checksum algorithm this nebula does not know ({item.checksum_algo!r})"
+            actual = unknown_algo(item.checksum_algo)
             out.append(_result(copy, item.name, where, "corrupt", expected, actual))
             continue
         try:
@@ -190,11 +190,5 @@ def _verify_items(
 def _hash_file(
     store: Store, tag: str, item: ItemEntry, advance: Callable[[int], None]
 ) -> tuple[int, str]:
-    hasher = new_hasher(item.checksum_algo)
-    size = 0
     with store.open_read(tag, item.file) as stream:
-        while chunk := stream.read(_CHUNK_BYTES):
-            hasher.update(chunk)
-            size += len(chunk)
-            advance(len(chunk))
-    return size, hasher.hexdigest()
+        return hash_stream(stream, _CHUNK_BYTES, item.checksum_algo, advance)
