@@ -35,9 +35,11 @@ from .errors import (
     InvalidArgumentError,
     ItemNotFoundError,
     MemoryBudgetError,
+    SnapshotChangedError,
     TooManyItemsError,
     UnsupportedSchemaError,
 )
+from .fence import copy_small
 from .history import HistoryRow, make_row
 from .leases import read_lease
 from .manifest import KNOWN_CHECKSUM_ALGOS, ItemEntry, Manifest, utc_now
@@ -144,14 +146,18 @@ class Checkpoint:
             self._items.append(self._write(session, name, obj))
         else:
             # Lazy: the copy (hashed on the way) runs in the background; the fence before
-            # optimizer.step() waits for it. The state dicts are taken now, the tensors
-            # read later.
-            saveable = to_saveable(obj)
+            # optimizer.step() waits for it. The state dicts are taken now, and the small
+            # tensors copied; the large ones are read later, and must not have changed.
+            saveable, watch = copy_small(to_saveable(obj))
             ready = cuda_ready_event(saveable)
 
             def copy() -> None:
                 try:
-                    self._items.append(self._write(session, name, saveable, ready))
+                    entry = self._write(session, name, saveable, ready)
+                    changed = watch.changed()
+                    if changed:
+                        raise SnapshotChangedError(self.tag, name, changed)
+                    self._items.append(entry)
                 except BaseException as exc:
                     self._lazy_error = exc  # the checkpoint is incomplete: never committed
                     raise

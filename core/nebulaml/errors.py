@@ -102,6 +102,21 @@ class CheckpointStateError(NebulaError, RuntimeError):
     """A Checkpoint handle was used out of order (e.g. saving into a committed handle)."""
 
 
+class SnapshotChangedError(CheckpointStateError):
+    """A lazy save's tensor was changed in place before the background copy had read it:
+    the snapshot would mix two states, so the checkpoint is not committed."""
+
+    def __init__(self, tag: str, name: str, paths: list[str]) -> None:
+        shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        super().__init__(
+            f"checkpoint {tag!r} was not committed: item {name!r} had {shown} changed in "
+            f"place after save() and before its lazy copy (only optimizer.step() waits for "
+            f"the copy); call nm.wait_for_snapshot() before changing saved tensors outside "
+            f"the optimizer, or init nebula without lazy_snapshot"
+        )
+        self.tag, self.name, self.paths = tag, name, paths
+
+
 class TooManyItemsError(CheckpointStateError):
     """More items were saved than the `num_of_files` the handle was created with."""
 

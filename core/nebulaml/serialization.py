@@ -25,7 +25,8 @@ MapLocation = Any  # None | str | torch.device | dict | Callable, as torch.load 
 def to_saveable(obj: Any) -> Any:
     """What nebula writes for `obj`: modules, optimizers and other objects with a
     `state_dict()` become their state dict (also inside dicts, lists and tuples), so that
-    the item loads with weights_only=True; everything else is written as it is.
+    the item loads with weights_only=True; everything else is written as it is. A
+    container met twice becomes one container, met twice (as torch.save keeps it).
 
     Example:
         >>> import torch
@@ -34,16 +35,29 @@ def to_saveable(obj: Any) -> Any:
     """
     import torch
 
-    if isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None))):
-        return obj
-    if type(obj) is dict:
-        return {key: to_saveable(value) for key, value in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(to_saveable(value) for value in obj)
-    state_dict = getattr(obj, "state_dict", None)
-    if callable(state_dict) and not isinstance(obj, (type, dict)):
-        return state_dict()
-    return obj
+    memo: dict[int, Any] = {}
+
+    def convert(obj: Any) -> Any:
+        if isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None))):
+            return obj
+        if id(obj) in memo:
+            return memo[id(obj)]
+        new: Any
+        if type(obj) is dict:
+            new = memo[id(obj)] = {}
+            new.update((key, convert(value)) for key, value in obj.items())
+        elif type(obj) is list:
+            new = memo[id(obj)] = []
+            new.extend(convert(value) for value in obj)
+        elif type(obj) is tuple:
+            new = memo[id(obj)] = tuple(convert(value) for value in obj)
+        else:
+            state_dict = getattr(obj, "state_dict", None)
+            is_stateful = callable(state_dict) and not isinstance(obj, (type, dict))
+            new = memo[id(obj)] = state_dict() if is_stateful else obj
+        return new
+
+    return convert(obj)
 
 
 def tensor_bytes_of(obj: Any) -> int:

@@ -107,3 +107,91 @@ def test_lazy_saves_queued_at_exit_are_committed_and_persisted(tmp_path: Path) -
     nm.init(str(root))
     got = nm.get_checkpoint("global_step3").load("model")["w"]
     assert torch.equal(got, torch.full((10,), 3))
+
+
+def test_a_forward_pass_that_updates_batchnorm_statistics_does_not_reach_the_snapshot(
+    root: Path,
+) -> None:
+    # BatchNorm's forward writes its running statistics in place without bumping their
+    # version counters, so no check after the copy could see it: the small tensors are
+    # copied by save() itself. Bug caught: statistics of the step after the save in it.
+    nm.init(str(root), persistent_time_interval=0, lazy_snapshot=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(32, 8)).sum().backward()
+    opt.step()
+    before = copy.deepcopy(model.state_dict())
+    gate = _gate()
+    nm.Checkpoint("global_step1").save("model", model)
+    model(torch.randn(32, 8) * 5 + 3).sum().backward()  # moves the running statistics
+    assert not torch.equal(model[1].running_mean, before["1.running_mean"])
+    gate.set()
+    opt.step()
+    saved = nm.get_latest_checkpoint().load("model")
+    assert list(saved) == list(before)
+    for key, value in saved.items():
+        assert torch.equal(value, before[key]), key
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16))
+    fresh.load_state_dict(saved)  # the state dict's _metadata came through too
+    assert saved._metadata == before._metadata
+
+
+def test_a_large_tensor_changed_in_place_before_its_copy_fails_the_save(root: Path) -> None:
+    # Bug caught: a snapshot holding bytes of after the save, committed as if it were
+    # the state at the save.
+    nm.init(str(root), persistent_time_interval=0, lazy_snapshot=True)
+    weights = torch.zeros(100_000)  # 400 kB: copied by the background, not by save()
+    nm.Checkpoint("global_step1").save("model", {"w": weights})
+    nm.wait_for_snapshot()
+    gate = _gate()
+    nm.Checkpoint("global_step2").save("model", {"layers": [{"w": weights}]})
+    weights.add_(1)  # not by optimizer.step(): nothing waits for the copy
+    gate.set()
+    with pytest.raises(nm.SnapshotChangedError, match=r"'model'.*\['layers'\]\[0\]\['w'\]"):
+        nm.wait_for_snapshot()
+    latest = nm.get_latest_checkpoint()
+    assert latest is not None and latest.tag == "global_step1"
+    assert torch.equal(latest.load("model")["w"], torch.zeros(100_000))
+    assert not (Path(nm.memory_tier_path(str(root))) / "global_step2").exists()
+    nm.Checkpoint("global_step3").save("model", {"w": weights})  # the next save is fine
+    nm.wait_for_snapshot()
+    assert torch.equal(nm.get_latest_checkpoint().load("model")["w"], torch.ones(100_000))
+
+
+def test_save_copies_small_tensors_keeping_aliasing_and_types(root: Path) -> None:
+    # A clone per tensor would split storages that the file shares (and that torch.load
+    # shares again); a rebuilt container must keep its type and identity.
+    nm.init(str(root), persistent_time_interval=0, lazy_snapshot=True)
+    base = torch.arange(12.0)
+    shared = {"k": 1}
+    obj = {"a": base, "b": base[2:6], "c": base, "d": [shared, shared], "e": (base.view(3, 4),)}
+    gate = _gate()
+    nm.Checkpoint("global_step1").save("model", obj)
+    base.zero_()
+    gate.set()
+    got = nm.get_latest_checkpoint().load("model")
+    assert torch.equal(got["a"], torch.arange(12.0))
+    assert torch.equal(got["b"], torch.arange(2.0, 6.0))
+    assert got["a"].untyped_storage().data_ptr() == got["b"].untyped_storage().data_ptr()
+    assert got["a"].untyped_storage().data_ptr() == got["e"][0].untyped_storage().data_ptr()
+    assert type(got["e"]) is tuple and got["d"][0] is got["d"][1]
+    assert obj["d"][0] is shared and torch.equal(obj["a"], torch.zeros(12))  # untouched
+
+
+def test_copy_small_copies_under_the_limit_and_watches_the_rest() -> None:
+    from nebulaml.fence import COPY_NOW_BYTES, copy_small
+
+    small = torch.nn.Parameter(torch.ones(COPY_NOW_BYTES // 4))  # exactly at the limit
+    large = torch.ones(COPY_NOW_BYTES // 4 + 1)
+    view_of_large = large[:4]  # small tensor, large storage: watched, not copied
+    loop: list = [small]
+    loop.append(loop)
+    saved, watch = copy_small({"p": small, "large": large, "view": view_of_large, "loop": loop})
+    assert type(saved["p"]) is torch.nn.Parameter and saved["p"].requires_grad
+    assert saved["p"].data_ptr() != small.data_ptr() and torch.equal(saved["p"], small)
+    assert saved["large"] is large and saved["view"] is view_of_large
+    assert saved["loop"][1] is saved["loop"] and saved["loop"][0] is saved["p"]
+    assert watch.changed() == []
+    view_of_large.add_(1)  # a view shares its base's version counter
+    assert watch.changed() == ["['large']", "['view']"]
