@@ -8,10 +8,14 @@ saves   round-robin over the methods in each repeat (noise hits all alike). One 
         less the forward/backward's own memory (calibrated) while that runs.
         Each method saves twice, untimed, before its first timed save (and nebula after
         each restart of its session), so the timed saves are steady-state saves.
-loads   the newest checkpoint of each method, round-robin: first the fastest resume
+loads   the newest checkpoint of each method, in rounds: first the fastest resume
         (nebula: the memory tier; peers: their files, read once beforehand so they sit
         in the page cache), then from disk (after fsync + posix_fadvise(DONTNEED) of the
-        files, and for nebula without its memory tier).
+        files, and for nebula without its memory tier). Each round takes the methods in
+        a different order (`load_order`): a load here runs slower right after another
+        that freed much memory (this VM hands freed pages back to its host, and the next
+        touch of each costs about 3 us), and in one fixed order the same method always
+        paid for the same neighbour.
 loop    real training steps (forward, backward, AdamW), in `steps // every` rounds, by
         default with glibc's malloc told to keep freed memory (`keep_freed_memory`).
         A method's segment: a checkpoint, then `every` steps (the method's fence waited
@@ -37,6 +41,7 @@ Not for: the CLI (bench.py) or rendering (report.py).
 from __future__ import annotations
 
 import gc
+import random
 import statistics
 import sys
 import time
@@ -236,12 +241,27 @@ def _warm_page_cache(paths: list[Path]) -> None:
                 pass
 
 
+def load_order(methods: Sequence[Method], round_index: int) -> list[Method]:
+    """The methods in round `round_index`'s order: a shuffle seeded by the round, the
+    same in every run, so that no method follows the same one in every round.
+
+    Example:
+        >>> orders = [load_order("abcdefg", r) for r in range(5)]
+        >>> all(sorted(o) == list("abcdefg") for o in orders), len({tuple(o) for o in orders})
+        (True, 5)
+    """
+    order = list(methods)
+    random.Random(round_index).shuffle(order)
+    return order
+
+
 def run_loads(
     methods: Sequence[Method], results: dict[str, MethodResult], state: TrainState, repeats: int
 ) -> None:
-    """The load phase: fastest resume for all methods, then from disk, round-robin."""
+    """The load phase: fastest resume for all methods, then from disk, in rounds of a
+    different order each (`load_order`)."""
     for r in range(repeats):
-        for method in methods:
+        for method in load_order(methods, r):
             _warm_page_cache(method.fast_load_paths())
             seconds = _time_load(method, state, from_disk=False)
             results[method.name].load_fast_s.append(seconds)
@@ -249,7 +269,7 @@ def run_loads(
     for method in methods:
         method.prepare_disk_load()
     for r in range(repeats):
-        for method in methods:
+        for method in load_order(methods, repeats + r):
             result = results[method.name]
             drop_page_cache(method.disk_paths())
             result.load_disk_cache_resident = max(
