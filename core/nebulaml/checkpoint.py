@@ -39,7 +39,7 @@ from .errors import (
     TooManyItemsError,
     UnsupportedSchemaError,
 )
-from .fence import copy_small
+from .fence import Taken
 from .history import HistoryRow, make_row
 from .leases import read_lease
 from .manifest import KNOWN_CHECKSUM_ALGOS, ItemEntry, Manifest, utc_now
@@ -148,21 +148,25 @@ class Checkpoint:
             # Lazy: the copy (hashed on the way) runs in the background; the fence before
             # optimizer.step() waits for it. The state dicts are taken now, and the small
             # tensors copied; the large ones are read later, and must not have changed.
-            saveable, watch = copy_small(to_saveable(obj))
+            saveable = to_saveable(obj)
+            small = session.snapshots.small
+            taken = small.take(name, saveable)
             ready = cuda_ready_event(saveable)
 
             def copy() -> None:
                 try:
-                    entry = self._write(session, name, saveable, ready)
-                    changed = watch.changed()
+                    entry = self._write(session, name, saveable, ready, taken)
+                    changed = taken.changed()
                     if changed:
                         raise SnapshotChangedError(self.tag, name, changed)
                     self._items.append(entry)
                 except BaseException as exc:
                     self._lazy_error = exc  # the checkpoint is incomplete: never committed
                     raise
+                finally:
+                    small.give_back(name, taken)
 
-            session.snapshots.submit(copy, copies=True)
+            session.snapshots.submit(copy, copies=True, hold=True)  # until the commit
         self._blocking_s += time.perf_counter() - t0
         if self.num_of_files > 0 and len(self._names) == self.num_of_files:
             self.commit()
@@ -187,22 +191,32 @@ class Checkpoint:
         self._begun = True
 
     def _write(
-        self, session: _session.Session, name: str, obj: Any, ready: Any = None
+        self,
+        session: _session.Session,
+        name: str,
+        obj: Any,
+        ready: Any = None,
+        taken: Taken | None = None,
     ) -> ItemEntry:
         """Write one item: into a reused memory-tier buffer when its layout maps exactly
         (snapshot.py), else with torch.save; to the persistent tier once this checkpoint
         does not fit the memory budget. The copy is done when this returns (`obj` may
-        change); returns the item's entry."""
+        change); returns the item's entry. A lazy save's small storages are read from
+        what it took at the save (fence.py)."""
         if self._store is session.tiers.memory:
             layout = session.layouts.plan(name, obj)
             size = layout.size_bytes if layout is not None else estimate_bytes(obj)
             if not session.budget.reserve(name, size):
                 self._stream(session, size)
             elif layout is not None:
+                if taken is not None:
+                    layout = taken.on_copies(layout)
                 return write_snapshot(
                     session.pool, self.tag, name, layout, rank=session.rank, ready=ready
                 )
         assert self._store is not None
+        if taken is not None:
+            obj = taken.substitute(obj)
         return write_item(self._store, self.tag, name, obj, rank=session.rank)
 
     def _stream(self, session: _session.Session, size_bytes: int) -> None:

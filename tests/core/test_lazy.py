@@ -179,19 +179,67 @@ def test_save_copies_small_tensors_keeping_aliasing_and_types(root: Path) -> Non
     assert obj["d"][0] is shared and torch.equal(obj["a"], torch.zeros(12))  # untouched
 
 
-def test_copy_small_copies_under_the_limit_and_watches_the_rest() -> None:
-    from nebulaml.fence import COPY_NOW_BYTES, copy_small
+def test_take_copies_small_storages_and_watches_the_rest() -> None:
+    from nebulaml.fence import COPY_NOW_BYTES, take
 
     small = torch.nn.Parameter(torch.ones(COPY_NOW_BYTES // 4))  # exactly at the limit
     large = torch.ones(COPY_NOW_BYTES // 4 + 1)
     view_of_large = large[:4]  # small tensor, large storage: watched, not copied
+    view_of_small = small.detach()[2:]
     loop: list = [small]
     loop.append(loop)
-    saved, watch = copy_small({"p": small, "large": large, "view": view_of_large, "loop": loop})
-    assert type(saved["p"]) is torch.nn.Parameter and saved["p"].requires_grad
-    assert saved["p"].data_ptr() != small.data_ptr() and torch.equal(saved["p"], small)
-    assert saved["large"] is large and saved["view"] is view_of_large
-    assert saved["loop"][1] is saved["loop"] and saved["loop"][0] is saved["p"]
-    assert watch.changed() == []
+    obj = {"p": small, "v": view_of_small, "large": large, "view": view_of_large, "loop": loop}
+    taken = take(obj)
+    assert list(taken.copies) == [small.untyped_storage()._cdata]  # one copy per storage
+    assert taken.changed() == []
+    with torch.no_grad():
+        small.add_(1)
     view_of_large.add_(1)  # a view shares its base's version counter
-    assert watch.changed() == ["['large']", "['view']"]
+    assert taken.changed() == ["['large']", "['view']"]
+    # torch.save's path: the object rebuilt onto the copies, its own containers untouched
+    got = taken.substitute(obj)
+    assert type(got["p"]) is torch.nn.Parameter and got["p"].requires_grad
+    assert torch.equal(got["p"], torch.ones(COPY_NOW_BYTES // 4))
+    assert got["v"].untyped_storage().data_ptr() == got["p"].untyped_storage().data_ptr()
+    assert got["large"] is large and got["view"] is view_of_large
+    assert got["loop"][1] is got["loop"] and got["loop"][0] is got["p"]
+    assert obj["p"] is small and obj["loop"][0] is small
+
+
+def test_a_lazy_save_written_by_torch_save_reads_the_small_copies_too(root: Path) -> None:
+    # An object the layout cannot map (a defaultdict) is written by torch.save in the
+    # background: its small tensors must come from the copies as well.
+    import collections
+
+    nm.init(str(root), persistent_time_interval=0, lazy_snapshot=True)
+    stats = torch.zeros(16)
+    obj = {"bn": {"running_mean": stats}, "extra": collections.defaultdict(int, a=1)}
+    gate = _gate()
+    nm.Checkpoint("global_step1").save("model", obj)
+    stats.add_(5)
+    gate.set()
+    got = nm.get_latest_checkpoint().load("model", weights_only=False)
+    assert torch.equal(got["bn"]["running_mean"], torch.zeros(16))
+    assert got["extra"] == {"a": 1}
+
+
+def test_a_held_copy_starts_at_the_commit_or_the_fence_and_not_before() -> None:
+    # A lazy save's copy waits for its checkpoint's commit (the saves of the next items
+    # run alone), but never past a fence or a close: one that waited for ever would hang
+    # the optimizer step.
+    from nebulaml.fence import SnapshotWorker
+
+    worker = SnapshotWorker()
+    ran: list[str] = []
+    started = threading.Event()
+    worker.submit(lambda: (ran.append("a"), started.set()), copies=True, hold=True)
+    assert not started.wait(0.2)
+    worker.submit(lambda: ran.append("commit"), copies=False)  # releases what is before it
+    worker.wait()
+    assert ran == ["a", "commit"]
+    worker.submit(lambda: ran.append("b"), copies=True, hold=True)
+    worker.wait(copies_only=True)  # the fence
+    assert ran[-1] == "b"
+    worker.submit(lambda: ran.append("c"), copies=True, hold=True)
+    worker.close()
+    assert ran[-1] == "c"
