@@ -146,6 +146,51 @@ def test_fit_checkpoints_through_nebula(kit: Kit, tmp_path: Path) -> None:
     assert saved["hyper_parameters"]["hidden"] == 8
 
 
+def test_lazy_snapshots_in_fit_hold_the_state_of_their_step(kit: Kit, tmp_path: Path) -> None:
+    """`lazy_snapshot=True` through config_params, with BatchNorm in the model: training
+    goes on while the copy is taken. Bugs caught: a lazy copy that waits for ever in a
+    Lightning loop (its commit or fence never reached), or a checkpoint holding a later
+    step's weights, Adam moments or running statistics."""
+    root = tmp_path / "tier3"
+    callback = kit.ours.NebulaCallback(
+        dirpath=str(tmp_path / "ckpts"),
+        every_n_train_steps=2,
+        save_top_k=-1,
+        config_params={
+            "persistent_storage_path": str(root),
+            "persistent_time_interval": 0,
+            "lazy_snapshot": True,
+        },
+    )
+
+    class AtStep2(kit.pl.Callback):  # type: ignore[name-defined,misc]
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *_args: Any) -> None:
+            if trainer.global_step == 2:
+                self.params = {k: v.clone() for k, v in pl_module.state_dict().items()}
+                self.optimizer = _clone(trainer.optimizers[0].state_dict()["state"])
+
+    at_step2 = AtStep2()
+    model = kit.Module()
+    model.net = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+    )
+    trainer = kit.trainer(
+        tmp_path,
+        max_steps=6,
+        plugins=[kit.ours.NebulaCheckpointIO()],
+        callbacks=[callback, at_step2],
+    )
+    trainer.fit(model, _loader())
+    nm.flush_persistence()
+
+    saved = nm.get_checkpoint("epoch=0-step=2").load("checkpoint")
+    assert saved["global_step"] == 2
+    assert _same(saved["state_dict"], at_step2.params)
+    assert _same(saved["optimizer_states"][0]["state"], at_step2.optimizer)
+    assert not _same(saved["state_dict"], model.state_dict())  # training went on
+    assert nm.get_latest_checkpoint().tag == "epoch=0-step=6"
+
+
 def test_load_from_checkpoint_with_the_latest_path(kit: Kit, tmp_path: Path) -> None:
     """The seed's MyLightningModule.load_from_checkpoint(nm.get_latest_checkpoint_path(
     "checkpoint", persist_path)). Bug caught: an item Lightning's own loader cannot read,
