@@ -52,10 +52,11 @@ def init(
     With `lazy_snapshot=True`, `Checkpoint.save` returns at once and the snapshot is
     copied in the background while the next forward and backward run; the next
     `optimizer.step()` (of any torch optimizer), `wait_for_snapshot()` and every other
-    call into nebula wait for it first. Tensors of at most 64 KiB (BatchNorm's running
-    statistics, step counters) are copied by `save` itself; a larger saved tensor changed
-    in place before the copy (by anything but the optimizer's step, which waits) fails
-    that checkpoint with `SnapshotChangedError`, raised by the next call into nebula.
+    call into nebula wait for it first. Tensors whose storage is at most 64 KiB
+    (BatchNorm's running statistics, step counters) are copied by `save` itself; a
+    larger saved tensor changed in place before the copy (by anything but the
+    optimizer's step, which waits) fails that checkpoint with `SnapshotChangedError`,
+    raised by the next call into nebula.
 
     Example:
         >>> import nebulaml as nm, tempfile

@@ -310,8 +310,10 @@ def take(obj: Any, free: dict[int, Any] | None = None) -> Taken:
             return
         seen.add(id(value))
         if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage() if value.layout == torch.strided else None
-            if storage is None or storage.nbytes() > COPY_NOW_BYTES or not _plain(value):
+            # Subclasses (a DTensor, say) may have no storage of their own to copy.
+            plain = type(value) in (torch.Tensor, torch.nn.Parameter) and _plain(value)
+            storage = value.untyped_storage() if plain else None
+            if storage is None or storage.nbytes() > COPY_NOW_BYTES:
                 watched.append((path, value, value._version))
             elif storage._cdata not in copies:
                 copies[storage._cdata] = _copy(storage, free.get(storage._cdata))

@@ -206,6 +206,18 @@ def test_take_copies_small_storages_and_watches_the_rest() -> None:
     assert obj["p"] is small and obj["loop"][0] is small
 
 
+def test_take_watches_tensor_subclasses_without_reading_their_storage() -> None:
+    # A subclass (a DTensor, say) may have no storage of its own: it is watched only.
+    from nebulaml.fence import take
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    wrapped = torch.zeros(4).as_subclass(Wrapped)
+    taken = take({"t": wrapped})
+    assert taken.copies == {} and [path for path, _, _ in taken.watched] == ["['t']"]
+
+
 def test_a_lazy_save_written_by_torch_save_reads_the_small_copies_too(root: Path) -> None:
     # An object the layout cannot map (a defaultdict) is written by torch.save in the
     # background: its small tensors must come from the copies as well.
