@@ -240,6 +240,7 @@ import hashlib, os, signal, sys, torch
 import nebulaml as nm
 
 root, journal, kill_at, kill_step = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+lazy = sys.argv[5] == "lazy"
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -261,7 +262,14 @@ def die(point):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-nm.init(root, persistent_time_interval=0.3, num_of_version_in_retention=2)
+def acknowledge(acked_step, acked_digest):
+    with open(journal, "a") as f:  # the ground truth: written only once the commit is done
+        f.write(f"{acked_step} {acked_digest}\\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+nm.init(root, persistent_time_interval=0.3, num_of_version_in_retention=2, lazy_snapshot=lazy)
 latest = nm.get_latest_checkpoint()
 step = 0
 if latest is not None:
@@ -270,12 +278,18 @@ if latest is not None:
     step = int(latest.tag.removeprefix("global_step"))
 print("READY", step, flush=True)
 gen = torch.Generator().manual_seed(step)
+pending = None  # lazy: the checkpoint whose copy overlaps this step's forward and backward
 while True:
     step += 1
     x = torch.randn(32, 256, generator=gen)
     model(x).pow(2).mean().backward()
+    if pending is not None:
+        nm.wait_for_snapshot()  # copied and committed (optimizer.step() waits for the copy)
+        acknowledge(*pending)
+        die("after_journal")
     opt.step()
     opt.zero_grad()
+    saved_digest = digest()
     ckpt = nm.Checkpoint(f"global_step{step}", -2)
     ckpt.save("model", model.state_dict())
     die("after_item")
@@ -283,11 +297,11 @@ while True:
     die("before_manifest")
     ckpt.commit()
     die("after_manifest")
-    with open(journal, "a") as f:  # the ground truth: written only once commit returned
-        f.write(f"{step} {digest()}\\n")
-        f.flush()
-        os.fsync(f.fileno())
-    die("after_journal")
+    if lazy:
+        pending = (step, saved_digest)
+    else:
+        acknowledge(step, saved_digest)
+        die("after_journal")
 """
 
 KILL_POINTS = ("random", "after_item", "before_manifest", "after_manifest", "after_journal")
@@ -306,14 +320,16 @@ def _digest_of(model_sd: dict[str, Any], opt_sd: dict[str, Any]) -> str:
     return h.hexdigest()[:16]
 
 
-def crash_campaign(work: Path, kills: int, seed: int = 0) -> Figures:
+def crash_campaign(work: Path, kills: int, seed: int = 0, *, lazy: bool = False) -> Figures:
     """SIGKILL a training child again and again, at random times and at named points; after
     each kill the newest acknowledged checkpoint (the child's fsynced journal) must still be
-    there and load with the digest the journal recorded."""
+    there and load with the digest the journal recorded. With `lazy`, the child saves with
+    `lazy_snapshot` and acknowledges a checkpoint after the next step's forward and
+    backward, once `wait_for_snapshot()` says it is committed."""
     import subprocess
     import sys
 
-    figures = Figures("crash")
+    figures = Figures("crash (lazy)" if lazy else "crash")
     rng = random.Random(seed)
     work.mkdir(parents=True, exist_ok=True)
     script, journal, root = work / "child.py", work / "journal.txt", work / "root"
@@ -325,7 +341,7 @@ def crash_campaign(work: Path, kills: int, seed: int = 0) -> Figures:
         point = KILL_POINTS[kill % len(KILL_POINTS)]
         proc = subprocess.Popen(
             [sys.executable, "-W", "ignore", str(script), str(root), str(journal), point,
-             str(rng.randint(1, 3))],
+             str(rng.randint(1, 3)), "lazy" if lazy else "sync"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert proc.stdout is not None

@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             ("corruption", lambda w: corruption_campaign(w, 80 if args.quick else 1000)),
             ("hostile pickles", hostile_pickle_campaign),
             ("crash", lambda w: crash_campaign(w, 10 if args.quick else 200)),
+            ("crash lazy", lambda w: crash_campaign(w, 10 if args.quick else 100, lazy=True)),
             ("concurrency", lambda w: concurrency_campaign(w, 60 if args.quick else 3000)),
             *(
                 (name, lambda w, name=name, path=path: scenario_campaign(name, path, w))

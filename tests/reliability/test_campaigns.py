@@ -46,6 +46,19 @@ def test_sigkill_never_loses_an_acknowledged_checkpoint(tmp_path: Path) -> None:
     assert figures.counts.get("recoveries checked", 0) >= 3
 
 
+def test_sigkill_never_loses_an_acknowledged_lazy_checkpoint(tmp_path: Path) -> None:
+    # The same with lazy snapshots: a kill while a copy overlaps the next step's forward
+    # and backward, or while its commit is queued, loses nothing acknowledged, and what
+    # loads is the state at the save, not a later one.
+    figures = crash_campaign(tmp_path, kills=5, seed=12, lazy=True)
+    assert figures.failures == []
+    assert figures.counts["kills"] == 5
+    assert figures.counts["acknowledged checkpoints lost"] == 0
+    assert figures.counts["latest failed to load"] == 0
+    assert figures.counts["leftovers after recovery"] == 0
+    assert figures.counts.get("recoveries checked", 0) >= 3
+
+
 def test_prune_retention_save_and_load_interleaved_lose_nothing(tmp_path: Path) -> None:
     # A training child saves 60 steps (retention 2); a second child and threads here load
     # random committed tags, some under a held read lease, and prune to the newest.
