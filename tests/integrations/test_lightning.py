@@ -159,6 +159,7 @@ def test_lazy_snapshots_in_fit_hold_the_state_of_their_step(kit: Kit, tmp_path: 
         config_params={
             "persistent_storage_path": str(root),
             "persistent_time_interval": 0,
+            "num_of_version_in_retention": 5,  # step 2 must stay to be compared
             "lazy_snapshot": True,
         },
     )
