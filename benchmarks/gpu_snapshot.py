@@ -11,7 +11,9 @@ It measures, in one run:
   the memory tier: a reused, mapped buffer that nebula pins once, copies on a side stream),
   after a warm-up save so that the buffers are reused, as in training;
 - the stall of a lazy save: save, then a stand-in for forward/backward on the GPU, then the
-  wait before `optimizer.step()` may run (`nm.wait_for_snapshot()`).
+  wait before `optimizer.step()` may run (`nm.wait_for_snapshot()`);
+- that a lazy save's small CUDA storage, copied by `save()` itself, keeps its value when
+  an in-place change is queued right after (`lazy_small_copy_correct`).
 
 Target: snapshot bandwidth >= 80% of the pinned-copy bandwidth, GPU memory not grown.
 """
@@ -93,6 +95,14 @@ def main() -> None:
         t1 = time.perf_counter()
         nm.wait_for_snapshot()  # what optimizer.step() would wait for
         stalls.append(blocked + time.perf_counter() - t1)
+    # A small CUDA storage (BatchNorm's statistics, say) is copied by save() itself, on the
+    # current stream: an in-place change queued right after must not reach the snapshot.
+    stats = torch.zeros(64, device="cuda")
+    nm.Checkpoint("small").save("bn", {"running_mean": stats})
+    stats.add_(1)
+    nm.wait_for_snapshot()
+    saved_stats = nm.get_checkpoint("small").load("bn")["running_mean"].cpu()
+    small_copy_correct = torch.equal(saved_stats, torch.zeros(64))
     nm.shutdown()
     snapshot_gbps = total / statistics.median(times) / 1e9
     figures = {
@@ -102,6 +112,7 @@ def main() -> None:
         "share_of_pinned": snapshot_gbps / limit,
         "snapshot_s": times,
         "lazy_stall_s": stalls,
+        "lazy_small_copy_correct": small_copy_correct,
         "gpu_memory_grown_bytes": grown,
         "device": torch.cuda.get_device_name(),
     }
