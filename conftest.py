@@ -33,6 +33,11 @@ def memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
         "NEBULA_NUM_OF_VERSION_IN_RETENTION",
         "NEBULA_MEMORY_BUFFER_SIZE",
         "NEBULA_EXIT_TIMEOUT_S",
+        "NEBULA_LAZY_SNAPSHOT",
+        "NEBULA_RANK_TIMEOUT_S",
+        "NEBULA_STORAGE_RETRIES",
+        "NEBULA_STORAGE_RETRY_BASE_S",
+        "NEBULA_STORAGE_RETRY_MAX_S",
     ):
         monkeypatch.delenv(var, raising=False)
     yield base
