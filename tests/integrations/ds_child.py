@@ -157,6 +157,11 @@ def run_stage(phase: str, root: Path, stage: int, rank: int) -> dict[str, Any]:
             if step in SAVE_AFTER:
                 engine.save_checkpoint(save_dir, client_state={"epoch": step * 10})
         out["saved"] = state_of(engine, stage)
+        # One more step after the last save, which must not reach what was saved (with
+        # NEBULA_LAZY_SNAPSHOT=1 a checkpoint is written in the background after its commit).
+        x, y = batches(rank)[0]
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
         return out
     out["before"] = state_of(engine, stage)
     load_path, client_state = engine.load_checkpoint(save_dir)
