@@ -199,8 +199,10 @@ class Taken:
             if id(value) in memo:
                 return memo[id(value)]
             if kind in (torch.Tensor, torch.nn.Parameter):
+                if not _plain(value):  # a sparse tensor, say: no storage to ask for
+                    return value
                 copy = self.copies.get(value.untyped_storage()._cdata)
-                if copy is None or not _plain(value):
+                if copy is None:
                     return value
                 new = torch.empty((0,), dtype=value.dtype, device=value.device)
                 new.set_(copy, value.storage_offset(), value.size(), value.stride())

@@ -225,7 +225,12 @@ def test_a_lazy_save_written_by_torch_save_reads_the_small_copies_too(root: Path
 
     nm.init(str(root), persistent_time_interval=0, lazy_snapshot=True)
     stats = torch.zeros(16)
-    obj = {"bn": {"running_mean": stats}, "extra": collections.defaultdict(int, a=1)}
+    sparse = torch.eye(3).to_sparse()  # no storage to copy: kept as it is
+    obj = {
+        "bn": {"running_mean": stats},
+        "extra": collections.defaultdict(int, a=1),
+        "sparse": sparse,
+    }
     gate = _gate()
     nm.Checkpoint("global_step1").save("model", obj)
     stats.add_(5)
@@ -233,6 +238,7 @@ def test_a_lazy_save_written_by_torch_save_reads_the_small_copies_too(root: Path
     got = nm.get_latest_checkpoint().load("model", weights_only=False)
     assert torch.equal(got["bn"]["running_mean"], torch.zeros(16))
     assert got["extra"] == {"a": 1}
+    assert torch.equal(got["sparse"].to_dense(), torch.eye(3))
 
 
 def test_a_held_copy_starts_at_the_commit_or_the_fence_and_not_before() -> None:
