@@ -164,6 +164,20 @@ _memmove_holding_gil = ctypes.PYFUNCTYPE(
 )(ctypes.cast(ctypes.memmove, ctypes.c_void_p).value)
 
 
+# A tensor's place in the object, as `take` met it: (the place of its container, its key
+# there), from () for the object itself. Spelt out (`_spelt`) only when it is reported:
+# building every place's string costs a save 0.4 ms of its 2 for a GPT-2 state.
+Place = tuple[Any, ...]
+
+
+def _spelt(place: Place) -> str:
+    keys = []
+    while place:
+        place, key = place
+        keys.append(f"[{key!r}]")
+    return "".join(reversed(keys))
+
+
 @dataclass(frozen=True)
 class Taken:
     """What a lazy `save()` took at once (`take`): a copy of every storage of at most
@@ -171,11 +185,16 @@ class Taken:
     object and its version counter at the save."""
 
     copies: dict[int, Any]
-    watched: tuple[tuple[str, Any, int], ...]
+    places: tuple[tuple[Place, Any, int], ...]
+
+    @property
+    def watched(self) -> tuple[tuple[str, Any, int], ...]:
+        """The larger tensors: (place, tensor, version counter at the save)."""
+        return tuple((_spelt(place), t, version) for place, t, version in self.places)
 
     def changed(self) -> list[str]:
         """The places of the watched tensors changed in place since the save."""
-        return [path for path, tensor, version in self.watched if tensor._version != version]
+        return [_spelt(place) for place, t, version in self.places if t._version != version]
 
     def on_copies(self, layout: Layout) -> Layout:
         """`layout` filled from the copies where it has them."""
@@ -300,11 +319,11 @@ def take(obj: Any, free: dict[int, Any] | None = None) -> Taken:
     import torch
 
     copies: dict[int, Any] = {}
-    watched: list[tuple[str, Any, int]] = []
+    watched: list[tuple[Place, Any, int]] = []
     seen: set[int] = set()
     free = free or {}
 
-    def visit(value: Any, path: str) -> None:
+    def visit(value: Any, place: Place) -> None:
         kind = type(value)
         if kind not in (dict, OrderedDict, list, tuple) and not isinstance(value, torch.Tensor):
             return
@@ -316,17 +335,17 @@ def take(obj: Any, free: dict[int, Any] | None = None) -> Taken:
             plain = type(value) in (torch.Tensor, torch.nn.Parameter) and _plain(value)
             storage = value.untyped_storage() if plain else None
             if storage is None or storage.nbytes() > COPY_NOW_BYTES:
-                watched.append((path, value, value._version))
+                watched.append((place, value, value._version))
             elif storage._cdata not in copies:
                 copies[storage._cdata] = _copy(storage, free.get(storage._cdata))
         elif kind in (list, tuple):
             for i, v in enumerate(value):
-                visit(v, f"{path}[{i}]")
+                visit(v, (place, i))
         else:
             for k, v in value.items():
-                visit(v, f"{path}[{k!r}]")
+                visit(v, (place, k))
 
-    visit(obj, "")
+    visit(obj, ())
     return Taken(copies, tuple(watched))
 
 
