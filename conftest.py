@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,11 +13,30 @@ import pytest
 
 # The library's modules for an optional framework are not collected for doctests where
 # that framework is not installed (tests/integrations skips, or fails under CI).
+SHM = "/dev/shm"
+
 collect_ignore = [
     f"core/nebulaml/{name}.py"
     for name in ("lightning", "pytorch_lightning")
     if importlib.util.find_spec(name) is None
 ]
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM))
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def leaves_nothing_in_shm() -> Iterator[None]:
+    """The suite's teardown: nothing new left in /dev/shm (a memory tier is RAM)."""
+    before = _shm_entries()
+    yield
+    left = sorted(_shm_entries() - before)
+    if left:
+        pytest.fail(f"the test suite left {left} in {SHM}", pytrace=False)
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +54,7 @@ def memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
         "NEBULA_MEMORY_BUFFER_SIZE",
         "NEBULA_EXIT_TIMEOUT_S",
         "NEBULA_LAZY_SNAPSHOT",
+        "NEBULA_KEEP_MEMORY_TIER",
         "NEBULA_RANK_TIMEOUT_S",
         "NEBULA_STORAGE_RETRIES",
         "NEBULA_STORAGE_RETRY_BASE_S",

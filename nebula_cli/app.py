@@ -25,7 +25,7 @@ app = typer.Typer(
 
 def _register() -> None:
     # Command modules import nebulaml (light) but never torch or pandas at import time.
-    from .commands import copy, flush, history, inspect, latest, ls, prune, verify
+    from .commands import copy, flush, gc, history, inspect, latest, ls, memory, prune, verify
 
     app.command("ls")(ls.ls_command)
     app.command("prune")(prune.prune_command)
@@ -35,6 +35,8 @@ def _register() -> None:
     app.command("latest")(latest.latest_command)
     app.command("verify")(verify.verify_command)
     app.command("history")(history.history_command)
+    app.command("memory")(memory.memory_command)
+    app.command("gc")(gc.gc_command)
 
 
 def _version_callback(value: bool) -> None:

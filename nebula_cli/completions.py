@@ -1,14 +1,15 @@
-"""Shell completion scripts for `nebula` (bash, zsh, fish), generated into completions/.
+"""Shell completion scripts for `nebula` (bash, zsh, fish), shipped in the package.
 
 Each script is what the app itself prints for `_NEBULA_COMPLETE=source_<shell> nebula`
 (Typer's completion protocol; `nebula --install-completion` installs the same text). The
 scripts name no commands: on TAB they run `nebula` again with `_NEBULA_COMPLETE=complete_...`
 and the app answers from its own commands and options, so a new command needs no new
-scripts. tests/cli/test_completions.py regenerates them and fails when the committed ones
-differ (a new Typer, a renamed program).
+scripts. They live in nebula_cli/completions_data/ (package data: every install has them);
+tests/cli/test_completions.py regenerates them and fails when the committed ones differ (a
+new Typer, a renamed program).
 
-Usage (from a source checkout): python -m nebula_cli.completions [DIR]
-(default DIR: the checkout's completions/ folder).
+Usage: python -m nebula_cli.completions --path bash  (where the installed bash script is)
+       python -m nebula_cli.completions [DIR]  (regenerate; default DIR: completions_data/)
 
 Not for: completing anything itself (the app does that at TAB time).
 """
@@ -26,7 +27,9 @@ COMPLETE_VAR = "_NEBULA_COMPLETE"
 # The file each shell loads: bash-completion and fish look for <prog>[.bash|.fish]; zsh's
 # compinit autoloads functions named _<prog> from $fpath.
 SCRIPT_FILES = {"bash": "nebula.bash", "zsh": "_nebula", "fish": "nebula.fish"}
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "completions"
+# Package data (see [tool.setuptools.package-data] in pyproject.toml): in a checkout and in
+# every installed copy alike.
+DEFAULT_DIR = Path(__file__).resolve().parent / "completions_data"
 
 _PRINT_SOURCE = f"from nebula_cli.app import app; app(prog_name={PROG_NAME!r})"
 
@@ -61,6 +64,18 @@ def completion_script(shell: str) -> str:
     return out.stdout.strip() + "\n"
 
 
+def script_path(shell: str) -> Path:
+    """The shipped completion script of `shell` ("bash", "zsh" or "fish").
+
+    Example:
+        >>> script_path("bash").name
+        'nebula.bash'
+    """
+    if shell not in SCRIPT_FILES:
+        raise ValueError(f"unsupported shell {shell!r}; one of {', '.join(SCRIPT_FILES)}")
+    return DEFAULT_DIR / SCRIPT_FILES[shell]
+
+
 def write_scripts(folder: Path) -> list[Path]:
     """Write every shell's script into `folder` (created if missing); return the paths."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -73,10 +88,19 @@ def write_scripts(folder: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Regenerate the completion scripts: `python -m nebula_cli.completions [DIR]`."""
+    """Print a shipped script's path (`--path SHELL`), or regenerate the scripts into DIR."""
     parser = argparse.ArgumentParser(
         prog="python -m nebula_cli.completions",
-        description="Regenerate nebula's shell completion scripts (bash, zsh, fish).",
+        description=(
+            "Regenerate nebula's shell completion scripts (bash, zsh, fish), "
+            "or print where the shipped one of a shell is."
+        ),
+    )
+    parser.add_argument(
+        "--path",
+        choices=sorted(SCRIPT_FILES),
+        metavar="SHELL",
+        help="print where the shipped script of SHELL (bash, fish, zsh) is, and write nothing",
     )
     parser.add_argument(
         "folder",
@@ -86,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"where to write them (default: {DEFAULT_DIR})",
     )
     args = parser.parse_args(argv)
+    if args.path:
+        print(script_path(args.path))
+        return 0
     for path in write_scripts(args.folder):
         sys.stderr.write(f"wrote {path}\n")
     return 0

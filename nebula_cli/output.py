@@ -18,6 +18,8 @@ from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
 
@@ -64,6 +66,40 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
     """Print `nebula: error: message` on stderr and exit with `code`."""
     sys.stderr.write(f"nebula: error: {message}\n")
     raise typer.Exit(code)
+
+
+def print_table(table: Table, narrow: Table | None = None, console: Console | None = None) -> None:
+    """Print a table on stdout, never cutting a cell.
+
+    Off a terminal (a pipe, a file) it is printed at its full width: one line a row. On a
+    terminal too narrow for it, `narrow` is printed instead if given (the same rows with
+    fewer columns: long cells stacked in one), fitted to the terminal; give the columns
+    that hold roots, tags, paths or reasons `overflow="fold"` (folded, never cut).
+    """
+    out = console or stdout()
+    full = Measurement.get(out, out.options.update_width(1 << 20), table).maximum
+    if not out.is_terminal:
+        out.width = max(out.width, full)
+    elif narrow is not None and full > out.width:
+        table = narrow
+    out.print(table)
+
+
+def confirm(question: str, refusal: str, declined: str) -> None:
+    """Ask `question` (y/N, on stderr) before a command deletes or releases something.
+
+    Off a terminal there is no one to ask: fail with `refusal` (`--yes` is needed there).
+    A "no" prints `declined` and exits 1.
+
+    Example: confirm("Release 2 memory tier(s)?", f"{base}: 2 memory tier(s) to release;
+    refusing to release without --yes when not on a terminal (add --yes, or --dry-run to
+    see the plan only)", "Nothing released.")
+    """
+    if not sys.stdin.isatty():
+        fail(refusal)
+    if not typer.confirm(question, default=False, err=True):
+        stderr().print(declined, highlight=False)
+        raise typer.Exit(EXIT_ERROR)
 
 
 def parse_storage_options(items: list[str] | None) -> dict[str, str]:

@@ -40,6 +40,7 @@ from .errors import (
     ItemNotFoundError,
     ManifestError,
     MemoryBudgetError,
+    MemoryTierFullError,
     NebulaError,
     NotInitializedError,
     PersistError,
@@ -51,6 +52,7 @@ from .errors import (
     StorageFullError,
     TooManyItemsError,
     UnsafeCheckpointError,
+    UnsafeMemoryTierError,
     UnsupportedSchemaError,
 )
 from .history import (
@@ -61,6 +63,7 @@ from .history import (
     summarize_history,
 )
 from .inspection import describe_item, inspect_checkpoint
+from .memory_tiers import GcAction, MemoryTierInfo, execute_gc, list_memory_tiers, plan_gc
 from .pruning import PrunePlan, execute_prune, list_prune_candidates, plan_prune
 from .storage import using_storage_options
 from .verification import verify_checkpoints
@@ -80,6 +83,7 @@ __all__ = [
     "ItemNotFoundError",
     "ManifestError",
     "MemoryBudgetError",
+    "MemoryTierFullError",
     "NebulaError",
     "NotInitializedError",
     "PersistError",
@@ -90,6 +94,7 @@ __all__ = [
     "SnapshotChangedError",
     "StorageError",
     "StorageFullError",
+    "UnsafeMemoryTierError",
     "TooManyItemsError",
     "UnsafeCheckpointError",
     "UnsupportedSchemaError",
@@ -110,6 +115,11 @@ __all__ = [
     "list_prune_candidates",
     "memory_tier_path",
     "persist_memory_tier",
+    "list_memory_tiers",
+    "plan_gc",
+    "execute_gc",
+    "MemoryTierInfo",
+    "GcAction",
     "plan_prune",
     "read_history",
     "shutdown",

@@ -100,7 +100,7 @@ def tiers_for(persist_path: PathLike | None, what: str) -> TierSet:
     if live is not None:
         options = dict(live.config.storage_options)
         persistent = live.tiers.persistent
-        if persistent is not None and Store(persist_path, options).url == persistent.url:
+        if persistent is not None and Store(persist_path, options).location == persistent.location:
             return live.tiers
     return open_tiers(persist_path, options)
 

@@ -304,6 +304,34 @@ def open_filesystem(url: str, options: Mapping[str, Any], env: Mapping[str, str]
     return fs, root
 
 
+def endpoint_of(fs: Any) -> str:
+    """The account endpoint that an `open_filesystem` filesystem reaches, without secrets:
+    `https://acct.blob.core.windows.net`, or Azurite's `http://127.0.0.1:10000/acct`. Two
+    accounts with the same container and path are two roots; this tells them apart.
+
+    Example:
+        >>> class Fs: _nebula_auth = AzureAuth("connection_string", "environment",
+        ...     connection_string="AccountName=a;AccountKey=k;EndpointSuffix=core.windows.net")
+        >>> endpoint_of(Fs())
+        'https://a.blob.core.windows.net'
+    """
+    auth: AzureAuth | None = getattr(fs, "_nebula_auth", None)
+    if auth is None:
+        return str(getattr(fs, "account_url", None) or getattr(fs, "account_name", "") or "")
+    if auth.kind == "connection_string":
+        fields = {}
+        for part in (auth.connection_string or "").split(";"):
+            name, sep, value = part.partition("=")
+            if sep:
+                fields[name.strip().lower()] = value.strip()
+        if fields.get("blobendpoint"):
+            return fields["blobendpoint"].rstrip("/")
+        scheme = fields.get("defaultendpointsprotocol", "https")
+        suffix = fields.get("endpointsuffix", "core.windows.net")
+        return f"{scheme}://{fields.get('accountname', '')}.blob.{suffix}"
+    return (auth.account_url or "").rstrip("/")
+
+
 def canonical_url(url: str) -> str:
     """The URL of a root as nebula shows and compares it (scheme lower-cased, no
     trailing slash); the account host of `abfss://container@account...` is kept."""

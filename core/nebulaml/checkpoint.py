@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import session as _session
+from .budget import RECORDS_ROOM_BYTES, Shortfall
 from .catalog import read_committed, read_manifest
 from .checksum import verify_bytes
 from .commit import (
@@ -35,9 +36,12 @@ from .errors import (
     InvalidArgumentError,
     ItemNotFoundError,
     MemoryBudgetError,
+    MemoryTierFullError,
     SnapshotChangedError,
+    StorageFullError,
     TooManyItemsError,
     UnsupportedSchemaError,
+    memory_tier_advice,
 )
 from .fence import Taken
 from .history import HistoryRow, make_row
@@ -52,7 +56,7 @@ from .serialization import (
     to_saveable,
 )
 from .slots import write_snapshot
-from .snapshot import cuda_ready_event
+from .snapshot import Layout, cuda_ready_event
 from .storage import MissingFileError, Store
 from .tiers import TierSet
 
@@ -104,6 +108,7 @@ class Checkpoint:
         self._begun = False
         self._tiers: TierSet | None = None  # bound by the first save, or by get_checkpoint
         self._store: Store | None = None  # where the items go: memory, or streamed
+        self._memory_full = False  # the memory tier had no room for the writer marker
         self._started_at = ""
         self._t0 = 0.0
         self._blocking_s = 0.0
@@ -179,13 +184,16 @@ class Checkpoint:
         self._started_at, self._t0 = utc_now(), t0
         if self.overwrite:
             session.persister.release(self.tag)  # never rewrite what is being copied
-        begin_tag(
-            tiers.memory,
-            self.tag,
-            rank=session.rank,
-            overwrite=self.overwrite,
-            world_size=session.world_size,
-        )
+        try:
+            begin_tag(
+                tiers.memory,
+                self.tag,
+                rank=session.rank,
+                overwrite=self.overwrite,
+                world_size=session.world_size,
+            )
+        except StorageFullError:
+            self._memory_full = True  # the first item goes to the persistent tier (_write)
         self._tiers = tiers
         self._store = tiers.memory
         self._begun = True
@@ -200,42 +208,87 @@ class Checkpoint:
     ) -> ItemEntry:
         """Write one item: into a reused memory-tier buffer when its layout maps exactly
         (snapshot.py), else with torch.save; to the persistent tier once this checkpoint
-        does not fit the memory budget. The copy is done when this returns (`obj` may
-        change); returns the item's entry. A lazy save's small storages are read from
-        what it took at the save (fence.py)."""
+        does not fit the memory tier (its budget or its filesystem: budget.py). The copy
+        is done when this returns (`obj` may change); returns the item's entry. A lazy
+        save's small storages are read from what it took at the save (fence.py)."""
         if self._store is session.tiers.memory:
             layout = session.layouts.plan(name, obj)
             size = layout.size_bytes if layout is not None else estimate_bytes(obj)
-            if not session.budget.reserve(name, size):
-                self._stream(session, size)
-            elif layout is not None:
-                if taken is not None:
-                    layout = taken.on_copies(layout)
-                return write_snapshot(
-                    session.pool, self.tag, name, layout, rank=session.rank, ready=ready
-                )
+            if self._memory_full:
+                short = session.budget.filesystem_full(size)
+            else:
+                short = session.budget.make_room(name, size)
+            if short is None:
+                try:
+                    return self._write_memory(session, name, obj, layout, ready, taken)
+                except StorageFullError:
+                    # Another process took the room meanwhile: as if there had been none.
+                    short = session.budget.filesystem_full(size)
+            self._stream(session, f"item {name!r}", short)
         assert self._store is not None
         if taken is not None:
             obj = taken.substitute(obj)
         return write_item(self._store, self.tag, name, obj, rank=session.rank)
 
-    def _stream(self, session: _session.Session, size_bytes: int) -> None:
-        """Move this checkpoint to the persistent tier: it is written and committed there
-        directly, the items saved so far copied over first."""
+    def _write_memory(
+        self,
+        session: _session.Session,
+        name: str,
+        obj: Any,
+        layout: Layout | None,
+        ready: Any,
+        taken: Taken | None,
+    ) -> ItemEntry:
+        if layout is None:
+            if taken is not None:
+                obj = taken.substitute(obj)
+            return write_item(session.tiers.memory, self.tag, name, obj, rank=session.rank)
+        if taken is not None:
+            layout = taken.on_copies(layout)
+        return write_snapshot(session.pool, self.tag, name, layout, rank=session.rank, ready=ready)
+
+    def _stream(self, session: _session.Session, what: str, short: Shortfall) -> None:
+        """Move this checkpoint to the persistent tier, since `what` (an item, or the
+        commit's records) does not fit the memory tier (`short`): it is written and
+        committed there directly, the items saved so far copied over first. Says so once:
+        the checkpoint stays there."""
         persistent, memory = session.tiers.persistent, session.tiers.memory
-        limit = session.budget.limit_bytes or 0
+        why = None
         if persistent is None:
-            raise MemoryBudgetError(self.tag, size_bytes, limit, "there is no persistent tier")
-        if session.world_size > 1:
-            raise MemoryBudgetError(
-                self.tag, size_bytes, limit, "streaming to the persistent tier needs one rank"
+            why = "there is no persistent tier"
+        elif session.world_size > 1:
+            why = "streaming to the persistent tier needs one rank"
+        if why is not None:
+            if short.limit_bytes is not None:
+                raise MemoryBudgetError(self.tag, short.size_bytes, short.limit_bytes, why)
+            free = short.free_bytes or 0
+            raise MemoryTierFullError(self.tag, short.size_bytes, free, short.path, why)
+        assert persistent is not None
+        if short.limit_bytes is not None:
+            log.warning(
+                "checkpoint %r does not fit the memory budget (%d bytes, "
+                "NEBULA_MEMORY_BUFFER_SIZE): %s needs %d bytes; writing it to %s directly",
+                self.tag,
+                short.limit_bytes,
+                what,
+                short.size_bytes,
+                persistent.url,
             )
-        log.warning(
-            "checkpoint %r does not fit the memory budget (%d bytes): writing it to %s directly",
-            self.tag,
-            limit,
-            persistent.url,
-        )
+        else:
+            total = sum(item.size_bytes for item in self._items) + short.size_bytes
+            log.warning(
+                "checkpoint %r does not fit the memory tier: %s needs %d bytes (the "
+                "checkpoint %d so far), and %s has %d bytes free; writing the checkpoint to "
+                "%s directly, slower than into memory. To keep checkpoints in memory, %s",
+                self.tag,
+                what,
+                short.size_bytes,
+                total,
+                short.path,
+                short.free_bytes or 0,
+                persistent.url,
+                memory_tier_advice(total),
+            )
         begin_tag(persistent, self.tag, rank=session.rank, overwrite=self.overwrite)
         for item in self._items:
             copy_item(memory, persistent, self.tag, item, lambda _n: None)
@@ -284,7 +337,15 @@ class Checkpoint:
         if self._store is not None and self._store is session.tiers.persistent:
             return self._commit_streamed(session, t0)
         memory = session.tiers.memory
-        manifest = self._commit_part(session, memory)
+        try:
+            manifest = self._commit_part(session, memory)
+        except StorageFullError:
+            if session.world_size > 1 or session.tiers.persistent is None:
+                raise
+            # No room left for the manifest (another process took it): commit it there.
+            short = session.budget.filesystem_full(RECORDS_ROOM_BYTES)
+            self._stream(session, "its manifest", short)
+            return self._commit_streamed(session, t0)
         if manifest is None and session.ranks.all_local:
             # The other ranks share this memory tier: wait (bounded) until their parts
             # are there and the checkpoint is committed, so that it loads on every rank.
@@ -297,7 +358,7 @@ class Checkpoint:
         row = self._finish_commit(session, memory, "memory", t0)
         # This rank's part is committed (on a node without the other ranks, the memory
         # tier never holds the whole): it is what this rank's persister copies.
-        session.persister.notify_committed(self.tag, row)
+        session.persister.notify_committed(self.tag, row, labels=self.labels)
         return True
 
     def _commit_part(self, session: _session.Session, store: Store) -> Manifest | None:

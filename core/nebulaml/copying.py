@@ -22,7 +22,7 @@ from .api import newest_first, tiers_for
 from .catalog import CheckpointInfo, list_committed, read_committed
 from .commit import CopyResult
 from .commit import copy_checkpoint as _copy
-from .errors import CheckpointNotFoundError, NebulaError, RootNotFoundError
+from .errors import CheckpointNotFoundError, NebulaError, RootNotFoundError, StorageError
 from .history import append_rows, make_row
 from .leases import read_lease
 from .manifest import utc_now
@@ -116,6 +116,8 @@ def persist_memory_tier(root: PathLike) -> list[str]:
     assert persistent is not None  # a root was given
     if not any(store.exists() for _tier, store in tiers.stores):
         raise RootNotFoundError(tiers.display)
+    if not tiers.memory_usable:
+        return []  # a stale memory tier (its root deleted or created again) is never flushed
     in_memory = list_committed(tiers.memory)
     if not in_memory:
         return []
@@ -144,6 +146,8 @@ def persist_memory_tier(root: PathLike) -> list[str]:
 
 def _destination(tiers: TierSet, dest: PathLike) -> Store:
     if dest == MEMORY:
+        if not tiers.memory_usable:
+            raise StorageError(f"{tiers.memory.url}: {tiers.memory_note}")
         return tiers.memory
     if dest == PERSISTENT:
         assert tiers.persistent is not None

@@ -177,6 +177,18 @@ class StorageFullError(StorageError):
     """The storage ran out of space (ENOSPC or a quota)."""
 
 
+class UnsafeMemoryTierError(StorageError):
+    """A memory-tier folder that is not this user's alone (another owner, a symbolic link,
+    writable by others, not a folder): nebula neither writes nor deletes through it."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(
+            f"{path}: {why}; nebula refuses to use it as a memory tier (remove it, or set "
+            f"NEBULA_MEMORY_TIER_PATH to a folder of your own)"
+        )
+        self.path, self.why = path, why
+
+
 class PersistError(NebulaError):
     """A background persist failed; raised on the next call into the library."""
 
@@ -212,3 +224,29 @@ class MemoryBudgetError(NebulaError, MemoryError):
             f"NEBULA_MEMORY_BUFFER_SIZE, or give nm.init() a persistent_storage_path"
         )
         self.tag, self.need_bytes, self.limit_bytes = tag, need_bytes, limit_bytes
+
+
+class MemoryTierFullError(MemoryBudgetError):
+    """A checkpoint does not fit the free space of the memory tier's filesystem (a small
+    /dev/shm) and has nowhere else to go."""
+
+    def __init__(self, tag: str, need_bytes: int, free_bytes: int, path: str, why: str) -> None:
+        NebulaError.__init__(
+            self,
+            f"checkpoint {tag!r} needs {need_bytes} bytes in the memory tier, and its "
+            f"filesystem ({path}) has {free_bytes} bytes free, and {why}: "
+            f"{memory_tier_advice(need_bytes)}, or give nm.init() a persistent_storage_path",
+        )
+        self.tag, self.need_bytes, self.limit_bytes = tag, need_bytes, None
+        self.free_bytes, self.path = free_bytes, path
+
+
+def memory_tier_advice(checkpoint_bytes: int) -> str:
+    """How to give the memory tier room for checkpoints of `checkpoint_bytes` (two copies:
+    the newest and the one being written)."""
+    gib = max(1, -(-2 * checkpoint_bytes // (1 << 30)))
+    return (
+        f"give the memory tier room for two copies: `docker run --shm-size={gib}g ...` "
+        f"(Docker's /dev/shm is 64 MiB), or NEBULA_MEMORY_TIER_PATH set to a folder on a "
+        f"local NVMe disk"
+    )

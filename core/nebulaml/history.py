@@ -1,4 +1,5 @@
-"""checkpointHistories.csv: one row per save (memory tier) and per persist.
+"""checkpointHistories.csv: one row per save (memory tier), per persist and per skipped
+persist (a checkpoint superseded before its turn: status `skipped`, tier persistent).
 
 The file sits at the persistent root (the memory root when there is no persistent tier)
 and is only ever appended to, one batch of whole lines per write, by the persister thread,
@@ -52,8 +53,8 @@ class HistoryRow:
     blocking_s: float  # time the training thread waited (0 for background persists)
     size_bytes: int
     throughput_mb_s: float  # size_bytes / duration_s / 1e6
-    status: str  # "ok" or "failed"
-    error: str  # empty when status is "ok"
+    status: str  # "ok", "failed" or "skipped"
+    error: str  # empty when "ok"; for "skipped", "superseded by <the newer tag>"
 
 
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(HistoryRow))
@@ -97,6 +98,34 @@ def make_row(
     )
 
 
+def skipped_row(
+    *, tag: str, step: int | None, rank: int, started_at: str, superseded_by: str
+) -> HistoryRow:
+    """The row of a persist that never happened: `tag` was superseded by the newer commit
+    `superseded_by` before its turn (the interval). Nothing was written: sizes and times
+    are 0; `started_at` is when it was superseded.
+
+    Example:
+        >>> row = skipped_row(tag="global_step1", step=1, rank=0, started_at="t",
+        ...                   superseded_by="global_step2")
+        >>> row.status, row.error
+        ('skipped', 'superseded by global_step2')
+    """
+    return HistoryRow(
+        tag=tag,
+        step=step,
+        tier="persistent",
+        rank=rank,
+        started_at=started_at,
+        duration_s=0.0,
+        blocking_s=0.0,
+        size_bytes=0,
+        throughput_mb_s=0.0,
+        status="skipped",
+        error=f"superseded by {superseded_by}",
+    )
+
+
 def append_rows(store: Store, rows: list[HistoryRow]) -> None:
     """Append rows to the root's history file, writing the header when it is new."""
     if not rows:
@@ -117,7 +146,7 @@ def append_rows(store: Store, rows: list[HistoryRow]) -> None:
 
 # reading ---------------------------------------------------------------------------------
 TIERS = ("memory", "persistent")
-STATUSES = ("ok", "failed")
+STATUSES = ("ok", "failed", "skipped")
 _ISO_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 
@@ -221,7 +250,8 @@ def _parse(data: bytes, where: str) -> pd.DataFrame:
 
     reject(raw["tag"] == "", "tag", "a tag")
     reject(~raw["tier"].isin(TIERS), "tier", " or ".join(TIERS))
-    reject(~raw["status"].isin(STATUSES), "status", " or ".join(STATUSES))
+    statuses = f"{', '.join(STATUSES[:-1])} or {STATUSES[-1]}"
+    reject(~raw["status"].isin(STATUSES), "status", statuses)
     for column in ("rank", "size_bytes"):
         reject(~raw[column].str.fullmatch(r"-?\d+"), column, "an integer")
     reject(~raw["step"].str.fullmatch(r"(-?\d+)?"), "step", "an integer or empty")
@@ -260,7 +290,8 @@ _FLOAT_COLUMNS = ("duration_s", "blocking_s", "throughput_mb_s")
 def summarize_history(df: pd.DataFrame) -> dict[str, Any]:
     """A JSON-serialisable summary of history rows (as `read_history` returns them).
 
-    `count` rows: `saves` (memory tier), `persists` (persistent tier), `failures`.
+    `count` rows: `saves` (memory tier), `persists` (persistent tier, done or failed),
+    `skipped` (persists skipped: superseded before their turn), `failures`.
     `stall_s` is the time training waited per save (`blocking_s` of the saves);
     `persist_s` the time a successful persist took (`duration_s`), and `throughput_mb_s`
     its speed; each has `p50`, `p95` (linear interpolation) and `max`, or None without
@@ -273,7 +304,8 @@ def summarize_history(df: pd.DataFrame) -> dict[str, Any]:
         0
     """
     memory = df["tier"] == "memory"
-    persistent = df["tier"] == "persistent"
+    skipped = df["status"] == "skipped"
+    persistent = (df["tier"] == "persistent") & ~skipped
     ok = df["status"] == "ok"
     persisted = df[persistent & ok]
     started = df["started_at"]
@@ -281,6 +313,7 @@ def summarize_history(df: pd.DataFrame) -> dict[str, Any]:
         "count": len(df),
         "saves": int(memory.sum()),
         "persists": int(persistent.sum()),
+        "skipped": int(skipped.sum()),
         "failures": int((df["status"] == "failed").sum()),
         "stall_s": _quantiles(df.loc[memory, "blocking_s"], p95=True),
         "persist_s": _quantiles(persisted["duration_s"], p95=True),

@@ -3,9 +3,12 @@
 After each commit in the memory tier the training thread calls `notify_committed`. A single
 daemon thread copies the newest committed memory checkpoint to the persistent tier at
 most once every `interval_s` seconds (a checkpoint superseded before its turn is skipped;
-that is what the interval means), commits it there, applies retention on both tiers and
-appends the history rows. A failure is kept and raised once, on the next call into the
-library (`raise_pending_error`), and reported at exit; it is never swallowed.
+that is what the interval means, and its history row says `skipped`), commits it there,
+applies retention on both tiers and appends the history rows. A labelled checkpoint is
+never superseded: it is persisted as soon as the thread is free, without waiting for the
+interval, and the memory tier keeps it until then. A failure is kept and raised once, on
+the next call into the library (`raise_pending_error`), and reported at exit; it is never
+swallowed.
 
 Not for: the commit protocol itself (commit.py) or process-wide state (session.py).
 """
@@ -20,7 +23,7 @@ import time
 from .catalog import list_committed, read_committed
 from .commit import copy_checkpoint, copy_part, delete_checkpoint, delete_part, own_parts
 from .errors import NebulaError, PersistError, PersistTimeoutError
-from .history import HistoryRow, append_rows, make_row
+from .history import HistoryRow, append_rows, make_row, skipped_row
 from .manifest import marker_name, utc_now
 from .names import order_key, step_of
 from .ranks import RankInfo
@@ -67,7 +70,9 @@ class Persister:
         # A follower (rank > 0) persists exactly what rank 0 persists: the tags it holds
         # and has not yet seen rank 0's marker for, oldest first.
         self._candidates: list[str] = []
-        self._forced: list[str] = []  # flush requests: persisted now, interval ignored
+        # Flush requests and labelled checkpoints: persisted in order, the interval
+        # ignored, never superseded.
+        self._forced: list[str] = []
         self._inflight: str | None = None
         self._last_start: float | None = None
         self._done: dict[str, BaseException | None] = {}
@@ -80,16 +85,28 @@ class Persister:
         self._thread.start()
 
     # called by the training thread --------------------------------------------------------
-    def notify_committed(self, tag: str, row: HistoryRow | None = None) -> None:
-        """A tag was committed in the memory tier: it becomes the one to persist next."""
+    def notify_committed(
+        self, tag: str, row: HistoryRow | None = None, *, labels: tuple[str, ...] = ()
+    ) -> None:
+        """A tag was committed in the memory tier: it becomes the one to persist next,
+        superseding the pending one. A labelled tag (`labels`) is queued instead: it is
+        persisted without waiting for the interval and is never superseded."""
         with self._cond:
             if row is not None:
                 self._rows.append(row)
             if self.tiers.persistent is not None:
-                self._pending = tag
                 self._done.pop(tag, None)
-                if self._follows() and tag not in self._candidates:
-                    self._candidates.append(tag)
+                if self._follows():
+                    # Rank 0 decides what is persisted and what skipped; this rank follows.
+                    self._pending = tag
+                    if tag not in self._candidates:
+                        self._candidates.append(tag)
+                else:
+                    self._supersede_pending(tag)
+                    if not labels:
+                        self._pending = tag
+                    elif tag not in self._forced:
+                        self._forced.append(tag)
             self._cond.notify_all()
         self.evict_memory()
 
@@ -99,7 +116,7 @@ class Persister:
         with self._cond:
             self._rows.append(row)
             if self._pending is not None and order_key(self._pending, "") < order_key(tag, ""):
-                self._pending = None
+                self._supersede_pending(tag)
             self._cond.notify_all()
         if self.ranks.is_leader:
             self._retire_after_stream(tag)
@@ -181,7 +198,8 @@ class Persister:
         return target
 
     def protected(self) -> set[str]:
-        """Tags the memory tier must keep: pending, in flight, or asked for."""
+        """Tags the memory tier must keep: pending, in flight, or queued (asked for, or
+        labelled and not yet persisted)."""
         with self._cond:
             return {
                 t for t in (self._pending, self._inflight, *self._forced, *self._candidates) if t
@@ -191,7 +209,8 @@ class Persister:
         """Drop memory copies that are no longer needed.
 
         With a persistent tier the memory tier keeps its newest checkpoint and those
-        pending or in flight. Without one it is the only tier, and retention applies.
+        pending, queued (labelled ones until their persist) or in flight. Without one it
+        is the only tier, and retention applies.
         With several ranks each rank removes only its own part (manifest first). With
         `superseded_newest` (the memory budget needs room) the newest goes too once the
         persistent tier holds it or a newer checkpoint.
@@ -257,6 +276,20 @@ class Persister:
     def error(self) -> PersistError | None:
         with self._cond:
             return self._error
+
+    def _supersede_pending(self, by: str) -> None:
+        """Under the lock: the newer commit `by` supersedes the pending tag, whose persist
+        is skipped. Rank 0, which decides what is skipped (the other ranks follow it, see
+        `_follow_leader`), appends the `skipped` history row."""
+        old, self._pending = self._pending, None
+        if old is None or old == by or old == self._inflight or old in self._forced:
+            return  # nothing pending, or it is persisted anyway
+        log.debug("%r superseded by %r before its persist: skipped", old, by)
+        if self.ranks.is_leader:
+            row = skipped_row(
+                tag=old, step=step_of(old), rank=self.rank, started_at=utc_now(), superseded_by=by
+            )
+            self._rows.append(row)
 
     # the thread ---------------------------------------------------------------------
     def _follows(self) -> bool:
@@ -327,7 +360,9 @@ class Persister:
         """Queue the candidates rank 0 has started to persist; drop older ones it skipped.
 
         Rank 0 persists tags in order, one at a time, so once its marker of a tag is
-        visible, the markers of every older tag it persisted are visible too.
+        visible, the markers of every older tag it persisted are visible too. A skipped
+        tag's history row is rank 0's (it knows which commit superseded it); this rank
+        writes none.
         """
         persistent = self.tiers.persistent
         assert persistent is not None

@@ -98,8 +98,15 @@ def write_item(obj: Any, out: BinaryIO) -> int:
     import torch
 
     saveable = to_saveable(obj)
-    with _zip_crc_off():
-        torch.save(saveable, out)
+    try:
+        with _zip_crc_off():
+            torch.save(saveable, out)
+    except RuntimeError as exc:
+        # A failed write (a full disk) makes torch's zip writer raise its own RuntimeError
+        # as it closes ("unexpected pos"): the write's OSError is what happened.
+        if isinstance(exc.__context__, OSError):
+            raise exc.__context__ from None
+        raise
     return tensor_bytes_of(saveable)
 
 

@@ -25,8 +25,15 @@ from typing import Any
 
 from .budget import MemoryBudget
 from .catalog import list_committed, list_incomplete
-from .commit import WRITER_PREFIX, delete_checkpoint, own_parts, read_writers, writer_alive
-from .errors import InvalidArgumentError, NotInitializedError
+from .commit import (
+    WRITER_PREFIX,
+    delete_checkpoint,
+    delete_part,
+    own_parts,
+    read_writers,
+    writer_alive,
+)
+from .errors import InvalidArgumentError, NebulaError, NotInitializedError
 from .fence import SnapshotWorker
 from .names import order_key
 from .persister import Persister
@@ -34,7 +41,7 @@ from .ranks import RankInfo, detect_ranks, memory_budget_bytes
 from .slots import SlotPool
 from .snapshot import LayoutCache
 from .storage import Store
-from .tiers import TierSet, open_tiers, record_root
+from .tiers import TierHold, TierSet, claim_tiers, release_memory_tier
 
 log = logging.getLogger("nebulaml")
 
@@ -44,12 +51,20 @@ ENV_RETENTION = "NEBULA_NUM_OF_VERSION_IN_RETENTION"
 ENV_EXIT_TIMEOUT = "NEBULA_EXIT_TIMEOUT_S"
 ENV_RANK_TIMEOUT = "NEBULA_RANK_TIMEOUT_S"
 ENV_LAZY = "NEBULA_LAZY_SNAPSHOT"
+ENV_KEEP_MEMORY_TIER = "NEBULA_KEEP_MEMORY_TIER"
 DEFAULT_RANK_TIMEOUT_S = 300.0
 EXIT_NOT_PERSISTED = 1  # the exit status when a checkpoint could not be persisted at exit
 DEFAULT_INTERVAL_S = 100.0
 DEFAULT_RETENTION = 2
 DEFAULT_EXIT_TIMEOUT_S = 600.0
-KNOWN_OPTIONS = ("storage_options", "exit_timeout_s", "rank_timeout_s", "lazy_snapshot")
+KNOWN_OPTIONS = (
+    "storage_options",
+    "exit_timeout_s",
+    "rank_timeout_s",
+    "lazy_snapshot",
+    "keep_memory_tier",
+)
+_TRUE = ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +78,7 @@ class Config:
     rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S
     storage_options: tuple[tuple[str, Any], ...] = ()
     lazy_snapshot: bool = False
+    keep_memory_tier: bool = False
 
 
 def _number(value: object, source: str, kind: type, minimum: float) -> Any:
@@ -124,9 +140,14 @@ def resolve_config(
         exit_timeout = os.environ.get(ENV_EXIT_TIMEOUT, DEFAULT_EXIT_TIMEOUT_S)
     lazy = options.get("lazy_snapshot")
     if lazy is None:
-        lazy = os.environ.get(ENV_LAZY, "0").strip().lower() in ("1", "true", "yes", "on")
+        lazy = os.environ.get(ENV_LAZY, "0").strip().lower() in _TRUE
     if not isinstance(lazy, bool):
         raise InvalidArgumentError(f"lazy_snapshot must be True or False, not {lazy!r}")
+    keep = options.get("keep_memory_tier")
+    if keep is None:
+        keep = os.environ.get(ENV_KEEP_MEMORY_TIER, "0").strip().lower() in _TRUE
+    if not isinstance(keep, bool):
+        raise InvalidArgumentError(f"keep_memory_tier must be True or False, not {keep!r}")
     storage_options = options.get("storage_options") or {}
     if not isinstance(storage_options, dict):
         raise InvalidArgumentError("storage_options must be a dict")
@@ -138,6 +159,7 @@ def resolve_config(
         rank_timeout_s=_number(rank_timeout, "rank_timeout_s", float, 0),
         storage_options=tuple(sorted(storage_options.items())),
         lazy_snapshot=lazy,
+        keep_memory_tier=keep,
     )
 
 
@@ -149,12 +171,13 @@ class Session:
         self.ranks: RankInfo = detect_ranks()
         self.rank = self.ranks.rank
         self.world_size = self.ranks.world_size
-        self.tiers: TierSet = open_tiers(
+        # The persistent root with its identity; this root's memory tier, checked private,
+        # held while this session lives, and released first if an earlier root left it.
+        self.tiers: TierSet
+        self.hold: TierHold
+        self.tiers, self.hold = claim_tiers(
             config.persistent_storage_path, dict(config.storage_options)
         )
-        if self.tiers.persistent is not None:
-            self.tiers.persistent.make_dir()
-        record_root(self.tiers)
         # Leftovers of this node's crashed saves and persists; other nodes' are theirs.
         for _tier, store in self.tiers.stores:
             remove_dead_writers(store)
@@ -191,7 +214,16 @@ class Session:
         if self.tiers.persistent is None:
             return None
         if self.ranks.all_local:
-            in_memory = [(c.tag, c.sort_key) for c in list_committed(self.tiers.memory)]
+            committed = list_committed(self.tiers.memory)
+            in_memory = [(c.tag, c.sort_key) for c in committed]
+            # A labelled checkpoint is always persisted (persister.py), even one a crash
+            # left unpersisted behind a newer one.
+            if self.world_size == 1:
+                durable = {c.tag for c in list_committed(self.tiers.persistent)}
+                for c in committed[:-1]:
+                    if c.manifest.labels and c.tag not in durable:
+                        log.info("persisting %r (labelled), left in the memory tier", c.tag)
+                        self.persister.request(c.tag)
         else:  # the node holds only its ranks' parts, never a manifest of the whole
             parts = own_parts(self.tiers.memory, self.rank)
             in_memory = sorted((tag, order_key(tag, created)) for tag, created in parts)
@@ -215,7 +247,43 @@ class Session:
         # (/dev/shm) after the job. The checkpoints themselves stay.
         self.pool.trim()
         self.pool.close()
+        try:
+            if left is None and self._releasable():
+                tags, size = release_memory_tier(self.tiers.memory, self.hold)
+                if tags or size:
+                    log.info("released the memory tier %s (%s: %d bytes, all persisted)",
+                             self.tiers.memory.url, ", ".join(tags) or "empty", size)  # fmt: skip
+        except (NebulaError, OSError) as exc:
+            log.warning("could not release the memory tier %s: %s", self.tiers.memory.url, exc)
+        finally:
+            self.hold.close()
         return left
+
+    def _releasable(self) -> bool:
+        """Whether the memory tier may go at close: there is a persistent tier, it was not
+        asked to be kept, nothing failed, and every checkpoint of this rank's in the memory
+        tier is persisted (or older than one that is). With several ranks on the node,
+        this rank's parts go now, and the last rank out removes the folder."""
+        persistent = self.tiers.persistent
+        if persistent is None or self.config.keep_memory_tier or self.persister.error:
+            return False
+        memory = self.tiers.memory
+        persisted = list_committed(persistent)
+        newest = persisted[-1].sort_key if persisted else None
+        durable = {info.tag: info.manifest.items for info in persisted}
+        if self.world_size > 1:
+            mine = own_parts(memory, self.rank)
+            for tag, created in mine:
+                if tag not in durable and (newest is None or order_key(tag, created) >= newest):
+                    return False
+            for tag, _created in mine:
+                delete_part(memory, tag, self.rank)
+            return not any(True for _ in memory.list_dirs())
+        for info in list_committed(memory):
+            same = durable.get(info.tag) == info.manifest.items
+            if not same and (newest is None or info.sort_key >= newest):
+                return False
+        return True
 
 
 def remove_dead_writers(store: Store) -> list[str]:
@@ -291,37 +359,188 @@ def stop(timeout_s: float | None = None) -> str | None:
     return left
 
 
-def _at_exit() -> None:
+# The exit path ---------------------------------------------------------------------------
+# The exit persist runs in a hook of `threading._shutdown()`, which the interpreter calls
+# once the main thread is done (return, exception, sys.exit, nebula's SIGTERM exit):
+# before it joins the non-daemon threads, and before the atexit handlers. Those hooks run
+# newest first, and concurrent.futures registers one that shuts every ThreadPoolExecutor
+# down; asyncio's default executor goes with it, and aiohttp (under adlfs and the Azure
+# SDK) asks it for each request. From an atexit handler an az:// persist therefore failed
+# with "cannot schedule new futures after shutdown" (issue #16); nebula's hook, registered
+# after that one, runs before it. The atexit handler stays for what the hook leaves: a
+# session begun after it ran, or one that non-daemon threads may still use (see
+# _other_threads_running).
+
+
+def _say(line: str) -> None:
+    """One line on stderr; from a signal handler too, which may interrupt a write."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - a reentrant or closed stream: the descriptor itself
+        with contextlib.suppress(OSError):
+            os.write(2, (line + "\n").encode(errors="replace"))
+
+
+def _unpersisted(session: Session) -> list[str]:
+    """The tags the exit persist has yet to persist (pending, queued, in flight)."""
+    if session.tiers.persistent is None:
+        return []
+    return sorted(session.persister.protected(), key=lambda tag: order_key(tag, ""))
+
+
+def _report_unpersisted(session: Session, tags: list[str], why: str) -> None:
+    where = session.tiers.display
+    listed = ", ".join(map(repr, tags))
+    what = f"checkpoint {listed} was" if len(tags) == 1 else f"checkpoints {listed} were"
+    _say(
+        f"nebula: {what} not persisted to {where}: {why}; it is still in the memory tier "
+        f"({session.tiers.memory.url}), and the next nm.init({where!r}) on this node, or "
+        f"`nebula flush {where}`, persists it"
+    )
+
+
+def _exit_now() -> None:
+    """Exit with EXIT_NOT_PERSISTED at once. Never a silent 0 (or 128+signum) when a
+    checkpoint was not made durable: the process has said so and its status says so.
+    os._exit skips what would run after (the atexit handlers): flush what they would."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    os._exit(EXIT_NOT_PERSISTED)
+
+
+class _ExitSignals:
+    """SIGTERM and SIGINT while the exit persist runs. torchrun and Kubernetes signal
+    again after the first SIGTERM, and people press Ctrl-C twice: the first one during
+    the persist says on stderr what nebula is finishing, where, and how long it waits at
+    most (what is left of exit_timeout_s), and the persist goes on; the next one abandons
+    it: the checkpoint is named as not persisted and the process exits at once with
+    EXIT_NOT_PERSISTED. Installed in the main thread only, not over a signal that is
+    ignored; the previous handlers come back after.
+
+    The handler never raises: an exception thrown into `Thread.join` marks the thread
+    it waited for as stopped while it still runs (CPython 3.11, bpo-45274's fix), and
+    the persist would look finished."""
+
+    def __init__(self, session: Session, started: float) -> None:
+        self.session = session
+        self.started = started
+        self.received: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                previous = signal.getsignal(signum)
+                if previous is not signal.SIG_IGN:
+                    signal.signal(signum, self._handle)
+                    self._previous[signum] = previous
+
+    def restore(self) -> None:
+        for signum, previous in self._previous.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        from time import monotonic
+
+        tags = _unpersisted(self.session)
+        if not tags:
+            return  # nothing left to persist: the exit goes on, and soon ends
+        self.received.append(signum)
+        name = signal.Signals(signum).name
+        elapsed = monotonic() - self.started
+        timeout_s = self.session.config.exit_timeout_s
+        if len(self.received) == 1:
+            _say(
+                f"nebula: {name} during exit: finishing the persist of "
+                f"{', '.join(map(repr, tags))} to {self.session.tiers.display}, waiting at "
+                f"most {max(0.0, timeout_s - elapsed):.0f} s more (exit_timeout_s="
+                f"{timeout_s:g}); signal again to abandon it"
+            )
+            return
+        _report_unpersisted(
+            self.session, tags, f"its exit persist was abandoned on {name} after {elapsed:.1f} s"
+        )
+        with contextlib.suppress(Exception):
+            self.session.pool.trim()  # the free buffers, as close() would have
+        _exit_now()
+
+
+def _exit_persist() -> None:
+    """Close the session: persist what is pending within exit_timeout_s. What was not
+    persisted is named on stderr, with where it still is, and the process exits with
+    EXIT_NOT_PERSISTED (after a signal too: never 0 nor 128+signum then)."""
+    from time import monotonic
+
+    global _session
     session = _session
     if session is None:
         return
     timeout_s = session.config.exit_timeout_s
-    left = session.close(timeout_s)
-    where = session.tiers.display
+    signals = _ExitSignals(session, monotonic())
+    left: str | None = None
+    failure: BaseException | None = None
+    try:
+        signals.install()  # before the session is taken: a signal cannot lose it
+        _session = None
+        try:
+            left = session.close(timeout_s)
+        except Exception as exc:  # noqa: BLE001 - reported below, and by the exit status
+            failure = exc
+            with contextlib.suppress(Exception):
+                left = session.persister.close(0)  # the tag it has not finished, if any
+    finally:
+        signals.restore()
     if left is not None:
-        sys.stderr.write(
-            f"nebula: checkpoint {left!r} was not persisted to {where} within {timeout_s:g} s; "
-            f"it is still in the memory tier ({session.tiers.memory.url}), and the next "
-            f"nm.init({where!r}) on this node persists it\n"
-        )
-    error: BaseException | None = session.persister.error
+        why = f"its persist did not finish within {timeout_s:g} s (exit_timeout_s)"
+        _report_unpersisted(session, [left], why)
+    error: BaseException | None = failure or session.persister.error
     if error is None and session.snapshots is not None:
         try:
             session.snapshots.wait()
         except Exception as exc:  # noqa: BLE001 - reported below, and by the exit status
             error = exc
     if error is not None:
-        sys.stderr.write(f"nebula: error: {error}\n")
+        _say(f"nebula: error: {error}")
     if left is not None or error is not None:
-        # Never a silent exit 0 when a checkpoint was not made durable: the process says
-        # so (above) and its status says so. os._exit skips the handlers registered before
-        # nebula's, so flush what they would have.
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        logging.shutdown()
-        os._exit(EXIT_NOT_PERSISTED)
-    sys.stderr.flush()
+        _exit_now()
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+
+
+def _other_threads_running() -> bool:
+    """Whether a non-daemon thread besides this one still runs (the pools' workers of
+    concurrent.futures aside: its own hook stops them, after nebula's). Such a thread may
+    still save: the exit persist then waits for the atexit handler, after it is joined."""
+    pools: set[threading.Thread] = set()
+    for module, name in (
+        ("concurrent.futures.thread", "_threads_queues"),
+        ("concurrent.futures.process", "_threads_wakeups"),
+    ):
+        workers = getattr(sys.modules.get(module), name, None)
+        if workers:
+            pools.update(list(workers.keys()))
+    me = threading.current_thread()
+    return any(
+        t is not me and not t.daemon and t.is_alive() and t not in pools
+        for t in threading.enumerate()
+    )
+
+
+def _at_threading_exit() -> None:
+    if _session is not None and not _other_threads_running():
+        _exit_persist()
+
+
+def _at_exit() -> None:
+    _exit_persist()
 
 
 def _terminate(signum: int, _frame: object) -> None:
@@ -341,4 +560,15 @@ def install_sigterm_handler() -> bool:
     return True
 
 
-atexit.register(_at_exit)
+def _register_exit_handlers() -> None:
+    # Imported first, so that its hook is registered before nebula's (and runs after it).
+    import concurrent.futures.thread  # noqa: F401
+
+    atexit.register(_at_exit)
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        with contextlib.suppress(RuntimeError):  # imported during shutdown: atexit does it
+            register(_at_threading_exit)
+
+
+_register_exit_handlers()

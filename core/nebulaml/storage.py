@@ -57,11 +57,14 @@ from .retry import OPTION_NAMES as RETRY_OPTIONS
 from .retry import RetryPolicy
 from .retry import call as call_with_retries
 from .storage_io import (
+    PRIVATE_FILE_MODE,
+    PUBLIC_FILE_MODE,
     DirectFile,
     LocalWriter,
     MissingFileError,
     RemoteReader,
     RemoteWriter,
+    create_file,
     describe,
     fsync_dir,
     mark_in_use,
@@ -343,6 +346,7 @@ class Store:
         storage_options: Mapping[str, Any] | None = None,
         *,
         durable: bool = True,
+        private: bool = False,
     ) -> None:
         url = os.fspath(url)
         protocol = fsspec.core.split_protocol(url)[0]
@@ -383,6 +387,10 @@ class Store:
         else:
             self.url = fs.unstrip_protocol(self.root)
         self.durable = durable
+        # A private store (the memory tier) is this user's alone: folders 0700, files 0600.
+        self.private = private and self.is_local
+        self._file_mode = PRIVATE_FILE_MODE if self.private else PUBLIC_FILE_MODE
+        self.location = self._location(fs, options)
         self._container_ready = False
         # Mappings this process already holds, by (st_dev, st_ino, size): the slot pool's
         # of the memory tier's files (slots.SlotPool.view_of). None: map afresh.
@@ -390,6 +398,23 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
+
+    def _location(self, fs: Any, options: Mapping[str, Any]) -> str:
+        """What this root is, whatever name reached it: the real path of a local root
+        (symbolic links resolved); for a remote one its protocol, account endpoint and
+        path. Two stores with one location are one root; two accounts with the same
+        container and path are two."""
+        if self.is_local:
+            return os.path.realpath(self.root)
+        if self.is_azure:
+            return f"{azure.endpoint_of(fs)}|{self.url}"
+        # Other fsspec stores: the options that name where the data is, never secrets.
+        where = sorted(
+            (k, str(v))
+            for k, v in options.items()
+            if k in ("endpoint_url", "host", "port", "project", "account_name", "bucket")
+        )
+        return f"{self.url}|{where}" if where else self.url
 
     # paths -------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -403,6 +428,32 @@ class Store:
     def local_path(self, *parts: str) -> str | None:
         """The OS path of `parts` if this store is on a local filesystem, else None."""
         return self.path(*parts) if self.is_local else None
+
+    def _local(self, parts: tuple[str, ...], *, leaf_may_link: bool = False) -> str:
+        """The OS path of `parts`, after checking that no folder on the way under the root
+        (nor `parts` itself, unless `leaf_may_link`: the caller opens it with O_NOFOLLOW
+        or removes the name alone) is a symbolic link: nebula never reads, writes or
+        deletes through one (`ln -s ~/project ROOT/global_step9` must not make a save
+        delete the files of ~/project). Raises `StorageError` naming the link."""
+        path = self.root
+        last = len(parts) - (1 if leaf_may_link else 0)
+        for i, part in enumerate(parts[:last]):
+            path = f"{path}/{part}"
+            try:
+                mode = os.lstat(path).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                break  # nothing further down exists
+            except OSError:
+                break  # reported by the operation itself
+            if stat.S_ISLNK(mode):
+                raise StorageError(
+                    redact(
+                        f"{self.display(*parts[: i + 1])}: is a symbolic link; nebula never "
+                        f"reads, writes or deletes through one (remove the link)",
+                        self._secrets,
+                    )
+                )
+        return self.path(*parts)
 
     # the boundary --------------------------------------------------------------------
     def _translated(self, what: str) -> contextlib.AbstractContextManager[None]:
@@ -430,6 +481,9 @@ class Store:
 
     # reading -----------------------------------------------------------------------
     def exists(self, *parts: str) -> bool:
+        if self.is_local:  # the name itself, link or not; never through a linked folder
+            with self._translated(self.display(*parts)):
+                return os.path.lexists(self._local(parts, leaf_may_link=True))
         return self._call(self.display(*parts), lambda: bool(self.fs.exists(self.path(*parts))))
 
     def list_dirs(self) -> list[str]:
@@ -443,7 +497,7 @@ class Store:
         if self.is_local:
             with self._translated(self.display(*parts)):
                 try:
-                    with os.scandir(self.path(*parts)) as it:
+                    with os.scandir(self._local(parts)) as it:
                         for entry in it:
                             if entry.is_file(follow_symlinks=False):
                                 try:
@@ -475,7 +529,7 @@ class Store:
         if self.is_local:
             with self._translated(self.display(*parts)):
                 try:
-                    with os.scandir(self.path(*parts)) as it:
+                    with os.scandir(self._local(parts)) as it:
                         return [
                             (e.name, "directory" if e.is_dir(follow_symlinks=False) else "file")
                             for e in it
@@ -497,6 +551,7 @@ class Store:
         if self.is_local:
             with self._translated(self.display(*parts)):
                 try:
+                    path = self._local(parts, leaf_may_link=True)
                     mtime = os.stat(path, follow_symlinks=False).st_mtime
                 except FileNotFoundError:
                     return None
@@ -519,7 +574,10 @@ class Store:
     def read_bytes(self, *parts: str) -> bytes:
         if self.is_local:
             where = self.display(*parts)
-            with self._translated(where), _open_regular(self.path(*parts), where) as f:
+            with (
+                self._translated(where),
+                _open_regular(self._local(parts, leaf_may_link=True), where) as f,
+            ):
                 return f.read()
         return bytes(self._call(self.display(*parts), lambda: self.fs.cat_file(self.path(*parts))))
 
@@ -529,7 +587,7 @@ class Store:
         where = self.display(*parts)
         if self.is_local:
             with self._translated(where):
-                f: Any = _open_regular(self.path(*parts), where)
+                f: Any = _open_regular(self._local(parts, leaf_may_link=True), where)
         else:
             raw = self._call(where, lambda: self.fs.open(self.path(*parts), "rb"))
             f = RemoteReader(raw, lambda fn: self._call(where, fn))
@@ -549,7 +607,7 @@ class Store:
             return
         where = self.display(*parts)
         with self._translated(where):
-            f = _open_regular(self.path(*parts), where)
+            f = _open_regular(self._local(parts, leaf_may_link=True), where)
         try:
             with self._translated(where):
                 st = os.fstat(f.fileno())
@@ -677,11 +735,7 @@ class Store:
         where = self.display(*parts)
         if self.is_local:
             with self._translated(where):
-                path = self.path(*parts)
-                existed = os.path.isdir(path)
-                os.makedirs(path, exist_ok=True)
-                if self.durable and not existed:
-                    fsync_dir(os.path.dirname(path))
+                self._make_local_dirs(parts)
         elif self.is_azure:
             if not self._container_ready:
                 container = self.root.split("/", 1)[0]
@@ -689,6 +743,35 @@ class Store:
                 self._container_ready = True
         else:
             self._call(where, lambda: self.fs.makedirs(self.path(*parts), exist_ok=True))
+
+    def _make_local_dirs(self, parts: tuple[str, ...]) -> None:
+        """Create the root and the folders `parts` under it, as real folders (0700 in a
+        private store), each new entry made durable; never through a symbolic link."""
+        path = self._local(parts)
+        if os.path.isdir(path) and not os.path.islink(path):
+            return
+        mode = 0o700 if self.private else 0o777
+        if not os.path.isdir(self.root):
+            os.makedirs(os.path.dirname(self.root), exist_ok=True)
+            try:
+                os.mkdir(self.root, mode)
+                if self.durable:
+                    fsync_dir(os.path.dirname(self.root))
+            except FileExistsError:
+                if not os.path.isdir(self.root):
+                    raise
+        folder = self.root
+        for part in parts:
+            parent, folder = folder, f"{folder}/{part}"
+            try:
+                os.mkdir(folder, mode)
+            except FileExistsError:
+                self._local(parts)  # a link made meanwhile is refused, not followed
+                if not os.path.isdir(folder):
+                    raise
+                continue
+            if self.durable:
+                fsync_dir(parent)
 
     @contextlib.contextmanager
     def open_write(self, *parts: str) -> Iterator[BinaryIO]:
@@ -701,7 +784,8 @@ class Store:
         path = self.path(*parts)
         if self.is_local:
             with self._translated(where):
-                writer: Any = LocalWriter(path, self.durable)
+                path = self._local(parts, leaf_may_link=True)
+                writer: Any = LocalWriter(path, self.durable, self._file_mode)
             try:
                 with self._translated(where):
                     yield writer
@@ -759,7 +843,8 @@ class Store:
             return
         where = self.display(*parts)
         with self._translated(where):
-            out = DirectFile(self.path(*parts), durable=self.durable)
+            path = self._local(parts, leaf_may_link=True)
+            out = DirectFile(path, durable=self.durable, mode=self._file_mode)
             try:
                 write_view_chunks(out.write_at, view, each)
                 out.close()
@@ -810,11 +895,13 @@ class Store:
 
             self._call(where, create)
             return
+        with self._translated(where):
+            path = self._local(parts, leaf_may_link=True)
         folder = os.path.dirname(path)
         tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
         with self._translated(where):
             try:
-                with open(tmp, "wb") as f:
+                with os.fdopen(create_file(tmp, self._file_mode, exclusive=True), "wb") as f:
                     f.write(data)
                     f.flush()
                     if self.durable:
@@ -866,7 +953,9 @@ class Store:
         data = text.encode("utf-8")
         if self.is_local:
             with self._translated(where):
-                fd = os.open(self.path(*parts), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+                mode = self._file_mode if self.private else 0o644
+                fd = os.open(self._local(parts, leaf_may_link=True), flags, mode)
                 try:
                     # One write per batch keeps concurrent appenders' lines whole.
                     os.write(fd, data)
@@ -898,7 +987,7 @@ class Store:
             return
         with self._translated(where):
             try:
-                os.unlink(self.path(*parts))
+                os.unlink(self._local(parts, leaf_may_link=True))  # a link: the name alone
             except FileNotFoundError:
                 return
         if self.durable and parts[:-1]:
@@ -916,7 +1005,7 @@ class Store:
         path = self.path(*parts)
         if self.is_local:
             with self._translated(where), contextlib.suppress(FileNotFoundError):
-                os.rmdir(path)
+                os.rmdir(self._local(parts))
             return
 
         def rm_folder() -> None:

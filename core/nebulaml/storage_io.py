@@ -94,13 +94,25 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+PUBLIC_FILE_MODE = 0o666  # less the umask: a persistent root's files, as any program's
+PRIVATE_FILE_MODE = 0o600  # the memory tier's files: this user's alone
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def create_file(path: str, mode: int, *, exclusive: bool = False) -> int:
+    """Open `path` for writing, created with `mode` (truncated if it exists), never
+    through a symbolic link at `path` (ELOOP); returns the descriptor."""
+    flags = _CREATE_FLAGS | (os.O_EXCL if exclusive else os.O_TRUNC)
+    return os.open(path, flags, mode)
+
+
 class LocalWriter(io.RawIOBase):
     """A buffered local file whose close() flushes and (when durable) fsyncs."""
 
-    def __init__(self, path: str, durable: bool) -> None:
+    def __init__(self, path: str, durable: bool, mode: int = PUBLIC_FILE_MODE) -> None:
         super().__init__()
         self._path, self._durable = path, durable
-        self._file = open(path, "wb", buffering=_WRITE_BUFFER_BYTES)  # noqa: SIM115
+        self._file = os.fdopen(create_file(path, mode), "wb", buffering=_WRITE_BUFFER_BYTES)
 
     def writable(self) -> bool:
         return True
@@ -174,21 +186,21 @@ class DirectFile:
         5000
     """
 
-    def __init__(self, path: str, *, durable: bool) -> None:
+    def __init__(self, path: str, *, durable: bool, mode: int = PUBLIC_FILE_MODE) -> None:
         self._path, self._durable = path, durable
         # A new file, never an old one truncated: a load may have the old one mapped
         # (storage._map_file), and a truncated mapping is a SIGBUS, not an error.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        flags = _CREATE_FLAGS | os.O_EXCL
         self.direct = durable and hasattr(os, "O_DIRECT")
         try:
-            self._fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o666)
+            self._fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), mode)
         except OSError as exc:
             if not self.direct or exc.errno != errno.EINVAL:
                 raise
             self.direct = False
-            self._fd = os.open(path, flags, 0o666)
+            self._fd = os.open(path, flags, mode)
 
     def _buffered(self) -> None:
         if self.direct:

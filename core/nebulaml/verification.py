@@ -66,7 +66,9 @@ def verify_checkpoints(
     Returns one JSON-serialisable dict per item per tier, newest tag first: `tag`, `tier`,
     `item` (None for the manifest itself), `file` (where it is), `status` (`"ok"`,
     `"corrupt"` or `"missing"`), `expected` and `actual` (e.g. `"1829 bytes with xxh3_64
-    9f3c..."`). A manifest that is present but unreadable or invalid is a `"corrupt"`
+    9f3c..."`). Where two tiers hold one tag with different bytes for an item, one more
+    dict says so: `tier` `"memory+persistent"`, `status` `"differs"`, `file` naming both.
+    A manifest that is present but unreadable or invalid is a `"corrupt"`
     result; folders without a manifest (saves that never committed) are not checkpoints
     and are skipped. `progress(bytes_done, bytes_total)` is called as bytes are read.
     Raises `RootNotFoundError`, and `CheckpointNotFoundError` if `tag` has a manifest on
@@ -105,7 +107,55 @@ def verify_checkpoints(
     results: list[dict[str, Any]] = []
     for copy in copies:
         results.extend(_verify_copy(copy, advance))
+    # Each copy can be sound and still not be the same checkpoint as another tier's (a
+    # memory tier left by an earlier root of that name): a load would depend on the tier.
+    for difference in _compare_tiers(copies):
+        same = [i + 1 for i, r in enumerate(results) if r["tag"] == difference["tag"]]
+        results.insert(max(same, default=len(results)), difference)
     return results
+
+
+def _describe(item: ItemEntry | None) -> str:
+    if item is None:
+        return "no such item"
+    return f"{item.size_bytes} bytes with {item.checksum_algo} {item.checksum}"
+
+
+def _compare_tiers(copies: list[_Copy]) -> list[dict[str, Any]]:
+    """A `"differs"` result for every item that two tiers hold with other bytes under one
+    tag (or that only one of them lists), naming both copies."""
+    by_tag: dict[str, list[_Copy]] = {}
+    for copy in copies:
+        if copy.manifest is not None:
+            by_tag.setdefault(copy.tag, []).append(copy)
+    out = []
+    for tag, group in by_tag.items():
+        first = group[0]
+        assert first.manifest is not None
+        mine = {item.name: item for item in first.manifest.items}
+        for other in group[1:]:
+            assert other.manifest is not None
+            theirs = {item.name: item for item in other.manifest.items}
+            for name in sorted(set(mine) | set(theirs)):
+                a, b = mine.get(name), theirs.get(name)
+                if a is not None and b is not None and (a.size_bytes, a.checksum_algo,
+                                                        a.checksum) == (b.size_bytes,
+                                                        b.checksum_algo, b.checksum):  # fmt: skip
+                    continue
+                where_a = first.store.display(tag, a.file if a else name)
+                where_b = other.store.display(tag, b.file if b else name)
+                out.append(
+                    {
+                        "tag": tag,
+                        "tier": f"{first.tier}+{other.tier}",
+                        "item": name,
+                        "file": f"{where_a} ({first.tier}) and {where_b} ({other.tier})",
+                        "status": "differs",
+                        "expected": f"{other.tier}: {_describe(b)}",
+                        "actual": f"{first.tier}: {_describe(a)}",
+                    }
+                )
+    return out
 
 
 def _find_copies(root: PathLike, tag: str | None) -> list[_Copy]:

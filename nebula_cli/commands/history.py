@@ -1,5 +1,6 @@
 """`nebula history ROOT`: recent saves and persists from checkpointHistories.csv, a summary
-of stalls, persist times, throughput and failures; as a table, JSON, CSV or a plot.
+of stalls, persist times, throughput, skipped persists and failures; as a table, JSON, CSV
+or a plot.
 
 Not for: reading or summarising the file (nebulaml.read_history, nebulaml.summarize_history).
 """
@@ -105,8 +106,8 @@ def history_command(
 
     Reads ROOT's checkpointHistories.csv (written at the persistent root, or at the
     memory tier of a memory-only job). The summary gives stall (how long training
-    waited per save), persist time and throughput (p50, p95, max), bytes written and
-    failures.
+    waited per save), persist time and throughput (p50, p95, max), bytes written,
+    skipped persists (checkpoints superseded before their turn) and failures.
 
     Example: nebula history /mnt/checkpoints/run1 --since 2h --plot history.png
     """
@@ -161,6 +162,9 @@ def _speed(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+_STATUS_CELLS = {"ok": "ok", "failed": "[red]failed[/red]", "skipped": "[yellow]skipped[/yellow]"}
+
+
 def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     out = stdout()
     title = f"{location}: the {len(records)} most recent of {summary['count']} rows"
@@ -175,17 +179,18 @@ def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[st
         rows.add_column(column, justify="left" if left else "right", no_wrap=True)
     for r in records:
         failed = r["status"] == "failed"
+        skipped = r["status"] == "skipped"  # nothing written: no time, size or speed
         cells = [
             r["started_at"][:19].replace("T", " "),
             escape(r["tag"]),
             "" if r["step"] is None else str(r["step"]),
             r["tier"],
             *([str(r["rank"])] * with_rank),
-            _seconds(r["duration_s"]),
+            "" if skipped else _seconds(r["duration_s"]),
             _seconds(r["blocking_s"]) if r["tier"] == "memory" else "",
-            human_bytes(r["size_bytes"]),
-            "" if failed else f"{r['throughput_mb_s']:.1f}",
-            "[red]failed[/red]" if failed else "ok",
+            "" if skipped else human_bytes(r["size_bytes"]),
+            "" if failed or skipped else f"{r['throughput_mb_s']:.1f}",
+            _STATUS_CELLS.get(r["status"], escape(r["status"])),
         ]
         rows.add_row(*cells)
     out.print(rows)
@@ -203,7 +208,7 @@ def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[st
     speed = summary["throughput_mb_s"]
     stats.add_row("persist MB/s", _speed(speed["p50"]), "", _speed(speed["max"]))
     out.print(stats)
-    failures = summary["failures"]
+    failures, skipped = summary["failures"], summary["skipped"]
     span = (
         f"; {summary['first_started_at']} .. {summary['last_started_at']}"
         if summary["count"]
@@ -211,6 +216,7 @@ def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[st
     )
     out.print(
         f"{summary['count']} rows: {summary['saves']} saves, {summary['persists']} persists, "
+        + (f"[yellow]{skipped} skipped[/yellow], " if skipped else "")
         + (f"[red]{failures} failed[/red]" if failures else "0 failed")
         + f"; {human_bytes(summary['bytes_total'])} written{span}",
         highlight=False,

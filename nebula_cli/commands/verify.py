@@ -26,7 +26,7 @@ TagArg = Annotated[
     str | None, typer.Argument(help="Only this checkpoint (default: every checkpoint).")
 ]
 
-_STYLE = {"ok": "green", "corrupt": "bold red", "missing": "bold red"}
+_STYLE = {"ok": "green", "corrupt": "bold red", "missing": "bold red", "differs": "bold red"}
 
 
 @handles_errors

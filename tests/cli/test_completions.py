@@ -13,19 +13,19 @@ import pytest
 
 from nebula_cli.completions import SCRIPT_FILES, main
 
-COMMITTED = Path(__file__).resolve().parents[2] / "completions"
+COMMITTED = Path(__file__).resolve().parents[2] / "nebula_cli" / "completions_data"
 BIN = Path(sys.executable).parent
 NEBULA = BIN / "nebula"
 
 
 def test_committed_scripts_are_what_the_app_generates(tmp_path: Path) -> None:
     # Catches: scripts left stale after a Typer upgrade or a change to the program's name
-    # or completion variable; a stray or missing file in completions/.
+    # or completion variable; a stray or missing file in completions_data/.
     assert main([str(tmp_path)]) == 0
     assert sorted(p.name for p in COMMITTED.iterdir()) == sorted(SCRIPT_FILES.values())
     for name in SCRIPT_FILES.values():
         assert (tmp_path / name).read_bytes() == (COMMITTED / name).read_bytes(), (
-            f"completions/{name} is stale: run `python -m nebula_cli.completions`"
+            f"nebula_cli/completions_data/{name} is stale: run `python -m nebula_cli.completions`"
         )
     assert (COMMITTED / "_nebula").read_text().startswith("#compdef nebula\n")  # for compinit
 

@@ -103,7 +103,7 @@ def test_missing_root_is_not_found(tmp_path: Path) -> None:
 
 
 def test_a_storage_failure_is_one_error_line(root: Path) -> None:
-    nm.init(str(root), persistent_time_interval=0)
+    nm.init(str(root), persistent_time_interval=0, keep_memory_tier=True)
     nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
     nm.shutdown()
     delete_checkpoint(Store(str(root)), "global_step1")  # the persist was lost...

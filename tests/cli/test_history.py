@@ -308,3 +308,27 @@ def test_plot_without_matplotlib_says_how_to_install_it(root: Path, tmp_path: Pa
         "nebula: error: --plot needs matplotlib: pip install 'nebula-checkpoint[plot]'\n"
     )
     assert not png.exists()
+
+
+def test_skipped_persists_are_shown_and_counted(root: Path) -> None:
+    # Catches: a history with skipped rows refused as malformed, skips counted as
+    # persists, or the skipped count missing from the summary line and the JSON.
+    nm.init(str(root), persistent_time_interval=3600)
+    for step in (1, 2, 3):
+        nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.ones(100 * step)})
+        if step == 1:
+            nm.flush_persistence(timeout_s=60)
+    nm.shutdown(timeout_s=60)  # global_step2 waited for the interval; 3 superseded it
+    result = CliRunner().invoke(app, ["history", str(root)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    (line,) = [r for r in result.stdout.splitlines() if "global_step2" in r and "persist" in r]
+    assert "skipped" in line
+    assert "6 rows: 3 saves, 2 persists, 1 skipped, 0 failed" in result.stdout
+    doc = json.loads(_invoke(str(root), "--json").stdout)
+    summary = doc["summary"]
+    assert (summary["saves"], summary["persists"], summary["skipped"]) == (3, 2, 1)
+    assert summary["failures"] == 0
+    skipped = [r for r in doc["rows"] if r["status"] == "skipped"]
+    assert [(r["tag"], r["tier"], r["error"]) for r in skipped] == [
+        ("global_step2", "persistent", "superseded by global_step3")
+    ]

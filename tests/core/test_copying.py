@@ -181,7 +181,10 @@ def test_copy_errors(root: Path, tmp_path: Path) -> None:
 
 
 # persist_memory_tier ------------------------------------------------------------------------------
-def test_persist_memory_tier_persists_only_what_is_newer(root: Path) -> None:
+def test_persist_memory_tier_persists_only_what_is_newer(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NEBULA_KEEP_MEMORY_TIER", "1")  # the memory tier outlives the job
     populate(root)
     nm.shutdown()  # persists global_step2 at close, as a clean exit does
     assert nm.persist_memory_tier(str(root)) == []
@@ -194,9 +197,12 @@ def test_persist_memory_tier_persists_only_what_is_newer(root: Path) -> None:
     assert nm.persist_memory_tier(str(root)) == []
 
 
-def test_persist_memory_tier_errors(root: Path, tmp_path: Path) -> None:
+def test_persist_memory_tier_errors(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(nm.RootNotFoundError):
         nm.persist_memory_tier(str(tmp_path / "nope"))
+    monkeypatch.setenv("NEBULA_KEEP_MEMORY_TIER", "1")  # the memory tier outlives the job
     populate(root)
     nm.shutdown()
     delete_checkpoint(Store(str(root)), "global_step2")

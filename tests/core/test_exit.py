@@ -10,6 +10,8 @@ stderr.
 from __future__ import annotations
 
 import json
+import re
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +21,7 @@ from children import crashkit
 from children.crashkit import assert_files_hold_known, committed_tags, history_rows
 
 from nebulaml.catalog import read_committed
+from nebulaml.session import EXIT_NOT_PERSISTED
 from nebulaml.storage import Store
 from nebulaml.tiers import open_tiers
 
@@ -80,3 +83,135 @@ def test_exit_reports_a_background_failure_that_no_call_raised(
     assert read_committed(Store(folder), "global_step1") is None
     rows = [r for r in history_rows(folder) if r["tier"] == "persistent"]
     assert [(r["tag"], r["status"]) for r in rows] == [("global_step1", "failed")]
+
+
+def test_exit_persists_to_a_memory_root(
+    start_child: Callable[..., crashkit.Child], tmp_path: Path
+) -> None:
+    # A memory:// root lives as long as the process: an atexit handler of the script's
+    # own (registered after init, so run before anything registered at import) sees it.
+    root = f"memory://nebula-exit-{tmp_path.name}/root"
+    child = start_child("exit_memory_root", root)
+    assert child.wait(TIMEOUT_S) == 0, child.stderr
+    committed = [line for line in child.stdout.splitlines() if line.startswith("COMMITTED ")]
+    assert committed == ["COMMITTED " + json.dumps(["global_step1", "global_step2"])], (
+        child.stdout + child.stderr
+    )
+    assert "not persisted" not in child.stderr and "error" not in child.stderr
+
+
+def test_exit_waits_for_a_non_daemon_thread_that_still_saves(
+    start_child: Callable[..., crashkit.Child], root: Path
+) -> None:
+    # The exit persist runs before the interpreter joins the non-daemon threads, unless
+    # one still runs: then it persists after, what that thread saved last included.
+    child = start_child("exit_while_a_thread_saves", root)
+    assert child.wait(TIMEOUT_S) == 0, child.stderr
+    assert child.stdout.splitlines() == ["EXITING", "SAVED"], child.stderr
+    assert committed_tags(Store(root)) == ["global_step1", "global_step2"]
+    assert_files_hold_known(root, 2)
+
+
+# A second signal during the exit persist ---------------------------------------------------
+# `exit_slowly` persists global_step2 at exit over a throttled link (about SLOW_S seconds):
+# the test ends the child with a first signal, and sends more once the persist is under way.
+SLOW_S = 4.0
+
+
+def _finishing_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "finishing the persist of" in line]
+
+
+def _wait_for_stderr(child: crashkit.Child, predicate: Callable[[str], bool]) -> str:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not predicate(child.stderr):
+        assert child.proc.poll() is None, f"the child exited ({child.proc.returncode}) early"
+        assert time.monotonic() < deadline, child.stderr
+        time.sleep(0.02)
+    return child.stderr
+
+
+def _signal_status(signum: int) -> int:
+    # SIGTERM: nebula's handler exits with 128 + 15; SIGINT: CPython re-raises an
+    # uncaught KeyboardInterrupt as SIGINT once the interpreter has finished.
+    return -signal.SIGINT if signum == signal.SIGINT else 128 + signum
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (signal.SIGTERM, signal.SIGTERM),
+        (signal.SIGTERM, signal.SIGINT),
+        (signal.SIGINT, signal.SIGINT),
+    ],
+    ids=["term-term", "term-int", "int-int"],
+)
+def test_a_second_signal_during_the_exit_persist_lets_it_finish(
+    start_child: Callable[..., crashkit.Child], tmp_path: Path, first: int, second: int
+) -> None:
+    protocol = crashkit.unique_protocol()
+    folder = tmp_path / "persistent"
+    child = start_child("exit_slowly", protocol, folder, 60, SLOW_S)
+    child.wait_for("READY", TIMEOUT_S)
+    child.proc.send_signal(first)
+    child.wait_for("PERSISTING", TIMEOUT_S)  # the exit persist of global_step2 is under way
+    child.proc.send_signal(second)
+    assert child.wait(TIMEOUT_S) == _signal_status(first), child.stderr
+    # It said, once, what it was finishing, where, and for how long at most.
+    finishing = _finishing_lines(child.stderr)
+    assert len(finishing) == 1, child.stderr
+    assert "'global_step2'" in finishing[0] and str(folder) in finishing[0]
+    assert re.search(r"at most \d+ s", finishing[0]), finishing[0]
+    assert "not persisted" not in child.stderr
+    # And it finished it: committed, and the files hold what was saved.
+    assert committed_tags(Store(folder)) == ["global_step1", "global_step2"]
+    assert_files_hold_known(folder, 2)
+
+
+def test_a_second_signal_and_a_persist_longer_than_exit_timeout_name_the_checkpoint(
+    start_child: Callable[..., crashkit.Child], tmp_path: Path
+) -> None:
+    protocol = crashkit.unique_protocol()
+    folder = tmp_path / "persistent"
+    url = f"{protocol}://{folder}"
+    child = start_child("exit_slowly", protocol, folder, 2, 60)  # exit_timeout_s=2
+    child.wait_for("READY", TIMEOUT_S)
+    child.proc.send_signal(signal.SIGTERM)
+    child.wait_for("PERSISTING", TIMEOUT_S)
+    t0 = time.monotonic()
+    child.proc.send_signal(signal.SIGTERM)
+    status = child.wait(TIMEOUT_S)
+    waited_s = time.monotonic() - t0
+    assert status == EXIT_NOT_PERSISTED, child.stderr  # neither 143 nor 0
+    assert waited_s < 8, waited_s  # exit_timeout_s, not the 60 s the persist needs
+    assert len(_finishing_lines(child.stderr)) == 1, child.stderr
+    named = [line for line in child.stderr.splitlines() if "not persisted" in line]
+    assert len(named) == 1, child.stderr
+    assert "'global_step2'" in named[0] and f"nebula flush {url}" in named[0], named[0]
+    # It is where the message says: committed in the memory tier, not in the persistent one.
+    crashkit.register(protocol)
+    memory = open_tiers(url).memory
+    assert memory.url in named[0]
+    assert read_committed(memory, "global_step2") is not None
+    assert read_committed(Store(folder), "global_step2") is None
+
+
+def test_a_third_signal_abandons_the_exit_persist_and_names_the_checkpoint(
+    start_child: Callable[..., crashkit.Child], tmp_path: Path
+) -> None:
+    protocol = crashkit.unique_protocol()
+    folder = tmp_path / "persistent"
+    child = start_child("exit_slowly", protocol, folder, 600, 120)
+    child.wait_for("READY", TIMEOUT_S)
+    child.proc.send_signal(signal.SIGTERM)
+    child.wait_for("PERSISTING", TIMEOUT_S)
+    child.proc.send_signal(signal.SIGTERM)
+    _wait_for_stderr(child, lambda err: bool(_finishing_lines(err)))
+    t0 = time.monotonic()
+    child.proc.send_signal(signal.SIGINT)
+    assert child.wait(TIMEOUT_S) == EXIT_NOT_PERSISTED, child.stderr
+    assert time.monotonic() - t0 < 8  # at once, not after the 600 s exit_timeout_s
+    named = [line for line in child.stderr.splitlines() if "not persisted" in line]
+    assert len(named) == 1, child.stderr
+    assert "'global_step2'" in named[0] and "abandoned" in named[0], named[0]
+    assert read_committed(Store(folder), "global_step2") is None

@@ -89,7 +89,8 @@ _GOOD = "global_step1,1,memory,0,2026-03-01T12:00:00.000000Z,0.5,0.25,10,0.1,ok,
         ("tag,step,tier\nglobal_step1,1,memory\n", "line 1: no column rank, started_at"),
         (HEADER + _GOOD + "\n" + _GOOD.replace(",1,memory", ",x,memory") + "\n",
          "line 3: step 'x' is not an integer or empty"),
-        (HEADER + _GOOD.replace(",ok,", ",done,") + "\n", "line 2: status 'done' is not ok or"),
+        (HEADER + _GOOD.replace(",ok,", ",done,") + "\n",
+         "line 2: status 'done' is not ok, failed or skipped"),
         (HEADER + _GOOD.replace("memory", "disk") + "\n", "line 2: tier 'disk' is not memory"),
         (HEADER + _GOOD.replace("2026-03-01T", "yesterday ") + "\n",
          "line 2: started_at 'yesterday 12:00:00.000000Z' is not an ISO-8601 time"),
@@ -172,9 +173,62 @@ def test_summary_of_no_rows(tmp_path: Path) -> None:
     (tmp_path / HISTORY_FILE).write_text(HEADER)
     summary = nm.summarize_history(nm.read_history(str(tmp_path)))
     assert summary == {
-        "count": 0, "saves": 0, "persists": 0, "failures": 0,
+        "count": 0, "saves": 0, "persists": 0, "skipped": 0, "failures": 0,
         "stall_s": {"p50": None, "p95": None, "max": None},
         "persist_s": {"p50": None, "p95": None, "max": None},
         "throughput_mb_s": {"p50": None, "max": None},
         "bytes_total": 0, "first_started_at": None, "last_started_at": None,
     }  # fmt: skip
+
+
+_SKIPPED = (
+    "global_step2,2,persistent,0,2026-03-01T12:02:30.000000Z,0.0,0.0,0,0.0,skipped,"
+    "superseded by global_step3"
+)
+
+
+def test_skipped_rows_are_read_and_counted_apart_from_persists(tmp_path: Path) -> None:
+    # Catches: `skipped` rejected as a malformed status, skips counted as persists (or
+    # their zero durations in persist_s and throughput), or not counted at all.
+    append_rows(Store(tmp_path), [_row(f"global_step{i}", "memory", i) for i in (1, 2, 3)])
+    append_rows(Store(tmp_path), [_row("global_step1", "persistent", 1.5)])
+    with open(tmp_path / HISTORY_FILE, "a", encoding="utf-8") as f:
+        f.write(_SKIPPED + "\n")
+    append_rows(Store(tmp_path), [_row("global_step3", "persistent", 3.5, failed=True)])
+    df = nm.read_history(str(tmp_path))
+    assert list(df["status"]) == ["ok", "ok", "ok", "skipped", "ok", "failed"]
+    (skipped,) = [r for r in nm.history_records(df) if r["status"] == "skipped"]
+    assert skipped == {
+        "tag": "global_step2", "step": 2, "tier": "persistent", "rank": 0,
+        "started_at": "2026-03-01T12:02:30.000000Z", "duration_s": 0.0, "blocking_s": 0.0,
+        "size_bytes": 0, "throughput_mb_s": 0.0, "status": "skipped",
+        "error": "superseded by global_step3",
+    }  # fmt: skip
+    summary = nm.summarize_history(df)
+    assert json.loads(json.dumps(summary)) == summary
+    assert (summary["count"], summary["saves"], summary["persists"]) == (6, 3, 2)
+    assert (summary["skipped"], summary["failures"]) == (1, 1)
+    assert summary["persist_s"] == {"p50": 2.0, "p95": 2.0, "max": 2.0}
+    assert summary["throughput_mb_s"] == {"p50": 2.0, "max": 2.0}
+    assert summary["bytes_total"] == 4 * 4_000_000
+    only = nm.summarize_history(nm.read_history(str(tmp_path), tag="global_step2"))
+    assert (only["saves"], only["persists"], only["skipped"]) == (1, 0, 1)
+
+
+def test_a_skipped_row_is_written_as_the_reader_reads_it(tmp_path: Path) -> None:
+    # Catches: a writer and a reader that disagree on the skipped row's fields.
+    from nebulaml.history import skipped_row
+
+    row = skipped_row(
+        tag="global_step2", step=2, rank=0, started_at="2026-03-01T12:02:30.000000Z",
+        superseded_by="global_step3",
+    )  # fmt: skip
+    assert (row.status, row.error, row.tier) == (
+        "skipped",
+        "superseded by global_step3",
+        "persistent",
+    )
+    append_rows(Store(tmp_path), [row])
+    text = (tmp_path / HISTORY_FILE).read_text()
+    assert text == HEADER + _SKIPPED + "\n"
+    assert nm.history_records(nm.read_history(str(tmp_path))) == [asdict(row)]

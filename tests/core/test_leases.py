@@ -235,7 +235,7 @@ def test_load_holds_a_lease_while_it_reads(tmp_path: Path) -> None:
 
 
 def test_copy_and_verify_hold_a_lease_while_they_read(root: Path) -> None:
-    nm.init(str(root), persistent_time_interval=0)
+    nm.init(str(root), persistent_time_interval=0, keep_memory_tier=True)
     nm.Checkpoint(TAG).save("model", {"w": torch.ones(1 << 16)})
     nm.flush_persistence()
     nm.shutdown()

@@ -111,7 +111,7 @@ def test_malformed_schema_version_is_corruption(version: object) -> None:
 def test_a_newer_schema_on_one_tier_falls_back_to_the_other(root: Path) -> None:
     import os
 
-    nm.init(str(root), persistent_time_interval=0)
+    nm.init(str(root), persistent_time_interval=0, keep_memory_tier=True)
     nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
     nm.flush_persistence()
     nm.shutdown()

@@ -88,7 +88,7 @@ def corruption_campaign(work: Path, trials: int, seed: int = 0) -> Figures:
     rng = random.Random(seed)
     pristine_root, pristine_mem = work / "pristine-root", work / "pristine-mem"
     os.environ["NEBULA_MEMORY_TIER_PATH"] = str(pristine_mem)
-    nm.init(str(pristine_root), persistent_time_interval=0)
+    nm.init(str(pristine_root), persistent_time_interval=0, keep_memory_tier=True)
     ckpt = nm.Checkpoint("global_step7", 2)
     ckpt.save("model", _state(1))
     ckpt.save("optimizer", _state(2))

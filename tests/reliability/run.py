@@ -4,7 +4,7 @@ The campaigns of campaigns.py and concurrency.py return their figures; the scena
 that are plain tests (disk full, hostile paths, exit signals) are run with pytest, and
 their rows count the scenarios that passed, failed and were skipped.
 
-Usage: python tests/reliability/run.py [--quick]
+Usage: python tests/reliability/run.py [--quick] [--only CAMPAIGN ...]
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from campaigns import Figures, corruption_campaign, crash_campaign, hostile_pickle_campaign
 from concurrency import concurrency_campaign
+from signals import double_signal_campaign
+from stale_roots import stale_root_campaign
 
 HERE = Path(__file__).parent
 
@@ -30,6 +32,7 @@ SCENARIO_FILES = (
     ("disk full", "test_disk_full.py"),
     ("hostile paths", "test_hostile_paths.py"),
     ("exit signals", "test_exit_signals.py"),
+    ("hostile namespace", "test_hostile_namespace.py"),
 )
 
 
@@ -65,6 +68,9 @@ def scenario_campaign(name: str, test_file: str, work: Path) -> Figures:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the short tier's sizes")
+    parser.add_argument(
+        "--only", nargs="+", metavar="CAMPAIGN", help="run only these campaigns (by name)"
+    )
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
     warnings.simplefilter("ignore")
@@ -77,11 +83,15 @@ def main(argv: list[str] | None = None) -> int:
             ("crash", lambda w: crash_campaign(w, 10 if args.quick else 200)),
             ("crash lazy", lambda w: crash_campaign(w, 10 if args.quick else 100, lazy=True)),
             ("concurrency", lambda w: concurrency_campaign(w, 60 if args.quick else 3000)),
+            ("double signal", lambda w: double_signal_campaign(w, 3 if args.quick else 20)),
+            ("stale roots", lambda w: stale_root_campaign(w, 3 if args.quick else 30)),
             *(
                 (name, lambda w, name=name, path=path: scenario_campaign(name, path, w))
                 for name, path in SCENARIO_FILES
             ),
         ):
+            if args.only and name not in args.only:
+                continue
             started = time.monotonic()
             figures = run(work / name.replace(" ", "-"))
             runs.append((figures, time.monotonic() - started))

@@ -65,3 +65,30 @@ def test_prune_retention_save_and_load_interleaved_lose_nothing(tmp_path: Path) 
     assert figures.counts["tags pruned"] > 0
     assert figures.counts.get("prunes (nebula prune)", 0) >= 1
     assert figures.counts["newest checks"] > 100
+
+
+def test_a_deleted_root_never_sees_its_predecessors_memory_tier(tmp_path: Path) -> None:
+    from stale_roots import stale_root_campaign
+
+    figures = stale_root_campaign(tmp_path, runs=3, seed=5)
+    assert figures.failures == []
+    assert figures.counts["restarts"] == 3
+    assert figures.counts["memory tiers left by crashes"] == 3
+    assert figures.counts["stale tiers released"] == 3
+    assert figures.counts["old checkpoints seen"] == 0
+    assert figures.counts["old data in the new root"] == 0
+    assert figures.counts["tiers left after a clean exit"] == 0
+
+
+def test_signals_during_the_exit_persist_never_lose_a_checkpoint_silently(tmp_path: Path) -> None:
+    # SIGTERM or SIGINT, then more during the exit persist (issue #16): persisted with the
+    # first signal's status, or named on stderr with status EXIT_NOT_PERSISTED.
+    from signals import double_signal_campaign
+
+    figures = double_signal_campaign(tmp_path, children=3, seed=5)
+    assert figures.failures == []
+    assert figures.counts["children"] == 3
+    assert figures.counts["unreported losses"] == 0
+    # One of each kind: let finish; exit_timeout_s too short; abandoned by a third signal.
+    assert figures.counts["persisted"] == 1
+    assert figures.counts["reported not persisted"] == 2

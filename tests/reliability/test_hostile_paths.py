@@ -40,7 +40,7 @@ def sentinel_root(tmp_path: Path) -> tuple[Path, Path]:
     (sentinel / "etc").mkdir(parents=True)
     (sentinel / "etc" / "passwd").write_text("root:x:0:0\n")
     root = sentinel / "jobs" / "run1"
-    nm.init(str(root), persistent_time_interval=0)
+    nm.init(str(root), persistent_time_interval=0, keep_memory_tier=True)
     nm.Checkpoint("global_step1").save("model", {"w": torch.ones(4)})
     nm.flush_persistence()
     return sentinel, root

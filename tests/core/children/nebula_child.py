@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import crashkit
 
@@ -50,6 +51,22 @@ def crash_in_persist(protocol: str, folder: str) -> None:
     nm.flush_persistence()
     fs.mode = "block"  # the FaultFS prints PERSISTING once the persister is stuck
     crashkit.save_step(2)
+    hang()
+
+
+def crash_with_best_unpersisted(protocol: str, folder: str) -> None:
+    """global_step1 persisted; the persist of global_step2 (labelled best) blocks; then
+    global_step3 is committed, held back by the interval, and the test SIGKILLs us."""
+    fs = crashkit.register(protocol, fault_tags=frozenset({"global_step2"}))
+    nm.init(f"{protocol}://{folder}", persistent_time_interval=3600)
+    crashkit.save_step(1)
+    nm.flush_persistence()
+    fs.mode = "block"  # the FaultFS prints PERSISTING once the persister is stuck
+    ckpt = nm.Checkpoint("global_step2", len(crashkit.ITEMS), labels=["best"])
+    for item in crashkit.ITEMS:
+        ckpt.save(item, crashkit.known_state(2, item))
+    crashkit.save_step(3)
+    say("SAVED")
     hang()
 
 
@@ -100,16 +117,121 @@ def exit_after_failure(protocol: str, folder: str) -> None:
     say("EXITING")
 
 
+class _Throttled:
+    """A FaultFS item file written at `rate` bytes a second (a slow link); says
+    PERSISTING once, at the first byte it holds back."""
+
+    def __init__(self, raw: object, path: str, rate: float) -> None:
+        self._raw, self._path, self._rate = raw, path, rate
+
+    def write(self, data: object) -> int:
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+        for start in range(0, len(view), 4096):
+            piece = view[start : start + 4096]
+            if not _Throttled.announced:
+                _Throttled.announced = True
+                say(f"PERSISTING {self._path}")
+            time.sleep(len(piece) / self._rate)
+            self._raw.write(piece)  # type: ignore[attr-defined]
+        return len(view)
+
+    announced = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._raw, name)
+
+    def __enter__(self) -> _Throttled:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._raw.close()  # type: ignore[attr-defined]
+
+
+def register_throttled(protocol: str, tag: str, rate: float) -> None:
+    """Register FaultFS under `protocol` with the item files of `tag` written slowly."""
+    cls = crashkit.register(protocol, fault_tags=frozenset({tag}))
+    plain_open = cls._open
+
+    def _open(self: crashkit.FaultFS, path: str, mode: str = "rb", **kwargs: object) -> object:
+        f = plain_open(self, path, mode, **kwargs)
+        return f if "r" in mode or not cls._faulty(path) else _Throttled(f, path, rate)
+
+    cls._open = _open  # type: ignore[method-assign]
+
+
+def exit_slowly(protocol: str, folder: str, exit_timeout_s: str, persist_s: str) -> None:
+    """global_step1 persisted; global_step2, held back by the interval, is persisted at
+    exit over a link so slow that its persist lasts about `persist_s` seconds. The test
+    signals the child once READY (an exit by signal), and again once PERSISTING."""
+    import io
+
+    import torch
+
+    size = 0
+    for item in crashkit.ITEMS:
+        buf = io.BytesIO()
+        torch.save(crashkit.known_state(2, item), buf)
+        size += len(buf.getvalue())
+    register_throttled(protocol, "global_step2", size / float(persist_s))
+    nm.init(f"{protocol}://{folder}", persistent_time_interval=3600,
+            exit_timeout_s=float(exit_timeout_s))  # fmt: skip
+    crashkit.save_step(1)
+    nm.flush_persistence()
+    crashkit.save_step(2)  # held back: the exit persists it
+    say("READY")
+    hang()
+
+
+def exit_memory_root(root: str) -> None:
+    """A memory:// root (it lives as long as this process): global_step2 is held back by
+    the interval; an atexit handler registered after init says what the root holds then."""
+    import atexit
+
+    nm.init(root, persistent_time_interval=3600)
+    crashkit.save_step(1)
+    nm.flush_persistence()
+    crashkit.save_step(2)
+
+    def report() -> None:
+        from nebulaml.catalog import list_committed
+        from nebulaml.storage import Store
+
+        say("COMMITTED " + json.dumps([c.tag for c in list_committed(Store(root))]))
+
+    atexit.register(report)
+    say("EXITING")
+
+
+def exit_while_a_thread_saves(root: str) -> None:
+    """The main thread ends while a non-daemon thread still trains: its save of
+    global_step2, after the main thread is done, is the one the exit must persist."""
+    nm.init(root, persistent_time_interval=3600)
+    crashkit.save_step(1)
+    nm.flush_persistence()
+
+    def train() -> None:
+        time.sleep(1.0)
+        crashkit.save_step(2)
+        say("SAVED")
+
+    threading.Thread(target=train, name="trainer").start()
+    say("EXITING")
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
         crash_before_commit,
         crash_in_persist,
         crash_after_commits,
+        crash_with_best_unpersisted,
         init_and_exit,
         exit_with_pending,
         exit_while_blocked,
         exit_after_failure,
+        exit_slowly,
+        exit_memory_root,
+        exit_while_a_thread_saves,
     )
 }
 

@@ -1,0 +1,105 @@
+"""`nebula memory`: this user's memory tiers on this node, what each holds, and whether a
+job still needs it.
+
+Not for: deciding or releasing (nebulaml.plan_gc, `nebula gc`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+from rich.text import Text
+
+from ..output import JsonOpt, emit_json, handles_errors, human_bytes, print_table, stdout
+
+if TYPE_CHECKING:
+    from nebulaml import MemoryTierInfo
+
+_STATE_STYLES = {"ok": "green", "stale": "yellow", "orphaned": "yellow", "unknown": "yellow"}
+
+
+@handles_errors
+def memory_command(as_json: JsonOpt = False) -> None:
+    """List this user's memory tiers on this node: root, state, newest checkpoint, size.
+
+    A memory tier is RAM: one folder per persistent root under /dev/shm/nebula-USER (or
+    NEBULA_MEMORY_TIER_PATH), holding that root's newest checkpoints. A job releases its
+    own when it exits cleanly with everything persisted; one left behind (a crash, a
+    memory-only job, keep_memory_tier, a root deleted since) holds RAM until released.
+
+    States: ok (it belongs to its root, or to a job without one: "(memory only)"); stale
+    (its root is gone, or was deleted and created again: nothing in it is used again);
+    orphaned (no record of its root); unsafe (not yours alone: nebula never touches it);
+    unknown (its root cannot be read from here). "persisted" says whether the newest
+    checkpoint is committed on the root too; "writer" whether a live job holds the tier.
+
+    nebula gc releases the tiers no job needs. Persist an unpersisted checkpoint first
+    with nebula flush ROOT (on this node).
+
+    Example: nebula memory --json
+    """
+    import nebulaml as nm
+    from nebulaml.tiers import memory_base
+
+    base = memory_base()
+    tiers = nm.list_memory_tiers()
+    if as_json:
+        emit_json({"base": base, "tiers": [t.to_json() for t in tiers]})
+        return
+    if not tiers:
+        sys.stderr.write(f"No memory tiers under {base}\n")
+        return
+    out = stdout()
+    title = f"memory tiers under {base}"
+    print_table(tiers_table(tiers, title), tiers_table(tiers, title, stacked=True), out)
+    for t in tiers:  # below the table, whole: they are long
+        if t.note and t.state != "ok":
+            out.print(Text(f"{t.state} {t.path}: {t.note}"))
+    total = sum(t.size_bytes for t in tiers)
+    out.print(f"{len(tiers)} tier(s), {human_bytes(total)}", highlight=False)
+
+
+def root_cell(tier: MemoryTierInfo) -> str:
+    """The root a tier belongs to, or what stands for one."""
+    if tier.root:
+        return tier.root
+    return "(memory only)" if tier.state == "ok" else "(unknown)"
+
+
+def persisted_cell(tier: MemoryTierInfo) -> str:
+    if not tier.tags:
+        return "-"  # nothing to persist
+    if tier.persisted is None:
+        return "?"  # cannot be told (a stale tier's root is gone, an unreadable root)
+    return "yes" if tier.persisted else "no"
+
+
+def tiers_table(tiers: list[MemoryTierInfo], title: str, *, stacked: bool = False) -> Table:
+    """One row a tier; `stacked` (a narrow terminal): its path below its root, in one cell."""
+    table = Table(title=title, title_justify="left")
+    columns = ["root / path" if stacked else "root", "state", "newest", "persisted", "size"]
+    columns += ["writer"] + ([] if stacked else ["path"])
+    for column in columns:
+        fold = column.startswith("root") or column in ("newest", "path")
+        table.add_column(
+            column,
+            justify="right" if column == "size" else "left",
+            overflow="fold" if fold else "ellipsis",
+            no_wrap=not fold,
+        )
+    for t in tiers:
+        root = Text(root_cell(t))
+        if stacked:
+            root.append(f"\n{t.path}", style="dim")
+        table.add_row(
+            root,
+            Text(t.state, style=_STATE_STYLES.get(t.state, "red")),
+            Text(t.newest or "-"),
+            persisted_cell(t),
+            human_bytes(t.size_bytes),
+            Text("alive", style="green") if t.writer_alive else "-",
+            *([] if stacked else [Text(t.path)]),
+        )
+    return table

@@ -1,0 +1,39 @@
+"""A script that ends without nm.shutdown() on an Azurite root (test_azure_exit.py).
+
+    exit_child.py URL HOW
+
+global_step1 is saved and persisted; global_step2 (seeded, 256 KiB) is saved with the
+interval holding its persist back, so that only the exit persists it. Then the script
+returns (HOW=return), raises (raise), or prints READY and sleeps until the test sends
+SIGTERM (sigterm). The credentials come from AZURE_STORAGE_CONNECTION_STRING.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import nebulaml as nm
+
+
+def state(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.randn(1 << 16, generator=torch.Generator().manual_seed(1000 + step))}
+
+
+def main() -> None:
+    url, how = sys.argv[1], sys.argv[2]
+    nm.init(url, persistent_time_interval=3600, exit_timeout_s=60)
+    nm.Checkpoint("global_step1").save("model", state(1))
+    nm.flush_persistence()  # also starts the interval: global_step2 is not due for an hour
+    nm.Checkpoint("global_step2").save("model", state(2))
+    print("READY", flush=True)
+    if how == "raise":
+        raise RuntimeError("training failed")
+    if how == "sigterm":
+        time.sleep(120)  # the test sends SIGTERM here
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The memory tier belongs to one root and one job's lifetime (issue #16).
+
+A root deleted and created again never sees its predecessor's memory tier; a root reached
+through a symbolic link is the same root; two tiers that hold one tag with different bytes
+fail `verify`; a job that ends with everything persisted gives its RAM back, and one that
+crashes leaves it for the next `init` of that root, which persists it and then gives it
+back. The crashes are real child processes (children/nebula_child.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from children import crashkit
+from children.crashkit import committed_tags
+from typer.testing import CliRunner
+
+import nebulaml as nm
+from nebula_cli.app import app
+from nebulaml.storage import Store
+from nebulaml.tiers import ROOT_ID_FILE, memory_root_for, open_tiers
+
+TIMEOUT_S = 120
+
+
+def crash_leaving_step3(start_child: Callable[..., crashkit.Child], root: Path) -> Path:
+    """A job that persisted global_step1, committed 2 and 3 in RAM, and was SIGKILLed:
+    returns its memory tier folder (which holds global_step3, unpersisted)."""
+    child = start_child("crash_after_commits", str(root))
+    assert child.wait(TIMEOUT_S) == -signal.SIGKILL, child.stderr
+    folder = Path(memory_root_for(Store(str(root))))
+    assert committed_tags(Store(str(folder))) == ["global_step3"]
+    return folder
+
+
+def test_a_deleted_root_starts_fresh_and_never_sees_the_old_data(
+    start_child: Callable[..., crashkit.Child], root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    crash_leaving_step3(start_child, root)
+    shutil.rmtree(root)
+
+    # Nothing reads the deleted root's RAM copy, and nothing recreates the root from it.
+    assert nm.list_checkpoints(str(root)) == []
+    assert nm.get_latest_checkpoint(str(root)) is None
+    with pytest.raises(nm.RootNotFoundError):
+        nm.persist_memory_tier(str(root))
+    flushed = CliRunner().invoke(app, ["flush", str(root)])
+    assert flushed.exit_code == 3, flushed.output
+    assert not root.exists()
+
+    # The same script again: it starts from nothing, and its own global_step3 is its own.
+    with caplog.at_level(logging.WARNING, logger="nebulaml"):
+        nm.init(str(root), persistent_time_interval=0)
+    released = [r.getMessage() for r in caplog.records if "released" in r.getMessage()]
+    assert len(released) == 1 and "global_step3" in released[0] and str(root) in released[0]
+    assert nm.get_latest_checkpoint() is None
+    mine = {"w": torch.full((8,), 7.0)}
+    nm.Checkpoint("global_step3").save("model", mine)
+    nm.flush_persistence()
+    loaded = nm.get_latest_checkpoint().load("model")
+    assert torch.equal(loaded["w"], mine["w"])
+    nm.shutdown()
+    assert committed_tags(Store(str(root))) == ["global_step3"]
+    loaded = nm.get_checkpoint("global_step3", str(root)).load("model")
+    assert torch.equal(loaded["w"], mine["w"])
+    history = crashkit.history_rows(root)
+    assert {r["tag"] for r in history} == {"global_step3"}  # no row of the deleted run
+
+
+def test_a_root_created_again_has_another_identity(root: Path) -> None:
+    nm.init(str(root), keep_memory_tier=True, persistent_time_interval=0)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(2)})
+    nm.shutdown()
+    first = (root / ROOT_ID_FILE).read_bytes()
+    assert open_tiers(str(root)).memory_usable
+    shutil.rmtree(root)
+    root.mkdir()  # the root exists again, empty, without nebula's identity
+    tiers = open_tiers(str(root))
+    assert not tiers.memory_usable and "gone" in (tiers.memory_note or "")
+    nm.init(str(root))
+    assert (root / ROOT_ID_FILE).read_bytes() != first
+    assert nm.list_checkpoints() == []
+    nm.shutdown()
+
+
+def test_a_root_reached_through_a_link_is_the_same_root(
+    start_child: Callable[..., crashkit.Child], tmp_path: Path
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    crash_leaving_step3(start_child, tmp_path / "link" / "c")
+    assert memory_root_for(Store(str(real / "c"))) == memory_root_for(
+        Store(str(tmp_path / "link" / "c"))
+    )
+    flushed = CliRunner().invoke(app, ["flush", str(real / "c")])
+    assert flushed.exit_code == 0, flushed.output
+    assert "global_step3" in flushed.output
+    assert committed_tags(Store(str(real / "c"))) == ["global_step1", "global_step3"]
+
+
+RESAVED_THEN_KILLED = """
+import os, signal, sys, torch, nebulaml as nm
+nm.init(sys.argv[1], persistent_time_interval=3600)
+nm.Checkpoint("global_step5").save("model", {"w": torch.zeros(4)})
+nm.flush_persistence()  # persisted; the next persist is an hour away
+nm.Checkpoint("global_step5", overwrite=True).save("model", {"w": torch.ones(4)})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_verify_fails_when_two_tiers_hold_other_bytes_under_one_tag(
+    root: Path, memory_tier: Path
+) -> None:
+    env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier))
+    command = [sys.executable, "-c", RESAVED_THEN_KILLED, str(root)]
+    job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert job.returncode == -signal.SIGKILL, job.stderr
+    results = nm.verify_checkpoints(str(root), "global_step5")
+    assert [r["status"] for r in results] == ["ok", "ok", "differs"]
+    (differs,) = [r for r in results if r["status"] == "differs"]
+    assert "(memory)" in differs["file"] and "(persistent)" in differs["file"]
+    cli = CliRunner().invoke(app, ["verify", str(root), "global_step5"])
+    assert cli.exit_code == 1
+    assert "differs" in cli.output
+    # The next init of the root persists the newer copy: the tiers agree again.
+    nm.init(str(root))
+    nm.flush_persistence()
+    results = nm.verify_checkpoints(str(root), "global_step5")
+    assert {r["status"] for r in results} == {"ok"}
+    assert torch.equal(nm.get_checkpoint("global_step5").load("model")["w"], torch.ones(4))
+    nm.shutdown()
+
+
+# lifetime ---------------------------------------------------------------------------------
+def test_a_clean_exit_gives_the_memory_tier_back(root: Path, memory_tier: Path) -> None:
+    nm.init(str(root))  # the default interval: shutdown persists what is pending
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(1000)})
+    nm.Checkpoint("global_step2").save("model", {"w": torch.ones(1000)})
+    folder = Path(nm.memory_tier_path())
+    assert folder.is_dir()
+    nm.shutdown()
+    assert not folder.exists()
+    assert [t for t in nm.list_memory_tiers() if t.root == str(root)] == []
+    assert committed_tags(Store(str(root)))[-1] == "global_step2"
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_keep_memory_tier_keeps_it(root: Path, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if how == "environment":
+        monkeypatch.setenv("NEBULA_KEEP_MEMORY_TIER", "1")
+        nm.init(str(root), persistent_time_interval=0)
+    else:
+        nm.init(str(root), persistent_time_interval=0, keep_memory_tier=True)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
+    nm.shutdown()
+    # The next job on this node loads it from RAM.
+    assert nm.list_checkpoints(str(root))[0]["tiers"] == ["memory", "persistent"]
+
+
+def test_after_a_crash_the_tier_stays_until_the_next_init_persisted_it(
+    start_child: Callable[..., crashkit.Child], root: Path
+) -> None:
+    folder = crash_leaving_step3(start_child, root)
+    restarted = start_child("init_and_exit", str(root))  # persists global_step3, exits
+    assert restarted.wait(TIMEOUT_S) == 0, restarted.stderr
+    assert committed_tags(Store(str(root))) == ["global_step1", "global_step3"]
+    assert not folder.exists()
+
+
+def test_a_job_without_a_persistent_root_keeps_its_tier(memory_tier: Path) -> None:
+    nm.init()
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
+    folder = Path(nm.memory_tier_path())
+    nm.shutdown()
+    assert committed_tags(Store(str(folder))) == ["global_step1"]  # its only copy
+    shutil.rmtree(folder)
+
+
+def test_a_failed_persist_keeps_the_tier(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=3600)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
+    folder = Path(nm.memory_tier_path())
+    (root / "global_step1").write_text("in the way")  # the persist cannot make its folder
+    with pytest.raises(nm.NebulaError):
+        nm.shutdown()
+    assert committed_tags(Store(str(folder))) == ["global_step1"]
+    shutil.rmtree(folder)
+
+
+# files are private -------------------------------------------------------------------------
+def test_every_memory_tier_file_is_private(root: Path, memory_tier: Path) -> None:
+    nm.init(str(root), keep_memory_tier=True)
+    ckpt = nm.Checkpoint("global_step1", 2)
+    ckpt.save("model", {"w": torch.ones(3)})  # the reused-buffer path
+    ckpt.save("extra", {"tags": {"a", "b"}, "note": object.__name__})  # torch.save's path
+    folder = Path(nm.memory_tier_path())
+    nm.shutdown()
+    seen = 0
+    for path in [memory_tier, *memory_tier.rglob("*")]:
+        mode = path.lstat().st_mode & 0o777
+        if path.is_dir():
+            assert mode == 0o700, (path, oct(mode))
+        else:
+            assert mode == 0o600, (path, oct(mode))
+            seen += 1
+    assert (folder / "global_step1" / "manifest.json").exists() and seen >= 5

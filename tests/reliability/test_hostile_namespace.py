@@ -1,0 +1,167 @@
+"""A hostile node: another user's memory-tier namespace, and symbolic links where nebula's
+folders go (issue #16). Nothing is written or deleted through a link or into a folder that
+is not this user's alone, and a sentinel tree outside is left exactly as it was.
+
+The tests run as root in CI: "another user" is a folder chowned to an unused uid; where
+the suite runs as a plain user, chown is refused and those cases use a 0777 folder instead
+(which is refused for the same reason: others can write it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import nebulaml as nm
+from nebulaml.storage import Store
+from nebulaml.tiers import memory_root_for
+
+OTHER_UID = 54321
+
+
+def tree_digest(path: Path) -> str:
+    """Names, link targets, modes and bytes of everything under `path`."""
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        st = p.lstat()
+        h.update(f"{p.relative_to(path)}:{st.st_mode:o}:{st.st_uid}".encode())
+        if p.is_symlink():
+            h.update(os.readlink(p).encode())
+        elif p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path) -> Path:
+    """A user's project: files nebula must never touch."""
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "train.py").write_text("print('hello')\n")
+    (project / "README").write_text("my project\n")
+    return project
+
+
+def plant_forged_tier(base: Path, root: Path, sentinel: Path) -> Path:
+    """What an attacker leaves in a namespace it made (NEBULA_MEMORY_TIER_PATH is `base`):
+    the victim's tier folder, a tag linked to the victim's project, a forged checkpoint."""
+    base.mkdir(mode=0o777, exist_ok=True)
+    base.chmod(0o777)
+    folder = Path(memory_root_for(Store(str(root))))
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    (folder / "global_step9").symlink_to(sentinel)
+    forged = folder / "global_step99"
+    forged.mkdir()
+    torch.save({"w": torch.full((4,), 666.0)}, forged / "model")
+    (folder / ".nebula-root.json").write_text(json.dumps({"persistent": str(root)}))
+    return folder
+
+
+def give_away(path: Path) -> bool:
+    """chown `path` (and what is under it) to another uid; False where not permitted."""
+    try:
+        for p in [path, *path.rglob("*")]:
+            os.lchown(p, OTHER_UID, OTHER_UID)
+    except PermissionError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("owner", ["other user", "world-writable"])
+def test_a_namespace_someone_else_made_is_refused(
+    tmp_path: Path, root: Path, sentinel: Path, owner: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = tmp_path / "shm" / "nebula-victim"
+    base.parent.mkdir()
+    monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(base))
+    plant_forged_tier(base, root, sentinel)
+    if owner == "other user" and give_away(base):
+        base.chmod(0o755)
+    before_sentinel, before_base = tree_digest(sentinel), tree_digest(base)
+
+    with pytest.raises(nm.UnsafeMemoryTierError) as refused:
+        nm.init(str(root), persistent_time_interval=0)
+    assert str(base) in str(refused.value) and "NEBULA_MEMORY_TIER_PATH" in str(refused.value)
+    # Reading the root never adopts the forged checkpoint either.
+    assert nm.list_checkpoints(str(root)) == []
+    assert nm.get_checkpoint("global_step99", str(root)) is None
+    assert tree_digest(sentinel) == before_sentinel
+    assert tree_digest(base) == before_base
+
+
+def test_a_world_writable_tier_folder_in_a_private_base_is_refused(
+    tmp_path: Path, root: Path, sentinel: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = tmp_path / "base"
+    base.mkdir(mode=0o700)
+    monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(base))
+    folder = plant_forged_tier(base, root, sentinel)
+    base.chmod(0o700)  # the base is fine; the tier folder in it is not
+    before = tree_digest(sentinel), tree_digest(folder)
+    with pytest.raises(nm.UnsafeMemoryTierError, match="written by other users"):
+        nm.init(str(root), persistent_time_interval=0)
+    assert (tree_digest(sentinel), tree_digest(folder)) == before
+
+
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_a_file_or_link_in_place_of_the_base_is_a_clear_error(
+    tmp_path: Path, root: Path, sentinel: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = tmp_path / "nebula-victim"
+    if kind == "file":
+        base.write_text("squatted")
+    else:
+        base.symlink_to(sentinel)
+    monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(base))
+    before = tree_digest(sentinel)
+    with pytest.raises(nm.UnsafeMemoryTierError, match=r"not a folder|symbolic link"):
+        nm.init(str(root))
+    assert tree_digest(sentinel) == before
+    if kind == "file":
+        assert base.read_text() == "squatted"
+
+
+def test_a_symlinked_tag_folder_is_never_written_through(root: Path, sentinel: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0)
+    (root / "global_step9").symlink_to(sentinel)
+    before = tree_digest(sentinel)
+    with pytest.raises(nm.StorageError, match="symbolic link"):
+        nm.Checkpoint("global_step9").save("model", {"w": torch.ones(3)})
+    assert tree_digest(sentinel) == before
+
+    # Linked after the save, before the persist: the persist fails, the target is intact.
+    nm.init(str(root), persistent_time_interval=3600)
+    nm.Checkpoint("global_step10").save("model", {"w": torch.ones(3)})
+    (root / "global_step10").symlink_to(sentinel)
+    with pytest.raises(nm.PersistError, match="symbolic link"):
+        nm.flush_persistence()
+    assert tree_digest(sentinel) == before
+    assert (root / "global_step10").is_symlink()
+    # An overwrite, a retention pass or a prune never deletes through it either.
+    os.unlink(root / "global_step10")
+    nm.flush_persistence("global_step10")
+    (root / "global_step1").symlink_to(sentinel)
+    nm.Checkpoint("global_step11").save("model", {"w": torch.ones(3)})
+    nm.flush_persistence()
+    nm.shutdown()
+    assert tree_digest(sentinel) == before
+
+
+def test_a_symlinked_item_file_is_replaced_not_written_through(root: Path, sentinel: Path) -> None:
+    nm.init(str(root), persistent_time_interval=3600)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
+    (root / "global_step1").mkdir(parents=True)
+    (root / "global_step1" / "model").symlink_to(sentinel / "README")
+    before = tree_digest(sentinel)
+    nm.flush_persistence()
+    assert tree_digest(sentinel) == before
+    assert not (root / "global_step1" / "model").is_symlink()
+    loaded = nm.get_checkpoint("global_step1", str(root)).load("model")
+    assert torch.equal(loaded["w"], torch.ones(3))
+    nm.shutdown()
