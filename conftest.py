@@ -43,7 +43,7 @@ def leaves_nothing_in_shm() -> Iterator[None]:
 def memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A private memory-tier base folder (never the user's real /dev/shm tiers)."""
     import nebulaml as nm
-    from nebulaml import session as _session
+    from nebulaml.runtime import session as _session
 
     base = tmp_path / "memory-tier"
     monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(base))

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from nebulaml.commit import begin_tag, commit_rank, write_item
-from nebulaml.manifest import utc_now
-from nebulaml.storage import Store
+from nebulaml.format.manifest import utc_now
+from nebulaml.protocol.commit import begin_tag, commit_rank, write_item
+from nebulaml.storage.store import Store
 
 
 def measure(world_size: int, root: Path) -> dict[str, float]:

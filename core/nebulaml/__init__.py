@@ -12,8 +12,8 @@ Example:
     tensor([1., 1.])
 """
 
-from ._version import __version__
-from .api import (
+from nebulaml._version import __version__
+from nebulaml.api import (
     check_root,
     flush_persistence,
     get_checkpoint,
@@ -26,9 +26,8 @@ from .api import (
     shutdown,
     wait_for_snapshot,
 )
-from .checkpoint import Checkpoint
-from .copying import copy_checkpoint, persist_memory_tier
-from .errors import (
+from nebulaml.checkpoint import Checkpoint
+from nebulaml.errors import (
     CheckpointBusyError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -55,18 +54,25 @@ from .errors import (
     UnsafeMemoryTierError,
     UnsupportedSchemaError,
 )
-from .history import (
+from nebulaml.ops.copying import copy_checkpoint, persist_memory_tier
+from nebulaml.ops.inspection import describe_item, inspect_checkpoint
+from nebulaml.ops.memory_tiers import (
+    GcAction,
+    MemoryTierInfo,
+    execute_gc,
+    list_memory_tiers,
+    plan_gc,
+)
+from nebulaml.ops.pruning import PrunePlan, execute_prune, list_prune_candidates, plan_prune
+from nebulaml.ops.verification import verify_checkpoints
+from nebulaml.protocol.history import (
     HistoryFormatError,
     HistoryNotFoundError,
     history_records,
     read_history,
     summarize_history,
 )
-from .inspection import describe_item, inspect_checkpoint
-from .memory_tiers import GcAction, MemoryTierInfo, execute_gc, list_memory_tiers, plan_gc
-from .pruning import PrunePlan, execute_prune, list_prune_candidates, plan_prune
-from .storage import using_storage_options
-from .verification import verify_checkpoints
+from nebulaml.storage.store import using_storage_options
 
 __all__ = [
     "Checkpoint",
@@ -138,7 +144,7 @@ _LIGHTNING_NAMES = ("NebulaCallback", "NebulaCheckpointIO")
 
 def __getattr__(name: str) -> object:
     if name in _LIGHTNING_NAMES:
-        from ._lightning import pick_module
+        from nebulaml.integrations.lightning_common import pick_module
 
         return getattr(pick_module(), name)
     raise AttributeError(f"module 'nebulaml' has no attribute {name!r}")

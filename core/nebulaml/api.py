@@ -12,20 +12,20 @@ import logging
 import os
 from typing import Any
 
-from . import session as _session
-from .catalog import CheckpointInfo, list_committed, read_committed
-from .catalog import list_incomplete as catalog_list_incomplete
-from .checkpoint import Checkpoint
-from .commit import read_writers
-from .errors import (
+from nebulaml.checkpoint import Checkpoint
+from nebulaml.errors import (
     ItemNotFoundError,
     PersistTimeoutError,
     RootNotFoundError,
     UnsupportedSchemaError,
 )
-from .names import validate_name
-from .storage import Store
-from .tiers import TierSet, open_tiers
+from nebulaml.format.names import validate_name
+from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed
+from nebulaml.protocol.catalog import list_incomplete as catalog_list_incomplete
+from nebulaml.protocol.commit import read_writers
+from nebulaml.protocol.tiers import TierSet, open_tiers
+from nebulaml.runtime import session as _session
+from nebulaml.storage.store import Store
 
 PathLike = str | os.PathLike[str]
 log = logging.getLogger("nebulaml")

@@ -15,21 +15,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from . import session as _session
-from .budget import RECORDS_ROOM_BYTES, Shortfall
-from .catalog import read_committed, read_manifest
-from .checksum import verify_bytes
-from .commit import (
-    await_commit,
-    begin_tag,
-    commit_rank,
-    copy_item,
-    delete_checkpoint,
-    delete_part,
-    write_item,
-    writer_marker_name,
-)
-from .errors import (
+from nebulaml.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -43,22 +29,36 @@ from .errors import (
     UnsupportedSchemaError,
     memory_tier_advice,
 )
-from .fence import Taken
-from .history import HistoryRow, make_row
-from .leases import read_lease
-from .manifest import KNOWN_CHECKSUM_ALGOS, ItemEntry, Manifest, utc_now
-from .names import step_of, validate_name
-from .serialization import (
+from nebulaml.format.checksum import verify_bytes
+from nebulaml.format.manifest import KNOWN_CHECKSUM_ALGOS, ItemEntry, Manifest, utc_now
+from nebulaml.format.names import step_of, validate_name
+from nebulaml.format.serialization import (
     MapLocation,
     estimate_bytes,
     read_item,
     read_item_local,
     to_saveable,
 )
-from .slots import write_snapshot
-from .snapshot import Layout, cuda_ready_event
-from .storage import MissingFileError, Store
-from .tiers import TierSet
+from nebulaml.protocol.catalog import read_committed, read_manifest
+from nebulaml.protocol.commit import (
+    await_commit,
+    begin_tag,
+    commit_rank,
+    copy_item,
+    delete_checkpoint,
+    delete_part,
+    write_item,
+    writer_marker_name,
+)
+from nebulaml.protocol.history import HistoryRow, make_row
+from nebulaml.protocol.leases import read_lease
+from nebulaml.protocol.tiers import TierSet
+from nebulaml.runtime import session as _session
+from nebulaml.runtime.budget import RECORDS_ROOM_BYTES, Shortfall
+from nebulaml.runtime.fence import Taken
+from nebulaml.runtime.slots import write_snapshot
+from nebulaml.runtime.snapshot import Layout, cuda_ready_event
+from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
 

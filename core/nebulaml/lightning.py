@@ -10,7 +10,7 @@ Example:
 
 For `pytorch_lightning` use nebulaml.pytorch_lightning; `nm.NebulaCheckpointIO` and
 `nm.NebulaCallback` pick the module of the package the program imported. What the classes
-do is described in nebulaml/_lightning.py.
+do is described in nebulaml/integrations/lightning_common.py.
 
 Not for: anything without Lightning; importing this module imports lightning.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from ._lightning import CallbackMixin, CheckpointIOMixin
+from nebulaml.integrations.lightning_common import CallbackMixin, CheckpointIOMixin
 
 __all__ = ["NebulaCallback", "NebulaCheckpointIO"]
 

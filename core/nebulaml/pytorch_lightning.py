@@ -10,7 +10,7 @@ Example:
 
 For `lightning` (`lightning.pytorch`) use nebulaml.lightning; `nm.NebulaCheckpointIO` and
 `nm.NebulaCallback` pick the module of the package the program imported. What the classes
-do is described in nebulaml/_lightning.py.
+do is described in nebulaml/integrations/lightning_common.py.
 
 Not for: anything without Lightning; importing this module imports pytorch_lightning.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import CheckpointIO
 
-from ._lightning import CallbackMixin, CheckpointIOMixin
+from nebulaml.integrations.lightning_common import CallbackMixin, CheckpointIOMixin
 
 __all__ = ["NebulaCallback", "NebulaCheckpointIO"]
 

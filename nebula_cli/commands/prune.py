@@ -21,7 +21,7 @@ from ..output import (
 )
 
 if TYPE_CHECKING:
-    from nebulaml.pruning import PrunePlan
+    from nebulaml.ops.pruning import PrunePlan
 
 
 def _at_least_one(value: int) -> int:

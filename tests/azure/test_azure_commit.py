@@ -18,12 +18,12 @@ from azurite import ACCOUNT, KEY, Azurite
 from faultproxy import FaultProxy
 
 import nebulaml as nm
-from nebulaml.commit import delete_checkpoint
-from nebulaml.storage import Store
+from nebulaml.protocol.commit import delete_checkpoint
+from nebulaml.storage.store import Store
 
 RACER = """
 import json, sys, time
-from nebulaml.storage import Store
+from nebulaml.storage.store import Store
 import nebulaml as nm
 url, options, who, start_at = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 store = Store(url, options)

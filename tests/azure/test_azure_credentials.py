@@ -8,8 +8,8 @@ import pytest
 from azurite import ACCOUNT, KEY, Azurite
 
 import nebulaml as nm
-from nebulaml.azure import resolve_auth
-from nebulaml.storage import Store
+from nebulaml.storage.azure_auth import resolve_auth
+from nebulaml.storage.store import Store
 
 CONTAINER = "nebula-tests"
 CS = "DefaultEndpointsProtocol=http;AccountName=a;AccountKey=k;BlobEndpoint=http://x/a;"

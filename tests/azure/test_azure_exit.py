@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.storage import Store
+from nebulaml.storage.store import Store
 
 CHILD = Path(__file__).resolve().parent / "children" / "exit_child.py"
 TIMEOUT_S = 120

@@ -20,7 +20,7 @@ import torch
 from azurite import Azurite
 
 import nebulaml as nm
-from nebulaml.storage import Store
+from nebulaml.storage.store import Store
 
 CHILD = Path(__file__).resolve().parent / "children" / "persist_child.py"
 SIZE_MB = 64

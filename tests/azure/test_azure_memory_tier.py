@@ -18,7 +18,7 @@ import pytest
 from azurite import Azurite
 
 import nebulaml as nm
-from nebulaml.tiers import open_tiers
+from nebulaml.protocol.tiers import open_tiers
 
 KEYS = {name: base64.b64encode(name.encode() * 8).decode() for name in ("accta", "acctb")}
 URL = "az://ckpt/exp"

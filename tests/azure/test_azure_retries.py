@@ -23,8 +23,8 @@ from azurite import ACCOUNT, KEY, Azurite
 from faultproxy import Fault, FaultProxy
 
 import nebulaml as nm
-from nebulaml.retry import RetryPolicy, is_transient
-from nebulaml.storage import Store
+from nebulaml.storage.retry import RetryPolicy, is_transient
+from nebulaml.storage.store import Store
 
 CONTAINER = "nebula-tests"
 RETRIES = 4

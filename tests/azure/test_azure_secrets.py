@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 
 import nebulaml as nm
 from nebula_cli.app import app
-from nebulaml.redaction import redact, scrub_exception, secrets_in
-from nebulaml.storage import Store
+from nebulaml.storage.redaction import redact, scrub_exception, secrets_in
+from nebulaml.storage.store import Store
 
 CONTAINER = "nebula-tests"
 

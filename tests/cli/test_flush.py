@@ -19,10 +19,10 @@ from typer.testing import CliRunner
 
 import nebulaml as nm
 from nebula_cli.app import app
-from nebulaml import session
-from nebulaml.commit import delete_checkpoint
-from nebulaml.history import HISTORY_FILE
-from nebulaml.storage import Store
+from nebulaml.protocol.commit import delete_checkpoint
+from nebulaml.protocol.history import HISTORY_FILE
+from nebulaml.runtime import session
+from nebulaml.storage.store import Store
 
 EXE = Path(sys.executable).parent / "nebula"
 CRASHING_JOB = """

@@ -25,8 +25,8 @@ from typer.testing import CliRunner
 
 import nebulaml as nm
 from nebula_cli.app import app
-from nebulaml.history import COLUMNS, HISTORY_FILE, append_rows, make_row
-from nebulaml.storage import Store
+from nebulaml.protocol.history import COLUMNS, HISTORY_FILE, append_rows, make_row
+from nebulaml.storage.store import Store
 
 NEBULA = Path(sys.executable).parent / "nebula"
 ISO = "%Y-%m-%dT%H:%M:%S.%fZ"

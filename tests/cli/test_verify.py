@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import nebulaml as nm
 from nebula_cli.app import app
-from nebulaml.manifest import CHECKSUM_ALGO
+from nebulaml.format.manifest import CHECKSUM_ALGO
 
 
 def _populate(root: Path) -> Path:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.allowlist import FrameworkAllowlist, active_classes, allowed
-from nebulaml.serialization import read_item
+from nebulaml.format.allowlist import FrameworkAllowlist, active_classes, allowed
+from nebulaml.format.serialization import read_item
 
 
 @dataclass

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml import budget as nm_budget
+from nebulaml.runtime import budget as nm_budget
 
 MB = 1 << 20
 

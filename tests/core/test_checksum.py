@@ -13,12 +13,12 @@ import torch
 import xxhash
 
 import nebulaml as nm
-from nebulaml import checksum
-from nebulaml.checksum import LEAF_BYTES, TreeHasher, checksum_of, hash_stream, new_hasher
-from nebulaml.manifest import CHECKSUM_ALGO, LEGACY_CHECKSUM_ALGO, seal
-from nebulaml.slots import SlotPool
-from nebulaml.snapshot import fill, plan_layout
-from nebulaml.storage import Store
+from nebulaml.format import checksum
+from nebulaml.format.checksum import LEAF_BYTES, TreeHasher, checksum_of, hash_stream, new_hasher
+from nebulaml.format.manifest import CHECKSUM_ALGO, LEGACY_CHECKSUM_ALGO, seal
+from nebulaml.runtime.slots import SlotPool
+from nebulaml.runtime.snapshot import fill, plan_layout
+from nebulaml.storage.store import Store
 
 FIXTURE_V1 = Path(__file__).parents[1] / "fixtures" / "manifests" / "v1"
 SIZES = [0, 1, LEAF_BYTES - 1, LEAF_BYTES, LEAF_BYTES + 1, 3 * LEAF_BYTES + 12_345]

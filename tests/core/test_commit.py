@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.catalog import list_committed, list_incomplete, read_committed
-from nebulaml.commit import begin_tag, commit_rank, delete_checkpoint, write_item
-from nebulaml.leases import is_lease_file
-from nebulaml.storage import Store
+from nebulaml.protocol.catalog import list_committed, list_incomplete, read_committed
+from nebulaml.protocol.commit import begin_tag, commit_rank, delete_checkpoint, write_item
+from nebulaml.protocol.leases import is_lease_file
+from nebulaml.storage.store import Store
 
 
 class RecordingStore(Store):
@@ -193,7 +193,7 @@ def test_a_persist_between_its_last_part_and_its_manifest_is_not_a_leftover(
 ) -> None:
     """Two ranks persist their parts; when the last part is in and the manifest is not,
     a prune of leftovers (grace 0) must see a live writer, not a dead job's folder."""
-    import nebulaml.commit as commit
+    import nebulaml.protocol.commit as commit
 
     memory, root = Store(tmp_path / "mem"), Store(tmp_path / "root")
     for rank in (0, 1):

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.catalog import read_committed
-from nebulaml.commit import copy_checkpoint as commit_copy
-from nebulaml.commit import delete_checkpoint
-from nebulaml.history import HISTORY_FILE
-from nebulaml.storage import Store
+from nebulaml.protocol.catalog import read_committed
+from nebulaml.protocol.commit import copy_checkpoint as commit_copy
+from nebulaml.protocol.commit import delete_checkpoint
+from nebulaml.protocol.history import HISTORY_FILE
+from nebulaml.storage.store import Store
 
 STATE = {"w": torch.arange(50_000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.float64)}
 

@@ -33,11 +33,11 @@ from children.crashkit import (
 )
 
 import nebulaml as nm
-from nebulaml.catalog import list_incomplete, read_committed
-from nebulaml.history import HISTORY_FILE
-from nebulaml.persister import Persister
-from nebulaml.storage import Store
-from nebulaml.tiers import open_tiers
+from nebulaml.protocol.catalog import list_incomplete, read_committed
+from nebulaml.protocol.history import HISTORY_FILE
+from nebulaml.protocol.tiers import open_tiers
+from nebulaml.runtime.persister import Persister
+from nebulaml.storage.store import Store
 
 TIMEOUT_S = 60  # generous bound on any wait for a child; a healthy run needs a few seconds
 

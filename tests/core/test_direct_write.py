@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.measure import resident_fraction
-from nebulaml import storage_io
 from nebulaml.errors import StorageError
-from nebulaml.storage import Store
-from nebulaml.storage_io import DIRECT_ALIGN, DirectFile
+from nebulaml.storage import streams as storage_io
+from nebulaml.storage.store import Store
+from nebulaml.storage.streams import DIRECT_ALIGN, DirectFile
 
 PIECE = 16 * DIRECT_ALIGN
 

@@ -20,10 +20,10 @@ import pytest
 from children import crashkit
 from children.crashkit import assert_files_hold_known, committed_tags, history_rows
 
-from nebulaml.catalog import read_committed
-from nebulaml.session import EXIT_NOT_PERSISTED
-from nebulaml.storage import Store
-from nebulaml.tiers import open_tiers
+from nebulaml.protocol.catalog import read_committed
+from nebulaml.protocol.tiers import open_tiers
+from nebulaml.runtime.session import EXIT_NOT_PERSISTED
+from nebulaml.storage.store import Store
 
 TIMEOUT_S = 60  # generous bound on any wait for a child; a healthy run needs a few seconds
 

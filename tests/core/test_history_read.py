@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import nebulaml as nm
-from nebulaml.history import COLUMNS, HISTORY_FILE, HistoryRow, append_rows, make_row
-from nebulaml.storage import Store
+from nebulaml.protocol.history import COLUMNS, HISTORY_FILE, HistoryRow, append_rows, make_row
+from nebulaml.storage.store import Store
 
 ISO = "%Y-%m-%dT%H:%M:%S.%fZ"
 HEADER = ",".join(COLUMNS) + "\n"
@@ -217,7 +217,7 @@ def test_skipped_rows_are_read_and_counted_apart_from_persists(tmp_path: Path) -
 
 def test_a_skipped_row_is_written_as_the_reader_reads_it(tmp_path: Path) -> None:
     # Catches: a writer and a reader that disagree on the skipped row's fields.
-    from nebulaml.history import skipped_row
+    from nebulaml.protocol.history import skipped_row
 
     row = skipped_row(
         tag="global_step2", step=2, rank=0, started_at="2026-03-01T12:02:30.000000Z",

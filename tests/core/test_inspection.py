@@ -18,7 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
 import nebulaml as nm
-from nebulaml.item_metadata import DTYPE_ITEMSIZE, MAX_DEPTH, STORAGE_DTYPES, describe_pickle
+from nebulaml.format.item_metadata import DTYPE_ITEMSIZE, MAX_DEPTH, STORAGE_DTYPES, describe_pickle
 
 FIXTURE_V1 = Path(__file__).parents[1] / "fixtures" / "manifests" / "v1"
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.catalog import list_committed
-from nebulaml.history import HISTORY_FILE
-from nebulaml.persister import Persister
-from nebulaml.session import current
+from nebulaml.protocol.catalog import list_committed
+from nebulaml.protocol.history import HISTORY_FILE
+from nebulaml.runtime.persister import Persister
+from nebulaml.runtime.session import current
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:

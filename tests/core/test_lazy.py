@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml import session as nm_session
+from nebulaml.runtime import session as nm_session
 
 
 def _gate() -> threading.Event:
@@ -180,7 +180,7 @@ def test_save_copies_small_tensors_keeping_aliasing_and_types(root: Path) -> Non
 
 
 def test_take_copies_small_storages_and_watches_the_rest() -> None:
-    from nebulaml.fence import COPY_NOW_BYTES, take
+    from nebulaml.runtime.fence import COPY_NOW_BYTES, take
 
     small = torch.nn.Parameter(torch.ones(COPY_NOW_BYTES // 4))  # exactly at the limit
     large = torch.ones(COPY_NOW_BYTES // 4 + 1)
@@ -208,7 +208,7 @@ def test_take_copies_small_storages_and_watches_the_rest() -> None:
 
 def test_take_watches_tensor_subclasses_without_reading_their_storage() -> None:
     # A subclass (a DTensor, say) may have no storage of its own: it is watched only.
-    from nebulaml.fence import take
+    from nebulaml.runtime.fence import take
 
     class Wrapped(torch.Tensor):
         pass
@@ -245,7 +245,7 @@ def test_a_held_copy_starts_at_the_commit_or_the_fence_and_not_before() -> None:
     # A lazy save's copy waits for its checkpoint's commit (the saves of the next items
     # run alone), but never past a fence or a close: one that waited for ever would hang
     # the optimizer step.
-    from nebulaml.fence import SnapshotWorker
+    from nebulaml.runtime.fence import SnapshotWorker
 
     worker = SnapshotWorker()
     ran: list[str] = []

@@ -27,10 +27,10 @@ from typer.testing import CliRunner
 
 import nebulaml as nm
 from nebula_cli.app import app
-from nebulaml.catalog import list_committed, read_committed
 from nebulaml.checkpoint import Checkpoint
-from nebulaml.commit import begin_tag, commit_rank, delete_checkpoint, write_item
-from nebulaml.leases import (
+from nebulaml.protocol.catalog import list_committed, read_committed
+from nebulaml.protocol.commit import begin_tag, commit_rank, delete_checkpoint, write_item
+from nebulaml.protocol.leases import (
     LEASE_TTL_S,
     delete_claim,
     is_lease_file,
@@ -38,8 +38,8 @@ from nebulaml.leases import (
     parse_lease,
     read_lease,
 )
-from nebulaml.storage import Store
-from nebulaml.tiers import TierSet
+from nebulaml.protocol.tiers import TierSet
+from nebulaml.storage.store import Store
 
 TAG = "global_step1"
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.checksum import checksum_of
-from nebulaml.manifest import CHECKSUM_ALGO, seal
-from nebulaml.session import current
+from nebulaml.format.checksum import checksum_of
+from nebulaml.format.manifest import CHECKSUM_ALGO, seal
+from nebulaml.runtime.session import current
 
 STATE = {"w": torch.arange(64, dtype=torch.float32), "step": 3}
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.manifest import ItemEntry, Manifest, Producer, parse_manifest
+from nebulaml.format.manifest import ItemEntry, Manifest, Producer, parse_manifest
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "manifests"
 

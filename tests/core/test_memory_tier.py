@@ -26,8 +26,8 @@ from typer.testing import CliRunner
 
 import nebulaml as nm
 from nebula_cli.app import app
-from nebulaml.storage import Store
-from nebulaml.tiers import ROOT_ID_FILE, memory_root_for, open_tiers
+from nebulaml.protocol.tiers import ROOT_ID_FILE, memory_root_for, open_tiers
+from nebulaml.storage.store import Store
 
 TIMEOUT_S = 120
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import nebulaml as nm
-from nebulaml.names import order_key, step_of, validate_name
+from nebulaml.format.names import order_key, step_of, validate_name
 
 HOSTILE = [
     "",

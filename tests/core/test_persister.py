@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.catalog import list_committed
-from nebulaml.history import COLUMNS
-from nebulaml.session import current
+from nebulaml.protocol.catalog import list_committed
+from nebulaml.protocol.history import COLUMNS
+from nebulaml.runtime.session import current
 
 
 def _tags(path: Path) -> list[str]:
@@ -140,8 +140,8 @@ def test_tags_without_steps_order_by_commit_time(root: Path) -> None:
 def test_history_header_is_written_once_by_racing_writers(tmp_path: Path) -> None:
     import threading
 
-    from nebulaml.history import HISTORY_FILE, append_rows, make_row
-    from nebulaml.storage import Store
+    from nebulaml.protocol.history import HISTORY_FILE, append_rows, make_row
+    from nebulaml.storage.store import Store
 
     store = Store(tmp_path / "root")
     row = make_row(tag="global_step1", step=1, tier="memory", rank=0, started_at="t",
@@ -163,7 +163,7 @@ def test_history_header_is_written_once_by_racing_writers(tmp_path: Path) -> Non
 
 
 def test_a_failed_row_has_no_throughput() -> None:
-    from nebulaml.history import make_row
+    from nebulaml.protocol.history import make_row
 
     row = make_row(
         tag="t",

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.catalog import list_committed
-from nebulaml.commit import delete_checkpoint
-from nebulaml.pruning import Leftover, PruneDecision, PruneListing, plan_prune
-from nebulaml.retention import Version, plan_retention
-from nebulaml.storage import Store
+from nebulaml.ops.pruning import Leftover, PruneDecision, PruneListing, plan_prune
+from nebulaml.protocol.catalog import list_committed
+from nebulaml.protocol.commit import delete_checkpoint
+from nebulaml.protocol.retention import Version, plan_retention
+from nebulaml.storage.store import Store
 
 NO_ROOT = "/nonexistent/nebula-prune-plan"  # plan_prune must never touch it
 

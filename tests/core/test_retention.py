@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nebulaml.retention import Version, plan_retention
+from nebulaml.protocol.retention import Version, plan_retention
 
 
 def _v(step: int, *labels: str) -> Version:

@@ -23,13 +23,15 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml import checksum, snapshot, storage
-from nebulaml import session as nm_session
-from nebulaml.checksum import checksum_of
-from nebulaml.manifest import CHECKSUM_ALGO
-from nebulaml.slots import SlotPool
-from nebulaml.snapshot import Layout, LayoutCache, fill, plan_layout
-from nebulaml.storage import Store
+from nebulaml.format import checksum
+from nebulaml.format.checksum import checksum_of
+from nebulaml.format.manifest import CHECKSUM_ALGO
+from nebulaml.runtime import session as nm_session
+from nebulaml.runtime import snapshot
+from nebulaml.runtime.slots import SlotPool
+from nebulaml.runtime.snapshot import Layout, LayoutCache, fill, plan_layout
+from nebulaml.storage import store as storage
+from nebulaml.storage.store import Store
 
 
 def _assert_same(a: Any, b: Any) -> None:
@@ -369,7 +371,7 @@ def test_the_pool_never_takes_a_file_a_load_holds(root: Path) -> None:
 
 
 def test_recycle_removes_a_file_a_load_has_marked(tmp_path: Path) -> None:
-    from nebulaml.storage_io import mark_in_use
+    from nebulaml.storage.streams import mark_in_use
 
     store = Store(str(tmp_path), durable=False)
     pool = SlotPool(store)
@@ -390,7 +392,7 @@ def test_recycle_removes_a_file_a_load_has_marked(tmp_path: Path) -> None:
 def test_a_file_recycled_before_its_load_marked_it_is_read_from_the_next_tier(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import nebulaml.storage as storage
+    import nebulaml.storage.store as storage
 
     nm.init(str(root), persistent_time_interval=0)
     nm.Checkpoint("global_step1").save("model", {"w": torch.ones(50_000)})

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.storage import MissingFileError, Store
+from nebulaml.storage.store import MissingFileError, Store
 
 BACKENDS = ["local", "file-url", "memory", "azure"]
 

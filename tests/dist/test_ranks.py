@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import nebulaml as nm
-from nebulaml.ranks import RankInfo, detect_ranks, memory_budget_bytes
+from nebulaml.runtime.ranks import RankInfo, detect_ranks, memory_budget_bytes
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from frameworks import require
 
 import nebulaml as nm
-from nebulaml._lightning import tag_for_path
+from nebulaml.integrations.lightning_common import tag_for_path
 
 PACKAGES = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}
 

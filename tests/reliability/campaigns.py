@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 import nebulaml as nm
-from nebulaml.checksum import checksum_of
-from nebulaml.manifest import seal
+from nebulaml.format.checksum import checksum_of
+from nebulaml.format.manifest import seal
 
 
 @dataclass

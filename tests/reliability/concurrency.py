@@ -42,11 +42,11 @@ import torch
 from campaigns import Figures
 
 import nebulaml as nm
-from nebulaml.catalog import list_committed, read_committed
-from nebulaml.leases import read_lease
-from nebulaml.names import step_of
-from nebulaml.pruning import BEING_READ
-from nebulaml.storage import Store
+from nebulaml.format.names import step_of
+from nebulaml.ops.pruning import BEING_READ
+from nebulaml.protocol.catalog import list_committed, read_committed
+from nebulaml.protocol.leases import read_lease
+from nebulaml.storage.store import Store
 
 ITEMS = ("model", "optimizer")
 NEBULA = Path(sys.executable).parent / "nebula"

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "children"
 
 import crashkit  # tests/core/children, put on the path above
 
-from nebulaml.catalog import read_committed
-from nebulaml.session import EXIT_NOT_PERSISTED
-from nebulaml.storage import Store
+from nebulaml.protocol.catalog import read_committed
+from nebulaml.runtime.session import EXIT_NOT_PERSISTED
+from nebulaml.storage.store import Store
 
 TAG = "global_step2"
 PERSIST_S = (1.0, 2.5)  # how long a child's exit persist takes, drawn in this range

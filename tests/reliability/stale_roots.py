@@ -19,8 +19,8 @@ from pathlib import Path
 from campaigns import Figures
 
 import nebulaml as nm
-from nebulaml.storage import Store
-from nebulaml.tiers import memory_root_for
+from nebulaml.protocol.tiers import memory_root_for
+from nebulaml.storage.store import Store
 
 JOB = r"""
 import os, random, signal, sys, torch, nebulaml as nm

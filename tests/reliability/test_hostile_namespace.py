@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.storage import Store
-from nebulaml.tiers import memory_root_for
+from nebulaml.protocol.tiers import memory_root_for
+from nebulaml.storage.store import Store
 
 OTHER_UID = 54321
 

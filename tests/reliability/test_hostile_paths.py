@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import nebulaml as nm
 from nebula_cli.app import app
-from nebulaml.manifest import seal
+from nebulaml.format.manifest import seal
 
 HOSTILE = [
     "", ".", "..", "../x", "../../etc/passwd", "/etc/passwd", "/", "//", "a/b", "a/../b",

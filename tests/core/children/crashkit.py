@@ -72,7 +72,7 @@ def assert_same_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
 
 def committed_tags(store: Any) -> list[str]:
     """Tags committed on one tier (a nebulaml Store), oldest first."""
-    from nebulaml.catalog import list_committed
+    from nebulaml.protocol.catalog import list_committed
 
     return [info.tag for info in list_committed(store)]
 

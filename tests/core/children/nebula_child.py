@@ -193,8 +193,8 @@ def exit_memory_root(root: str) -> None:
     crashkit.save_step(2)
 
     def report() -> None:
-        from nebulaml.catalog import list_committed
-        from nebulaml.storage import Store
+        from nebulaml.protocol.catalog import list_committed
+        from nebulaml.storage.store import Store
 
         say("COMMITTED " + json.dumps([c.tag for c in list_committed(Store(root))]))
 

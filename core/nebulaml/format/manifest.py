@@ -1,0 +1,316 @@
+"""manifest.json: the record whose presence, valid, means "committed" (DESIGN.md §3).
+
+This module turns manifests and rank markers into JSON and back, and refuses anything it
+cannot trust: unknown schema versions, missing fields, file names that leave the tag folder.
+
+Not for: reading or writing storage (catalog.py and commit.py do that).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import xxhash
+
+from nebulaml.errors import ManifestError, UnsupportedSchemaError
+from nebulaml.format.names import validate_name
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMAS = (1,)
+# Item files: xxh3-64 over the xxh3-64 digests of their 1 MiB pieces (checksum.py), so
+# that several threads hash one file. Items written before it carry LEGACY_CHECKSUM_ALGO,
+# plain xxh3-64 over the file, and still verify. A manifest seals itself with plain xxh3.
+CHECKSUM_ALGO = "xxh3_64_tree_1m"
+LEGACY_CHECKSUM_ALGO = "xxh3_64"
+KNOWN_CHECKSUM_ALGOS = (CHECKSUM_ALGO, LEGACY_CHECKSUM_ALGO)
+SEAL_ALGO = "xxh3_64"
+
+
+@dataclass(frozen=True, slots=True)
+class ItemEntry:
+    """One saved item: a file in the tag folder, written by one rank."""
+
+    name: str
+    file: str
+    rank: int
+    size_bytes: int
+    checksum_algo: str
+    checksum: str
+    tensor_bytes: int
+
+    @classmethod
+    def written(
+        cls, name: str, *, rank: int, size_bytes: int, checksum: str, tensor_bytes: int
+    ) -> ItemEntry:
+        """The entry of an item this nebula has just written: file `name`, checksum
+        under `CHECKSUM_ALGO`."""
+        return cls(name, name, rank, size_bytes, CHECKSUM_ALGO, checksum, tensor_bytes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "file": self.file,
+            "rank": self.rank,
+            "size_bytes": self.size_bytes,
+            "checksum": {"algo": self.checksum_algo, "value": self.checksum},
+            "tensor_bytes": self.tensor_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Producer:
+    """Who wrote a manifest (for humans and bug reports; never trusted for logic)."""
+
+    nebula_version: str
+    torch_version: str
+    host: str
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A committed checkpoint's table of contents (schema_version 1).
+
+    Example:
+        >>> m = Manifest(tag="global_step5", step=5, created_at="2026-01-01T00:00:00Z",
+        ...              committed_at="2026-01-01T00:00:01Z", world_size=1, items=(),
+        ...              producer=Producer("0.1.0", "2.13.0", "h"))
+        >>> parse_manifest(m.to_bytes(), "x").tag
+        'global_step5'
+    """
+
+    tag: str
+    step: int | None
+    created_at: str
+    committed_at: str
+    world_size: int
+    items: tuple[ItemEntry, ...]
+    producer: Producer
+    labels: tuple[str, ...] = field(default=())
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(item.size_bytes for item in self.items)
+
+    def item(self, name: str) -> ItemEntry | None:
+        return next((item for item in self.items if item.name == name), None)
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest document, sealed with its own checksum (see `seal`)."""
+        return json.loads(self.to_bytes())
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "tag": self.tag,
+            "step": self.step,
+            "created_at": self.created_at,
+            "committed_at": self.committed_at,
+            "world_size": self.world_size,
+            "items": [item.to_json() for item in self.items],
+            "total_bytes": self.total_bytes,
+            "producer": asdict(self.producer),
+            "labels": list(self.labels),
+        }
+
+    def to_bytes(self) -> bytes:
+        return seal(self._fields())
+
+
+def _require(doc: dict[str, Any], key: str, kinds: type | tuple[type, ...], where: str) -> Any:
+    if key not in doc:
+        raise ManifestError(where, f"manifest has no {key!r} field")
+    value = doc[key]
+    # bool is an int subclass; a boolean where a count belongs is corruption, not a count.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _tuple(kinds)):
+        raise ManifestError(where, f"manifest field {key!r} has the wrong type")
+    return value
+
+
+def _tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def _parse_item(doc: Any, where: str) -> ItemEntry:
+    if not isinstance(doc, dict):
+        raise ManifestError(where, "manifest item is not an object")
+    if set(doc) - _ITEM_KEYS:
+        raise ManifestError(
+            where, f"manifest item has unknown field(s) {sorted(set(doc) - _ITEM_KEYS)}"
+        )
+    name = _require(doc, "name", str, where)
+    file = _require(doc, "file", str, where)
+    try:
+        validate_name("item", name)
+        validate_name("item", file)
+    except ValueError as exc:
+        raise ManifestError(where, f"manifest lists an unsafe item: {exc}") from exc
+    checksum = _require(doc, "checksum", dict, where)
+    algo, value = checksum.get("algo"), checksum.get("value")
+    if not isinstance(algo, str) or not isinstance(value, str):
+        raise ManifestError(where, f"item {name!r} has no valid checksum")
+    size = _require(doc, "size_bytes", int, where)
+    rank = _require(doc, "rank", int, where)
+    tensor_bytes = _require(doc, "tensor_bytes", int, where)
+    if size < 0 or rank < 0 or tensor_bytes < 0:
+        raise ManifestError(where, f"item {name!r} has a negative size or rank")
+    return ItemEntry(name, file, rank, size, algo, value, tensor_bytes)
+
+
+_MANIFEST_KEYS = frozenset(
+    {"schema_version", "tag", "step", "created_at", "committed_at", "world_size", "items",
+     "total_bytes", "producer", "labels", "checksum"}
+)  # fmt: skip
+_ITEM_KEYS = frozenset({"name", "file", "rank", "size_bytes", "checksum", "tensor_bytes"})
+
+
+def _self_checksum(doc: dict[str, Any]) -> str:
+    body = {key: value for key, value in doc.items() if key != "checksum"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return xxhash.xxh3_64(canonical.encode()).hexdigest()
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """A manifest document as bytes, with its own checksum (xxh3 over the canonical JSON
+    of every other field), so that any change to a committed manifest is detected.
+
+    Example:
+        >>> json.loads(seal({"tag": "t"}))["checksum"]["algo"]
+        'xxh3_64'
+    """
+    doc = {**doc, "checksum": {"algo": SEAL_ALGO, "value": _self_checksum(doc)}}
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _check_seal(doc: dict[str, Any], where: str) -> None:
+    unknown = sorted(set(doc) - _MANIFEST_KEYS)
+    if unknown:
+        raise ManifestError(where, f"manifest has unknown field(s) {', '.join(unknown)}")
+    checksum = _require(doc, "checksum", dict, where)
+    if checksum.get("algo") != SEAL_ALGO or checksum.get("value") != _self_checksum(doc):
+        raise ManifestError(where, "manifest does not match its own checksum (it was altered)")
+
+
+def _check_schema(version: object, where: str) -> None:
+    """A schema newer than this nebula reads is `UnsupportedSchemaError` (upgrade); a
+    missing, malformed or impossible one (below 1) is corruption, a `ManifestError`."""
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ManifestError(where, f"manifest has no valid schema_version ({version!r})")
+    if version not in SUPPORTED_SCHEMAS:
+        raise UnsupportedSchemaError(where, version, SUPPORTED_SCHEMAS)
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Parse and validate manifest bytes; `where` names the file in error messages.
+
+    Raises `UnsupportedSchemaError` for a schema this version cannot read and
+    `ManifestError` for anything malformed.
+    """
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(where, f"manifest is not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise ManifestError(where, "manifest is not a JSON object")
+    version = doc.get("schema_version")
+    _check_schema(version, where)
+    tag = _require(doc, "tag", str, where)
+    try:
+        validate_name("tag", tag)
+    except ValueError as exc:
+        raise ManifestError(where, f"manifest names an unsafe tag: {exc}") from exc
+    step = doc.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise ManifestError(where, "manifest field 'step' has the wrong type")
+    items = tuple(_parse_item(item, where) for item in _require(doc, "items", list, where))
+    names = [item.name for item in items]
+    files = [item.file for item in items]
+    if len(set(names)) != len(names) or len(set(files)) != len(files):
+        raise ManifestError(where, "manifest lists an item or file twice")
+    total = _require(doc, "total_bytes", int, where)
+    if total != sum(item.size_bytes for item in items):
+        raise ManifestError(where, "manifest total_bytes does not match its items")
+    producer_doc = _require(doc, "producer", dict, where)
+    producer = Producer(
+        nebula_version=str(producer_doc.get("nebula_version", "")),
+        torch_version=str(producer_doc.get("torch_version", "")),
+        host=str(producer_doc.get("host", "")),
+    )
+    labels = doc.get("labels", [])
+    if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+        raise ManifestError(where, "manifest field 'labels' has the wrong type")
+    world_size = _require(doc, "world_size", int, where)
+    if world_size < 1:
+        raise ManifestError(where, "manifest world_size is below 1")
+    _check_seal(doc, where)  # last: the structural errors above say more
+    return Manifest(
+        tag=tag,
+        step=step,
+        created_at=_require(doc, "created_at", str, where),
+        committed_at=_require(doc, "committed_at", str, where),
+        world_size=world_size,
+        items=items,
+        producer=producer,
+        labels=tuple(labels),
+        schema_version=version,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RankMarker:
+    """`.rank-<r>.json`: one rank's part of a tag is written (DESIGN.md §4)."""
+
+    tag: str
+    rank: int
+    world_size: int
+    created_at: str
+    items: tuple[ItemEntry, ...]
+    labels: tuple[str, ...] = ()
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "schema_version": SCHEMA_VERSION,
+            "tag": self.tag,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "created_at": self.created_at,
+            "items": [item.to_json() for item in self.items],
+            "labels": list(self.labels),
+        }
+        return (json.dumps(doc, sort_keys=True) + "\n").encode()
+
+
+def marker_name(rank: int) -> str:
+    return f".rank-{rank}.json"
+
+
+def parse_marker(data: bytes, where: str) -> RankMarker:
+    """Parse a rank marker with the same checks as a manifest's items."""
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(where, f"rank marker is not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise ManifestError(where, "rank marker is not a JSON object")
+    _check_schema(doc.get("schema_version"), where)
+    items = tuple(_parse_item(item, where) for item in _require(doc, "items", list, where))
+    labels = doc.get("labels", [])
+    if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+        raise ManifestError(where, "rank marker field 'labels' has the wrong type")
+    return RankMarker(
+        tag=_require(doc, "tag", str, where),
+        rank=_require(doc, "rank", int, where),
+        world_size=_require(doc, "world_size", int, where),
+        created_at=_require(doc, "created_at", str, where),
+        items=items,
+        labels=tuple(labels),
+    )
+
+
+def utc_now() -> str:
+    """The current time as ISO-8601 UTC with microseconds, e.g. 2026-11-29T09:24:01.123456Z."""
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

@@ -1,0 +1,71 @@
+"""Tags and item names: what is allowed, and how tags are ordered.
+
+A tag names a folder and an item names a file inside it, so both are checked before any
+I/O: nothing a caller passes may climb out of the root or name one of our own files.
+
+Not for: paths or URLs of roots (storage.py owns those).
+"""
+
+from __future__ import annotations
+
+import re
+
+from nebulaml.errors import InvalidNameError
+
+MAX_NAME_BYTES = 255
+MANIFEST_NAME = "manifest.json"
+_STEP_RE = re.compile(r"global_step(\d+)")
+
+
+def validate_name(kind: str, name: object) -> str:
+    """Return `name` if it is a safe tag or item name, else raise `InvalidNameError`.
+
+    Refused: non-strings, empty names, names over 255 UTF-8 bytes, path separators,
+    `..`, control characters, and names starting with `.` (reserved for nebula's markers).
+
+    Example:
+        >>> validate_name("tag", "global_step500")
+        'global_step500'
+    """
+    if not isinstance(name, str):
+        raise InvalidNameError(kind, name, f"must be a str, not {type(name).__name__}")
+    if not name:
+        raise InvalidNameError(kind, name, "must not be empty")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise InvalidNameError(kind, name[:40] + "...", f"longer than {MAX_NAME_BYTES} bytes")
+    if "/" in name or "\\" in name:
+        raise InvalidNameError(kind, name, "must not contain a path separator")
+    if ".." in name:
+        raise InvalidNameError(kind, name, "must not contain '..'")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise InvalidNameError(kind, name, "must not contain control characters")
+    if name.startswith("."):
+        raise InvalidNameError(kind, name, "must not start with '.' (reserved for nebula)")
+    if name.strip() != name:
+        raise InvalidNameError(kind, name, "must not start or end with white space")
+    if kind == "item" and name == MANIFEST_NAME:
+        raise InvalidNameError(kind, name, "is reserved for the checkpoint's manifest")
+    return name
+
+
+def step_of(tag: str) -> int | None:
+    """The training step a tag names: the number after `global_step`, else None.
+
+    Example:
+        >>> step_of("global_step1000"), step_of("best")
+        (1000, None)
+    """
+    match = _STEP_RE.search(tag)
+    return int(match.group(1)) if match else None
+
+
+def order_key(tag: str, committed_at: str) -> tuple[int, str, str]:
+    """Sort key for "newest": the step after `global_step` (tags without one sort first),
+    then the ISO-8601 commit time, then the tag itself so that the order is total.
+
+    Example:
+        >>> sorted(["global_step10", "global_step9"], key=lambda t: order_key(t, ""))
+        ['global_step9', 'global_step10']
+    """
+    step = step_of(tag)
+    return (step if step is not None else -1, committed_at, tag)

@@ -1,0 +1,8 @@
+"""Layer 7, `integrations`: nebula inside training frameworks.
+
+Holds: what Lightning's two packages share (lightning_common; `nebulaml.lightning` and
+`nebulaml.pytorch_lightning` are the public modules built on it).
+
+May import: everything, the public API (`nebulaml.api`, `nebulaml.checkpoint`) included.
+Not for: anything the core needs: no layer below imports from here.
+"""

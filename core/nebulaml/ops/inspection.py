@@ -1,0 +1,162 @@
+"""Looking inside checkpoints without trusting them: manifests, and what an item holds.
+
+`inspect_checkpoint` reads a tag's manifest on every tier and says which copies are
+committed; `describe_item` lists the tensors and values of one item from its pickle's
+metadata alone (item_metadata.py), so nothing in the checkpoint is executed and no tensor
+data is read. Unlike catalog.py, a manifest that cannot be read is an error here, not
+something to skip.
+
+Not for: checking sizes and checksums (verification.py) or loading items (checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from nebulaml.api import check_root, tiers_for
+from nebulaml.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ItemNotFoundError,
+    ManifestError,
+    NebulaError,
+)
+from nebulaml.format.item_metadata import describe_pickle, read_pickle_member
+from nebulaml.format.manifest import ItemEntry, Manifest, parse_manifest
+from nebulaml.format.names import MANIFEST_NAME, validate_name
+from nebulaml.storage.store import MissingFileError, Store
+
+PathLike = str | os.PathLike[str]
+
+
+# Reading manifests ------------------------------------------------------------------------
+def read_manifest_strict(store: Store, tag: str) -> Manifest | None:
+    """The manifest of `tag` on `store`, or None if it has none; unlike
+    `catalog.read_manifest`, an unreadable or invalid one raises `ManifestError`."""
+    validate_name("tag", tag)
+    where = store.display(tag, MANIFEST_NAME)
+    try:
+        data = store.read_bytes(tag, MANIFEST_NAME)
+    except MissingFileError:
+        return None
+    manifest = parse_manifest(data, where)
+    if manifest.tag != tag:
+        raise ManifestError(where, f"the manifest names tag {manifest.tag!r}, not {tag!r}")
+    return manifest
+
+
+def inspect_checkpoint(root: PathLike, tag: str) -> dict[str, Any]:
+    """The manifest of checkpoint `tag` at `root` (and its memory tier on this node), with
+    the copies that hold it, as a JSON-serialisable dict.
+
+    Keys: `root`, `tag`, `tiers` (those holding a committed copy), `copies` (per tier:
+    `tier`, `location`, `committed`, `problem`) and `manifest` (manifest.json as written:
+    items with `size_bytes` and `checksum`). Item bytes are not read (`verify_checkpoints`
+    checks them). Raises `RootNotFoundError`, `CheckpointNotFoundError`, and `ManifestError`
+    when no copy has a valid manifest.
+
+    Example:
+        >>> import nebulaml as nm, tempfile
+        >>> nm.inspect_checkpoint(tempfile.mkdtemp(), "global_step5")
+        Traceback (most recent call last):
+        ...
+        nebulaml.errors.CheckpointNotFoundError: ...: no checkpoint 'global_step5' found
+    """
+    validate_name("tag", tag)
+    location = check_root(root)
+    copies: list[dict[str, Any]] = []
+    chosen: Manifest | None = None
+    committed_manifest: Manifest | None = None
+    first_error: ManifestError | None = None
+    for tier, store in tiers_for(root, "inspect_checkpoint").stores:
+        files = store.list_files(tag)
+        if MANIFEST_NAME not in files:
+            continue
+        copy: dict[str, Any] = {"tier": tier, "location": store.display(tag)}
+        try:
+            manifest = read_manifest_strict(store, tag)
+        except ManifestError as exc:
+            first_error = first_error or exc
+            copies.append({**copy, "committed": False, "problem": str(exc)})
+            continue
+        if manifest is None:
+            continue  # deleted while we looked
+        bad = [item.file for item in manifest.items if files.get(item.file) != item.size_bytes]
+        problem = None
+        if bad:
+            problem = "item file(s) missing or of the wrong size: " + ", ".join(bad)
+        copies.append({**copy, "committed": not bad, "problem": problem})
+        chosen = chosen or manifest
+        if not bad and committed_manifest is None:
+            committed_manifest = manifest
+    manifest = committed_manifest or chosen
+    if manifest is None:
+        if first_error is not None:
+            raise first_error
+        raise CheckpointNotFoundError(location, tag)
+    return {
+        "root": location,
+        "tag": tag,
+        "tiers": [c["tier"] for c in copies if c["committed"]],
+        "copies": copies,
+        "manifest": manifest.to_json(),
+    }
+
+
+def describe_item(root: PathLike, tag: str, name: str) -> list[dict[str, Any]]:
+    """What item `name` of checkpoint `tag` holds, read from its `data.pkl` alone: no
+    pickle is executed and no tensor data is read.
+
+    One dict per leaf, in the order the item stores them: `path` (e.g.
+    `"state.0.exp_avg"`), `kind` (`"tensor"`, `"value"`, or `"object"` for a global
+    that is not loaded), `type`, and for tensors `dtype`, `shape`, `numel`, `size_bytes`
+    (`numel` times the element size) and `device`, for other leaves a short `value`. The
+    fastest tier whose copy can be read is used. Raises `CheckpointNotFoundError`,
+    `ItemNotFoundError`, `ManifestError`, and `CorruptCheckpointError` for a file that is
+    not a torch zip archive or whose pickle is truncated.
+
+    Example:
+        >>> import nebulaml as nm, tempfile, torch
+        >>> root = tempfile.mkdtemp()
+        >>> nm.init(root)
+        >>> nm.Checkpoint("global_step1").save("model", {"w": torch.zeros(2, 3), "lr": 0.5})
+        >>> [(e["path"], e["dtype"], e["shape"], e["value"])
+        ...  for e in nm.describe_item(root, "global_step1", "model")]
+        [('w', 'float32', [2, 3], None), ('lr', None, None, '0.5')]
+    """
+    validate_name("tag", tag)
+    validate_name("item", name)
+    location = check_root(root)
+    found_tag = False
+    available: list[str] = []
+    errors: list[NebulaError] = []
+    for _tier, store in tiers_for(root, "describe_item").stores:
+        try:
+            manifest = read_manifest_strict(store, tag)
+        except ManifestError as exc:
+            errors.append(exc)
+            continue
+        if manifest is None:
+            continue
+        found_tag = True
+        entry = manifest.item(name)
+        if entry is None:
+            available = [item.name for item in manifest.items]
+            continue
+        try:
+            return _describe_file(store, tag, entry)
+        except (CorruptCheckpointError, MissingFileError) as exc:
+            errors.append(exc)  # try the next tier's copy
+    if errors:
+        raise errors[0]
+    if not found_tag:
+        raise CheckpointNotFoundError(location, tag)
+    raise ItemNotFoundError(tag, name, available)
+
+
+def _describe_file(store: Store, tag: str, entry: ItemEntry) -> list[dict[str, Any]]:
+    where = store.display(tag, entry.file)
+    with store.open_read(tag, entry.file) as stream:
+        data = read_pickle_member(stream, where)
+    return describe_pickle(data, where)

@@ -1,0 +1,275 @@
+"""This user's memory tiers on this node: what each holds (`nebula memory`), and releasing
+the ones no job needs any more (`nebula gc`).
+
+A memory tier is RAM (`/dev/shm`): a tier left behind holds memory until it is released,
+and in a container /dev/shm counts against the memory limit. A session releases its own
+tier when it ends with everything persisted (session.py); these functions find the rest:
+stale tiers (their root is gone, or was created again), tiers of finished jobs whose
+newest checkpoint is persisted, and - only when asked - unpersisted checkpoints of jobs
+that are gone.
+
+May import: tiers, catalog, storage, errors. Not for: a running job's own tier
+(session.py), or persisting what a crashed job left (copying.persist_memory_tier).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from nebulaml.errors import NebulaError, UnsafeMemoryTierError
+from nebulaml.format.names import order_key
+from nebulaml.protocol.catalog import list_committed, read_committed
+from nebulaml.protocol.tiers import (
+    OK,
+    ORPHANED,
+    STALE,
+    UNSAFE,
+    check_private_dir,
+    in_use,
+    judge_memory_tier,
+    memory_base,
+    read_record,
+    release_memory_tier,
+    tier_contents,
+)
+from nebulaml.storage.store import Store
+
+UNKNOWN = "unknown"  # its root cannot be reached from here (credentials, network)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryTierInfo:
+    """One memory tier folder of this user on this node.
+
+    `state`: "ok", "stale" (its root is gone or was created again), "orphaned" (no record
+    of its root), "unsafe" (not this user's alone), or "unknown" (its root cannot be
+    read from here); `note` says why. `persisted`: whether the newest checkpoint is
+    committed on the root (None where that cannot be told; False for a memory-only job).
+    """
+
+    path: str
+    root: str | None
+    state: str
+    note: str | None
+    tags: tuple[str, ...]
+    newest: str | None
+    persisted: bool | None
+    size_bytes: int
+    writer_alive: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "root": self.root,
+            "state": self.state,
+            "note": self.note,
+            "tags": list(self.tags),
+            "newest": self.newest,
+            "persisted": self.persisted,
+            "size_bytes": self.size_bytes,
+            "writer_alive": self.writer_alive,
+        }
+
+
+def list_memory_tiers() -> list[MemoryTierInfo]:
+    """Every memory tier of this user on this node (under `memory_base()`), by path.
+
+    Example:
+        >>> import nebulaml as nm
+        >>> nm.list_memory_tiers()
+        []
+    """
+    base = memory_base()
+    if not check_private_dir(base):
+        return []
+    out = []
+    with os.scandir(base) as entries:
+        # A symbolic link where a tier folder goes is listed too: as unsafe, never followed.
+        folders = sorted(
+            e.path for e in entries if e.is_dir(follow_symlinks=False) or e.is_symlink()
+        )
+    for path in folders:
+        info = describe_memory_tier(path)
+        if os.path.lexists(path):  # not released meanwhile (a job's clean exit, a gc)
+            out.append(info)
+    return out
+
+
+def describe_memory_tier(path: str) -> MemoryTierInfo:
+    """What the memory tier folder `path` holds, and whether its root still has it."""
+    memory = Store(path, durable=False, private=True)
+    try:
+        check_private_dir(path)
+    except UnsafeMemoryTierError as exc:
+        return MemoryTierInfo(path, None, UNSAFE, str(exc), (), None, None, 0, False)
+    alive = in_use(memory)
+    tags, size = tier_contents(memory)
+    try:
+        committed = list_committed(memory)
+    except NebulaError:
+        committed = []
+    if committed:
+        newest_info = committed[-1]
+        newest: str | None = newest_info.tag
+    else:
+        newest_info = None
+        newest = max(tags, key=lambda t: order_key(t, ""), default=None)
+    record = read_record(memory)
+    if record is None:
+        note = "no record of its root (an older nebula's, or a job that died at its start)"
+        return MemoryTierInfo(path, None, ORPHANED, note, tuple(tags), newest, None, size, alive)
+    if record.persistent is None:  # a memory-only job: nothing was ever persisted
+        return MemoryTierInfo(
+            path, None, OK, "a job without a persistent root", tuple(tags), newest,
+            False if tags else None, size, alive,
+        )  # fmt: skip
+    state, note, persisted = _judge_root(memory, record.persistent, record.location, newest_info)
+    if newest is not None and newest_info is None and state == OK:
+        persisted = _part_persisted(record.persistent, newest)
+    return MemoryTierInfo(
+        path, record.persistent, state, note, tuple(tags), newest,
+        persisted if tags else None, size, alive,
+    )  # fmt: skip
+
+
+def _judge_root(
+    memory: Store, url: str, location: str | None, newest: Any
+) -> tuple[str, str | None, bool | None]:
+    try:
+        persistent = Store(url)
+        if location is not None and persistent.location != location:
+            return UNKNOWN, f"{url} is reached as another root with these credentials", None
+        state, note = judge_memory_tier(memory, persistent)
+        if state != OK or newest is None:
+            return state, note, None
+        durable = read_committed(persistent, newest.tag)
+        persisted = durable is not None and durable.manifest.items == newest.manifest.items
+        if not persisted:
+            # An older copy in memory than the root's newest is persisted in effect.
+            on_root = list_committed(persistent)
+            persisted = bool(on_root) and on_root[-1].sort_key > newest.sort_key
+        return OK, None, persisted
+    except NebulaError as exc:
+        return UNKNOWN, f"cannot read {url}: {exc}", None
+
+
+def _part_persisted(url: str, tag: str) -> bool | None:
+    """Whether the root holds `tag` committed (a node that holds only its ranks' parts)."""
+    try:
+        return read_committed(Store(url), tag) is not None
+    except NebulaError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class GcAction:
+    """What `nebula gc` does with one memory tier: release it or keep it, and why."""
+
+    tier: MemoryTierInfo
+    release: bool
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.tier.to_json(), "release": self.release, "reason": self.reason}
+
+
+def plan_gc(
+    tiers: Iterable[MemoryTierInfo], *, discard_unpersisted: bool = False
+) -> list[GcAction]:
+    """Decide, for each memory tier, whether `nebula gc` releases it.
+
+    Released: stale tiers and empty ones, and tiers of finished jobs (no live writer)
+    whose newest checkpoint is persisted. Never: a tier a live job holds, or one that is
+    not this user's alone. An unpersisted checkpoint of a finished job (or one whose root
+    cannot be read from here) only with `discard_unpersisted`.
+
+    Example:
+        >>> plan_gc([])
+        []
+    """
+    actions = []
+    for tier in tiers:
+        if tier.writer_alive:
+            actions.append(GcAction(tier, False, "a live job holds it"))
+        elif tier.state == UNSAFE:
+            actions.append(GcAction(tier, False, f"not released: {tier.note}"))
+        elif tier.state == STALE:
+            actions.append(GcAction(tier, True, f"stale: {tier.note}"))
+        elif not tier.tags:
+            actions.append(GcAction(tier, True, "holds no checkpoint"))
+        elif tier.persisted and tier.state == OK:
+            actions.append(GcAction(tier, True, f"{tier.newest} is persisted; its job ended"))
+        elif discard_unpersisted:
+            why = tier.note or f"{tier.newest} is not persisted"
+            actions.append(GcAction(tier, True, f"{why}; discarded (--discard-unpersisted)"))
+        else:
+            why = tier.note or f"{tier.newest} is not persisted"
+            if tier.root:
+                how = f"run `nebula flush {tier.root}` first"
+            else:  # nothing to flush to: the folder reads as a root of its own
+                how = f"copy it first (`nebula copy {tier.path} {tier.newest} DEST`)"
+            actions.append(GcAction(tier, False, f"{why}: {how}, or --discard-unpersisted"))
+    return actions
+
+
+@dataclass(frozen=True, slots=True)
+class GcResult:
+    """One released (or, by then, kept) tier: its path, tags and bytes; `reason` says why
+    a tier marked for release was kept."""
+
+    path: str
+    released: bool
+    tags: tuple[str, ...]
+    size_bytes: int
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "released": self.released,
+            "tags": list(self.tags),
+            "size_bytes": self.size_bytes,
+            "reason": self.reason,
+        }
+
+
+def execute_gc(actions: Iterable[GcAction]) -> list[GcResult]:
+    """Release the tiers `plan_gc` marked. A tier that changed since the plan (a job took
+    hold of it, or wrote or removed checkpoints: the plan may be minutes old after a
+    prompt) is kept, and so is one that cannot be released; `GcResult.reason` says why."""
+    results = []
+    for action in actions:
+        if not action.release:
+            continue
+        path = action.tier.path
+        if not os.path.lexists(path):
+            results.append(GcResult(path, False, (), 0, "gone already"))
+            continue
+        why = _changed(action.tier, describe_memory_tier(path))
+        if why is not None:
+            results.append(GcResult(path, False, (), 0, f"{why} since the plan; not released"))
+            continue
+        memory = Store(path, durable=False, private=True)
+        try:
+            tags, size = release_memory_tier(memory)
+        except (NebulaError, OSError) as exc:
+            results.append(GcResult(path, False, (), 0, f"cannot release it: {exc}"))
+            continue
+        gone = not os.path.lexists(path)
+        reason = None if gone else "a live job took hold of it; not released"
+        results.append(GcResult(path, gone, tuple(tags), size, reason))
+    return results
+
+
+def _changed(planned: MemoryTierInfo, now: MemoryTierInfo) -> str | None:
+    """How a tier changed between the plan and now, or None."""
+    if now.writer_alive:
+        return "a live job took hold of it"
+    if (now.tags, now.newest) != (planned.tags, planned.newest):
+        return "its checkpoints changed"
+    if (now.state, now.persisted) != (planned.state, planned.persisted):
+        return f"its state changed ({now.state}, persisted: {now.persisted})"
+    return None

@@ -1,0 +1,315 @@
+"""Pruning a root on request (`nebula prune`): list, plan, execute.
+
+    list_prune_candidates  what is on the root: committed versions, and (on request) the
+                           leftovers of crashed saves with how long they have been idle and
+                           whether their writer is alive on this host
+    plan_prune             a pure function from that listing to a `PrunePlan`, no I/O
+    execute_prune          deletes what the plan says, manifest first, re-checking each
+                           tag just before it goes; a tag being read is kept and reported
+
+Never deleted: the newest committed checkpoint, a labelled one (unless the caller includes
+labelled ones), a tag a live process on this host is writing, a checkpoint being read (a
+live read lease, leases.py), a leftover that was written to within the grace period, and
+anything without our markers (DESIGN.md §4).
+
+Not for: the job's own retention while it trains (retention.py, applied by the persister).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from nebulaml.api import tiers_for
+from nebulaml.errors import InvalidArgumentError, RootNotFoundError
+from nebulaml.format.names import MANIFEST_NAME, order_key, validate_name
+from nebulaml.protocol.catalog import list_committed, list_incomplete, read_committed
+from nebulaml.protocol.commit import delete_checkpoint, describe_writer, read_writers, writer_alive
+from nebulaml.protocol.retention import Version
+from nebulaml.storage.store import Store
+
+PathLike = str | os.PathLike[str]
+DEFAULT_GRACE_S = 3600.0
+BEING_READ = "being read"  # why execute_prune kept a tag a reader holds a lease on
+_MARKER_PREFIXES = (".rank-", ".writer-")
+
+
+@dataclass(frozen=True, slots=True)
+class Leftover:
+    """An uncommitted tag folder with our markers, as seen when the root was listed.
+
+    `idle_s` is the time since the last sign of activity (a writer marker's start or the
+    newest file's modification time), None when neither is known; `live_writer` describes
+    a writer that is alive on this host (e.g. "pid 12 on node1"), if any.
+    """
+
+    tag: str
+    idle_s: float | None
+    live_writer: str | None = None
+    size_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PruneListing:
+    """What `list_prune_candidates` found on one root."""
+
+    root: str
+    versions: tuple[Version, ...]
+    leftovers: tuple[Leftover, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PruneDecision:
+    """One tag and why the plan keeps or deletes it; `committed` is False for leftovers."""
+
+    tag: str
+    reason: str
+    committed: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PrunePlan:
+    """What `execute_prune` will delete and what it keeps, each with a reason.
+
+    `delete`: committed tags to delete, oldest first. `incomplete`: leftovers to remove.
+    `keep`: committed tags kept by the count. `protected`: tags that may not be deleted
+    (the newest, labelled ones, leftovers being written or within the grace period).
+    The options the plan was made with are kept so that the execution re-checks by them.
+    """
+
+    root: str
+    keep_last: int
+    include_labelled: bool
+    grace_s: float
+    newest: str | None
+    keep: tuple[PruneDecision, ...]
+    protected: tuple[PruneDecision, ...]
+    delete: tuple[PruneDecision, ...]
+    incomplete: tuple[PruneDecision, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as JSON-serialisable data (kept = keep + protected)."""
+
+        def rows(decisions: Sequence[PruneDecision]) -> list[dict[str, Any]]:
+            return [{"tag": d.tag, "reason": d.reason, "committed": d.committed} for d in decisions]
+
+        return {
+            "root": self.root,
+            "keep": self.keep_last,
+            "include_labelled": self.include_labelled,
+            "grace_s": self.grace_s,
+            "delete": rows(self.delete),
+            "incomplete": rows(self.incomplete),
+            "kept": rows(self.keep + self.protected),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PruneResult:
+    """What `execute_prune` deleted (in order) and what its last-moment checks spared."""
+
+    deleted: tuple[str, ...]
+    skipped: tuple[PruneDecision, ...]
+
+
+def list_prune_candidates(root: PathLike, *, incomplete: bool = False) -> PruneListing:
+    """List `root` itself (not its memory tier) for `plan_prune`.
+
+    Committed checkpoints always; with `incomplete`, also the tag folders that carry our
+    markers but no valid manifest. Folders without our markers are never listed. Raises
+    `RootNotFoundError` when `root` does not exist.
+
+    Example:
+        >>> import tempfile
+        >>> list_prune_candidates(tempfile.mkdtemp()).versions
+        ()
+    """
+    store = _store(root)
+    versions = tuple(
+        Version(info.tag, info.committed_at, info.manifest.labels) for info in list_committed(store)
+    )
+    leftovers: tuple[Leftover, ...] = ()
+    if incomplete:
+        now = datetime.now(timezone.utc)
+        found = (_inspect_leftover(store, tag, now) for tag in list_incomplete(store))
+        leftovers = tuple(lo for lo in found if lo is not None)
+    return PruneListing(store.url, versions, leftovers)
+
+
+def plan_prune(
+    listing: PruneListing,
+    keep: int,
+    *,
+    include_labelled: bool = False,
+    grace_s: float = DEFAULT_GRACE_S,
+) -> PrunePlan:
+    """Decide what to delete so that the `keep` newest committed versions remain.
+
+    The newest version is always kept and counts towards `keep`. Labelled versions are
+    kept and do not count, unless `include_labelled`, which makes them ordinary versions.
+    Leftovers in the listing are removed when no writer of theirs is alive on this host
+    and they have been idle for at least `grace_s` seconds. Pure: no I/O, no clock.
+
+    Example:
+        >>> vs = tuple(Version(f"global_step{i}", "") for i in range(3))
+        >>> [d.tag for d in plan_prune(PruneListing("/r", vs), keep=2).delete]
+        ['global_step0']
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise InvalidArgumentError(f"keep must be an int of at least 1, not {keep!r}")
+    if grace_s < 0:
+        raise InvalidArgumentError(f"grace_s must be at least 0, not {grace_s!r}")
+    ordered = sorted(listing.versions, key=lambda v: order_key(v.tag, v.committed_at), reverse=True)
+    newest = ordered[0].tag if ordered else None
+    kept: list[PruneDecision] = []
+    protected: list[PruneDecision] = []
+    delete: list[PruneDecision] = []
+    for version in ordered:
+        if version.tag == newest:
+            protected.append(PruneDecision(version.tag, "the newest committed checkpoint"))
+        elif version.labels and not include_labelled:
+            labels = ", ".join(version.labels)
+            protected.append(PruneDecision(version.tag, f"labelled {labels}"))
+        elif len(kept) + 1 < keep:  # + 1: the newest counts towards keep
+            kept.append(PruneDecision(version.tag, f"one of the {keep} newest"))
+        else:
+            delete.append(PruneDecision(version.tag, f"older than the {keep} newest"))
+    incomplete: list[PruneDecision] = []
+    for leftover in sorted(listing.leftovers, key=lambda lo: lo.tag):
+        spare = _spare_leftover(leftover, grace_s)
+        if spare is None:
+            idle = f"idle {leftover.idle_s:.0f} s" if leftover.idle_s is not None else ""
+            reason = f"incomplete, no live writer, {idle}".rstrip(", ")
+            incomplete.append(PruneDecision(leftover.tag, reason, committed=False))
+        else:
+            protected.append(PruneDecision(leftover.tag, spare, committed=False))
+    return PrunePlan(
+        root=listing.root,
+        keep_last=keep,
+        include_labelled=include_labelled,
+        grace_s=grace_s,
+        newest=newest,
+        keep=tuple(kept),
+        protected=tuple(protected),
+        delete=tuple(delete[::-1]),  # oldest first: an interrupted prune keeps the newer
+        incomplete=tuple(incomplete),
+    )
+
+
+def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
+    """Delete what `plan` says from `root`, each tag manifest first, then its data.
+
+    Just before each deletion the tag is checked again, by the plan's own options: a
+    committed tag must still be committed, unlabelled (unless the plan includes labelled
+    ones) and not the newest; a leftover must still be uncommitted, carry our markers,
+    have no live writer on this host and have been idle for the grace period. A tag that
+    fails the check, or that a reader holds a lease on when its turn comes, is skipped and
+    reported ("being read"), never deleted.
+    """
+    for decision in (*plan.delete, *plan.incomplete):
+        validate_name("tag", decision.tag)
+    store = _store(root)
+    deleted: list[str] = []
+    skipped: list[PruneDecision] = []
+    witness = plan.newest  # a committed tag newer than every tag in plan.delete
+    for decision in plan.delete:
+        info = read_committed(store, decision.tag)
+        if info is None:
+            skipped.append(PruneDecision(decision.tag, "no longer committed"))
+            continue
+        if info.manifest.labels and not plan.include_labelled:
+            skipped.append(PruneDecision(decision.tag, "labelled since the plan was made"))
+            continue
+        witness = _newer_witness(store, witness, info.sort_key)
+        if witness is None:
+            skipped.append(PruneDecision(decision.tag, "it is now the newest committed"))
+            continue
+        if not delete_checkpoint(store, decision.tag):
+            skipped.append(PruneDecision(decision.tag, BEING_READ))
+            continue
+        deleted.append(decision.tag)
+    now = datetime.now(timezone.utc)
+    for decision in plan.incomplete:
+        leftover = _inspect_leftover(store, decision.tag, now)
+        if leftover is None:
+            skipped.append(PruneDecision(decision.tag, "no longer an incomplete tag", False))
+            continue
+        spare = _spare_leftover(leftover, plan.grace_s)
+        if spare is not None:
+            skipped.append(PruneDecision(decision.tag, spare, False))
+            continue
+        if not delete_checkpoint(store, decision.tag):
+            skipped.append(PruneDecision(decision.tag, BEING_READ, False))
+            continue
+        deleted.append(decision.tag)
+    return PruneResult(tuple(deleted), tuple(skipped))
+
+
+# helpers -------------------------------------------------------------------------------------
+def _store(root: PathLike) -> Store:
+    store = tiers_for(root, "prune").persistent
+    assert store is not None  # a root was given
+    if not store.exists():
+        raise RootNotFoundError(store.url)
+    return store
+
+
+def _spare_leftover(leftover: Leftover, grace_s: float) -> str | None:
+    """Why a leftover must stay, or None when it may be removed (the one rule for both
+    the plan and the last-moment check)."""
+    if leftover.live_writer is not None:
+        return f"being written by {leftover.live_writer}"
+    if leftover.idle_s is None:
+        return "incomplete; when it was last written is unknown"
+    if leftover.idle_s < grace_s:
+        return f"incomplete, written {leftover.idle_s:.0f} s ago (grace period {grace_s:g} s)"
+    return None
+
+
+def _newer_witness(store: Store, witness: str | None, key: tuple[int, str, str]) -> str | None:
+    """A tag committed on `store` that sorts after `key`, or None if there is none.
+
+    The plan's newest is checked first (one read); only if it has gone is the root listed.
+    """
+    if witness is not None:
+        info = read_committed(store, witness)
+        if info is not None and info.sort_key > key:
+            return witness
+    newest = list_committed(store)
+    if newest and newest[-1].sort_key > key:
+        return newest[-1].tag
+    return None
+
+
+def _inspect_leftover(store: Store, tag: str, now: datetime) -> Leftover | None:
+    """The leftover `tag` as it is now, or None if it is not one (committed, gone, or
+    without our markers)."""
+    files = store.list_files(tag)
+    if not any(name.startswith(_MARKER_PREFIXES) for name in files):
+        return None
+    if MANIFEST_NAME in files and read_committed(store, tag) is not None:
+        return None
+    host = socket.gethostname()
+    writers = read_writers(store, tag)
+    live = next((describe_writer(w) for w in writers if writer_alive(w, host)), None)
+    times = [t for t in (_parse_time(w.get("started_at")) for w in writers) if t is not None]
+    for name in files:
+        modified = store.modified_at(tag, name)
+        if modified is not None:
+            times.append(modified)
+    idle_s = max(0.0, (now - max(times)).total_seconds()) if times else None
+    return Leftover(tag, idle_s, live, sum(files.values()))
+
+
+def _parse_time(value: object) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)

@@ -1,0 +1,160 @@
+"""What is committed on a tier: reading manifests and listing checkpoints.
+
+A checkpoint is visible only when its manifest is present and valid and every file it
+lists is there with its size (DESIGN.md §4). A manifest of an unknown schema is an error;
+an unreadable one is reported with a warning and the tag treated as not committed.
+
+Not for: writing or deleting (commit.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from nebulaml.errors import InvalidNameError, ManifestError, UnsupportedSchemaError
+from nebulaml.format.manifest import Manifest, parse_manifest
+from nebulaml.format.names import MANIFEST_NAME, order_key, validate_name
+from nebulaml.storage.store import MissingFileError, Store
+
+log = logging.getLogger("nebulaml")
+# How many times `list_committed` lists the folders while newer ones are in flux.
+_LIST_PASSES = 3
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CheckpointInfo:
+    """One committed checkpoint on one tier."""
+
+    store: Store
+    manifest: Manifest
+
+    @property
+    def tag(self) -> str:
+        return self.manifest.tag
+
+    @property
+    def committed_at(self) -> str:
+        return self.manifest.committed_at
+
+    @property
+    def sort_key(self) -> tuple[int, str, str]:
+        return order_key(self.tag, self.committed_at)
+
+
+def read_manifest(store: Store, tag: str) -> Manifest | None:
+    """The manifest of `tag` on `store` if present and valid, without checking its files.
+
+    None when there is none; an unreadable one is reported with a warning and counts as
+    none. Raises `UnsupportedSchemaError` for a manifest this version cannot read.
+    """
+    validate_name("tag", tag)
+    where = store.display(tag, MANIFEST_NAME)
+    try:
+        manifest = parse_manifest(store.read_bytes(tag, MANIFEST_NAME), where)
+    except UnsupportedSchemaError:
+        raise
+    except MissingFileError:
+        return None
+    except ManifestError as exc:
+        log.warning("ignoring checkpoint %r: %s", tag, exc)
+        return None
+    if manifest.tag != tag:
+        log.warning("ignoring %s: it names tag %r", where, manifest.tag)
+        return None
+    return manifest
+
+
+def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
+    """The committed checkpoint `tag` on `store`, or None if it is absent or incomplete
+    (an item file missing or of the wrong size).
+
+    Raises `UnsupportedSchemaError` for a manifest this version cannot read.
+    """
+    validate_name("tag", tag)
+    files = store.list_files(tag)
+    if MANIFEST_NAME not in files:
+        return None
+    manifest = read_manifest(store, tag)
+    if manifest is None:
+        return None
+    for item in manifest.items:
+        if files.get(item.file) != item.size_bytes:
+            log.warning(
+                "ignoring checkpoint %r at %s: item file %r is missing or has the wrong size",
+                tag,
+                store.url,
+                item.file,
+            )
+            return None
+    return CheckpointInfo(store, manifest)
+
+
+def list_committed(
+    store: Store, unsupported: list[UnsupportedSchemaError] | None = None
+) -> list[CheckpointInfo]:
+    """Committed checkpoints on `store`, oldest first (see names.order_key).
+
+    A listing is not a snapshot: a tag listed may be deleted before its manifest is read,
+    and a tag committed after the folders were listed is not in them. Retention, eviction
+    and prune delete a tag once a newer one is committed, so while training saves and
+    evicts, one pass can miss every tag at least as new as the newest and return an older
+    one as the newest, or none (the concurrency campaign's "newest deleted"). So while a
+    folder newer than the newest found did not read as committed (deleted meanwhile, or
+    still being written), the folders are listed again and the newer ones read, up to
+    `_LIST_PASSES` times in all.
+
+    A manifest of a schema this version cannot read raises `UnsupportedSchemaError`, or,
+    when the caller passes an `unsupported` list (to look for another tier's readable
+    copy), is appended to it and left out.
+
+    Example:
+        >>> import tempfile
+        >>> list_committed(Store(tempfile.mkdtemp()))
+        []
+    """
+    found: dict[str, CheckpointInfo] = {}
+    refused: set[str] = set()  # an unsupported schema, reported once
+    newest: tuple[int, str, str] | None = None  # the sort key of the newest found so far
+    for _ in range(_LIST_PASSES):
+        unsettled: list[str] = []  # folders that did not read as committed
+        for tag in store.list_dirs():
+            if tag in found or tag in refused:
+                continue
+            try:
+                validate_name("tag", tag)
+            except InvalidNameError:
+                continue  # not a folder nebula writes
+            if newest is not None and order_key(tag, "") <= newest:
+                continue  # a later pass looks only for what is newer than the newest
+            try:
+                info = read_committed(store, tag)
+            except UnsupportedSchemaError as exc:
+                if unsupported is None:
+                    raise
+                unsupported.append(exc)
+                refused.add(tag)
+                continue
+            if info is not None:
+                found[tag] = info
+            else:
+                unsettled.append(tag)
+        newest = max((info.sort_key for info in found.values()), default=None)
+        if not any(newest is None or order_key(tag, "") > newest for tag in unsettled):
+            break
+    return sorted(found.values(), key=lambda info: info.sort_key)
+
+
+def list_incomplete(store: Store) -> list[str]:
+    """Tag folders that nebula started but never committed (leftovers of crashed saves)."""
+    out = []
+    for tag in store.list_dirs():
+        try:
+            validate_name("tag", tag)
+        except InvalidNameError:
+            continue
+        files = store.list_files(tag)
+        ours = any(name.startswith((".rank-", ".writer-")) for name in files)
+        if ours and read_committed(store, tag) is None:
+            out.append(tag)
+    return sorted(out)

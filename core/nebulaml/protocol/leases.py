@@ -1,0 +1,241 @@
+"""Read leases: a checkpoint being read is never deleted (DESIGN.md §4).
+
+A reader publishes a small lease file in the tag folder before it reads and removes it
+when done (`read_lease`). A deleter (prune, retention, memory-tier eviction, an overwrite)
+publishes a delete claim there before it touches the manifest (`delete_claim`), and keeps
+the tag if a live reader holds a lease. Each side publishes first and then looks for the
+other, so of a reader and a deleter that overlap, at least one sees the other:
+
+    reader                                      deleter
+    r1 create .lease-read-...                   d1 create .lease-delete-...
+    r2 list the folder: no manifest -> give up  d2 list the folder: a live read lease?
+       a live delete claim -> wait until the       yes -> remove the claim, keep the tag
+       claim goes (read) or the manifest goes      no  -> manifest first, then the data
+       (give up); else read                     d3 the claim goes with the folder
+    r3 remove the lease
+
+If r2 ran before d1, then r1 < r2 < d1 < d2 and the deleter sees the lease; otherwise d1
+came before r2 and the reader sees the claim. This needs a store whose listing shows
+every completed create: local disks, Azure Blob Storage and memory:// do.
+
+An uncommitted folder (no manifest when the deleter lists it) cannot be being read: a
+reader there finds no manifest and leaves; `delete_claim` reports no readers for it.
+
+A lease's name says who holds it and since when, so deciding needs no file reads:
+`.lease-<read|delete>-<UTC time>-<pid>-<random>-<host>.json`. The lease of a process that
+is gone (this host) or one older than `LEASE_TTL_S` (another host, whose processes cannot
+be checked from here) does not count, and whoever lists it removes it.
+
+Not for: writers (commit.py's writer markers say who is writing a tag) or deciding what
+to delete (retention.py, pruning.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from nebulaml.errors import StorageError
+from nebulaml.format.names import MANIFEST_NAME
+from nebulaml.storage.store import MissingFileError, Store
+
+log = logging.getLogger("nebulaml")
+
+LEASE_PREFIX = ".lease-"
+READ, DELETE = "read", "delete"
+LEASE_TTL_S = 3600.0  # a lease of another host counts for this long
+CLAIM_WAIT_S = 10.0  # how long a reader waits for a live deleter to decide
+_STAMP = "%Y%m%dT%H%M%S%fZ"
+_SUFFIX = ".json"
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A read lease or a delete claim found in a tag folder (`kind` is "read" or "delete")."""
+
+    name: str
+    kind: str
+    host: str
+    pid: int
+    taken_at: datetime
+
+    def describe(self) -> str:
+        """'pid 123 on node1' for messages."""
+        return f"pid {self.pid} on {self.host}"
+
+
+def is_lease_file(name: str) -> bool:
+    """Whether a file in a tag folder is a lease or a claim (not checkpoint data)."""
+    return name.startswith(LEASE_PREFIX)
+
+
+def parse_lease(name: str) -> Lease | None:
+    """The lease a file name describes, or None if it is not one of ours.
+
+    Example:
+        >>> parse_lease(".lease-read-20250101T000000000000Z-42-ab12cd34-node-1.json").host
+        'node-1'
+    """
+    if not (name.startswith(LEASE_PREFIX) and name.endswith(_SUFFIX)):
+        return None
+    fields = name[len(LEASE_PREFIX) : -len(_SUFFIX)].split("-", 4)
+    if len(fields) != 5:
+        return None
+    kind, stamp, pid, _random, host = fields
+    if kind not in (READ, DELETE) or not pid.isdigit() or not host:
+        return None
+    try:
+        taken_at = datetime.strptime(stamp, _STAMP).replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
+    return Lease(name, kind, host, int(pid), taken_at)
+
+
+def lease_alive(lease: Lease, *, now: datetime | None = None, ttl_s: float = LEASE_TTL_S) -> bool:
+    """Whether `lease` still counts: its process is alive (this host), or it is younger
+    than `ttl_s` seconds (another host)."""
+    if lease.host == _host():
+        return process_alive(lease.pid)
+    age_s = ((now or datetime.now(timezone.utc)) - lease.taken_at).total_seconds()
+    return age_s < ttl_s
+
+
+def live_leases(store: Store, tag: str, *, ttl_s: float = LEASE_TTL_S) -> list[Lease]:
+    """The live read leases in the folder of `tag`; stale ones are removed on the way.
+
+    A deleter must publish its claim first (`delete_claim` does both in order); alone,
+    this only describes who is reading.
+    """
+    return _live(store, tag, store.list_files(tag), READ, ttl_s)
+
+
+@contextlib.contextmanager
+def read_lease(store: Store, tag: str, *, wait_s: float = CLAIM_WAIT_S) -> Iterator[bool]:
+    """Hold a read lease on `tag` for the block; yields whether it may be read.
+
+    True: the manifest is there and no live deleter claims the tag; no delete protocol
+    removes it until the block exits. False: the tag is gone or being deleted (a live
+    deleter's claim that does not go within `wait_s` counts as deleting); read nothing.
+    Costs a listing, one small create and one remove. On a store that refuses the
+    create (read-only, or full) the tag is read without a lease, as it would be without
+    this module: a full disk must not keep the last checkpoint from loading.
+
+    Example:
+        >>> import tempfile
+        >>> with read_lease(Store(tempfile.mkdtemp()), "global_step1") as readable:
+        ...     readable
+        False
+    """
+    if not store.exists(tag, MANIFEST_NAME):
+        yield False  # nothing to read: no lease needed
+        return
+    try:
+        name = _publish(store, tag, READ)
+    except StorageError as exc:
+        log.debug("reading %s without a lease: %s", store.display(tag), exc)
+        yield _await_no_claim(store, tag, wait_s)
+        return
+    if name is None:
+        yield False
+        return
+    try:
+        yield _await_no_claim(store, tag, wait_s)
+    finally:
+        store.remove(tag, name)
+
+
+@contextlib.contextmanager
+def delete_claim(store: Store, tag: str, *, ttl_s: float = LEASE_TTL_S) -> Iterator[list[Lease]]:
+    """Publish this thread's delete claim on `tag`, then yield the live read leases.
+
+    Empty: no reader holds the tag, and none can start reading before the claim goes;
+    remove the manifest first, then the data, inside the block. Not empty: leave the tag
+    as it is. The claim is removed when the block exits (with the folder, if it went).
+    """
+    name = _publish(store, tag, DELETE)
+    try:
+        files = store.list_files(tag)
+        yield _live(store, tag, files, READ, ttl_s) if MANIFEST_NAME in files else []
+    finally:
+        if name is not None:
+            store.remove(tag, name)
+
+
+# helpers -------------------------------------------------------------------------------------
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "unknown"
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this host (of any user)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists; it belongs to another user
+    return True
+
+
+def _publish(store: Store, tag: str, kind: str) -> str | None:
+    """Create this thread's lease file of `kind` in `tag`; None if the folder is gone."""
+    now = datetime.now(timezone.utc)
+    name = (
+        f"{LEASE_PREFIX}{kind}-{now.strftime(_STAMP)}-{os.getpid()}-"
+        f"{uuid.uuid4().hex[:8]}-{_host()}{_SUFFIX}"
+    )
+    doc = {"kind": kind, "host": socket.gethostname(), "pid": os.getpid(),
+           "taken_at": now.isoformat().replace("+00:00", "Z")}  # fmt: skip
+    try:
+        store.write_bytes((tag, name), json.dumps(doc).encode())
+    except MissingFileError:
+        return None  # the folder was removed: nothing left to read or delete
+    return name
+
+
+def _live(store: Store, tag: str, files: Mapping[str, int], kind: str, ttl_s: float) -> list[Lease]:
+    """The live leases of `kind` among `files`; stale ones (of any kind) are removed."""
+    now = datetime.now(timezone.utc)
+    live = []
+    for name in sorted(files):
+        lease = parse_lease(name)
+        if lease is None:
+            continue
+        if not lease_alive(lease, now=now, ttl_s=ttl_s):
+            # Its holder is gone: it protects nothing. Removing it is only tidying (a
+            # read-only store keeps it).
+            with contextlib.suppress(StorageError):
+                store.remove(tag, name)
+        elif lease.kind == kind:
+            live.append(lease)
+    return live
+
+
+def _await_no_claim(store: Store, tag: str, wait_s: float) -> bool:
+    """With our lease published: True once the manifest is there and no live deleter
+    claims the tag; False once the manifest is gone, or after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    delay_s = 0.002
+    while True:
+        files = store.list_files(tag)
+        if MANIFEST_NAME not in files:
+            return False
+        if not _live(store, tag, files, DELETE, LEASE_TTL_S):
+            return True
+        # A deleter claimed the tag before it could see our lease: it either backs off
+        # (its claim goes) or deletes (the manifest goes), within a few operations.
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay_s)
+        delay_s = min(0.1, delay_s * 2)

@@ -1,0 +1,53 @@
+"""Which committed checkpoints may be deleted: pure functions, no I/O.
+
+Not for: deleting (catalog.delete_checkpoint does it, manifest first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from nebulaml.format.names import order_key
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    """What retention needs to know of one committed checkpoint."""
+
+    tag: str
+    committed_at: str
+    labels: tuple[str, ...] = ()
+
+
+def plan_retention(
+    versions: Sequence[Version], keep: int, protected: Collection[str] = ()
+) -> list[str]:
+    """Tags to delete so that `keep` newest unlabelled versions remain.
+
+    Never returned: the newest version, labelled versions, and tags in `protected`
+    (being written or read). Labelled and protected versions do not count towards `keep`.
+
+    Example:
+        >>> vs = [Version(f"global_step{i}", "") for i in range(4)]
+        >>> plan_retention(vs, keep=2)
+        ['global_step0', 'global_step1']
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, not {keep}")
+    ordered = sorted(versions, key=lambda v: order_key(v.tag, v.committed_at), reverse=True)
+    if not ordered:
+        return []
+    newest = ordered[0].tag
+    kept = 0
+    delete: list[str] = []
+    for version in ordered:
+        if version.tag == newest or version.labels or version.tag in protected:
+            if version.tag == newest:
+                kept += 1
+            continue
+        if kept < keep:
+            kept += 1
+            continue
+        delete.append(version.tag)
+    return delete[::-1]  # oldest first

@@ -1,0 +1,154 @@
+"""Whether an item fits the memory tier: its budget and its filesystem, checked before each
+item is written.
+
+The budget: half of the node's `NEBULA_MEMORY_BUFFER_SIZE` holds checkpoints (the seed's
+rule), shared by the node's processes (`ranks.memory_budget_bytes`). The filesystem: the
+free space of the memory tier's folder (`free_bytes`: `/dev/shm` is 64 MiB in a default
+Docker container), counting that a pool file of the item is overwritten in place. Before
+an item goes into the memory tier, `MemoryBudget.make_room` makes room for it, in this
+order: free pool files (slots.py), evict old copies the persister no longer needs, wait
+for the pending persist and then evict the newest copy too (it is durable by then, or
+superseded by a newer one committed on the persistent tier). What still does not fit is
+refused with a `Shortfall` saying why: the caller (checkpoint.py) streams the checkpoint
+to the persistent tier instead. The newest committed copy is never overwritten in place,
+and the memory tier never holds more than the budget because of nebula.
+
+Not for: choosing which old copies are evictable (persister.py), how the pool reuses
+files (slots.py), or streaming (checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nebulaml.runtime.persister import Persister
+    from nebulaml.runtime.slots import SlotPool
+
+log = logging.getLogger("nebulaml")
+
+# Kept free on the memory tier's filesystem beyond the item: the checkpoint's small files
+# (writer and rank markers, manifest, leases; a page each on tmpfs) must fit after it.
+RECORDS_ROOM_BYTES = 64 << 10
+_PAGE = 4096  # tmpfs allocates whole pages
+
+
+def free_bytes(path: str) -> int | None:
+    """Bytes a process may still write on the filesystem of `path` (of its nearest
+    existing folder: the memory tier may not be made yet); None if it cannot be told.
+
+    Example:
+        >>> import tempfile
+        >>> free_bytes(tempfile.gettempdir() + "/not/made/yet") > 0
+        True
+    """
+    path = os.path.abspath(path)
+    while True:
+        try:
+            st = os.statvfs(path)
+        except FileNotFoundError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+            continue
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
+
+@dataclass(frozen=True, slots=True)
+class Shortfall:
+    """Why an item of `size_bytes` does not fit the memory tier at `path`: over the budget
+    (`limit_bytes` set, `NEBULA_MEMORY_BUFFER_SIZE`), or more than its filesystem has free
+    (`free_bytes` set)."""
+
+    size_bytes: int
+    path: str
+    limit_bytes: int | None = None
+    free_bytes: int | None = None
+
+    @property
+    def over_budget(self) -> bool:
+        return self.limit_bytes is not None
+
+
+class MemoryBudget:
+    """Room-making for one memory tier under a byte limit (None: no limit) and within the
+    free space of its filesystem.
+
+    Example:
+        >>> MemoryBudget(None, pool=None, persister=None).make_room("model", 10**12) is None
+        True
+    """
+
+    def __init__(
+        self,
+        limit_bytes: int | None,
+        *,
+        pool: SlotPool | None,
+        persister: Persister | None,
+        wait_s: float = 600.0,
+    ) -> None:
+        self.limit_bytes = limit_bytes
+        self.pool = pool
+        self.persister = persister
+        self.wait_s = wait_s
+        self.path: str | None = pool.store.local_path() if pool is not None else None
+
+    def make_room(self, name: str, size_bytes: int) -> Shortfall | None:
+        """Make room for an item `name` of `size_bytes` in the memory tier: None once it
+        fits, else why it cannot (the caller writes it to the persistent tier instead)."""
+        short = self._shortfall(name, size_bytes)
+        pool, persister = self.pool, self.persister
+        if short is None or pool is None or persister is None or self._out_of_reach(short):
+            return short
+        pool.trim(keep_name=name)
+        if (short := self._shortfall(name, size_bytes)) is None:
+            return None
+        persister.evict_memory(superseded_newest=True)
+        if (short := self._shortfall(name, size_bytes)) is None:
+            return None
+        # Older copies go once they are persisted: persist the pending one now, and wait.
+        persister.flush(timeout_s=self.wait_s)
+        persister.evict_memory(superseded_newest=True)
+        pool.trim(keep_name=name)
+        if (short := self._shortfall(name, size_bytes)) is None:
+            return None
+        pool.trim()
+        return self._shortfall(name, size_bytes, reuse=False)
+
+    def filesystem_full(self, size_bytes: int) -> Shortfall:
+        """The shortfall of an item whose write into the memory tier ran out of space
+        after `make_room` found room (another process filled the filesystem meanwhile)."""
+        path = self.path or ""
+        return Shortfall(size_bytes, path, free_bytes=free_bytes(path) or 0)
+
+    def _shortfall(self, name: str, size_bytes: int, *, reuse: bool = True) -> Shortfall | None:
+        pool, limit, path = self.pool, self.limit_bytes, self.path
+        if pool is None or path is None:
+            return None
+        # A pool file of this item is overwritten in place, not added to.
+        reused = pool.free_bytes(name, size_bytes) if reuse else 0
+        if limit is not None and pool.usage_bytes() - reused + size_bytes > limit:
+            return Shortfall(size_bytes, path, limit_bytes=limit)
+        free = free_bytes(path)
+        if free is not None and _pages(size_bytes) - _pages(reused) + RECORDS_ROOM_BYTES > free:
+            return Shortfall(size_bytes, path, free_bytes=free)
+        return None
+
+    def _out_of_reach(self, short: Shortfall) -> bool:
+        """Whether no eviction can make room: the item is over the whole budget, or over
+        what the filesystem would have free with this memory tier empty."""
+        if short.limit_bytes is not None:
+            return short.size_bytes > short.limit_bytes
+        assert self.pool is not None and short.free_bytes is not None
+        reachable = short.free_bytes + self.pool.usage_bytes()
+        return _pages(short.size_bytes) + RECORDS_ROOM_BYTES > reachable
+
+
+def _pages(size_bytes: int) -> int:
+    return -(-size_bytes // _PAGE) * _PAGE

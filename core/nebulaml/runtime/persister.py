@@ -1,0 +1,527 @@
+"""The background persister: memory tier to persistent tier, one persist at a time.
+
+After each commit in the memory tier the training thread calls `notify_committed`. A single
+daemon thread copies the newest committed memory checkpoint to the persistent tier at
+most once every `interval_s` seconds (a checkpoint superseded before its turn is skipped;
+that is what the interval means, and its history row says `skipped`), commits it there,
+applies retention on both tiers and appends the history rows. A labelled checkpoint is
+never superseded: it is persisted as soon as the thread is free, without waiting for the
+interval, and the memory tier keeps it until then. A failure is kept and raised once, on
+the next call into the library (`raise_pending_error`), and reported at exit; it is never
+swallowed.
+
+Not for: the commit protocol itself (commit.py) or process-wide state (session.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from nebulaml.errors import NebulaError, PersistError, PersistTimeoutError
+from nebulaml.format.manifest import marker_name, utc_now
+from nebulaml.format.names import order_key, step_of
+from nebulaml.protocol.catalog import list_committed, read_committed
+from nebulaml.protocol.commit import (
+    copy_checkpoint,
+    copy_part,
+    delete_checkpoint,
+    delete_part,
+    own_parts,
+)
+from nebulaml.protocol.history import HistoryRow, append_rows, make_row, skipped_row
+from nebulaml.protocol.retention import Version, plan_retention
+from nebulaml.protocol.tiers import TierSet
+from nebulaml.runtime.ranks import RankInfo
+from nebulaml.runtime.slots import SlotPool
+
+log = logging.getLogger("nebulaml")
+
+FOLLOW_POLL_S = 0.2  # how often a follower looks for rank 0's persisted markers
+
+
+class Persister:
+    """Owns the persist thread of one job's tiers.
+
+    Example:
+        >>> import tempfile
+        >>> from nebulaml.protocol.tiers import open_tiers
+        >>> p = Persister(open_tiers(tempfile.mkdtemp()), interval_s=0, retention=2)
+        >>> p.close(timeout_s=5)
+        >>> p.flush() is None   # nothing committed, nothing to wait for
+        True
+    """
+
+    def __init__(
+        self,
+        tiers: TierSet,
+        *,
+        interval_s: float,
+        retention: int,
+        ranks: RankInfo | None = None,
+        rank_timeout_s: float = 300.0,
+        pool: SlotPool | None = None,
+    ) -> None:
+        self.tiers = tiers
+        self.pool = pool  # evicted memory-tier files go back to it for reuse
+        self.interval_s = interval_s
+        self.retention = retention
+        self.ranks = ranks or RankInfo()
+        self.rank = self.ranks.rank
+        self.rank_timeout_s = rank_timeout_s
+        self._cond = threading.Condition()
+        self._pending: str | None = None  # newest committed, not yet persisted
+        # A follower (rank > 0) persists exactly what rank 0 persists: the tags it holds
+        # and has not yet seen rank 0's marker for, oldest first.
+        self._candidates: list[str] = []
+        # Flush requests and labelled checkpoints: persisted in order, the interval
+        # ignored, never superseded.
+        self._forced: list[str] = []
+        self._inflight: str | None = None
+        self._last_start: float | None = None
+        self._done: dict[str, BaseException | None] = {}
+        self._error: PersistError | None = None
+        self._rows: list[HistoryRow] = []
+        self._retention_lock = threading.Lock()  # the thread and a streamed commit apply it
+        self._stopping = False
+        self._history_lock = threading.Lock()  # flush() and the thread both append
+        self._thread = threading.Thread(target=self._run, name="nebula-persister", daemon=True)
+        self._thread.start()
+
+    # called by the training thread --------------------------------------------------------
+    def notify_committed(
+        self, tag: str, row: HistoryRow | None = None, *, labels: tuple[str, ...] = ()
+    ) -> None:
+        """A tag was committed in the memory tier: it becomes the one to persist next,
+        superseding the pending one. A labelled tag (`labels`) is queued instead: it is
+        persisted without waiting for the interval and is never superseded."""
+        with self._cond:
+            if row is not None:
+                self._rows.append(row)
+            if self.tiers.persistent is not None:
+                self._done.pop(tag, None)
+                if self._follows():
+                    # Rank 0 decides what is persisted and what skipped; this rank follows.
+                    self._pending = tag
+                    if tag not in self._candidates:
+                        self._candidates.append(tag)
+                else:
+                    self._supersede_pending(tag)
+                    if not labels:
+                        self._pending = tag
+                    elif tag not in self._forced:
+                        self._forced.append(tag)
+            self._cond.notify_all()
+        self.evict_memory()
+
+    def notify_streamed(self, tag: str, row: HistoryRow) -> None:
+        """A tag too large for the memory budget was committed straight to the persistent
+        tier: older pending copies are superseded, and retention runs on the thread."""
+        with self._cond:
+            self._rows.append(row)
+            if self._pending is not None and order_key(self._pending, "") < order_key(tag, ""):
+                self._supersede_pending(tag)
+            self._cond.notify_all()
+        if self.ranks.is_leader:
+            self._retire_after_stream(tag)
+
+    def request(self, tag: str) -> None:
+        """Persist `tag` (committed in the memory tier) as soon as possible."""
+        with self._cond:
+            if self.tiers.persistent is None:
+                return
+            if tag not in self._forced:
+                self._forced.append(tag)
+            self._done.pop(tag, None)
+            self._cond.notify_all()
+
+    def release(self, tag: str) -> None:
+        """Stop persisting `tag` before it is written again (a save with overwrite=True):
+        drop it from the queue, and wait while a persist of it is in flight, so that the
+        copy never reads a tag being replaced."""
+        with self._cond:
+            if self._pending == tag:
+                self._pending = None
+            for queue in (self._forced, self._candidates):
+                while tag in queue:
+                    queue.remove(tag)
+            while self._inflight == tag:
+                self._cond.wait(timeout=1.0)
+            self._done.pop(tag, None)
+
+    def raise_pending_error(self) -> None:
+        """Raise a background failure once; later calls go on until the next one."""
+        with self._cond:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def flush(self, tag: str | None = None, timeout_s: float | None = None) -> str | None:
+        """Persist `tag` (default: the newest unpersisted one) now and wait for it.
+
+        Returns the tag persisted, or None when there was nothing to persist. Raises the
+        persist's `PersistError`, or `PersistTimeoutError` after `timeout_s`.
+        """
+        self.raise_pending_error()
+        with self._cond:
+            if tag is None and self._pending is not None:
+                tag = self._pending  # the newest: persisted now, the interval ignored
+            if tag is None:
+                # Nothing pending: wait for what is queued (persists are done in order, so
+                # the last queued one finishes last), else for the one in flight.
+                target = self._forced[-1] if self._forced else self._inflight
+            else:
+                target = tag
+                if target != self._inflight:
+                    if target == self._pending:
+                        self._pending = None
+                    if target not in self._forced:
+                        self._forced.append(target)
+                    self._done.pop(target, None)
+            if target is not None and self.tiers.persistent is not None:
+                self._cond.notify_all()
+                deadline = None if timeout_s is None else time.monotonic() + timeout_s
+                while target not in self._done:
+                    if not self._thread.is_alive():
+                        raise PersistTimeoutError(f"the persister stopped before {target!r}")
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise PersistTimeoutError(
+                            f"persisting {target!r} to {self.tiers.display} did not finish "
+                            f"within {timeout_s} s"
+                        )
+                    self._cond.wait(timeout=left if left is not None else 1.0)
+                result = self._done[target]
+                if isinstance(result, PersistError) and result is self._error:
+                    self._error = None  # reported here, not again on the next call
+                if result is not None:
+                    raise result
+            else:
+                target = None
+        self._write_history()
+        return target
+
+    def protected(self) -> set[str]:
+        """Tags the memory tier must keep: pending, in flight, or queued (asked for, or
+        labelled and not yet persisted)."""
+        with self._cond:
+            return {
+                t for t in (self._pending, self._inflight, *self._forced, *self._candidates) if t
+            }
+
+    def evict_memory(self, *, superseded_newest: bool = False) -> None:
+        """Drop memory copies that are no longer needed.
+
+        With a persistent tier the memory tier keeps its newest checkpoint and those
+        pending, queued (labelled ones until their persist) or in flight. Without one it
+        is the only tier, and retention applies.
+        With several ranks each rank removes only its own part (manifest first). With
+        `superseded_newest` (the memory budget needs room) the newest goes too once the
+        persistent tier holds it or a newer checkpoint.
+        """
+        memory = self.tiers.memory
+        if self.ranks.world_size > 1:
+            versions = [Version(t, created, ()) for t, created in own_parts(memory, self.rank)]
+        else:
+            committed = list_committed(memory)
+            versions = [Version(c.tag, c.committed_at, c.manifest.labels) for c in committed]
+        if not versions:
+            return
+        protected = self.protected()
+        if self.tiers.persistent is None:
+            doomed = plan_retention(versions, self.retention, protected)
+        else:
+            newest = max(versions, key=lambda v: order_key(v.tag, v.committed_at)).tag
+            keep = newest
+            if superseded_newest and self._superseded(newest):
+                keep = None
+            doomed = [v.tag for v in versions if v.tag != keep and v.tag not in protected]
+        for tag in doomed:
+            # Re-check under the lock: a flush may have asked for it meanwhile.
+            if tag in self.protected():
+                continue
+            recycle = self.pool.recycle if self.pool is not None else None
+            if self.ranks.world_size > 1:
+                delete_part(memory, tag, self.rank, discard=recycle)
+            else:
+                delete_checkpoint(memory, tag, discard=recycle)
+
+    def _superseded(self, tag: str) -> bool:
+        """Whether the persistent tier holds `tag`, or a newer checkpoint, committed."""
+        persistent = self.tiers.persistent
+        if persistent is None:
+            return False
+        if read_committed(persistent, tag) is not None:
+            return True
+        step = step_of(tag)
+        if step is None:
+            return False
+        steps = [step_of(c.tag) for c in list_committed(persistent)]
+        return any(s is not None and s > step for s in steps)
+
+    def close(self, timeout_s: float | None = None) -> str | None:
+        """Persist what is pending, stop the thread, write the history.
+
+        Returns the tag that could not be persisted within `timeout_s`, else None.
+        """
+        with self._cond:
+            self._stopping = True
+            if self._pending is not None:
+                self._forced.append(self._pending)
+                self._pending = None
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            with self._cond:
+                return self._inflight or (self._forced[0] if self._forced else None)
+        return None
+
+    @property
+    def error(self) -> PersistError | None:
+        with self._cond:
+            return self._error
+
+    def _supersede_pending(self, by: str) -> None:
+        """Under the lock: the newer commit `by` supersedes the pending tag, whose persist
+        is skipped. Rank 0, which decides what is skipped (the other ranks follow it, see
+        `_follow_leader`), appends the `skipped` history row."""
+        old, self._pending = self._pending, None
+        if old is None or old == by or old == self._inflight or old in self._forced:
+            return  # nothing pending, or it is persisted anyway
+        log.debug("%r superseded by %r before its persist: skipped", old, by)
+        if self.ranks.is_leader:
+            row = skipped_row(
+                tag=old, step=step_of(old), rank=self.rank, started_at=utc_now(), superseded_by=by
+            )
+            self._rows.append(row)
+
+    # the thread ---------------------------------------------------------------------
+    def _follows(self) -> bool:
+        return (
+            self.ranks.world_size > 1
+            and not self.ranks.is_leader
+            and self.tiers.persistent is not None
+        )
+
+    def _next_tag(self) -> str | None:
+        """Under the lock: the tag to persist now, or None to keep waiting."""
+        if self._forced:
+            tag = self._forced.pop(0)
+            if tag in self._candidates:
+                self._candidates.remove(tag)
+            return tag
+        if self._pending is None or self._follows():
+            return None
+        due = self._last_start is None or (time.monotonic() - self._last_start >= self.interval_s)
+        if due or self._stopping:
+            tag, self._pending = self._pending, None
+            return tag
+        return None
+
+    def _run(self) -> None:
+        _lower_priority()
+        while True:
+            probe: list[str] = []
+            with self._cond:
+                while True:
+                    tag = self._next_tag()
+                    if tag is not None or self._rows or self._finished():
+                        break
+                    if self._follows() and self._candidates:
+                        probe = list(self._candidates)
+                        break
+                    wait = None
+                    if self._pending is not None and self._last_start is not None:
+                        wait = max(0.0, self._last_start + self.interval_s - time.monotonic())
+                    self._cond.wait(timeout=wait)
+                if tag is not None:
+                    self._inflight = tag
+                    self._last_start = time.monotonic()
+                wrote = bool(self._rows)
+                finished = tag is None and not wrote and not probe and self._finished()
+            self._write_history()
+            if finished:
+                return
+            if probe:
+                self._follow_leader(probe)
+                continue
+            if tag is None:
+                continue
+            error = self._persist(tag)
+            with self._cond:
+                self._inflight = None
+                self._done[tag] = error
+                if error is not None:
+                    self._error = error
+                self._cond.notify_all()
+            if error is None:
+                try:
+                    self.evict_memory()
+                except NebulaError as exc:
+                    log.warning("could not evict old memory-tier copies: %s", exc)
+
+    def _follow_leader(self, candidates: list[str]) -> None:
+        """Queue the candidates rank 0 has started to persist; drop older ones it skipped.
+
+        Rank 0 persists tags in order, one at a time, so once its marker of a tag is
+        visible, the markers of every older tag it persisted are visible too. A skipped
+        tag's history row is rank 0's (it knows which commit superseded it); this rank
+        writes none.
+        """
+        persistent = self.tiers.persistent
+        assert persistent is not None
+        try:
+            led = [t for t in candidates if persistent.exists(t, marker_name(0))]
+        except NebulaError as exc:
+            log.warning("could not look for rank 0's persisted checkpoints: %s", exc)
+            led = []
+        with self._cond:
+            if led:
+                newest = max(led, key=lambda t: order_key(t, ""))
+                for tag in candidates:
+                    if tag in self._candidates and (
+                        tag in led or order_key(tag, "") < order_key(newest, "")
+                    ):
+                        self._candidates.remove(tag)
+                        if tag in led and tag not in self._forced:
+                            self._forced.append(tag)
+                if self._pending in led:
+                    self._pending = None
+                self._cond.notify_all()
+            elif self._stopping:
+                # Exiting: what rank 0 has not started by now, it skipped.
+                for tag in candidates:
+                    if tag in self._candidates:
+                        self._candidates.remove(tag)
+            else:
+                self._cond.wait(timeout=FOLLOW_POLL_S)
+
+    def _finished(self) -> bool:
+        return (
+            self._stopping and self._pending is None and not self._forced and not self._candidates
+        )
+
+    def _persist(self, tag: str) -> PersistError | None:
+        persistent = self.tiers.persistent
+        assert persistent is not None
+        started_at, t0 = utc_now(), time.perf_counter()
+        size = 0
+        error: PersistError | None = None
+        try:
+            if self.ranks.world_size > 1:
+                size = copy_part(
+                    self.tiers.memory,
+                    persistent,
+                    tag,
+                    rank=self.rank,
+                    world_size=self.ranks.world_size,
+                    timeout_s=self.rank_timeout_s,
+                    # Rank 0 waits for the whole and reports a missing rank; the others
+                    # must not block (rank 0 may be waiting for one of their older parts).
+                    wait=self.ranks.is_leader,
+                )
+            else:
+                src = read_committed(self.tiers.memory, tag)
+                if src is None:
+                    raise PersistError(
+                        tag,
+                        persistent.url,
+                        FileNotFoundError("no committed copy in the memory tier"),
+                    )
+                size = src.manifest.total_bytes
+                copy_checkpoint(src, persistent, overwrite=True)
+            if self.ranks.is_leader:
+                self._apply_retention(tag)
+        except PersistError as exc:
+            error = exc
+        except NebulaError as exc:
+            error = PersistError(tag, persistent.url, exc)
+            error.__cause__ = exc
+        except Exception as exc:  # noqa: BLE001 - reported as the persist's error, not dropped
+            error = PersistError(tag, persistent.url, exc)
+            error.__cause__ = exc
+        if error is not None:
+            log.error("%s", error)
+            self._discard_partial(tag)
+        row = make_row(
+            tag=tag,
+            step=step_of(tag),
+            tier="persistent",
+            rank=self.rank,
+            started_at=started_at,
+            duration_s=time.perf_counter() - t0,
+            blocking_s=0.0,
+            size_bytes=size,
+            error=error,
+        )
+        with self._cond:
+            self._rows.append(row)
+        return error
+
+    def _discard_partial(self, tag: str) -> None:
+        """Remove what a failed persist wrote: on a full disk its partial files would keep
+        the next persist from fitting. A committed copy (another writer's) is left alone."""
+        persistent = self.tiers.persistent
+        assert persistent is not None
+        try:
+            if read_committed(persistent, tag) is not None:
+                return
+            if self.ranks.world_size > 1:
+                delete_part(persistent, tag, self.rank)
+            else:
+                delete_checkpoint(persistent, tag)
+        except NebulaError as exc:
+            log.warning("could not remove what the failed persist of %r left: %s", tag, exc)
+
+    def _apply_retention(self, just_persisted: str) -> None:
+        persistent = self.tiers.persistent
+        assert persistent is not None
+        with self._retention_lock:
+            committed = list_committed(persistent)
+            versions = [Version(c.tag, c.committed_at, c.manifest.labels) for c in committed]
+            for tag in plan_retention(versions, self.retention, {just_persisted}):
+                delete_checkpoint(persistent, tag)
+
+    def _retire_after_stream(self, tag: str) -> None:
+        persistent = self.tiers.persistent
+        assert persistent is not None
+        try:
+            self._apply_retention(tag)
+        except NebulaError as exc:
+            error = PersistError(tag, persistent.url, exc)
+            error.__cause__ = exc
+            log.error("%s", error)
+            with self._cond:
+                self._error = error
+
+    def _write_history(self) -> None:
+        """Append the queued rows. Taking them and writing them happen under one lock, so
+        that a flush() returning after the thread took rows finds them written."""
+        with self._history_lock:
+            with self._cond:
+                rows, self._rows = self._rows, []
+            if not rows:
+                return
+            try:
+                append_rows(self.tiers.history_store, rows)
+            except NebulaError as exc:
+                # The history is a report, not a checkpoint: losing rows must not fail
+                # training, but it is said.
+                log.warning(
+                    "could not append %d row(s) to the checkpoint history: %s", len(rows), exc
+                )
+
+
+PERSIST_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Run this (the persister's) thread at a lower CPU priority than training: on a
+    machine with few cores a persist competes with the training step for them, and the
+    step matters more than how soon the copy is durable. Linux sets it per thread."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PERSIST_NICE)
+    except (AttributeError, OSError) as exc:  # not Linux, or not allowed: keep going
+        log.debug("could not lower the persister's priority: %s", exc)

@@ -1,0 +1,95 @@
+"""Who this process is in a job: rank, world size, and the ranks on its node.
+
+torch.distributed is asked first when it is initialised; else torchrun's environment
+(`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`); else a single process. The
+memory budget of the seed (`NEBULA_MEMORY_BUFFER_SIZE`: half of it for checkpoints,
+divided among the node's processes) is derived here too.
+
+Not for: talking to other ranks (they meet through rank markers in the tiers).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from nebulaml.errors import InvalidArgumentError
+
+MEMORY_BUFFER_ENV = "NEBULA_MEMORY_BUFFER_SIZE"
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """This process's place in the job.
+
+    Example:
+        >>> RankInfo(rank=3, world_size=8, local_rank=1, local_world_size=2).all_local
+        False
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def all_local(self) -> bool:
+        """Every rank of the job runs on this node (they share one memory tier)."""
+        return self.local_world_size >= self.world_size
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0 decides which checkpoints are persisted; the other ranks follow it."""
+        return self.rank == 0
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise InvalidArgumentError(f"{name} must be an integer, not {value!r}") from None
+    if number < 0:
+        raise InvalidArgumentError(f"{name} must not be negative, not {value!r}")
+    return number
+
+
+def detect_ranks() -> RankInfo:
+    """This process's rank, from torch.distributed when initialised, else the environment."""
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    dist = sys.modules.get("torch.distributed")  # never import torch just to ask
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = rank or 0
+    world_size = world_size or 1
+    if rank >= world_size:
+        raise InvalidArgumentError(f"rank {rank} is not below the world size {world_size}")
+    local_world_size = _env_int("LOCAL_WORLD_SIZE") or (world_size if world_size == 1 else None)
+    local_rank = _env_int("LOCAL_RANK")
+    if local_world_size is None:
+        # Without torchrun's variables, assume every rank is on this node (the common
+        # single-node launch); a multi-node launcher sets LOCAL_WORLD_SIZE.
+        local_world_size = world_size
+    if local_rank is None:
+        local_rank = rank % local_world_size
+    return RankInfo(rank, world_size, local_rank, min(local_world_size, world_size))
+
+
+def memory_budget_bytes(ranks: RankInfo) -> int | None:
+    """This process's share of `NEBULA_MEMORY_BUFFER_SIZE` (bytes per node): half of it for
+    checkpoints, divided by the processes on the node; None when it is not set.
+
+    Example:
+        >>> import os
+        >>> os.environ["NEBULA_MEMORY_BUFFER_SIZE"] = "200000000"
+        >>> memory_budget_bytes(RankInfo(rank=0, world_size=4, local_world_size=4))
+        25000000
+        >>> del os.environ["NEBULA_MEMORY_BUFFER_SIZE"]
+    """
+    total = _env_int(MEMORY_BUFFER_ENV)
+    if total is None:
+        return None
+    return total // 2 // max(1, ranks.local_world_size)

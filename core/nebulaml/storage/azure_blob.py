@@ -1,0 +1,275 @@
+"""Azure blob operations nebula needs beyond adlfs, on an adlfs filesystem's SDK client.
+
+- `BlockWriter`: item files uploaded as blocks, several in flight while the caller keeps
+  writing, and committed (made visible) only when the writer is closed whole;
+- `create_blob`: a create-only upload (one Put Blob with `If-None-Match: *`), the commit
+  point of a checkpoint's manifest;
+- `list_folder`: one uncached listing request, no existence probes;
+- `ensure_container`: the root's container, created when missing.
+
+Each runs on fsspec's event loop (the filesystem's), and raises the SDK's exceptions:
+the storage boundary (storage.py) retries and translates them.
+
+Not for: credentials and the filesystem (azure.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import uuid
+from collections import deque
+from typing import Any
+
+from nebulaml.storage.retry import RetryPolicy, call_async
+
+# Azure allows 50,000 blocks per blob; the block size grows for huge items (never needed
+# below 400 GB at the default).
+_MAX_BLOCKS = 50_000
+
+
+def _run(fs: Any, coro: Any) -> Any:
+    from fsspec.asyn import sync
+
+    async def wrapper() -> Any:
+        return await coro
+
+    return sync(fs.loop, wrapper)
+
+
+def ensure_container(fs: Any, container: str) -> None:
+    """Create `container` unless it exists. A credential that may not create containers
+    (a container-scoped SAS) is no error here: the container must exist already, and
+    the first write says so if it does not."""
+    from azure.core.exceptions import HttpResponseError, ResourceExistsError
+
+    async def create() -> None:
+        try:
+            await fs.service_client.get_container_client(container).create_container()
+        except ResourceExistsError:
+            return
+        except HttpResponseError as exc:
+            if exc.status_code == 403:
+                return
+            raise
+
+    _run(fs, create())
+
+
+def create_blob(fs: Any, path: str, data: bytes, *, overwrite: bool) -> None:
+    """Upload a small blob in one request; create-only unless `overwrite` (the service
+    refuses with 409 if it exists: `FileExistsError`)."""
+    from azure.core.exceptions import ResourceExistsError
+
+    container, blob, _ = fs.split_path(path)
+
+    async def upload() -> None:
+        async with fs.service_client.get_blob_client(container, blob) as client:
+            try:
+                await client.upload_blob(
+                    data,
+                    overwrite=overwrite,
+                    metadata={"is_directory": "false"},
+                    max_concurrency=1,
+                )
+            except ResourceExistsError as exc:
+                raise FileExistsError(path) from exc
+
+    _run(fs, upload())
+
+
+def list_folder(fs: Any, path: str) -> list[dict[str, Any]]:
+    """The files and folders directly under `path`, as fsspec `ls(detail=True)` entries
+    (name, type, size), in one listing request per 5,000 entries; never cached. A
+    missing container or an empty prefix is an empty list."""
+    from azure.core.exceptions import ResourceNotFoundError
+    from azure.storage.blob.aio import BlobPrefix
+
+    container, prefix, _ = fs.split_path(path)
+    prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+
+    async def walk() -> list[dict[str, Any]]:
+        found: dict[str, dict[str, Any]] = {}
+        try:
+            async with fs.service_client.get_container_client(container) as client:
+                async for item in client.walk_blobs(
+                    name_starts_with=prefix, delimiter="/", include=["metadata"]
+                ):
+                    name = f"{container}/{item.name.rstrip('/')}"
+                    metadata = {
+                        k.lower(): v for k, v in (getattr(item, "metadata", None) or {}).items()
+                    }
+                    folder = isinstance(item, BlobPrefix) or metadata.get("hdi_isfolder") == "true"
+                    if folder:
+                        found[name] = {"name": name, "type": "directory", "size": 0}
+                    elif name not in found:
+                        found[name] = {"name": name, "type": "file", "size": int(item.size or 0)}
+        except ResourceNotFoundError:
+            return []
+        return list(found.values())
+
+    return _run(fs, walk())
+
+
+class BlockWriter:
+    """A write-only file that uploads an Azure block blob while it is being written.
+
+    Writes fill blocks of `block_bytes`; each full block is staged in the background on
+    fsspec's event loop, `concurrency` at most in flight (the writer waits for the oldest
+    beyond that, so memory stays at about `block_bytes * concurrency`). Each block is
+    retried on its own under `policy`. `close()` stages the rest, waits, and commits the
+    block list: only then does the blob exist (or change). `abort()` commits nothing. A
+    file that fits in one block goes up in one request instead.
+
+    `bytes` given to `write` are kept without a copy until uploaded (they cannot
+    change); other buffers are copied once.
+    """
+
+    def __init__(
+        self,
+        fs: Any,
+        path: str,
+        *,
+        block_bytes: int,
+        concurrency: int,
+        policy: RetryPolicy,
+        what: str,
+        describe: Any = str,
+    ) -> None:
+        self._fs = fs
+        self._container, self._blob, _ = fs.split_path(path)
+        self._block_bytes = block_bytes
+        self._grow_at = _MAX_BLOCKS // 2
+        self._concurrency = concurrency
+        self._policy = policy
+        self._what = what
+        self._describe = describe
+        self._pieces: deque[memoryview] = deque()
+        self._buffered = 0
+        self._ids: list[str] = []
+        self._inflight: deque[concurrent.futures.Future[None]] = deque()
+        self.closed = False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data if isinstance(data, bytes) else bytes(memoryview(data).cast("B")))
+        n = view.nbytes
+        if n:
+            self._pieces.append(view)
+            self._buffered += n
+        while self._buffered >= self._block_bytes:
+            self._stage(self._take(self._block_bytes))
+            if len(self._ids) >= self._grow_at:  # stay under 50,000 blocks per blob
+                self._block_bytes *= 2
+                self._grow_at += (_MAX_BLOCKS - self._grow_at) // 2
+        return n
+
+    def flush(self) -> None:
+        """Blocks go out as they fill; there is nothing to flush early."""
+
+    def _take(self, n: int) -> bytes | memoryview:
+        """The next `n` buffered bytes (a view of one piece when they lie in one)."""
+        first = self._pieces[0]
+        if first.nbytes >= n:
+            block = first[:n]
+            if first.nbytes == n:
+                self._pieces.popleft()
+            else:
+                self._pieces[0] = first[n:]
+            self._buffered -= n
+            return block
+        parts, need = [], n
+        while need:
+            piece = self._pieces[0]
+            if piece.nbytes <= need:
+                parts.append(self._pieces.popleft())
+                need -= piece.nbytes
+            else:
+                parts.append(piece[:need])
+                self._pieces[0] = piece[need:]
+                need = 0
+        self._buffered -= n
+        return b"".join(parts)
+
+    def _stage(self, block: bytes | memoryview) -> None:
+        while len(self._inflight) >= self._concurrency:
+            self._inflight.popleft().result()  # raises the block's error
+        block_id = uuid.uuid4().hex  # every ID of a blob has the same length
+        self._ids.append(block_id)
+        self._inflight.append(
+            asyncio.run_coroutine_threadsafe(self._stage_block(block_id, block), self._fs.loop)
+        )
+
+    async def _stage_block(self, block_id: str, block: bytes | memoryview) -> None:
+        async def once() -> None:
+            async with self._fs.service_client.get_blob_client(
+                self._container, self._blob
+            ) as client:
+                await client.stage_block(block_id, block, length=len(block))
+
+        await call_async(once, self._policy, self._what, describe=self._describe)
+
+    def close(self) -> None:
+        """Upload what is left and commit the blob (the moment it appears)."""
+        if self.closed:
+            return
+        try:
+            if not self._ids:
+                self._upload_whole(self._take(self._buffered) if self._buffered else b"")
+            else:
+                if self._buffered:
+                    self._stage(self._take(self._buffered))
+                while self._inflight:
+                    self._inflight.popleft().result()
+                self._commit()
+        except BaseException:
+            self.abort()
+            raise
+        self.closed = True
+
+    def _upload_whole(self, data: bytes | memoryview) -> None:
+        async def once() -> None:
+            async with self._fs.service_client.get_blob_client(
+                self._container, self._blob
+            ) as client:
+                await client.upload_blob(
+                    bytes(data),
+                    overwrite=True,
+                    metadata={"is_directory": "false"},
+                    max_concurrency=1,
+                )
+
+        async def upload() -> None:
+            await call_async(once, self._policy, self._what, describe=self._describe)
+
+        _run(self._fs, upload())
+
+    def _commit(self) -> None:
+        from azure.storage.blob import BlobBlock
+
+        blocks = [BlobBlock(block_id) for block_id in self._ids]
+
+        async def once() -> None:
+            async with self._fs.service_client.get_blob_client(
+                self._container, self._blob
+            ) as client:
+                await client.commit_block_list(blocks, metadata={"is_directory": "false"})
+
+        async def commit() -> None:
+            # Committing the same list again is harmless: a retry after a lost answer is safe.
+            await call_async(once, self._policy, self._what, describe=self._describe)
+
+        _run(self._fs, commit())
+
+    def abort(self) -> None:
+        """Stop uploading and commit nothing (staged blocks expire on the service)."""
+        self.closed = True
+        self._pieces.clear()
+        self._buffered = 0
+        pending = list(self._inflight)
+        self._inflight.clear()
+        for future in pending:
+            future.cancel()
+        concurrent.futures.wait(pending)

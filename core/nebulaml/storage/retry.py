@@ -1,0 +1,208 @@
+"""Bounded retries of transient storage errors, for the storage boundary.
+
+A network store fails now and then in ways that a second try fixes: a timeout, a reset
+connection, a 5xx, throttling (408, 429). `RetryPolicy` says how often and how long to
+try again (exponential backoff with jitter, capped); `is_transient` says which errors
+those are. Anything else (403, 404, a conflict, a bug) is raised at once.
+
+The policy comes from storage options (`nebula_retries`, `nebula_retry_base_s`,
+`nebula_retry_max_s`), else the environment (`NEBULA_STORAGE_RETRIES`,
+`NEBULA_STORAGE_RETRY_BASE_S`, `NEBULA_STORAGE_RETRY_MAX_S`), else the defaults: 5 retries,
+0.5 s doubling to at most 8 s (about 15 s of waiting in all).
+
+Not for: translating errors (storage.py) or deciding what an operation is (its caller).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from nebulaml.errors import InvalidArgumentError, NebulaError
+
+log = logging.getLogger("nebulaml")
+
+T = TypeVar("T")
+
+OPTION_RETRIES = "nebula_retries"
+OPTION_BASE_S = "nebula_retry_base_s"
+OPTION_MAX_S = "nebula_retry_max_s"
+ENV_RETRIES = "NEBULA_STORAGE_RETRIES"
+ENV_BASE_S = "NEBULA_STORAGE_RETRY_BASE_S"
+ENV_MAX_S = "NEBULA_STORAGE_RETRY_MAX_S"
+OPTION_NAMES = (OPTION_RETRIES, OPTION_BASE_S, OPTION_MAX_S)
+
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# Outcomes that a retry cannot change, whatever caused them.
+_DEFINITIVE = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How many times to retry a transient failure, and the backoff between tries.
+
+    Example:
+        >>> policy = RetryPolicy(retries=4, base_s=0.5, max_s=2.0)
+        >>> list(policy.delays(jitter=False))
+        [0.5, 1.0, 2.0, 2.0]
+    """
+
+    retries: int = 5
+    base_s: float = 0.5
+    max_s: float = 8.0
+
+    def delays(self, *, jitter: bool = True) -> Iterator[float]:
+        """The wait before each retry: base_s doubling up to max_s, less up to half of it
+        at random (so that many ranks retrying at once spread out)."""
+        for attempt in range(self.retries):
+            delay = float(min(self.max_s, self.base_s * (2**attempt)))
+            yield delay * random.uniform(0.5, 1.0) if jitter else delay
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], env: Mapping[str, str]) -> RetryPolicy:
+        """The policy that storage options, else the environment, else defaults give."""
+        default = cls()
+
+        def pick(option: str, var: str, kind: type, fallback: Any) -> Any:
+            value, source = options.get(option), option
+            if value is None:
+                value, source = env.get(var), var
+            if value is None or value == "":
+                return fallback
+            try:
+                if isinstance(value, bool):
+                    raise ValueError
+                number = kind(value)
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    f"{source} must be a {kind.__name__}, not {value!r}"
+                ) from None
+            if number < 0:
+                raise InvalidArgumentError(f"{source} must not be negative, not {value!r}")
+            return number
+
+        return cls(
+            retries=pick(OPTION_RETRIES, ENV_RETRIES, int, default.retries),
+            base_s=pick(OPTION_BASE_S, ENV_BASE_S, float, default.base_s),
+            max_s=pick(OPTION_MAX_S, ENV_MAX_S, float, default.max_s),
+        )
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a second try might succeed: timeouts, dropped or refused connections,
+    HTTP 408/429/5xx, whether raised directly or wrapped by the storage library.
+
+    Example:
+        >>> is_transient(ConnectionResetError()), is_transient(FileNotFoundError())
+        (True, False)
+    """
+    if isinstance(exc, (NebulaError, *_DEFINITIVE)):
+        return False
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        verdict = _classify(current)
+        if verdict is not None:
+            return verdict
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _classify(exc: BaseException) -> bool | None:
+    """True or False when `exc` decides it; None to look at what it wraps."""
+    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        return True
+    if isinstance(exc, _DEFINITIVE):
+        return False
+    azure = sys.modules.get("azure.core.exceptions")
+    if azure is not None:
+        if isinstance(exc, (azure.ServiceRequestError, azure.ServiceResponseError)):
+            return True
+        if isinstance(exc, azure.IncompleteReadError):
+            return True
+        if isinstance(exc, azure.HttpResponseError):
+            status = getattr(exc, "status_code", None)
+            if status is None:
+                return None  # no response: decided by what it wraps
+            return status in _TRANSIENT_STATUS or status >= 500
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None and isinstance(exc, aiohttp.ClientError):
+        # A 4xx answer is an answer; a broken connection or payload is not.
+        return not isinstance(exc, aiohttp.ClientResponseError) or exc.status >= 500
+    return None
+
+
+def call(
+    fn: Callable[[], T],
+    policy: RetryPolicy,
+    what: str,
+    *,
+    describe: Callable[[BaseException], str] = str,
+) -> T:
+    """`fn()`, tried again after a transient failure as `policy` allows; the last failure
+    (or the first that is not transient) is raised as it is."""
+    delays = policy.delays()
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            delay = _next_delay(exc, delays)
+            if delay is None:
+                raise
+            attempt += 1
+            _log_retry(what, exc, attempt, policy, delay, describe)
+            time.sleep(delay)
+
+
+async def call_async(
+    fn: Callable[[], Awaitable[T]],
+    policy: RetryPolicy,
+    what: str,
+    *,
+    describe: Callable[[BaseException], str] = str,
+) -> T:
+    """`call` for coroutines (the Azure block uploads run on fsspec's event loop)."""
+    delays = policy.delays()
+    attempt = 0
+    while True:
+        try:
+            return await fn()
+        except Exception as exc:
+            delay = _next_delay(exc, delays)
+            if delay is None:
+                raise
+            attempt += 1
+            _log_retry(what, exc, attempt, policy, delay, describe)
+            await asyncio.sleep(delay)
+
+
+def _next_delay(exc: BaseException, delays: Iterator[float]) -> float | None:
+    if not is_transient(exc):
+        return None
+    return next(delays, None)
+
+
+def _log_retry(
+    what: str,
+    exc: BaseException,
+    attempt: int,
+    policy: RetryPolicy,
+    delay: float,
+    describe: Callable[[BaseException], str],
+) -> None:
+    log.info(
+        "%s: %s; retry %d of %d in %.2f s",
+        what,
+        describe(exc),
+        attempt,
+        policy.retries,
+        delay,
+    )
