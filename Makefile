@@ -13,7 +13,7 @@ AZURITE := .azurite/node_modules/.bin/azurite-blob
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,deepspeed,lightning]'
+	$(PY) -m pip install -q -e '.[dev,deepspeed,lightning,transformers]'
 	# DeepSpeed's CPU all-reduce op, compiled once here (about 2 min on 2 cores) instead of
 	# just-in-time by the first DeepSpeed test; its build needs torch: no build isolation.
 	ls $(VENV)/lib/python3*/site-packages/deepspeed/ops/comm/deepspeed_shm_comm_op*.so >/dev/null 2>&1 || \

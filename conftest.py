@@ -20,6 +20,13 @@ collect_ignore = [
     for name in ("lightning", "pytorch_lightning")
     if importlib.util.find_spec(name) is None
 ]
+# The Trainer needs Accelerate too: the Hugging Face modules go together.
+if any(importlib.util.find_spec(name) is None for name in ("transformers", "accelerate")):
+    collect_ignore += [
+        f"core/nebulaml/{where}{name}.py"
+        for name in ("transformers", "accelerate")
+        for where in ("", "integrations/")
+    ]
 
 
 def _shm_entries() -> set[str]:

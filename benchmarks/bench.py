@@ -11,14 +11,16 @@ The state is a GPT-2-style model in fp32 with AdamW state after one step, built 
 checkpoints the same state; saves, loads and loop segments are interleaved (round-robin
 over the methods in each repeat), so that noise hits all methods alike.
 
-Per method: stall (the time training is blocked: the save call, plus any wait the method
-imposes before the optimizer may mutate the state, e.g. DCP's staging future or nebula's
-lazy fence), durable (from the save's start until the checkpoint is fsynced on disk),
-GB/s (state bytes / durable), peak extra memory (anonymous RSS above the level before
-the save, plus buffers the method keeps between saves, plus its files in /dev/shm,
-sampled every 5 ms), resume time (fastest: nebula's memory tier, the peers' files in the
-page cache; and from disk, page cache dropped), and the share of a training loop's time
-lost to a checkpoint every N steps, against the same loop without checkpoints.
+Per method: the first and second save's stall after a start (the cold start: what a
+job's first checkpoints cost), then, over the later saves, stall (the time training is
+blocked: the save call, plus any wait the method imposes before the optimizer may mutate
+the state, e.g. DCP's staging future or nebula's lazy fence), durable (from the save's
+start until the checkpoint is fsynced on disk), GB/s (state bytes / durable), peak extra
+memory (anonymous RSS above the level before the save, plus buffers the method keeps
+between saves, plus its files in /dev/shm, sampled every 5 ms), resume time (fastest:
+nebula's memory tier, the peers' files in the page cache; and from disk, page cache
+dropped), and the share of a training loop's time lost to a checkpoint every N steps,
+against the same loop without checkpoints.
 
 The run also measures this machine's limits (copy bandwidth into reused and fresh memory,
 sequential write with fsync and cold sequential read in the work folder), and checks the

@@ -9,8 +9,9 @@ fences by itself before `optimizer.step()`). Durable: `nm.flush_persistence()` r
 nebula's session is process-wide, so the two variants take turns: `activate` calls
 `nm.init` for this variant's root, and `deactivate` shuts the session down and, unless
 asked to keep it, deletes the variant's memory tier (RAM). After a (re)start the next
-save is a first save, so the harness saves twice, untimed, before it times one (nebula
-reuses its two snapshot buffers from the third save of a session on).
+save is a first save, so the harness's first two saves of each start are its cold saves,
+reported apart (the first makes its buffers; the second takes the spare ones made in the
+background meanwhile; from the third on, buffers come back from evicted checkpoints).
 
 Loading from disk: the session is shut down and the memory tier deleted
 (`shutil.rmtree(nm.memory_tier_path(root))`); `nm.get_latest_checkpoint(root)` then finds

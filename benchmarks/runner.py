@@ -6,8 +6,11 @@ saves   round-robin over the methods in each repeat (noise hits all alike). One 
         stall = blocking + fence; durable = wall time from t0; background = durable time
         after `save` returned. Memory is sampled through the whole save (measure.py),
         less the forward/backward's own memory (calibrated) while that runs.
-        Each method saves twice, untimed, before its first timed save (and nebula after
-        each restart of its session), so the timed saves are steady-state saves.
+        Each method saves twice before its first timed save (and nebula after each
+        restart of its session), so the timed saves are steady-state saves; those two
+        are the cold saves (`MethodResult.cold`: what a job's first two checkpoints
+        cost), timed the same way and reported beside the steady state, never mixed
+        into it.
 loads   the newest checkpoint of each method, in rounds: first the fastest resume
         (nebula: the memory tier; peers: their files, read once beforehand so they sit
         in the page cache), then from disk (after fsync + posix_fadvise(DONTNEED) of the
@@ -62,10 +65,11 @@ from model import TrainState
 from peers import Method
 
 _T0 = time.perf_counter()
-# Saves after a (re)start before the timed ones. Two: nebula keeps two snapshot buffers
-# (the newest committed copy and the one being filled), so the third save of a session is
-# the first to reuse memory, as every save of a long training run does.
-WARMUP_SAVES = 2
+# Saves after a (re)start before the steady-state ones, each timed as a cold save. Two:
+# nebula keeps two snapshot buffers (the newest committed copy and the one being filled),
+# so the third save of a session is the first to reuse one made by an earlier save; DCP's
+# reused stager allocates its buffers in the first.
+COLD_SAVES = 2
 
 
 def progress(message: str) -> None:
@@ -95,7 +99,9 @@ class MethodResult:
     name: str
     label: str
     unavailable: str | None = None
-    first_save: SaveSample | None = None
+    # cold[k]: the (k+1)-th saves after each (re)start (nebula restarts for every repeat;
+    # the peers start once)
+    cold: list[list[SaveSample]] = field(default_factory=lambda: [[] for _ in range(COLD_SAVES)])
     saves: list[SaveSample] = field(default_factory=list)
     written_bytes: int = 0
     load_fast_s: list[float] = field(default_factory=list)
@@ -183,14 +189,14 @@ def time_save(method: Method, state: TrainState, step: int, overlap_bytes: int =
 def _ready(
     method: Method, state: TrainState, steps: Steps, result: MethodResult, overlap_bytes: int = 0
 ) -> None:
-    """Activate `method`; after a (re)start, save `WARMUP_SAVES` times untimed (the very
-    first save is recorded)."""
+    """Activate `method`; after a (re)start, its `COLD_SAVES` cold saves, each recorded
+    in `result.cold`."""
     if not method.activate(state):
         return
-    for _ in range(WARMUP_SAVES):
+    for k in range(COLD_SAVES):
         sample = time_save(method, state, steps(), overlap_bytes)
-        if result.first_save is None:
-            result.first_save = sample
+        result.cold[k].append(sample)
+        progress(f"cold save {k + 1} {method.label}: stall {sample.stall_s:.3f} s")
         method.prune()
 
 

@@ -1,5 +1,9 @@
 """The `nebula` Typer application: global options and command registration.
 
+Help is plain text and a usage error is one line, `nebula: error: ...`, exit 2 (help.py).
+`--show-completion [SHELL]` and `--install-completion [SHELL]` take the shell named (bash,
+zsh or fish), else the one this runs under.
+
 Not for: checkpoint logic (that lives in nebulaml) nor heavy imports: `nebula --help`
 must not import torch or pandas, so commands import them lazily.
 """
@@ -7,36 +11,66 @@ must not import torch or pandas, so commands import them lazily.
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
+from typer._completion_classes import completion_init
+
+from .help import NebulaCommand, NebulaGroup
+
+# Typer's completion classes (bash, zsh, fish) answer `_NEBULA_COMPLETE=complete_<shell>`:
+# registered here, since the app declares its own --show/--install-completion options.
+completion_init()
 
 app = typer.Typer(
     name="nebula",
+    cls=NebulaGroup,
     help=(
         "Inspect and manage nebula checkpoints.\n\n"
         "ROOT is a checkpoint directory given as a path or an fsspec URL "
-        "(/ckpt, file:///ckpt, az://container/run1)."
+        "(/ckpt, file:///ckpt, az://container/run1). Data goes to stdout, progress and "
+        "errors to stderr; every command takes --json. Exit status: 0 ok, 1 error, 2 usage, "
+        "3 not found."
     ),
     no_args_is_help=True,
-    add_completion=True,
+    add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 
 def _register() -> None:
     # Command modules import nebulaml (light) but never torch or pandas at import time.
-    from .commands import copy, flush, gc, history, inspect, latest, ls, memory, prune, verify
+    from .commands import (
+        copy,
+        diff,
+        export,
+        flush,
+        gc,
+        history,
+        inspect,
+        latest,
+        ls,
+        memory,
+        prune,
+        verify,
+    )
 
-    app.command("ls")(ls.ls_command)
-    app.command("prune")(prune.prune_command)
-    app.command("copy")(copy.copy_command)
-    app.command("flush")(flush.flush_command)
-    app.command("inspect")(inspect.inspect_command)
-    app.command("latest")(latest.latest_command)
-    app.command("verify")(verify.verify_command)
-    app.command("history")(history.history_command)
-    app.command("memory")(memory.memory_command)
-    app.command("gc")(gc.gc_command)
+    for name, function in (
+        ("ls", ls.ls_command),
+        ("inspect", inspect.inspect_command),
+        ("latest", latest.latest_command),
+        ("verify", verify.verify_command),
+        ("diff", diff.diff_command),
+        ("export", export.export_command),
+        ("copy", copy.copy_command),
+        ("flush", flush.flush_command),
+        ("prune", prune.prune_command),
+        ("history", history.history_command),
+        ("memory", memory.memory_command),
+        ("gc", gc.gc_command),
+    ):
+        app.command(name, cls=NebulaCommand)(function)
 
 
 def _version_callback(value: bool) -> None:
@@ -47,15 +81,77 @@ def _version_callback(value: bool) -> None:
         raise typer.Exit()
 
 
+def _shell(value: str) -> str:
+    from .completions import SCRIPT_FILES, detect_shell
+
+    shell = detect_shell() if value == "auto" else value
+    if shell is None:
+        raise typer.BadParameter("cannot tell which shell this is; name it: bash, zsh or fish")
+    if shell not in SCRIPT_FILES:
+        raise typer.BadParameter(f"unsupported shell {shell!r}; one of bash, zsh, fish")
+    return shell
+
+
+def _show_completion(value: str | None) -> None:
+    if value is None:
+        return
+    from .completions import script_path
+
+    sys.stdout.write(script_path(_shell(value)).read_text(encoding="utf-8"))
+    raise typer.Exit()
+
+
+def _install_completion(value: str | None) -> None:
+    if value is None:
+        return
+    from .completions import install
+
+    shell = _shell(value)
+    written = install(shell)
+    typer.echo(f"Installed the {shell} completion in {written[0]}")
+    for path in written[1:]:
+        typer.echo(f"Updated {path}")
+    typer.echo("It takes effect in a new shell.")
+    raise typer.Exit()
+
+
 @app.callback()
 def _main(
-    version: bool = typer.Option(
-        False,
-        "--version",
-        help="Print the version and exit.",
-        callback=_version_callback,
-        is_eager=True,
-    ),
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print the version and exit.",
+            callback=_version_callback,
+            is_eager=True,
+        ),
+    ] = False,
+    install_completion: Annotated[
+        str | None,
+        typer.Option(
+            "--install-completion",
+            metavar="[SHELL]",
+            help="Install the completion script of SHELL (bash, zsh, fish; default: this "
+            "shell) for this user, and exit.",
+            callback=_install_completion,
+            is_eager=True,
+            expose_value=False,
+            show_default=False,
+        ),
+    ] = None,
+    show_completion: Annotated[
+        str | None,
+        typer.Option(
+            "--show-completion",
+            metavar="[SHELL]",
+            help="Print the completion script of SHELL (bash, zsh, fish; default: this "
+            "shell), and exit.",
+            callback=_show_completion,
+            is_eager=True,
+            expose_value=False,
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Inspect and manage nebula checkpoints."""
 

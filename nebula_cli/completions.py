@@ -76,6 +76,57 @@ def script_path(shell: str) -> Path:
     return DEFAULT_DIR / SCRIPT_FILES[shell]
 
 
+def detect_shell() -> str | None:
+    """The shell this program runs under (bash, zsh or fish), or None when it is none of
+    them or cannot be told: the parent process's name, else $SHELL."""
+    names = []
+    try:
+        with open(f"/proc/{os.getppid()}/comm", encoding="utf-8") as comm:
+            names.append(comm.read().strip())
+    except OSError:
+        pass
+    names.append(Path(os.environ.get("SHELL", "")).name)
+    for name in names:
+        name = name.lstrip("-")
+        if name in SCRIPT_FILES:
+            return name
+    return None
+
+
+def install(shell: str, home: Path | None = None) -> list[Path]:
+    """Install the shipped script of `shell` for this user; return the files written.
+
+    bash: ~/.bash_completions/nebula.sh, sourced from ~/.bashrc; zsh: ~/.zfunc/_nebula,
+    with ~/.zfunc on fpath and compinit run from ~/.zshrc; fish:
+    ~/.config/fish/completions/nebula.fish (fish loads it by itself). A line already in an
+    rc file is not added again.
+    """
+    home = Path.home() if home is None else home
+    script = script_path(shell).read_text(encoding="utf-8")
+    if shell == "bash":
+        target = home / ".bash_completions" / "nebula.sh"
+        rc, lines = home / ".bashrc", [f"source '{target}'"]
+    elif shell == "zsh":
+        target = home / ".zfunc" / "_nebula"
+        rc, lines = home / ".zshrc", ["fpath+=~/.zfunc; autoload -Uz compinit; compinit"]
+    elif shell == "fish":
+        target = home / ".config" / "fish" / "completions" / "nebula.fish"
+        rc, lines = None, []
+    else:
+        raise ValueError(f"unsupported shell {shell!r}; one of {', '.join(SCRIPT_FILES)}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(script, encoding="utf-8", newline="\n")
+    written = [target]
+    if rc is not None:
+        text = rc.read_text(encoding="utf-8") if rc.is_file() else ""
+        missing = [line for line in lines if line not in text.splitlines()]
+        if missing:
+            text += ("" if not text or text.endswith("\n") else "\n") + "\n".join(missing) + "\n"
+            rc.write_text(text, encoding="utf-8")
+            written.append(rc)
+    return written
+
+
 def write_scripts(folder: Path) -> list[Path]:
     """Write every shell's script into `folder` (created if missing); return the paths."""
     folder.mkdir(parents=True, exist_ok=True)

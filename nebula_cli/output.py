@@ -1,27 +1,47 @@
-"""What every command shares: the two consoles, JSON output, error exits, formatting.
+"""What every command shares: the two consoles, tables, JSON output, progress, error exits,
+formatting.
 
-Data goes to stdout (a rich table, or one JSON document with --json); progress, warnings
-and hints go to stderr. An expected failure (`nebulaml.NebulaError`) becomes one line,
-`nebula: error: ...`, and an exit code: 1 for errors, 3 for "not found".
+Data goes to stdout (a table, or one JSON document with --json); progress, retries,
+warnings and hints go to stderr. An expected failure (`nebulaml.NebulaError`) becomes one
+line, `nebula: error: ...`, and an exit code: 1 for errors, 2 for usage, 3 for "not found".
+
+Tables never cut a cell: off a terminal (a pipe, a file) they are plain aligned text at
+full width, one line a row; on a terminal too narrow for the boxed table, a narrower
+layout is chosen (the caller's, then one without borders, then one record a row). Sizes
+are IEC (KiB, MiB, GiB) everywhere.
 
 Not for: checkpoint logic (nebulaml) or command options (each command's module).
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import functools
 import json
+import logging
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
+from rich.cells import cell_len
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
+
+from .complete import complete_item, complete_tag
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
+# Off a terminal, progress is a plain line on stderr at most this often (none for an
+# operation that ends sooner).
+PROGRESS_INTERVAL_S = 2.0
+
+Progress = Callable[[int, int], None]
 
 RootArg = Annotated[
     str,
@@ -30,7 +50,23 @@ RootArg = Annotated[
         help="Checkpoint root: a path or an fsspec URL (its memory tier on this node is included).",
     ),
 ]
+TagArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="TAG",
+        help="The checkpoint's tag, e.g. global_step500.",
+        autocompletion=complete_tag,
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+QuietOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        help="No progress and no retry notices on stderr (warnings and errors still).",
+    ),
+]
 StorageOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -43,6 +79,12 @@ StorageOpt = Annotated[
         "AZURE_STORAGE_ACCOUNT_NAME with _KEY or _SAS_TOKEN, else DefaultAzureCredential.",
     ),
 ]
+
+
+def item_option(help_text: str) -> Any:
+    """`--item NAME` (completed from the checkpoint's items), with this help text."""
+    return typer.Option("--item", metavar="NAME", help=help_text, autocompletion=complete_item)
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,21 +110,279 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
     raise typer.Exit(code)
 
 
-def print_table(table: Table, narrow: Table | None = None, console: Console | None = None) -> None:
+def warn(message: str) -> None:
+    """Print `nebula: warning: message` on stderr."""
+    sys.stderr.write(f"nebula: warning: {message}\n")
+
+
+# Tables ------------------------------------------------------------------------------------
+def print_table(
+    table: Table,
+    narrow: Table | None = None,
+    console: Console | None = None,
+    *,
+    headline: int = 1,
+) -> None:
     """Print a table on stdout, never cutting a cell.
 
-    Off a terminal (a pipe, a file) it is printed at its full width: one line a row. On a
-    terminal too narrow for it, `narrow` is printed instead if given (the same rows with
-    fewer columns: long cells stacked in one), fitted to the terminal; give the columns
-    that hold roots, tags, paths or reasons `overflow="fold"` (folded, never cut).
+    Off a terminal (a pipe, a file) it is plain aligned text at full width: the title, the
+    header, one line a row, no borders, no colour. On a terminal, the first layout that
+    fits its width with no cell folded: the boxed table; `narrow` if given (the caller's
+    layout for a narrow terminal, such as long cells stacked in one); the same columns
+    without borders; else one record a row (the first `headline` cells on a line of their
+    own, the others as `header: value` below them, each whole).
     """
     out = console or stdout()
-    full = Measurement.get(out, out.options.update_width(1 << 20), table).maximum
     if not out.is_terminal:
-        out.width = max(out.width, full)
-    elif narrow is not None and full > out.width:
-        table = narrow
-    out.print(table)
+        out.file.write(plain_table(table))
+        out.file.flush()
+        return
+    for layout in (table, narrow, _compact(table)):
+        if layout is not None and _width(out, layout) <= out.width:
+            out.print(layout)
+            return
+    out.print(_records(table, out.width, headline), soft_wrap=True)
+
+
+def _width(out: Console, table: Table) -> int:
+    return Measurement.get(out, out.options.update_width(1 << 20), table).maximum
+
+
+def _cell_text(cell: Any) -> Text:
+    if isinstance(cell, Text):
+        text = cell.copy()
+    elif isinstance(cell, str):
+        text = Text.from_markup(cell)
+    else:
+        text = Text(str(cell))
+    if "\n" in text.plain:
+        text = Text(" ").join(text.split("\n"))
+    return text
+
+
+def _rows(table: Table) -> list[list[Text]]:
+    columns = [[_cell_text(cell) for cell in column.cells] for column in table.columns]
+    return [list(row) for row in zip(*columns, strict=False)] if columns else []
+
+
+def _title(table: Table) -> str:
+    return _cell_text(table.title).plain if table.title else ""
+
+
+def plain_table(table: Table) -> str:
+    """`table` as plain aligned text: title, header, one line a row, two spaces between
+    columns, right-aligned where the column is, no trailing spaces.
+
+    Example:
+        >>> t = Table(title="root"); t.add_column("tag"); t.add_column("size", justify="right")
+        >>> t.add_row("global_step5", "1.5 KiB"); t.add_row("[red]x[/red]", "12 B")
+        >>> print(plain_table(t), end="")
+        root
+        tag                size
+        global_step5    1.5 KiB
+        x                  12 B
+    """
+    rows = [[cell.plain for cell in row] for row in _rows(table)]
+    headers = [_cell_text(column.header).plain for column in table.columns]
+    shown = ([headers] if table.show_header else []) + rows
+    widths = [max((cell_len(row[i]) for row in shown), default=0) for i in range(len(headers))]
+    lines = [_title(table)] if table.title else []
+    for row in shown:
+        cells = []
+        for i, (cell, column) in enumerate(zip(row, table.columns, strict=False)):
+            pad = " " * (widths[i] - cell_len(cell))
+            cells.append(pad + cell if column.justify == "right" else cell + pad)
+        lines.append("  ".join(cells).rstrip())
+    return "".join(line + "\n" for line in lines)
+
+
+def _compact(table: Table) -> Table:
+    """The same table without borders: two spaces between columns, nothing folded."""
+    compact = Table(
+        title=table.title,
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+        padding=(0, 1),
+        show_header=table.show_header,
+        header_style="bold underline",
+    )
+    for column in table.columns:
+        compact.add_column(column.header, justify=column.justify, no_wrap=True)
+    for row in _rows(table):
+        compact.add_row(*row)
+    return compact
+
+
+def _records(table: Table, width: int, headline: int = 1) -> Text:
+    """One record a row: the first `headline` cells on a line of their own, then
+    `header: value` for the others (empty ones left out), as many on a line as fit, never
+    split."""
+    headers = [_cell_text(column.header).plain for column in table.columns]
+    out = Text()
+    if table.title:
+        out.append(_title(table) + "\n", style="bold")
+    for row in _rows(table):
+        out.append(Text("  ").join(row[:headline]))
+        out.append("\n")
+        line_len = 0
+        for header, cell in zip(headers[headline:], row[headline:], strict=False):
+            if not cell.plain:
+                continue
+            part = Text.assemble((f"{header}: " if header else "", "dim"), cell)
+            if line_len and line_len + 2 + part.cell_len > width:
+                out.append("\n")
+                line_len = 0
+            out.append("    " if line_len == 0 else "  ")
+            out.append(part)
+            line_len += (4 if line_len == 0 else 2) + part.cell_len
+        if line_len:
+            out.append("\n")
+    out.rstrip()
+    return out
+
+
+# Progress ----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def progress(
+    label: str, *, quiet: bool = False, transient: bool = False
+) -> Iterator[Progress | None]:
+    """A progress reporter on stderr for `callback(bytes_done, bytes_total)`.
+
+    On a terminal: a bar with bytes, rate and time left, shown from the first bytes (so an
+    error found first is alone on stderr). Off a terminal: a plain line every
+    PROGRESS_INTERVAL_S seconds while it runs, and a last one when it ends (nothing for
+    an operation that ends sooner). `quiet`: nothing (None is yielded).
+    """
+    if quiet:
+        yield None
+        return
+    console = stderr()
+    if console.is_terminal:
+        with _bar(label, console, transient) as update:
+            yield update
+        return
+    lines = _Lines(label)
+    try:
+        yield lines
+    finally:
+        lines.finish()
+
+
+class _Lines:
+    """Progress off a terminal: `nebula: copying global_step5: 96.0 MiB of 200.8 MiB (47%),
+    48.1 MiB/s`, periodically."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.t0 = self.last = 0.0  # from the first report: not the time taken to start
+        self.done = self.total = 0
+        self.started = False
+        self.printed = False
+        self.lock = threading.Lock()
+
+    def __call__(self, done: int, total: int) -> None:
+        with self.lock:
+            self.done, self.total = done, total
+            now = time.monotonic()
+            if not self.started:
+                self.started, self.t0, self.last = True, now, now
+            elif now - self.last >= PROGRESS_INTERVAL_S:
+                self.last = now
+                self._write(now, final=False)
+
+    def _write(self, now: float, *, final: bool) -> None:
+        elapsed = max(now - self.t0, 1e-9)
+        pct = 100 if not self.total else min(100, int(100 * self.done / self.total))
+        what = f"{human_bytes(self.done)} of {human_bytes(self.total)} ({pct}%)"
+        if final:
+            what += f" in {elapsed:.1f} s"
+        else:
+            what += f", {human_bytes(int(self.done / elapsed))}/s"
+        sys.stderr.write(f"nebula: {self.label}: {what}\n")
+        sys.stderr.flush()
+        self.printed = True
+
+    def finish(self) -> None:
+        with self.lock:
+            if self.printed:
+                self._write(time.monotonic(), final=True)
+
+
+@contextlib.contextmanager
+def _bar(label: str, console: Console, transient: bool) -> Iterator[Progress]:
+    from rich.progress import BarColumn, ProgressColumn, TaskID, TextColumn, TimeRemainingColumn
+    from rich.progress import Progress as RichProgress
+
+    class Bytes(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            total = "?" if task.total is None else human_bytes(int(task.total))
+            return Text(f"{human_bytes(int(task.completed))} / {total}", style="green")
+
+    class Rate(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("" if speed is None else f"{human_bytes(int(speed))}/s", style="red")
+
+    bar = RichProgress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        Bytes(),
+        Rate(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=transient,
+    )
+    task: list[TaskID] = []
+    lock = threading.Lock()
+
+    def update(done: int, total: int) -> None:
+        with lock:
+            if not task:
+                bar.start()
+                task.append(bar.add_task(label, total=total))
+            bar.update(task[0], completed=done, total=total)
+
+    try:
+        yield update
+    finally:
+        if task:
+            bar.stop()
+
+
+class _LibraryLog(logging.Handler):
+    """The library's log on stderr while a command runs: each storage retry as a line
+    (`nebula: retrying: ...`, unless --quiet) and every warning (`nebula: warning: ...`)."""
+
+    def __init__(self, quiet: bool) -> None:
+        super().__init__(logging.INFO)
+        self.quiet = quiet
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):
+            message = str(record.msg)
+        if record.funcName == "_log_retry":
+            if not self.quiet:
+                sys.stderr.write(f"nebula: retrying: {message}\n")
+        elif record.levelno >= logging.WARNING:
+            sys.stderr.write(f"nebula: warning: {message}\n")
+
+
+@contextlib.contextmanager
+def _library_log(quiet: bool) -> Iterator[None]:
+    logger = logging.getLogger("nebulaml")
+    handler = _LibraryLog(quiet)
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def confirm(question: str, refusal: str, declined: str) -> None:
@@ -102,11 +402,25 @@ def confirm(question: str, refusal: str, declined: str) -> None:
         raise typer.Exit(EXIT_ERROR)
 
 
+# Fields of an Azure connection string: given without `connection_string=`, the first one
+# would otherwise pass for an option's name.
+_CONNECTION_STRING_FIELDS = (
+    "DefaultEndpointsProtocol",
+    "AccountName",
+    "AccountKey",
+    "BlobEndpoint",
+    "SharedAccessSignature",
+    "EndpointSuffix",
+    "UseDevelopmentStorage",
+)
+
+
 def parse_storage_options(items: list[str] | None) -> dict[str, str]:
     """`--storage-option KEY=VALUE` values as a dict (a later KEY wins).
 
     A malformed one is a usage error that never repeats what was given: it may hold a
-    secret.
+    secret. An Azure connection string given without `connection_string=` is refused
+    (its first field would pass for a KEY).
 
     Example:
         >>> parse_storage_options(["account_name=acct", "sas_token=sv=1&sig=x"])
@@ -116,6 +430,14 @@ def parse_storage_options(items: list[str] | None) -> dict[str, str]:
     for number, item in enumerate(items or [], start=1):
         key, sep, value = item.partition("=")
         key = key.strip()
+        if key in _CONNECTION_STRING_FIELDS or (
+            key != "connection_string" and any(f"{f}=" in value for f in _CONNECTION_STRING_FIELDS)
+        ):
+            raise typer.BadParameter(
+                f"storage option #{number} looks like an Azure connection string; give it "
+                "as connection_string=... (quoted)",
+                param_hint="--storage-option",
+            )
         if not sep or not key.isidentifier():  # e.g. a key pasted without its name
             raise typer.BadParameter(
                 f"storage option #{number} is not KEY=VALUE (KEY a name like account_name)",
@@ -129,7 +451,9 @@ def handles_errors(func: F) -> F:
     """Turn `NebulaError`s raised by a command into one stderr line and an exit code.
 
     A command that declares `storage_option: StorageOpt` runs with those options given to
-    every root it opens by URL (`nebulaml.using_storage_options`).
+    every root it opens by URL (`nebulaml.using_storage_options`). While it runs, storage
+    retries are reported on stderr (unless it was given `quiet`), and so are the library's
+    warnings. A tag that is not there is answered with the closest tags the root has.
     """
 
     @functools.wraps(func)
@@ -138,10 +462,18 @@ def handles_errors(func: F) -> F:
 
         options = parse_storage_options(kwargs.get("storage_option"))
         try:
-            with nm.using_storage_options(options):
+            with nm.using_storage_options(options), _library_log(bool(kwargs.get("quiet"))):
                 return func(*args, **kwargs)
-        except (nm.CheckpointNotFoundError, nm.ItemNotFoundError) as exc:
+        except nm.RootNotFoundError as exc:
             fail(str(exc), EXIT_NOT_FOUND)
+        except nm.CheckpointNotFoundError as exc:
+            hint = ""
+            if exc.tag and kwargs.get("root") is not None:
+                with nm.using_storage_options(options):
+                    hint = tag_hint(kwargs["root"], exc.tag)
+            fail(str(exc) + hint, EXIT_NOT_FOUND)
+        except nm.ItemNotFoundError as exc:
+            fail(str(exc) + suggestion(exc.name, list(exc.available)), EXIT_NOT_FOUND)
         except nm.InvalidArgumentError as exc:  # a bad tag or item name: a usage error
             fail(str(exc), EXIT_USAGE)
         except nm.NebulaError as exc:
@@ -150,12 +482,38 @@ def handles_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def human_bytes(n: int) -> str:
-    """1536 -> '1.5 KiB'.
+def tag_hint(root: str, tag: str) -> str:
+    """`; did you mean 'global_step300'?` (the closest committed tags of `root`), or a
+    pointer to `nebula ls`; empty when the root cannot be listed."""
+    import nebulaml as nm
+
+    try:
+        tags = [c["tag"] for c in nm.list_checkpoints(root)]
+    except nm.NebulaError:
+        return ""
+    return suggestion(tag, tags, f"; see nebula ls {root}")
+
+
+def suggestion(word: str, choices: list[str], otherwise: str = "") -> str:
+    """`; did you mean 'x'?` for the closest of `choices`, else `otherwise`.
 
     Example:
-        >>> human_bytes(1536), human_bytes(12)
-        ('1.5 KiB', '12 B')
+        >>> suggestion("global_step30", ["global_step300", "global_step200", "best"])
+        "; did you mean 'global_step300' or 'global_step200'?"
+    """
+    close = difflib.get_close_matches(word, choices, n=3, cutoff=0.6)
+    if not close:
+        return otherwise if choices else ""
+    return "; did you mean " + " or ".join(repr(c) for c in close) + "?"
+
+
+# Formatting ---------------------------------------------------------------------------------
+def human_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB' (IEC units, as everywhere in nebula's output).
+
+    Example:
+        >>> human_bytes(1536), human_bytes(12), human_bytes(210_500_000)
+        ('1.5 KiB', '12 B', '200.7 MiB')
     """
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -163,6 +521,16 @@ def human_bytes(n: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def mib_per_s(mb_per_s: float) -> float:
+    """A rate in MB/s (10**6 bytes, as the history file records it) in MiB/s.
+
+    Example:
+        >>> round(mib_per_s(1.048576), 3)
+        1.0
+    """
+    return mb_per_s * 1e6 / (1 << 20)
 
 
 def parse_time(iso: str) -> datetime:

@@ -55,6 +55,15 @@ from nebulaml.errors import (
     UnsupportedSchemaError,
 )
 from nebulaml.ops.copying import copy_checkpoint, persist_memory_tier
+from nebulaml.ops.diff import diff_checkpoints
+from nebulaml.ops.export import export_checkpoint
+from nebulaml.ops.history import (
+    HistoryFormatError,
+    HistoryNotFoundError,
+    history_records,
+    read_history,
+    summarize_history,
+)
 from nebulaml.ops.inspection import describe_item, inspect_checkpoint
 from nebulaml.ops.memory_tiers import (
     GcAction,
@@ -65,13 +74,6 @@ from nebulaml.ops.memory_tiers import (
 )
 from nebulaml.ops.pruning import PrunePlan, execute_prune, list_prune_candidates, plan_prune
 from nebulaml.ops.verification import verify_checkpoints
-from nebulaml.protocol.history import (
-    HistoryFormatError,
-    HistoryNotFoundError,
-    history_records,
-    read_history,
-    summarize_history,
-)
 from nebulaml.storage.store import using_storage_options
 
 __all__ = [
@@ -108,7 +110,9 @@ __all__ = [
     "check_root",
     "copy_checkpoint",
     "describe_item",
+    "diff_checkpoints",
     "execute_prune",
+    "export_checkpoint",
     "flush_persistence",
     "get_checkpoint",
     "get_latest_checkpoint",

@@ -2,33 +2,38 @@
 
 Each function that takes `persist_path` reads that root (and its memory tier on this node)
 instead of the one given to `init()`, so a checkpoint can be found without initialising.
+Finding the tiers, a tag or an item is runtime/locate.py's (`check_root` is re-exported
+from there).
 
-Not for: saving and loading items (checkpoint.py).
+May import: every layer below the public API, and checkpoint.py. Not for: saving and
+loading items (checkpoint.py), or operator commands (ops/).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
 from nebulaml.checkpoint import Checkpoint
+from nebulaml.config import resolve_config
 from nebulaml.errors import (
+    CheckpointNotFoundError,
     ItemNotFoundError,
+    ManifestError,
     PersistTimeoutError,
-    RootNotFoundError,
-    UnsupportedSchemaError,
 )
+from nebulaml.format.manifest import Manifest
 from nebulaml.format.names import validate_name
-from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed
-from nebulaml.protocol.catalog import list_incomplete as catalog_list_incomplete
-from nebulaml.protocol.commit import read_writers
-from nebulaml.protocol.tiers import TierSet, open_tiers
+from nebulaml.protocol.catalog import read_committed
+from nebulaml.protocol.markers import read_writers
+from nebulaml.protocol.recovery import list_incomplete as catalog_list_incomplete
+from nebulaml.runtime import exit as _exit
 from nebulaml.runtime import session as _session
+from nebulaml.runtime.locate import check_root as check_root  # public: nm.check_root
+from nebulaml.runtime.locate import find_copy, newest_first, tiers_for
 from nebulaml.storage.store import Store
 
 PathLike = str | os.PathLike[str]
-log = logging.getLogger("nebulaml")
 
 
 def init(
@@ -62,10 +67,11 @@ def init(
         >>> import nebulaml as nm, tempfile
         >>> nm.init(tempfile.mkdtemp(), persistent_time_interval=2)
     """
-    config = _session.resolve_config(
+    config = resolve_config(
         persistent_storage_path, persistent_time_interval, num_of_version_in_retention, kwargs
     )
-    _session.start(config)
+    # A new session arms the exit path: SIGTERM becomes an exit that persists (exit.py).
+    _session.start(config, on_start=_exit.install_sigterm_handler)
 
 
 def wait_for_snapshot() -> None:
@@ -87,44 +93,6 @@ def wait_for_snapshot() -> None:
     session = _session.current_or_none()
     if session is not None:
         session.wait_for_snapshots()
-
-
-def tiers_for(persist_path: PathLike | None, what: str) -> TierSet:
-    """The tiers of `persist_path` on this node, or of the session when it is None
-    (`NotInitializedError` names `what` if there is none). Package-internal: the modules
-    behind the public functions share it; it is not in `__all__`."""
-    if persist_path is None:
-        return _session.current(what).tiers
-    live = _session.current_or_none()
-    options: dict[str, Any] = {}
-    if live is not None:
-        options = dict(live.config.storage_options)
-        persistent = live.tiers.persistent
-        if persistent is not None and Store(persist_path, options).location == persistent.location:
-            return live.tiers
-    return open_tiers(persist_path, options)
-
-
-def _by_tag(tiers: TierSet) -> dict[str, list[tuple[str, CheckpointInfo]]]:
-    found: dict[str, list[tuple[str, CheckpointInfo]]] = {}
-    unsupported: list[UnsupportedSchemaError] = []
-    for tier, store in tiers.stores:
-        for info in list_committed(store, unsupported):
-            found.setdefault(info.tag, []).append((tier, info))
-    # A copy of a schema this version cannot read is an error, unless another tier holds
-    # a readable copy of that tag (then the unreadable one is damaged, and said so).
-    for exc in unsupported:
-        if not any(copies for tag, copies in found.items() if f"/{tag}/" in exc.where):
-            raise exc
-        log.warning("%s; using another tier's copy", exc)
-    return found
-
-
-def newest_first(tiers: TierSet) -> list[list[tuple[str, CheckpointInfo]]]:
-    """Committed checkpoints on every tier, newest first; each entry lists a tag's copies
-    as (tier, info), fastest tier first. Package-internal, like `tiers_for`."""
-    found = _by_tag(tiers)
-    return sorted(found.values(), key=lambda copies: copies[0][1].sort_key, reverse=True)
 
 
 def list_checkpoints(persist_path: PathLike | None = None) -> list[dict[str, Any]]:
@@ -183,23 +151,6 @@ def list_incomplete(persist_path: PathLike | None = None) -> list[dict[str, Any]
     return out
 
 
-def check_root(persist_path: PathLike) -> str:
-    """Raise `RootNotFoundError` unless the root, or its memory tier on this node, exists;
-    return the root's canonical location.
-
-    Example:
-        >>> import nebulaml as nm
-        >>> nm.check_root("/no/such/root")
-        Traceback (most recent call last):
-        ...
-        nebulaml.errors.RootNotFoundError: /no/such/root: no such checkpoint root
-    """
-    tiers = tiers_for(persist_path, "check_root")
-    if not any(store.exists() for _tier, store in tiers.stores):
-        raise RootNotFoundError(tiers.display)
-    return tiers.display
-
-
 def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | None:
     """The newest committed checkpoint on any tier, or None.
 
@@ -225,16 +176,25 @@ def get_checkpoint(tag: str, persist_path: PathLike | None = None) -> Checkpoint
     """
     validate_name("tag", tag)
     tiers = tiers_for(persist_path, "get_checkpoint")
-    unsupported: UnsupportedSchemaError | None = None
-    for _tier, store in tiers.stores:
-        try:
-            if read_committed(store, tag) is not None:
-                return Checkpoint._committed_handle(tag, tiers)
-        except UnsupportedSchemaError as exc:
-            unsupported = unsupported or exc  # raised only if no tier has a readable copy
-    if unsupported is not None:
-        raise unsupported
-    return None
+    try:
+        # A tier's copy of a schema this version cannot read is raised only if no tier
+        # has a readable copy.
+        return find_copy(
+            tiers,
+            tag,
+            lambda _copy: Checkpoint._committed_handle(tag, tiers),
+            manifest=_committed_manifest,
+            report=(ManifestError,),
+        )
+    except CheckpointNotFoundError:
+        return None
+
+
+def _committed_manifest(store: Store, tag: str) -> Manifest | None:
+    """The manifest of `tag` on `store` if the tag is committed there (every file listed
+    is there with its size), else None."""
+    info = read_committed(store, tag)
+    return None if info is None else info.manifest
 
 
 def get_latest_checkpoint_path(name: str, persist_path: PathLike | None = None) -> str | None:

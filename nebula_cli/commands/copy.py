@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
+from rich.text import Text
 
+from ..complete import complete_tag
 from ..output import (
     JsonOpt,
+    QuietOpt,
     RootArg,
     StorageOpt,
     emit_json,
     handles_errors,
     human_bytes,
-    stderr,
+    progress,
     stdout,
 )
 
@@ -25,7 +26,11 @@ def copy_command(
     root: RootArg,
     tag: Annotated[
         str | None,
-        typer.Argument(metavar="TAG", help="The checkpoint to copy (omit it with --latest)."),
+        typer.Argument(
+            metavar="TAG",
+            help="The checkpoint to copy (omit it with --latest).",
+            autocompletion=complete_tag,
+        ),
     ] = None,
     dest: Annotated[
         str | None,
@@ -41,6 +46,7 @@ def copy_command(
         bool, typer.Option("--overwrite", help="Replace a different committed copy at DEST.")
     ] = False,
     as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
     """Copy a checkpoint to DEST, verify every item there, and commit it there last.
@@ -48,7 +54,8 @@ def copy_command(
     The source is whichever tier of ROOT holds TAG: this node's memory tier of ROOT, or
     ROOT itself. DEST is another root, or `memory` (this node's memory tier of ROOT) or
     `persistent` (ROOT itself); write ./memory for a folder of that name. A rerun after
-    an interruption skips the items already copied and verified.
+    an interruption skips the items already copied and verified. Progress counts the
+    bytes the destination has confirmed; each retry of a storage call is a line on stderr.
 
     Example: nebula copy /mnt/checkpoints/run1 global_step500 az://backup/run1
     """
@@ -62,12 +69,12 @@ def copy_command(
         raise typer.BadParameter("give the checkpoint to copy, or --latest", param_hint="TAG")
     if dest is None:
         raise typer.BadParameter("give the destination root", param_hint="DEST")
-    with _progress_bar(tag or "the newest checkpoint") as progress:
-        report = nm.copy_checkpoint(root, tag, dest, overwrite=overwrite, progress=progress)
+    with progress(f"copying {tag or 'the newest checkpoint'}", quiet=quiet) as update:
+        report = nm.copy_checkpoint(root, tag, dest, overwrite=overwrite, progress=update)
     if as_json:
         emit_json(report)
     else:
-        stdout().print(_summary(report), highlight=False)
+        stdout().print(Text(_summary(report)))
 
 
 def _summary(report: dict[str, Any]) -> str:
@@ -84,43 +91,3 @@ def _summary(report: dict[str, Any]) -> str:
             f"({human_bytes(report['skipped_bytes'])}) were already there and verified"
         )
     return line
-
-
-@contextmanager
-def _progress_bar(label: str) -> Iterator[Callable[[int, int], None]]:
-    """A rich progress bar on stderr (bytes, rate, ETA), fed by the copy's callback.
-
-    It appears with the first bytes, so that an error found before the copy starts
-    (no such tag, say) is the only line on stderr.
-    """
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TaskID,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=stderr(),
-    )
-    task: list[TaskID] = []
-
-    def advance(done: int, total: int) -> None:
-        if not task:
-            bar.start()
-            task.append(bar.add_task(f"copying {label}", total=total))
-        bar.update(task[0], completed=done, total=total)
-
-    try:
-        yield advance
-    finally:
-        if task:
-            bar.stop()

@@ -2,31 +2,45 @@
 
 from __future__ import annotations
 
-from ..output import JsonOpt, RootArg, StorageOpt, emit_json, handles_errors, stdout
+from rich.text import Text
+
+from ..output import (
+    JsonOpt,
+    QuietOpt,
+    RootArg,
+    StorageOpt,
+    emit_json,
+    handles_errors,
+    progress,
+    stdout,
+)
 
 
 @handles_errors
 def flush_command(
     root: RootArg,
     as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
     """Persist memory-tier checkpoints newer than ROOT's newest (what a crashed job left).
 
     Run it on the node where the job ran: the memory tier is node-local. The copy is
-    verified at ROOT and committed there last; no retention is applied (the job's setting
-    is not known here; see nebula prune).
+    verified at ROOT and committed there last, with progress on stderr; no retention is
+    applied (the job's setting is not known here; see nebula prune).
 
     Example: nebula flush /mnt/checkpoints/run1
     """
     import nebulaml as nm
 
     location = nm.check_root(root)
+    nm.list_checkpoints(root)  # a root that cannot be listed fails here, as `nebula ls` does
     memory_tier = nm.memory_tier_path(root)
-    persisted = nm.persist_memory_tier(root)
+    with progress(f"persisting to {location}", quiet=quiet) as report:
+        persisted = nm.persist_memory_tier(root, progress=report)
     if as_json:
         emit_json({"root": location, "memory_tier": memory_tier, "persisted": persisted})
     elif persisted:
-        stdout().print(f"Persisted {', '.join(persisted)} to {location}", highlight=False)
+        stdout().print(Text(f"Persisted {', '.join(persisted)} to {location}"))
     else:
         stdout().print("Nothing to flush", highlight=False)

@@ -54,7 +54,7 @@ def gc_command(
     Example: nebula gc --dry-run
     """
     import nebulaml as nm
-    from nebulaml.protocol.tiers import memory_base
+    from nebulaml.protocol.memory_tier import memory_base
 
     base = memory_base()
     actions = nm.plan_gc(nm.list_memory_tiers(), discard_unpersisted=discard_unpersisted)

@@ -18,7 +18,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from ..complete import complete_tag
 from ..output import (
+    EXIT_NOT_FOUND,
     JsonOpt,
     RootArg,
     StorageOpt,
@@ -26,7 +28,10 @@ from ..output import (
     fail,
     handles_errors,
     human_bytes,
+    mib_per_s,
+    print_table,
     stdout,
+    suggestion,
 )
 
 if TYPE_CHECKING:
@@ -34,6 +39,8 @@ if TYPE_CHECKING:
 
 DEFAULT_LIMIT = 20
 PLOT_HINT = "--plot needs matplotlib: pip install 'nebula-checkpoint[plot]'"
+# What --plot writes, by the file's suffix.
+PLOT_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -72,10 +79,10 @@ def history_command(
         Path | None,
         typer.Option(
             "--plot",
-            metavar="FILE.png",
+            metavar="FILE",
             dir_okay=False,
-            help="Also draw stall, persist time and throughput over time into FILE.png "
-            "(needs the 'plot' extra: matplotlib).",
+            help="Also draw stall, persist time and throughput over time into FILE: .png, "
+            ".svg or .pdf, by its suffix (needs the 'plot' extra: matplotlib).",
         ),
     ] = None,
     since: Annotated[
@@ -88,7 +95,15 @@ def history_command(
             "names an offset) or a duration back from now: 30m, 2h, 7d.",
         ),
     ] = None,
-    tag: Annotated[str | None, typer.Option("--tag", help="Only the rows of this tag.")] = None,
+    tag: Annotated[
+        str | None,
+        typer.Option(
+            "--tag",
+            metavar="TAG",
+            help="Only the rows of this tag (exit 3 when the history has none).",
+            autocompletion=complete_tag,
+        ),
+    ] = None,
     limit: Annotated[
         int | None,
         typer.Option(
@@ -113,10 +128,16 @@ def history_command(
     """
     if csv_ and as_json:
         raise typer.BadParameter("--csv and --json cannot be used together", param_hint="--csv")
+    if plot is not None and plot.suffix.lower() not in PLOT_FORMATS:
+        raise typer.BadParameter(
+            f"{plot}: name a .png, .svg or .pdf file (the suffix says which)", param_hint="--plot"
+        )
     figure_cls = _figure_class() if plot is not None else None
     import nebulaml as nm
 
     df = nm.read_history(root, since=since, tag=tag)
+    if tag is not None and df.empty:
+        _check_tag(nm, root, tag)
     if figure_cls is not None and plot is not None:
         _plot(figure_cls, df, plot)  # first: a plot that cannot be written leaves no output
         sys.stderr.write(f"nebula: wrote {plot}\n")
@@ -135,6 +156,16 @@ def history_command(
     else:
         summary = nm.summarize_history(df)
         _print_tables(nm.check_root(root), nm.history_records(shown), summary)
+
+
+def _check_tag(nm: Any, root: str, tag: str) -> None:
+    """Exit 3 when the history has no row of `tag` at all (not only none since --since),
+    with the closest tags it has."""
+    every = nm.read_history(root)
+    tags = list(dict.fromkeys(every["tag"].tolist()))
+    if tag not in tags:
+        hint = suggestion(tag, tags[::-1], "")
+        fail(f"{nm.check_root(root)}: no history rows of tag {tag!r}{hint}", EXIT_NOT_FOUND)
 
 
 def _figure_class() -> Any:
@@ -173,7 +204,7 @@ def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[st
     rows = Table(title=title, title_justify="left")
     with_rank = any(r["rank"] != 0 for r in records)  # a column of zeros only takes room
     columns = ["started (UTC)", "tag", "step", "tier", *(["rank"] * with_rank)]
-    columns += ["time s", "stall s", "size", "MB/s", "status"]
+    columns += ["time s", "stall s", "size", "MiB/s", "status"]
     for column in columns:
         left = column in ("started (UTC)", "tag", "tier", "status")
         rows.add_column(column, justify="left" if left else "right", no_wrap=True)
@@ -189,11 +220,11 @@ def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[st
             "" if skipped else _seconds(r["duration_s"]),
             _seconds(r["blocking_s"]) if r["tier"] == "memory" else "",
             "" if skipped else human_bytes(r["size_bytes"]),
-            "" if failed or skipped else f"{r['throughput_mb_s']:.1f}",
+            "" if failed or skipped else f"{mib_per_s(r['throughput_mb_s']):.1f}",
             _STATUS_CELLS.get(r["status"], escape(r["status"])),
         ]
         rows.add_row(*cells)
-    out.print(rows)
+    print_table(rows, console=out, headline=2)
     for r in records:  # errors below the table, whole: they are long
         if r["status"] == "failed":
             where = f"{r['tag']} ({r['tier']}, {r['started_at']})"
@@ -206,8 +237,9 @@ def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[st
         values = summary[key]
         stats.add_row(label, *(_seconds(values[q]) for q in ("p50", "p95", "max")))
     speed = summary["throughput_mb_s"]
-    stats.add_row("persist MB/s", _speed(speed["p50"]), "", _speed(speed["max"]))
-    out.print(stats)
+    p50, top = (None if v is None else mib_per_s(v) for v in (speed["p50"], speed["max"]))
+    stats.add_row("persist MiB/s", _speed(p50), "", _speed(top))
+    print_table(stats, console=out)
     failures, skipped = summary["failures"], summary["skipped"]
     span = (
         f"; {summary['first_started_at']} .. {summary['last_started_at']}"
@@ -224,7 +256,8 @@ def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[st
 
 
 def _plot(figure_cls: Any, df: pd.DataFrame, path: Path) -> None:
-    """Stall, persist time and throughput over time, one panel each, into a PNG."""
+    """Stall, persist time and throughput over time, one panel each, into a PNG, SVG or
+    PDF file (by its suffix)."""
     # matplotlib takes naive datetime64 values; the axis says they are UTC.
     when = df["started_at"].dt.tz_localize(None)
     memory = df["tier"] == "memory"
@@ -241,8 +274,9 @@ def _plot(figure_cls: Any, df: pd.DataFrame, path: Path) -> None:
         persist.legend()
     persist.set_ylabel("persist (s)")
     persist.set_title("persist time (persistent tier)")
-    speed.plot(when[persisted], df.loc[persisted, "throughput_mb_s"], "o-", markersize=3)
-    speed.set_ylabel("MB/s")
+    speed.plot(when[persisted], df.loc[persisted, "throughput_mb_s"] * 1e6 / (1 << 20), "o-",
+               markersize=3)  # fmt: skip
+    speed.set_ylabel("MiB/s")
     speed.set_title("persist throughput")
     speed.set_xlabel("started at (UTC)")
     for axes in (stall, persist, speed):
@@ -250,6 +284,6 @@ def _plot(figure_cls: Any, df: pd.DataFrame, path: Path) -> None:
         axes.set_ylim(bottom=0)
     fig.autofmt_xdate()
     try:
-        fig.savefig(path, format="png", dpi=100)
+        fig.savefig(path, format=PLOT_FORMATS[path.suffix.lower()], dpi=100)
     except OSError as exc:
         fail(f"{path}: cannot write the plot: {exc.strerror or exc}")

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Any
 
-import typer
 from rich.table import Table
 from rich.text import Text
 
@@ -13,14 +11,16 @@ from ..output import (
     JsonOpt,
     RootArg,
     StorageOpt,
+    TagArg,
     emit_json,
     handles_errors,
     human_age,
     human_bytes,
+    item_option,
+    print_table,
     stdout,
+    warn,
 )
-
-TagArg = Annotated[str, typer.Argument(help="The checkpoint's tag, e.g. global_step500.")]
 
 
 @handles_errors
@@ -28,12 +28,7 @@ def inspect_command(
     root: RootArg,
     tag: TagArg,
     item: Annotated[
-        str | None,
-        typer.Option(
-            "--item",
-            metavar="NAME",
-            help="Also list the tensors and values inside item NAME.",
-        ),
+        str | None, item_option("Also list the tensors and values inside item NAME.")
     ] = None,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
@@ -52,7 +47,7 @@ def inspect_command(
     entries = None if item is None else nm.describe_item(root, tag, item)
     for copy in doc["copies"]:
         if copy["problem"]:
-            sys.stderr.write(f"nebula: warning: {copy['tier']} copy: {copy['problem']}\n")
+            warn(f"{copy['tier']} copy: {copy['problem']}")
     if as_json:
         if item is not None:
             manifest_item = next(i for i in doc["manifest"]["items"] if i["name"] == item)
@@ -60,10 +55,10 @@ def inspect_command(
         emit_json(doc)
         return
     out = stdout()
-    out.print(_summary(doc))
-    out.print(_items_table(doc["manifest"]["items"]))
+    print_table(_summary(doc), console=out)
+    print_table(_items_table(doc["manifest"]["items"]), console=out)
     if item is not None and entries is not None:
-        out.print(_entries_table(item, entries))
+        print_table(_entries_table(item, entries), console=out)
 
 
 def _summary(doc: dict[str, Any]) -> Table:
@@ -93,7 +88,7 @@ def _items_table(items: list[dict[str, Any]]) -> Table:
     table = Table(title="items", title_justify="left")
     for column in ("name", "file", "rank", "size", "tensor bytes", "checksum"):
         justify = "right" if column in ("rank", "size", "tensor bytes") else "left"
-        table.add_column(column, justify=justify, overflow="fold")
+        table.add_column(column, justify=justify, no_wrap=True)
     for i in items:
         table.add_row(
             Text(i["name"]),
@@ -114,7 +109,7 @@ def _entries_table(item: str, entries: list[dict[str, Any]]) -> Table:
         title_justify="left",
     )
     for column in ("path", "type", "dtype", "shape", "size / value"):
-        table.add_column(column, overflow="fold")
+        table.add_column(column, no_wrap=True)
     for e in entries:
         if e["kind"] == "tensor":
             size = "?" if e["size_bytes"] is None else human_bytes(e["size_bytes"])

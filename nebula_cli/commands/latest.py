@@ -2,48 +2,110 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ..output import JsonOpt, RootArg, StorageOpt, emit_json, handles_errors
+from ..complete import complete_item
+from ..output import (
+    JsonOpt,
+    QuietOpt,
+    RootArg,
+    StorageOpt,
+    emit_json,
+    handles_errors,
+    progress,
+)
+
+
+def cache_dir() -> Path:
+    """Where `--local` keeps downloaded items: $XDG_CACHE_HOME/nebula, else
+    ~/.cache/nebula."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "nebula"
+
+
+def _cache_folder(location: str, tag: str) -> Path:
+    """One folder a root (by its location) and tag: `<name>-<hash>/<tag>`."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", location.rstrip("/").rsplit("/", 1)[-1])
+    digest = hashlib.sha256(location.encode()).hexdigest()[:12]
+    return cache_dir() / f"{name.lstrip('.')[:40] or 'root'}-{digest}" / tag
 
 
 @handles_errors
 def latest_command(
     root: RootArg,
-    path: Annotated[
+    item: Annotated[
         str | None,
         typer.Option(
+            "--item",
             "--path",
             metavar="NAME",
-            help="Print the path of item NAME in the newest checkpoint instead of its tag.",
+            help="Print the path of item NAME in the newest checkpoint instead of its tag "
+            "(--path NAME is the same).",
+            autocompletion=complete_item,
         ),
     ] = None,
+    local: Annotated[
+        bool,
+        typer.Option(
+            "--local",
+            help="With --item: when the item is remote (az://...), download it, verified, "
+            "into the cache ($XDG_CACHE_HOME/nebula or ~/.cache/nebula) and print that path.",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
     """Print the newest committed checkpoint's tag (exit 3 when there is none).
 
     The output is the bare tag (or path) and a newline, so that it can be used in
-    `$(...)`. The persistent copy's path is preferred over the memory tier's.
+    `$(...)`. The persistent copy's path is preferred over the memory tier's. A remote
+    root's item path is a URL, which torch.load cannot open: --local downloads the item
+    (once: a cached copy that verifies is used again) and prints a local path.
 
-    Example: nebula latest /mnt/checkpoints/run1 --path model
+    Example: nebula latest az://backup/run1 --item model --local
     """
     import nebulaml as nm
 
+    if local and item is None:
+        raise typer.BadParameter("--local needs --item NAME", param_hint="--local")
     location = nm.check_root(root)
     latest = nm.get_latest_checkpoint(root)
     if latest is None:
         raise nm.CheckpointNotFoundError(location)
-    item_path = None if path is None else nm.get_latest_checkpoint_path(path, root)
-    if path is not None and item_path is None:  # the last one went away between the calls
+    item_path = None if item is None else nm.get_latest_checkpoint_path(item, root)
+    if item is not None and item_path is None:  # the last one went away between the calls
         raise nm.CheckpointNotFoundError(location)
+    local_path = None
+    if local and item is not None and item_path is not None:
+        if os.path.isfile(item_path):
+            local_path = item_path
+        else:
+            with progress(f"downloading {item} of {latest.tag}", quiet=quiet) as report:
+                folder = _cache_folder(location, latest.tag)
+                doc = nm.export_checkpoint(
+                    root, latest.tag, folder, items=[item], overwrite=True, progress=report
+                )
+            local_path = doc["files"][0]["path"]
     if as_json:
         info = next((c for c in nm.list_checkpoints(root) if c["tag"] == latest.tag), None)
-        doc = {"root": location, **(info or {"tag": latest.tag})}
-        if path is not None:
-            doc.update(item=path, path=item_path)
-        emit_json(doc)
+        out = {"root": location, **(info or {"tag": latest.tag})}
+        if item is not None:
+            out.update(item=item, path=item_path)
+        if local:
+            out.update(local_path=local_path)
+        emit_json(out)
         return
-    typer.echo(item_path if item_path is not None else latest.tag)
+    if item_path is not None and local_path is None and not os.path.isfile(item_path):
+        typer.echo(
+            f"nebula: hint: {item_path} is not a local file (torch.load cannot open it); "
+            "add --local to download it",
+            err=True,
+        )
+    typer.echo(local_path or item_path or latest.tag)

@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from ..output import (
     JsonOpt,
@@ -15,7 +16,7 @@ from ..output import (
     handles_errors,
     human_age,
     human_bytes,
-    stdout,
+    print_table,
 )
 
 
@@ -48,26 +49,27 @@ def ls_command(
         return
     table = Table(title=location, title_justify="left")
     for column in ("tag", "step", "tiers", "size", "items", "age", "labels"):
-        table.add_column(column, justify="right" if column in ("step", "size", "items") else "left")
+        right = column in ("step", "size", "items")
+        table.add_column(column, justify="right" if right else "left", no_wrap=True)
     for c in committed:
         table.add_row(
-            c["tag"],
+            Text(c["tag"]),
             "" if c["step"] is None else str(c["step"]),
-            ", ".join(c["tiers"]),
+            ",".join(c["tiers"]),
             human_bytes(c["size_bytes"]),
             str(len(c["items"])),
             human_age(c["committed_at"]),
-            ", ".join(c["labels"]),
+            Text(",".join(c["labels"])),
         )
     for c in incomplete:
         started = [w["started_at"] for w in c["writers"] if isinstance(w.get("started_at"), str)]
         table.add_row(
-            f"[yellow]{c['tag']}[/yellow]",
+            Text(c["tag"], style="yellow"),
             "",
             c["tier"],
             human_bytes(c["size_bytes"]),
             str(len(c["files"])),
             human_age(min(started)) if started else "",
-            "[yellow]incomplete[/yellow]",
+            Text("incomplete", style="yellow"),
         )
-    stdout().print(table)
+    print_table(table)

@@ -41,7 +41,7 @@ def memory_command(as_json: JsonOpt = False) -> None:
     Example: nebula memory --json
     """
     import nebulaml as nm
-    from nebulaml.protocol.tiers import memory_base
+    from nebulaml.protocol.memory_tier import memory_base
 
     base = memory_base()
     tiers = nm.list_memory_tiers()

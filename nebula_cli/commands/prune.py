@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from ..output import (
     EXIT_ERROR,
@@ -16,6 +17,7 @@ from ..output import (
     emit_json,
     fail,
     handles_errors,
+    print_table,
     stderr,
     stdout,
 )
@@ -43,6 +45,7 @@ def prune_command(
         int,
         typer.Option(
             "--keep",
+            metavar="N",
             help="How many of the newest committed checkpoints to keep (at least 1).",
             callback=_at_least_one,
         ),
@@ -82,14 +85,16 @@ def prune_command(
     alive and nothing was written for --grace seconds. Acts on ROOT only, not on its
     memory tier.
 
+    With --json: `delete` and `incomplete` (what the plan removes), `kept` (kept by the
+    count), `protected` (never deleted, each with its reason), `deleted` and `skipped`.
+
     Example: nebula prune /mnt/checkpoints/run1 --keep 3 --dry-run
     """
     import nebulaml as nm
 
     listing = nm.list_prune_candidates(root, incomplete=incomplete)
     plan = nm.plan_prune(listing, keep, include_labelled=include_labelled, grace_s=grace)
-    doc: dict[str, Any] = {"root": plan.root, "dry_run": dry_run, **plan.to_json()}
-    doc.update(deleted=[], skipped=[])
+    doc = _plan_json(plan, dry_run)
     if not as_json:
         _show_plan(plan, dry_run)
     count = len(plan.delete) + len(plan.incomplete)
@@ -103,13 +108,36 @@ def prune_command(
         _confirm(plan)
     result = nm.execute_prune(root, plan)
     for skipped in result.skipped:
-        stderr().print(f"[yellow]kept {skipped.tag}[/yellow]: {skipped.reason}")
+        stderr().print(Text.assemble(("kept ", "yellow"), f"{skipped.tag}: {skipped.reason}"))
     doc["deleted"] = list(result.deleted)
     doc["skipped"] = [{"tag": s.tag, "reason": s.reason} for s in result.skipped]
     if as_json:
         emit_json(doc)
     else:
-        stdout().print(f"Deleted {len(result.deleted)} of {count}: {', '.join(result.deleted)}")
+        stdout().print(
+            Text(f"Deleted {len(result.deleted)} of {count}: {', '.join(result.deleted)}")
+        )
+
+
+def _plan_json(plan: PrunePlan, dry_run: bool) -> dict[str, Any]:
+    """The plan as --json gives it: kept by the count and protected apart."""
+
+    def rows(decisions: Any) -> list[dict[str, Any]]:
+        return [{"tag": d.tag, "reason": d.reason, "committed": d.committed} for d in decisions]
+
+    return {
+        "root": plan.root,
+        "dry_run": dry_run,
+        "keep": plan.keep_last,
+        "include_labelled": plan.include_labelled,
+        "grace_s": plan.grace_s,
+        "delete": rows(plan.delete),
+        "incomplete": rows(plan.incomplete),
+        "kept": rows(plan.keep),
+        "protected": rows(plan.protected),
+        "deleted": [],
+        "skipped": [],
+    }
 
 
 def _what(plan: PrunePlan) -> str:
@@ -137,14 +165,14 @@ def _show_plan(plan: PrunePlan, dry_run: bool) -> None:
     title = f"{plan.root}: prune plan, keep {plan.keep_last}" + (" (dry run)" if dry_run else "")
     table = Table(title=title, title_justify="left")
     for column in ("tag", "action", "reason"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=True)
     for d in plan.delete:
-        table.add_row(d.tag, "[red]delete[/red]", d.reason)
+        table.add_row(Text(d.tag), Text("delete", style="red"), Text(d.reason))
     for d in plan.incomplete:
-        table.add_row(f"[yellow]{d.tag}[/yellow]", "[red]remove[/red]", d.reason)
+        table.add_row(Text(d.tag, style="yellow"), Text("remove", style="red"), Text(d.reason))
     for d in plan.keep:
-        table.add_row(d.tag, "keep", d.reason)
+        table.add_row(Text(d.tag), "keep", Text(d.reason))
     for d in plan.protected:
-        tag = d.tag if d.committed else f"[yellow]{d.tag}[/yellow]"
-        table.add_row(tag, "[green]protected[/green]", d.reason)
-    stdout().print(table)
+        tag = Text(d.tag, style="" if d.committed else "yellow")
+        table.add_row(tag, Text("protected", style="green"), Text(d.reason))
+    print_table(table)

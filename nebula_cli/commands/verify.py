@@ -2,28 +2,34 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
+from ..complete import complete_tag
 from ..output import (
     EXIT_ERROR,
     JsonOpt,
+    QuietOpt,
     RootArg,
     StorageOpt,
     emit_json,
     handles_errors,
+    print_table,
+    progress,
     stderr,
-    stdout,
 )
 
 TagArg = Annotated[
-    str | None, typer.Argument(help="Only this checkpoint (default: every checkpoint).")
+    str | None,
+    typer.Argument(
+        metavar="TAG",
+        help="Only this checkpoint (default: every checkpoint).",
+        autocompletion=complete_tag,
+    ),
 ]
 
 _STYLE = {"ok": "green", "corrupt": "bold red", "missing": "bold red", "differs": "bold red"}
@@ -34,26 +40,28 @@ def verify_command(
     root: RootArg,
     tag: TagArg = None,
     as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
     """Re-read every item on every tier and check its size and checksum.
 
     Also reports manifests that are present but unreadable, and items that are missing
     or of the wrong size. Exit 1 on any failure, naming the file, the expected and the
-    actual value; exit 3 when TAG does not exist.
+    actual value; exit 3 when TAG does not exist. With --json, `expected` and `actual`
+    are objects: {size_bytes, algo, checksum}.
 
     Example: nebula verify /mnt/checkpoints/run1 global_step500
     """
     import nebulaml as nm
 
     location = nm.check_root(root)
-    with _progress_bar() as progress:
-        results = nm.verify_checkpoints(root, tag, progress=progress)
+    with progress("verifying", quiet=quiet, transient=True) as report:
+        results = nm.verify_checkpoints(root, tag, progress=report)
     failures = [r for r in results if r["status"] != "ok"]
     if as_json:
-        emit_json({"root": location, "ok": not failures, "results": results})
+        emit_json({"root": location, "ok": not failures, "results": [_json(r) for r in results]})
     else:
-        stdout().print(_table(location, results))
+        print_table(_table(location, results))
     for r in failures:
         sys.stderr.write(f"nebula: error: {r['file']}: expected {r['expected']}, "
                          f"found {r['actual']}\n")  # fmt: skip
@@ -63,45 +71,36 @@ def verify_command(
         raise typer.Exit(EXIT_ERROR)
 
 
-@contextlib.contextmanager
-def _progress_bar() -> Iterator[Callable[[int, int], None] | None]:
-    """A bytes / rate / ETA bar on stderr when it is a terminal; nothing otherwise."""
-    console = stderr()
-    if not console.is_terminal:
-        yield None
-        return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    columns = (TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())  # fmt: skip
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("verify", total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
+def _json(result: dict[str, Any]) -> dict[str, Any]:
+    """A result as --json gives it: `expected` and `actual` as {size_bytes, algo,
+    checksum} (null where there is none: no such file, a manifest), and `detail`, the
+    failure in words (null when ok)."""
+    ok = result["status"] == "ok"
+    return {
+        "tag": result["tag"],
+        "tier": result["tier"],
+        "item": result["item"],
+        "file": result["file"],
+        "status": result["status"],
+        "expected": result.get("expected_checksum"),
+        "actual": result.get("actual_checksum"),
+        "detail": None if ok else f"expected {result['expected']}, found {result['actual']}",
+    }
 
 
 def _table(location: str, results: list[dict[str, Any]]) -> Table:
     table = Table(title=location, title_justify="left")
     for column in ("tag", "tier", "item", "status", "checksum"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=True)
     for r in results:
         # The checksum found (or the problem), shortened to what a human compares.
-        detail = r["actual"] if r["status"] != "ok" else r["actual"].rsplit(" ", 1)[-1]
+        found = r.get("actual_checksum") or {}
+        detail = found.get("checksum") if r["status"] == "ok" else r["actual"]
         table.add_row(
             Text(r["tag"]),
             r["tier"],
             Text(r["item"] if r["item"] is not None else "(manifest)"),
             Text(r["status"], style=_STYLE.get(r["status"], "")),
-            Text(detail),
+            Text(detail or ""),
         )
     return table

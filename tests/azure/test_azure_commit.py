@@ -18,7 +18,7 @@ from azurite import ACCOUNT, KEY, Azurite
 from faultproxy import FaultProxy
 
 import nebulaml as nm
-from nebulaml.protocol.commit import delete_checkpoint
+from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.storage.store import Store
 
 RACER = """

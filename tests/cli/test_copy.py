@@ -247,7 +247,12 @@ def test_busy_destination_refused(root: Path, tmp_path: Path) -> None:
 
 
 ERRORS = [
-    (("global_step7", "{dest}"), 3, "{root}: no checkpoint 'global_step7' found"),
+    (
+        ("global_step7", "{dest}"),
+        3,
+        "{root}: no checkpoint 'global_step7' found; "
+        "did you mean 'global_step2' or 'global_step1'?",
+    ),
     (("../x", "{dest}"), 2, "invalid tag '../x': must not contain a path separator"),
 ]
 
@@ -300,7 +305,7 @@ def test_as_a_real_command(root: Path, tmp_path: Path, memory_tier: Path) -> Non
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"Copied global_step1 from the persistent tier {root} to {dest}")
     assert "verified and committed" in out.stdout
-    assert "copying global_step1" in out.stderr and "KiB" in out.stderr  # the progress bar
+    assert out.stderr == ""  # off a terminal, progress lines only for a copy that takes a while
     assert_same_files(dest, 1)
     out = subprocess.run([EXE, "copy", str(root), "--latest", str(dest), "--json"],
                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 import nebulaml as nm
 from nebula_cli.app import app
-from nebulaml.protocol.commit import delete_checkpoint
+from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.history import HISTORY_FILE
 from nebulaml.runtime import session
 from nebulaml.storage.store import Store

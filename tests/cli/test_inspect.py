@@ -85,7 +85,8 @@ def test_not_found_is_exit_3(root: Path, tmp_path: Path) -> None:
     _populate(root)
     missing_tag = CliRunner().invoke(app, ["inspect", str(root), "global_step7"])
     assert (missing_tag.exit_code, missing_tag.stderr) == (
-        3, f"nebula: error: {root}: no checkpoint 'global_step7' found\n",
+        3, f"nebula: error: {root}: no checkpoint 'global_step7' found; did you mean "
+        "'global_step100'?\n",
     )  # fmt: skip
     args = ["inspect", str(root), "global_step100", "--item", "optim"]
     missing_item = CliRunner().invoke(app, args)

@@ -80,7 +80,7 @@ def test_missing_root_and_missing_item_are_exit_3(root: Path, tmp_path: Path) ->
     assert result.exit_code == 3 and result.stdout == ""
     assert result.stderr == (
         "nebula: error: checkpoint 'global_step200' has no item 'optim'; "
-        "its items: 'model', 'optimizer'\n"
+        "its items: 'model', 'optimizer'; did you mean 'optimizer'?\n"
     )
 
 

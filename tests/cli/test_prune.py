@@ -75,7 +75,7 @@ def test_newest_survives_keep_1_with_include_labelled(root: Path) -> None:
     doc = json.loads(out)
     assert doc["deleted"] == ["global_step1", "global_step2", "global_step3"]
     newest = {"tag": "global_step4", "reason": "the newest committed checkpoint", "committed": True}
-    assert newest in doc["kept"]
+    assert newest in doc["protected"] and newest not in doc["kept"]
     assert persisted(root) == ["global_step4"]
     assert nm.get_checkpoint("global_step4", str(root)).load("model")["w"].sum() == 64
 
@@ -106,7 +106,7 @@ def test_live_writers_leftover_never_removed(root: Path) -> None:
     assert doc["deleted"] == ["global_step9"] and not dead.exists()
     assert live.exists() and (live / "model").read_bytes() == b"partial"
     reason = f"being written by pid {os.getpid()} on {socket.gethostname()}"
-    assert {"tag": "global_step8", "reason": reason, "committed": False} in doc["kept"]
+    assert {"tag": "global_step8", "reason": reason, "committed": False} in doc["protected"]
 
 
 def test_incomplete_waits_for_the_grace_period(root: Path) -> None:
@@ -115,7 +115,7 @@ def test_incomplete_waits_for_the_grace_period(root: Path) -> None:
     folder = leftover(root, "global_step9", 1, host="another-node")  # liveness unknown
     code, out, _ = prune(str(root), "--keep", "1", "--incomplete", "--yes", "--json")
     assert code == 0 and json.loads(out)["deleted"] == [] and folder.exists()
-    assert "grace period 3600 s" in json.loads(out)["kept"][-1]["reason"]
+    assert "grace period 3600 s" in json.loads(out)["protected"][-1]["reason"]
 
 
 def test_dry_run_deletes_nothing(root: Path, memory_tier: Path) -> None:

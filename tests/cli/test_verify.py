@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import nebulaml as nm
 from nebula_cli.app import app
-from nebulaml.format.manifest import CHECKSUM_ALGO
+from nebulaml.format.checksum import CHECKSUM_ALGO
 
 
 def _populate(root: Path) -> Path:
@@ -67,12 +67,21 @@ def test_bit_flip_in_the_memory_copy_only(root: Path) -> None:
     (bad,) = [r for r in doc["results"] if r["status"] != "ok"]
     assert (bad["tier"], bad["tag"], bad["item"]) == ("memory", "global_step200", "model")
     want = _item(root, "global_step200", "model")
+    # Typed, not prose: the manifest's size and checksum, and what was found.
+    assert bad["expected"] == {
+        "size_bytes": want["size_bytes"],
+        "algo": CHECKSUM_ALGO,
+        "checksum": want["checksum"]["value"],
+    }
+    assert bad["actual"]["size_bytes"] == want["size_bytes"]
+    assert bad["actual"]["algo"] == CHECKSUM_ALGO
+    assert bad["actual"]["checksum"] != want["checksum"]["value"]
     expected = f"{want['size_bytes']} bytes with {CHECKSUM_ALGO} {want['checksum']['value']}"
-    assert bad["expected"] == expected
-    assert result.stderr == (
-        f"nebula: error: {memory / 'model'}: expected {expected}, found {bad['actual']}\n"
+    found = f"{want['size_bytes']} bytes with {CHECKSUM_ALGO} {bad['actual']['checksum']}"
+    assert bad["detail"] == f"expected {expected}, found {found}"
+    assert (
+        result.stderr == f"nebula: error: {memory / 'model'}: expected {expected}, found {found}\n"
     )
-    assert bad["actual"].startswith(f"{want['size_bytes']} bytes with {CHECKSUM_ALGO} ")
 
 
 def test_one_tag_and_exit_3_when_it_or_the_root_does_not_exist(root: Path, tmp_path: Path) -> None:
@@ -83,7 +92,10 @@ def test_one_tag_and_exit_3_when_it_or_the_root_does_not_exist(root: Path, tmp_p
     assert {r["tag"] for r in json.loads(result.stdout)["results"]} == {"global_step100"}
     result = CliRunner().invoke(app, ["verify", str(root), "global_step9"])
     assert (result.exit_code, result.stdout) == (3, "")
-    assert result.stderr == f"nebula: error: {root}: no checkpoint 'global_step9' found\n"
+    assert result.stderr == (
+        f"nebula: error: {root}: no checkpoint 'global_step9' found; "
+        "did you mean 'global_step200' or 'global_step100'?\n"
+    )
     result = CliRunner().invoke(app, ["verify", str(tmp_path / "nope")])
     assert (result.exit_code, result.stderr) == (
         3, f"nebula: error: {tmp_path / 'nope'}: no such checkpoint root\n",

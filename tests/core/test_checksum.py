@@ -14,8 +14,16 @@ import xxhash
 
 import nebulaml as nm
 from nebulaml.format import checksum
-from nebulaml.format.checksum import LEAF_BYTES, TreeHasher, checksum_of, hash_stream, new_hasher
-from nebulaml.format.manifest import CHECKSUM_ALGO, LEGACY_CHECKSUM_ALGO, seal
+from nebulaml.format.checksum import (
+    CHECKSUM_ALGO,
+    LEAF_BYTES,
+    LEGACY_CHECKSUM_ALGO,
+    TreeHasher,
+    checksum_of,
+    hash_stream,
+    new_hasher,
+)
+from nebulaml.format.manifest import seal
 from nebulaml.runtime.slots import SlotPool
 from nebulaml.runtime.snapshot import fill, plan_layout
 from nebulaml.storage.store import Store

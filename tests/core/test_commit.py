@@ -8,9 +8,12 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.protocol.catalog import list_committed, list_incomplete, read_committed
-from nebulaml.protocol.commit import begin_tag, commit_rank, delete_checkpoint, write_item
+from nebulaml.protocol.catalog import list_committed, read_committed
+from nebulaml.protocol.commit import begin_tag, commit_rank, write_item
+from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.leases import is_lease_file
+from nebulaml.protocol.recovery import list_incomplete
+from nebulaml.protocol.transfer import copy_part
 from nebulaml.storage.store import Store
 
 
@@ -200,7 +203,7 @@ def test_a_persist_between_its_last_part_and_its_manifest_is_not_a_leftover(
         begin_tag(memory, "global_step1", rank=rank, overwrite=False, world_size=2)
         item = write_item(memory, "global_step1", f"model-{rank}", {"w": torch.ones(4)}, rank=rank)
         commit_rank(memory, "global_step1", rank=rank, world_size=2, items=[item], created_at="t")
-    publish, pruned = commit._publish_manifest, []
+    publish, pruned = commit.publish_manifest, []
 
     def prune_first(store: Store, tag: str, *args: object) -> object:
         if store.url == root.url:
@@ -208,9 +211,9 @@ def test_a_persist_between_its_last_part_and_its_manifest_is_not_a_leftover(
             pruned.append((plan, nm.execute_prune(root.url, plan)))
         return publish(store, tag, *args)
 
-    monkeypatch.setattr(commit, "_publish_manifest", prune_first)
-    commit.copy_part(memory, root, "global_step1", rank=0, world_size=2, timeout_s=5, wait=False)
-    commit.copy_part(memory, root, "global_step1", rank=1, world_size=2, timeout_s=5)
+    monkeypatch.setattr(commit, "publish_manifest", prune_first)
+    copy_part(memory, root, "global_step1", rank=0, world_size=2, timeout_s=5, wait=False)
+    copy_part(memory, root, "global_step1", rank=1, world_size=2, timeout_s=5)
     [(plan, result)] = pruned
     assert result.deleted == () and plan.incomplete == ()
     assert [d.reason.split(" by ")[0] for d in plan.protected] == ["being written"]

@@ -15,9 +15,9 @@ import torch
 
 import nebulaml as nm
 from nebulaml.protocol.catalog import read_committed
-from nebulaml.protocol.commit import copy_checkpoint as commit_copy
-from nebulaml.protocol.commit import delete_checkpoint
+from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.history import HISTORY_FILE
+from nebulaml.protocol.transfer import copy_checkpoint as commit_copy
 from nebulaml.storage.store import Store
 
 STATE = {"w": torch.arange(50_000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.float64)}

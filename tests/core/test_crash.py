@@ -33,8 +33,9 @@ from children.crashkit import (
 )
 
 import nebulaml as nm
-from nebulaml.protocol.catalog import list_incomplete, read_committed
+from nebulaml.protocol.catalog import read_committed
 from nebulaml.protocol.history import HISTORY_FILE
+from nebulaml.protocol.recovery import list_incomplete
 from nebulaml.protocol.tiers import open_tiers
 from nebulaml.runtime.persister import Persister
 from nebulaml.storage.store import Store

@@ -22,7 +22,7 @@ from children.crashkit import assert_files_hold_known, committed_tags, history_r
 
 from nebulaml.protocol.catalog import read_committed
 from nebulaml.protocol.tiers import open_tiers
-from nebulaml.runtime.session import EXIT_NOT_PERSISTED
+from nebulaml.runtime.exit import EXIT_NOT_PERSISTED
 from nebulaml.storage.store import Store
 
 TIMEOUT_S = 60  # generous bound on any wait for a child; a healthy run needs a few seconds

@@ -18,7 +18,8 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
 import nebulaml as nm
-from nebulaml.format.item_metadata import DTYPE_ITEMSIZE, MAX_DEPTH, STORAGE_DTYPES, describe_pickle
+from nebulaml.format.inert_unpickler import DTYPE_ITEMSIZE, STORAGE_DTYPES
+from nebulaml.format.item_metadata import MAX_DEPTH, describe_pickle
 
 FIXTURE_V1 = Path(__file__).parents[1] / "fixtures" / "manifests" / "v1"
 

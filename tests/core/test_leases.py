@@ -29,7 +29,8 @@ import nebulaml as nm
 from nebula_cli.app import app
 from nebulaml.checkpoint import Checkpoint
 from nebulaml.protocol.catalog import list_committed, read_committed
-from nebulaml.protocol.commit import begin_tag, commit_rank, delete_checkpoint, write_item
+from nebulaml.protocol.commit import begin_tag, commit_rank, write_item
+from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.leases import (
     LEASE_TTL_S,
     delete_claim,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.format.checksum import checksum_of
-from nebulaml.format.manifest import CHECKSUM_ALGO, seal
+from nebulaml.format.checksum import CHECKSUM_ALGO, checksum_of
+from nebulaml.format.manifest import seal
 from nebulaml.runtime.session import current
 
 STATE = {"w": torch.arange(64, dtype=torch.float32), "step": 3}

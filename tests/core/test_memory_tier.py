@@ -26,7 +26,9 @@ from typer.testing import CliRunner
 
 import nebulaml as nm
 from nebula_cli.app import app
-from nebulaml.protocol.tiers import ROOT_ID_FILE, memory_root_for, open_tiers
+from nebulaml.format.names import ROOT_ID_FILE
+from nebulaml.protocol.memory_tier import memory_root_for
+from nebulaml.protocol.tiers import open_tiers
 from nebulaml.storage.store import Store
 
 TIMEOUT_S = 120

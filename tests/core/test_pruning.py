@@ -23,7 +23,7 @@ import torch
 import nebulaml as nm
 from nebulaml.ops.pruning import Leftover, PruneDecision, PruneListing, plan_prune
 from nebulaml.protocol.catalog import list_committed
-from nebulaml.protocol.commit import delete_checkpoint
+from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.retention import Version, plan_retention
 from nebulaml.storage.store import Store
 

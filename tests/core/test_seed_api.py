@@ -249,9 +249,11 @@ def test_bad_env_value_names_the_variable(root: Path, monkeypatch: pytest.Monkey
         nm.init(str(root))
 
 
-def test_unknown_init_option_warns(root: Path) -> None:
-    with pytest.warns(UserWarning, match="unknown option"):
+def test_unknown_init_option_is_a_type_error(root: Path) -> None:
+    # A typo (path= for persistent_storage_path=) would otherwise run memory-only.
+    with pytest.raises(TypeError, match="'enable_turbo'"):
         nm.init(str(root), enable_turbo=True)
+    assert not root.exists()
 
 
 def test_init_is_idempotent_and_can_switch_roots(root: Path, tmp_path: Path) -> None:

@@ -24,13 +24,12 @@ import torch
 
 import nebulaml as nm
 from nebulaml.format import checksum
-from nebulaml.format.checksum import checksum_of
-from nebulaml.format.manifest import CHECKSUM_ALGO
+from nebulaml.format.checksum import CHECKSUM_ALGO, checksum_of
 from nebulaml.runtime import session as nm_session
 from nebulaml.runtime import snapshot
 from nebulaml.runtime.slots import SlotPool
 from nebulaml.runtime.snapshot import Layout, LayoutCache, fill, plan_layout
-from nebulaml.storage import store as storage
+from nebulaml.storage import mapped_reads as storage
 from nebulaml.storage.store import Store
 
 
@@ -392,7 +391,7 @@ def test_recycle_removes_a_file_a_load_has_marked(tmp_path: Path) -> None:
 def test_a_file_recycled_before_its_load_marked_it_is_read_from_the_next_tier(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import nebulaml.storage.store as storage
+    import nebulaml.storage.mapped_reads as storage
 
     nm.init(str(root), persistent_time_interval=0)
     nm.Checkpoint("global_step1").save("model", {"w": torch.ones(50_000)})

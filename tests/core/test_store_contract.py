@@ -1,42 +1,81 @@
-"""One storage contract, run against every backend nebula supports: a local path, a
-file:// URL, fsspec's memory:// store, and Azure Blob Storage (a real Azurite)."""
+"""One storage contract, run against every backend nebula supports, with the same
+assertions: the local backend (a durable disk root, the same given as a file:// URL, and
+the memory tier's flavour: not durable, private), fsspec's memory:// store (the remote
+backend), and Azure Blob Storage (a real Azurite).
+
+A case that only one kind of backend can have (a symbolic link on a local disk, a mapped
+read) runs everywhere too: elsewhere it checks what that backend does instead."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import stat
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import nebulaml as nm
+from nebulaml.storage.backend import Backend
 from nebulaml.storage.store import MissingFileError, Store
 
-BACKENDS = ["local", "file-url", "memory", "azure"]
+BACKENDS = ["local", "memory-tier", "file-url", "memory", "azure"]
+LOCAL = ("local", "memory-tier", "file-url")  # the local backend, in its three forms
+
+
+@dataclass(frozen=True)
+class Root:
+    """One root of the backend under test; `open()` is a new handle on it (a writer)."""
+
+    kind: str
+    url: str
+
+    @property
+    def is_local(self) -> bool:
+        return self.kind in LOCAL
+
+    def open(self, options: dict[str, Any] | None = None) -> Store:
+        if self.kind == "memory-tier":
+            return Store(self.url, options, durable=False, private=True)
+        return Store(self.url, options)
 
 
 @pytest.fixture(params=BACKENDS)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "local":
-        yield str(tmp_path / "store")
-    elif request.param == "file-url":
-        yield f"file://{tmp_path}/store"
-    elif request.param == "azure":
-        yield request.getfixturevalue("az_url")  # credentials from the environment
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Root]:
+    kind = request.param
+    if kind in ("local", "memory-tier"):
+        yield Root(kind, str(tmp_path / "store"))
+    elif kind == "file-url":
+        yield Root(kind, f"file://{tmp_path}/store")
+    elif kind == "azure":
+        yield Root(kind, request.getfixturevalue("az_url"))  # credentials from the environment
     else:
         import fsspec
 
         url = f"memory://contract-{uuid.uuid4().hex}"
-        yield url
+        yield Root(kind, url)
         fs = fsspec.filesystem("memory")
         if fs.exists(url):
             fs.rm(url, recursive=True)
 
 
-def test_write_read_list(url: str) -> None:
-    store = Store(url)
+def test_every_backend_implements_the_protocol(backend: Root) -> None:
+    store = backend.open()
+    assert isinstance(store._backend, Backend)
+    assert store.is_local is backend.is_local and store.is_azure is (backend.kind == "azure")
+    assert store.durable is (backend.kind != "memory-tier")
+    assert store.private is (backend.kind == "memory-tier")
+
+
+def test_write_read_list(backend: Root) -> None:
+    store = backend.open()
     store.make_dir("tag1")
     store.write_bytes(("tag1", "a"), b"12345")
     with store.open_write("tag1", "b") as f:
@@ -57,26 +96,26 @@ def test_write_read_list(url: str) -> None:
     assert store.exists() and store.exists("tag1") and not store.exists("missing")
 
 
-def test_listings_are_never_stale(url: str) -> None:
+def test_listings_are_never_stale(backend: Root) -> None:
     # Catches: a cached directory listing (adlfs's dircache) hiding a file written, or
     # showing one removed, a moment ago: a committed tag would be invisible to ls.
-    store = Store(url)
+    store = backend.open()
     store.make_dir("t")
     store.write_bytes(("t", "a"), b"1")
     assert store.list_files("t") == {"a": 1} and store.list_dirs() == ["t"]
     store.write_bytes(("t", "b"), b"22")
     assert store.list_files("t") == {"a": 1, "b": 2}
-    other = Store(url)  # another handle on the same root sees the same
+    other = backend.open()  # another handle on the same root sees the same
     other.remove("t", "a")
     assert store.list_files("t") == {"b": 2}
     other.remove_dir("t")
     assert store.list_dirs() == [] and store.list_files("t") == {}
 
 
-def test_large_file_round_trip(url: str) -> None:
+def test_large_file_round_trip(backend: Root) -> None:
     # Catches: blocks uploaded out of order, a last partial block dropped, a block
     # boundary off by one (on Azure the writer cuts 8 MiB blocks; here, odd-sized writes).
-    store = Store(url, {"nebula_block_bytes": 1 << 20} if url.startswith("az://") else None)
+    store = backend.open({"nebula_block_bytes": 1 << 20} if backend.kind == "azure" else None)
     data = torch.randint(0, 256, (5 * (1 << 20) + 12345,), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(3)).numpy().tobytes()  # fmt: skip
     store.make_dir("t")
@@ -90,8 +129,8 @@ def test_large_file_round_trip(url: str) -> None:
         assert f.read() == data[-10:]
 
 
-def test_missing_file_is_a_typed_error(url: str) -> None:
-    store = Store(url)
+def test_missing_file_is_a_typed_error(backend: Root) -> None:
+    store = backend.open()
     store.make_dir()
     with pytest.raises(MissingFileError) as err:
         store.read_bytes("nope", "item")
@@ -99,8 +138,8 @@ def test_missing_file_is_a_typed_error(url: str) -> None:
     assert "nope" in str(err.value)
 
 
-def test_failed_write_leaves_no_file(url: str) -> None:
-    store = Store(url)
+def test_failed_write_leaves_no_file(backend: Root) -> None:
+    store = backend.open()
     store.make_dir("t")
     store.write_bytes(("t", "keep"), b"k")
     with pytest.raises(RuntimeError, match="boom"), store.open_write("t", "item") as f:
@@ -109,8 +148,8 @@ def test_failed_write_leaves_no_file(url: str) -> None:
     assert store.list_files("t") == {"keep": 1}
 
 
-def test_publish_is_create_only(url: str) -> None:
-    store = Store(url)
+def test_publish_is_create_only(backend: Root) -> None:
+    store = backend.open()
     store.make_dir("t")
     store.publish(("t", "manifest.json"), b"first")
     with pytest.raises(nm.CommitConflictError, match="'t' was committed by another writer"):
@@ -121,12 +160,12 @@ def test_publish_is_create_only(url: str) -> None:
     assert store.list_files("t") == {"manifest.json": 5}  # no temporary files left
 
 
-@pytest.mark.parametrize("url", ["local", "azure"], indirect=True)
-def test_racing_publishers_one_wins(url: str) -> None:
+@pytest.mark.parametrize("backend", ["local", "memory-tier", "azure"], indirect=True)
+def test_racing_publishers_one_wins(backend: Root) -> None:
     # Catches: a check-then-write create (two writers both see no manifest and both
     # "commit", the second overwriting the first). fsspec's memory store has no atomic
     # create, so it is not in this race.
-    stores = [Store(url) for _ in range(6)]
+    stores = [backend.open() for _ in range(6)]
     stores[0].make_dir("t")
     start = threading.Barrier(len(stores))
     outcome: dict[int, str] = {}
@@ -149,8 +188,8 @@ def test_racing_publishers_one_wins(url: str) -> None:
     assert stores[0].read_bytes("t", "manifest.json") == f"writer {winners[0]}".encode()
 
 
-def test_append_and_remove(url: str) -> None:
-    store = Store(url)
+def test_append_and_remove(backend: Root) -> None:
+    store = backend.open()
     store.make_dir("t")
     assert store.read_appended("log.csv") is None
     store.append_text(("log.csv",), "a\n")
@@ -165,10 +204,10 @@ def test_append_and_remove(url: str) -> None:
     store.remove_dir("t")
 
 
-def test_concurrent_appends_lose_nothing(url: str) -> None:
+def test_concurrent_appends_lose_nothing(backend: Root) -> None:
     # Catches: read-modify-write appends on an object store, where two writers read the
     # same old content and the second upload drops the first one's rows.
-    store = Store(url)
+    store = backend.open()
     store.make_dir()
     start = threading.Barrier(4)
 
@@ -186,7 +225,10 @@ def test_concurrent_appends_lose_nothing(url: str) -> None:
     assert sorted(lines) == sorted(f"w{w}-r{r}" for w in range(4) for r in range(5))
 
 
-def test_checkpoint_round_trip_on_every_backend(url: str) -> None:
+# The memory tier is nm.init's own (under every root); a root given to nm.init is a URL.
+@pytest.mark.parametrize("backend", ["local", "file-url", "memory", "azure"], indirect=True)
+def test_checkpoint_round_trip_on_every_backend(backend: Root) -> None:
+    url = backend.url
     nm.init(url, persistent_time_interval=0, num_of_version_in_retention=2)
     for step in (1, 2, 3):
         ckpt = nm.Checkpoint(f"global_step{step}", 2)
@@ -194,7 +236,7 @@ def test_checkpoint_round_trip_on_every_backend(url: str) -> None:
         ckpt.save("optimizer", {"step": step})
         nm.flush_persistence()
     nm.shutdown()
-    persistent = Store(url)
+    persistent = backend.open()
     assert sorted(persistent.list_dirs()) == ["global_step2", "global_step3"]
     latest = nm.get_latest_checkpoint(persist_path=url)
     assert latest.tag == "global_step3"
@@ -209,3 +251,218 @@ def test_checkpoint_round_trip_on_every_backend(url: str) -> None:
 def test_unknown_protocol_is_a_storage_error() -> None:
     with pytest.raises(nm.StorageError, match="bogus://x"):
         Store("bogus://x")
+
+
+# Cases each backend must handle the same way --------------------------------------------
+def test_a_missing_folder_lists_empty(backend: Root) -> None:
+    # Catches: a FileNotFoundError (or a backend's own 404) escaping a listing of a root
+    # that was never written, or of a folder that was never made.
+    store = backend.open()
+    assert store.list_dirs() == []
+    assert store.list_files() == {}
+    assert store.list_files("missing") == {} and store.list_files("missing", "deeper") == {}
+    assert not store.exists("missing") and not store.exists("missing", "file")
+    assert store.read_appended("missing.csv") is None
+    assert store.modified_at("missing", "file") is None
+
+
+def test_removing_what_is_missing_is_no_error(backend: Root) -> None:
+    store = backend.open()
+    store.remove("never", "written")  # no root yet
+    store.make_dir("t")
+    store.write_bytes(("t", "a"), b"1")
+    store.remove("t", "never-written")
+    store.remove("missing-folder", "x")
+    store.remove_dir("missing-folder")
+    store.remove_dir("t")
+    store.remove_dir("t")
+    store.remove("t", "a")
+    assert store.list_files("t") == {} and "t" not in store.list_dirs()
+
+
+def test_missing_files_are_typed_errors_for_every_read(backend: Root) -> None:
+    store = backend.open()
+    store.make_dir("t")
+    store.write_bytes(("t", "a"), b"1")
+    with pytest.raises(MissingFileError, match="nope"):
+        store.read_bytes("t", "nope")
+    with pytest.raises(MissingFileError, match="nope"), store.open_read("t", "nope"):
+        pass
+    # map_read and read_local give None where they cannot map (a remote store).
+    if backend.is_local:
+        with pytest.raises(MissingFileError, match="nope"), store.map_read("t", "nope"):
+            pass
+        with pytest.raises(MissingFileError, match="nope"), store.read_local("t", "nope"):
+            pass
+
+
+def test_create_only_publish_conflicts_name_the_tag(backend: Root) -> None:
+    # Catches: a publish that replaces what another writer committed (a file written by
+    # write_bytes too), a conflict raised as a plain StorageError, or one that names the
+    # wrong tag or root.
+    store = backend.open()
+    store.make_dir("global_step7")
+    store.write_bytes(("global_step7", "manifest.json"), b"theirs")
+    with pytest.raises(nm.CommitConflictError) as caught:
+        store.publish(("global_step7", "manifest.json"), b"ours")
+    assert caught.value.tag == "global_step7" and caught.value.where == store.url
+    assert isinstance(caught.value, FileExistsError)
+    assert store.read_bytes("global_step7", "manifest.json") == b"theirs"
+    # A file at the root: the conflict is about that name, at the root.
+    store.publish(("identity.json",), b"1")
+    with pytest.raises(nm.CommitConflictError) as caught:
+        store.publish(("identity.json",), b"2")
+    assert caught.value.tag == "identity.json" and caught.value.where == store.url
+    assert store.read_bytes("identity.json") == b"1"
+    store.publish(("identity.json",), b"22", create_only=False)
+    assert store.read_bytes("identity.json") == b"22"
+    assert store.list_files("global_step7") == {"manifest.json": 6}
+
+
+def test_appends_from_two_writers_are_all_kept_in_order(backend: Root) -> None:
+    # Catches: a second handle (another process's) that rewrites the file from what it
+    # read, dropping the first writer's rows; rows read back out of the order written;
+    # a file written whole before the appends lost (on object stores it is their head).
+    first, second = backend.open(), backend.open()
+    first.make_dir()
+    first.write_bytes(("log.csv",), b"header\n")
+    for row in range(3):
+        first.append_text(("log.csv",), f"first-{row}\n")
+        second.append_text(("log.csv",), f"second-{row}\n")
+    expected = ["header"] + [f"{w}-{r}" for r in range(3) for w in ("first", "second")]
+    for reader in (first, second, backend.open()):
+        assert (reader.read_appended("log.csv") or b"").decode().splitlines() == expected
+    start = threading.Barrier(2)
+
+    def append(store: Store, who: str) -> None:
+        start.wait()
+        for row in range(5):
+            store.append_text(("log.csv",), f"{who}-late-{row}\n")
+
+    writers = ((first, "a"), (second, "b"))
+    threads = [threading.Thread(target=append, args=writer) for writer in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    lines = (backend.open().read_appended("log.csv") or b"").decode().splitlines()
+    assert lines[: len(expected)] == expected
+    late = sorted(f"{w}-late-{r}" for w in "ab" for r in range(5))
+    assert sorted(lines[len(expected) :]) == late
+
+
+def test_modified_at_is_an_aware_time(backend: Root) -> None:
+    store = backend.open()
+    store.make_dir("t")
+    store.write_bytes(("t", "a"), b"1")
+    when = store.modified_at("t", "a")
+    assert when is not None and when.tzinfo is not None
+    assert abs(when - datetime.now(timezone.utc)) < timedelta(hours=1)
+    store.remove("t", "a")
+    assert store.modified_at("t", "a") is None
+
+
+def test_write_view_writes_every_piece_and_a_failure_leaves_no_file(backend: Root) -> None:
+    # Catches: a piece hashed but not written (or out of order) on one backend, and a
+    # failed write that leaves a partial file (a local DirectFile, an fsspec upload).
+    store = backend.open()
+    store.make_dir("t")
+    size = (1 << 20) + 12345
+    src = mmap.mmap(-1, size)
+    src[:] = os.urandom(size)
+    seen: list[bytes] = []
+    with memoryview(src) as view:
+        store.write_view(("t", "item"), view, lambda piece: seen.append(bytes(piece)))
+    assert store.read_bytes("t", "item") == src[:] == b"".join(seen)
+
+    def refuse(_piece: memoryview) -> None:
+        raise RuntimeError("boom")
+
+    with memoryview(src) as view, pytest.raises(RuntimeError, match="boom"):
+        store.write_view(("t", "other"), view, refuse)
+    assert store.list_files("t") == {"item": size}
+    src.close()
+
+
+def test_mapped_reads_only_on_local_disks(backend: Root) -> None:
+    # Catches: a mapped read that is not the file's bytes, an empty file mapped (mmap
+    # refuses length 0), or a remote store that pretends to map.
+    store = backend.open()
+    store.make_dir("t")
+    store.write_bytes(("t", "a"), b"abc" * 1000)
+    store.write_bytes(("t", "empty"), b"")
+    with store.map_read("t", "a") as view:
+        assert (bytes(view) if view is not None else None) == (
+            b"abc" * 1000 if backend.is_local else None
+        )
+    with store.read_local("t", "a") as read:
+        assert (bytes(read.view) if read is not None else None) == (
+            b"abc" * 1000 if backend.is_local else None
+        )
+    with store.map_read("t", "empty") as view, store.read_local("t", "empty") as read:
+        assert view is None and read is None
+    assert store.local_path("t", "a") == (
+        os.path.join(store.root, "t", "a") if backend.is_local else None
+    )
+
+
+def test_a_symbolic_link_is_never_followed(backend: Root, tmp_path: Path) -> None:
+    # Catches: `ln -s ~/project ROOT/global_step9` making a listing, read, write, publish,
+    # append or removal reach ~/project; an item that is a link read through it.
+    store = backend.open()
+    store.make_dir("t")
+    if not backend.is_local:  # no links on object stores: a name is only ever an object
+        assert store.local_path("t") is None
+        return
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_bytes(b"keep")
+    os.symlink(outside, Path(store.root) / "global_step9")
+    refused = [
+        lambda: store.list_files("global_step9"),
+        lambda: store.read_bytes("global_step9", "victim"),
+        lambda: store.exists("global_step9", "victim"),
+        lambda: store.write_bytes(("global_step9", "x"), b"1"),
+        lambda: store.publish(("global_step9", "manifest.json"), b"{}"),
+        lambda: store.append_text(("global_step9", "log.csv"), "row\n"),
+        lambda: store.make_dir("global_step9", "sub"),
+        lambda: store.remove("global_step9", "victim"),
+        lambda: store.remove_dir("global_step9"),
+    ]
+    for operation in refused:
+        with pytest.raises(nm.StorageError, match="global_step9: is a symbolic link"):
+            operation()
+    assert "global_step9" not in store.list_dirs()  # a link is not a tag folder
+    # An item that is a link: never read through; removed as a name alone.
+    os.symlink(outside / "victim", Path(store.root) / "t" / "item")
+    with pytest.raises(nm.StorageError, match="symbolic link"):
+        store.read_bytes("t", "item")
+    store.remove("t", "item")
+    assert sorted(os.listdir(outside)) == ["victim"]
+    assert (outside / "victim").read_bytes() == b"keep"
+
+
+def test_file_modes_follow_the_roots_privacy(backend: Root) -> None:
+    # Catches: a memory-tier file or folder that another user could read (the tier holds
+    # model weights in shared /dev/shm), whichever operation made it.
+    store = backend.open()
+    store.make_dir("t")
+    store.write_bytes(("t", "written"), b"1")
+    store.publish(("t", "published"), b"1")
+    store.append_text(("t", "appended"), "1\n")
+    with memoryview(mmap.mmap(-1, 4096)) as view:
+        store.write_view(("t", "viewed"), view, lambda _p: None)
+    if not backend.is_local:  # object stores have no modes
+        return
+    umask = os.umask(0)
+    os.umask(umask)
+    folder = Path(store.root) / "t"
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+    if backend.kind == "memory-tier":
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert modes == dict.fromkeys(("written", "published", "appended", "viewed"), 0o600)
+    else:
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask
+        assert modes["appended"] == 0o644 & ~umask
+        for name in ("written", "published", "viewed"):
+            assert modes[name] == 0o666 & ~umask

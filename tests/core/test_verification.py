@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.format.manifest import CHECKSUM_ALGO
+from nebulaml.format.checksum import CHECKSUM_ALGO
 
 
 def _populate(root: Path) -> tuple[Path, Path]:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "children"
 import crashkit  # tests/core/children, put on the path above
 
 from nebulaml.protocol.catalog import read_committed
-from nebulaml.runtime.session import EXIT_NOT_PERSISTED
+from nebulaml.runtime.exit import EXIT_NOT_PERSISTED
 from nebulaml.storage.store import Store
 
 TAG = "global_step2"

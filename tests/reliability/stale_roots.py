@@ -19,7 +19,7 @@ from pathlib import Path
 from campaigns import Figures
 
 import nebulaml as nm
-from nebulaml.protocol.tiers import memory_root_for
+from nebulaml.protocol.memory_tier import memory_root_for
 from nebulaml.storage.store import Store
 
 JOB = r"""

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.protocol.tiers import memory_root_for
+from nebulaml.protocol.memory_tier import memory_root_for
 from nebulaml.storage.store import Store
 
 OTHER_UID = 54321

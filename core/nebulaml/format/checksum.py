@@ -9,9 +9,14 @@ just copied while they are still in its cache, and a load verifies with several 
 one thread must hash in order) and verifies in 0.04 s instead of 0.07 s. Items written
 before it carry plain xxh3-64 (`LEGACY_CHECKSUM_ALGO`) and still verify.
 
-xxh3 runs at memory speed and releases the GIL on large inputs. Not for: cryptographic
-integrity (a checksum detects accidents, not attackers; the loader's weights_only rule is
-what keeps hostile pickles inert).
+xxh3 runs at memory speed and releases the GIL on large inputs. This module names the
+algorithms (`CHECKSUM_ALGO`, `KNOWN_CHECKSUM_ALGOS`: the manifest records them) and
+computes them over bytes, streams and pieces.
+
+May import: `nebulaml.errors` only (the manifest imports from here, never the other way).
+Not for: checking bytes against a manifest entry (`verify_bytes`, manifest.py), or
+cryptographic integrity (a checksum detects accidents, not attackers; the loader's
+weights_only rule is what keeps hostile pickles inert).
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ from typing import Any, BinaryIO
 
 import xxhash
 
-from nebulaml.errors import CorruptCheckpointError, InvalidArgumentError
-from nebulaml.format.manifest import (
-    CHECKSUM_ALGO,
-    KNOWN_CHECKSUM_ALGOS,
-    LEGACY_CHECKSUM_ALGO,
-    ItemEntry,
-)
+from nebulaml.errors import InvalidArgumentError
+
+# Item files: xxh3-64 over the xxh3-64 digests of their 1 MiB pieces, so that several
+# threads hash one file. Items written before it carry LEGACY_CHECKSUM_ALGO, plain xxh3-64
+# over the file, and still verify. (A manifest seals itself with plain xxh3: manifest.py.)
+CHECKSUM_ALGO = "xxh3_64_tree_1m"
+LEGACY_CHECKSUM_ALGO = "xxh3_64"
+KNOWN_CHECKSUM_ALGOS = (CHECKSUM_ALGO, LEGACY_CHECKSUM_ALGO)
 
 LEAF_BYTES = 1 << 20  # the "1m" of CHECKSUM_ALGO: never change it, define a new algo
 HASH_WORKERS = 2  # threads that verify one buffer
@@ -200,20 +206,3 @@ def hash_stream(
         if advance is not None:
             advance(len(chunk))
     return size, hasher.hexdigest()
-
-
-def verify_bytes(
-    where: str, entry: ItemEntry, data: bytes | memoryview, checksum: str | None = None
-) -> None:
-    """Check an item's bytes against its manifest entry before anything unpickles them;
-    a mismatch, or a checksum algorithm this nebula does not know, raises
-    `CorruptCheckpointError` naming `where`. `checksum`: the bytes' checksum under the
-    entry's algorithm, already taken while they were read (else they are hashed here)."""
-    expected = f"{entry.size_bytes} bytes with {entry.checksum_algo} {entry.checksum}"
-    if entry.checksum_algo not in KNOWN_CHECKSUM_ALGOS:
-        raise CorruptCheckpointError(where, expected, unknown_algo(entry.checksum_algo))
-    actual = checksum if checksum is not None else checksum_of(data, entry.checksum_algo)
-    if len(data) != entry.size_bytes or actual != entry.checksum:
-        raise CorruptCheckpointError(
-            where, expected, f"{len(data)} bytes with {entry.checksum_algo} {actual}"
-        )

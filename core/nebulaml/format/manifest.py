@@ -2,8 +2,11 @@
 
 This module turns manifests and rank markers into JSON and back, and refuses anything it
 cannot trust: unknown schema versions, missing fields, file names that leave the tag folder.
+It also checks an item's bytes against its entry (`verify_bytes`).
 
-Not for: reading or writing storage (catalog.py and commit.py do that).
+May import: `nebulaml.errors`, `nebulaml.format.names` and `nebulaml.format.checksum` (the
+algorithms an entry names). Not for: computing checksums (checksum.py), or reading or
+writing storage (protocol/catalog.py and protocol/commit.py do that).
 """
 
 from __future__ import annotations
@@ -14,17 +17,19 @@ from typing import Any
 
 import xxhash
 
-from nebulaml.errors import ManifestError, UnsupportedSchemaError
+from nebulaml.errors import CorruptCheckpointError, ManifestError, UnsupportedSchemaError
+from nebulaml.format.checksum import (
+    CHECKSUM_ALGO,
+    KNOWN_CHECKSUM_ALGOS,
+    checksum_of,
+    unknown_algo,
+)
 from nebulaml.format.names import validate_name
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMAS = (1,)
-# Item files: xxh3-64 over the xxh3-64 digests of their 1 MiB pieces (checksum.py), so
-# that several threads hash one file. Items written before it carry LEGACY_CHECKSUM_ALGO,
-# plain xxh3-64 over the file, and still verify. A manifest seals itself with plain xxh3.
-CHECKSUM_ALGO = "xxh3_64_tree_1m"
-LEGACY_CHECKSUM_ALGO = "xxh3_64"
-KNOWN_CHECKSUM_ALGOS = (CHECKSUM_ALGO, LEGACY_CHECKSUM_ALGO)
+# Item files name their algorithm (`CHECKSUM_ALGO`, or a legacy one: checksum.py). A
+# manifest seals itself with plain xxh3.
 SEAL_ALGO = "xxh3_64"
 
 
@@ -57,6 +62,23 @@ class ItemEntry:
             "checksum": {"algo": self.checksum_algo, "value": self.checksum},
             "tensor_bytes": self.tensor_bytes,
         }
+
+
+def verify_bytes(
+    where: str, entry: ItemEntry, data: bytes | memoryview, checksum: str | None = None
+) -> None:
+    """Check an item's bytes against its manifest entry before anything unpickles them;
+    a mismatch, or a checksum algorithm this nebula does not know, raises
+    `CorruptCheckpointError` naming `where`. `checksum`: the bytes' checksum under the
+    entry's algorithm, already taken while they were read (else they are hashed here)."""
+    expected = f"{entry.size_bytes} bytes with {entry.checksum_algo} {entry.checksum}"
+    if entry.checksum_algo not in KNOWN_CHECKSUM_ALGOS:
+        raise CorruptCheckpointError(where, expected, unknown_algo(entry.checksum_algo))
+    actual = checksum if checksum is not None else checksum_of(data, entry.checksum_algo)
+    if len(data) != entry.size_bytes or actual != entry.checksum:
+        raise CorruptCheckpointError(
+            where, expected, f"{len(data)} bytes with {entry.checksum_algo} {actual}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,10 +302,6 @@ class RankMarker:
             "labels": list(self.labels),
         }
         return (json.dumps(doc, sort_keys=True) + "\n").encode()
-
-
-def marker_name(rank: int) -> str:
-    return f".rank-{rank}.json"
 
 
 def parse_marker(data: bytes, where: str) -> RankMarker:

@@ -1,7 +1,11 @@
-"""Tags and item names: what is allowed, and how tags are ordered.
+"""Tags and item names: what is allowed, and how tags are ordered; and the reserved names
+of nebula's own files, each spelled here and nowhere else.
 
 A tag names a folder and an item names a file inside it, so both are checked before any
-I/O: nothing a caller passes may climb out of the root or name one of our own files.
+I/O: nothing a caller passes may climb out of the root or name one of our own files. Our
+own files (the manifest, markers, leases, a root's identity, a memory tier's hold and
+pool, appended segments) are named here, the lowest layer, so that every layer that needs
+one imports its spelling; what each means is told by the module that writes it.
 
 Not for: paths or URLs of roots (storage.py owns those).
 """
@@ -13,8 +17,45 @@ import re
 from nebulaml.errors import InvalidNameError
 
 MAX_NAME_BYTES = 255
-MANIFEST_NAME = "manifest.json"
 _STEP_RE = re.compile(r"global_step(\d+)")
+
+# Reserved names: all but the manifest's start with "." (no tag or item may: `validate_name`),
+# and no item may take the manifest's.
+MANIFEST_NAME = "manifest.json"  # in a tag folder: its commit (format/manifest.py)
+RANK_PREFIX = ".rank-"  # `marker_name`: one rank's part is written (format/manifest.py)
+WRITER_PREFIX = ".writer-"  # `writer_marker_name`: who writes a part (protocol/markers.py)
+LEASE_PREFIX = ".lease-"  # a reader's lease or a deleter's claim (protocol/leases.py)
+ROOT_ID_FILE = ".nebula-root-id.json"  # in a persistent root: its identity (memory_tier.py)
+ROOT_INFO_FILE = ".nebula-root.json"  # in a memory tier: which root it belongs to
+HOLD_FILE = ".nebula-hold"  # in a memory tier: share-locked by every live session
+SLOTS_DIR = ".slots"  # in a memory tier: the pool of reused item files (runtime/slots.py)
+
+
+def marker_name(rank: int) -> str:
+    """The rank marker of `rank` in a tag folder: that rank's part is written.
+
+    Example:
+        >>> marker_name(3), writer_marker_name(3)
+        ('.rank-3.json', '.writer-3.json')
+    """
+    return f"{RANK_PREFIX}{rank}.json"
+
+
+def writer_marker_name(rank: int) -> str:
+    """The writer marker of `rank` in a tag folder: who is writing that rank's part (host,
+    pid), until it commits."""
+    return f"{WRITER_PREFIX}{rank}.json"
+
+
+def segments_folder(name: str) -> str:
+    """Where appends to file `name` go on object stores: a hidden folder beside it, one
+    object per append (hidden: never taken for a checkpoint tag).
+
+    Example:
+        >>> segments_folder("checkpointHistories.csv")
+        '.checkpointHistories.csv.d'
+    """
+    return f".{name}.d"
 
 
 def validate_name(kind: str, name: object) -> str:

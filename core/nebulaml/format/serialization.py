@@ -5,19 +5,21 @@ their state dict, so that every item stays loadable without executing code. Read
 bytes are verified before they are unpickled, and unpickling runs with weights_only=True
 unless the caller explicitly trusts the file.
 
-Not for: where the bytes go (storage.py) or which tier they come from (checkpoint.py).
+May import: `nebulaml.errors`, `nebulaml.format.allowlist` and `nebulaml.format.torchzip`
+(torch's zip layout: writing with its CRC off, finding the storages' records). Not for:
+the zip layout itself (torchzip.py), where the bytes go (storage/) or which tier they come
+from (checkpoint.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import pickle
-from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from nebulaml.errors import InvalidArgumentError, UnsafeCheckpointError
 from nebulaml.format.allowlist import active_classes, allowed
+from nebulaml.format.torchzip import data_records, zip_crc_off
 
 MapLocation = Any  # None | str | torch.device | dict | Callable, as torch.load takes
 
@@ -99,7 +101,7 @@ def write_item(obj: Any, out: BinaryIO) -> int:
 
     saveable = to_saveable(obj)
     try:
-        with _zip_crc_off():
+        with zip_crc_off():
             torch.save(saveable, out)
     except RuntimeError as exc:
         # A failed write (a full disk) makes torch's zip writer raise its own RuntimeError
@@ -108,28 +110,6 @@ def write_item(obj: Any, out: BinaryIO) -> int:
             raise exc.__context__ from None
         raise
     return tensor_bytes_of(saveable)
-
-
-@contextlib.contextmanager
-def _zip_crc_off() -> Iterator[None]:
-    """Skip torch's zip CRC32 while nebula writes an item.
-
-    The CRC costs about 4x the copy itself (0.5 GB into /dev/shm: 1.0-1.5 s with it,
-    0.22 s without, on 2 cores), and nebula's own xxh3 checksum, computed on the same
-    pass and checked before every load, already covers the bytes. torch.load reads
-    such files as usual.
-    """
-    try:
-        from torch.utils.serialization import config
-    except ImportError:  # torch before 2.5 has no switch; its CRC stays on
-        yield
-        return
-    previous = config.save.compute_crc32
-    config.save.compute_crc32 = False
-    try:
-        yield
-    finally:
-        config.save.compute_crc32 = previous
 
 
 def read_item(
@@ -201,8 +181,6 @@ def _rebind_storages(obj: Any, buffer: Any, view: memoryview) -> bool:
     the same bytes in `buffer`; False if `obj` holds objects whose tensors this walk
     cannot reach, or storages it cannot place."""
     import torch
-
-    from nebulaml.runtime.snapshot import data_records
 
     tensors: list[Any] = []
     stack = [obj]

@@ -1,7 +1,9 @@
 """Layer 7, `integrations`: nebula inside training frameworks.
 
 Holds: what Lightning's two packages share (lightning_common; `nebulaml.lightning` and
-`nebulaml.pytorch_lightning` are the public modules built on it).
+`nebulaml.pytorch_lightning` are the public modules built on it); the Hugging Face Trainer
+(transformers, public as `nebulaml.transformers`) and Accelerate (accelerate, public as
+`nebulaml.accelerate`).
 
 May import: everything, the public API (`nebulaml.api`, `nebulaml.checkpoint`) included.
 Not for: anything the core needs: no layer below imports from here.

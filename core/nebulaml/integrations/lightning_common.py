@@ -24,13 +24,14 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-from nebulaml.api import get_checkpoint, init, tiers_for
+from nebulaml.api import get_checkpoint, init
 from nebulaml.checkpoint import Checkpoint
 from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError
 from nebulaml.format.names import validate_name
 from nebulaml.protocol.catalog import list_committed, read_committed
-from nebulaml.protocol.commit import delete_checkpoint
+from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.runtime import session as _session
+from nebulaml.runtime.locate import tiers_for
 
 ITEM = "checkpoint"  # the seed loads it with nm.get_latest_checkpoint_path("checkpoint", ...)
 SUFFIX = ".ckpt"

@@ -7,7 +7,7 @@
                          starting a session
 
 Not for: the background persister of a running job (persister.py) or the commit protocol
-itself (commit.py, whose `copy_checkpoint` both use).
+itself (protocol/transfer.py, whose `copy_checkpoint` both use).
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nebulaml.api import newest_first, tiers_for
 from nebulaml.errors import CheckpointNotFoundError, NebulaError, RootNotFoundError, StorageError
 from nebulaml.format.manifest import utc_now
 from nebulaml.format.names import step_of, validate_name
 from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed
-from nebulaml.protocol.commit import CopyResult
-from nebulaml.protocol.commit import copy_checkpoint as _copy
 from nebulaml.protocol.history import append_rows, make_row
 from nebulaml.protocol.leases import read_lease
 from nebulaml.protocol.tiers import TierSet
+from nebulaml.protocol.transfer import CopyResult
+from nebulaml.protocol.transfer import copy_checkpoint as _copy
+from nebulaml.runtime.locate import newest_first, tiers_for
 from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
@@ -94,7 +94,9 @@ def copy_checkpoint(
     return _report(tiers, source_tier, fresh, dst, result, time.perf_counter() - t0)
 
 
-def persist_memory_tier(root: PathLike) -> list[str]:
+def persist_memory_tier(
+    root: PathLike, progress: Callable[[int, int], None] | None = None
+) -> list[str]:
     """Persist the newest checkpoint of this node's memory tier of `root` if `root` (the
     persistent tier) has nothing as new: what a crashed job left behind. Returns the tags
     persisted (none or one).
@@ -104,7 +106,8 @@ def persist_memory_tier(root: PathLike) -> list[str]:
     and committed there last, a rerun resumes an interrupted one, and one history row is
     appended. Retention is not applied: the job's `num_of_version_in_retention` is not
     known here (`nebula prune` applies a count you choose). The memory tier is left as it
-    is. Raises `RootNotFoundError` when neither `root` nor its memory tier exists.
+    is. `progress(bytes_done, bytes_total)` is called as bytes are copied. Raises
+    `RootNotFoundError` when neither `root` nor its memory tier exists.
 
     Example:
         >>> import nebulaml as nm, tempfile
@@ -135,7 +138,8 @@ def persist_memory_tier(root: PathLike) -> list[str]:
         try:
             # overwrite, as the persister does: the memory copy is newer than a same-named
             # persistent one (a tag re-saved with overwrite=True).
-            _copy(source, persistent, overwrite=True, resume=True, verify=True)
+            _copy(source, persistent, overwrite=True, resume=True, verify=True,
+                  progress=progress)  # fmt: skip
         except NebulaError as exc:
             error = exc
             raise

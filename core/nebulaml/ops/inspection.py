@@ -6,7 +6,8 @@ metadata alone (item_metadata.py), so nothing in the checkpoint is executed and 
 data is read. Unlike catalog.py, a manifest that cannot be read is an error here, not
 something to skip.
 
-Not for: checking sizes and checksums (verification.py) or loading items (checkpoint.py).
+May import: every layer below ops. Not for: checking sizes and checksums
+(verification.py) or loading items (runtime/load.py).
 """
 
 from __future__ import annotations
@@ -14,17 +15,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nebulaml.api import check_root, tiers_for
-from nebulaml.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    ItemNotFoundError,
-    ManifestError,
-    NebulaError,
-)
-from nebulaml.format.item_metadata import describe_pickle, read_pickle_member
-from nebulaml.format.manifest import ItemEntry, Manifest, parse_manifest
+from nebulaml.errors import CheckpointNotFoundError, ManifestError
+from nebulaml.format.item_metadata import describe_pickle
+from nebulaml.format.manifest import Manifest, parse_manifest
 from nebulaml.format.names import MANIFEST_NAME, validate_name
+from nebulaml.format.torchzip import read_pickle_member
+from nebulaml.runtime.locate import Copy, check_root, find_copy, tiers_for
 from nebulaml.storage.store import MissingFileError, Store
 
 PathLike = str | os.PathLike[str]
@@ -128,34 +124,21 @@ def describe_item(root: PathLike, tag: str, name: str) -> list[dict[str, Any]]:
     validate_name("tag", tag)
     validate_name("item", name)
     location = check_root(root)
-    found_tag = False
-    available: list[str] = []
-    errors: list[NebulaError] = []
-    for _tier, store in tiers_for(root, "describe_item").stores:
-        try:
-            manifest = read_manifest_strict(store, tag)
-        except ManifestError as exc:
-            errors.append(exc)
-            continue
-        if manifest is None:
-            continue
-        found_tag = True
-        entry = manifest.item(name)
-        if entry is None:
-            available = [item.name for item in manifest.items]
-            continue
-        try:
-            return _describe_file(store, tag, entry)
-        except (CorruptCheckpointError, MissingFileError) as exc:
-            errors.append(exc)  # try the next tier's copy
-    if errors:
-        raise errors[0]
-    if not found_tag:
-        raise CheckpointNotFoundError(location, tag)
-    raise ItemNotFoundError(tag, name, available)
+    # A copy whose manifest does not read, or whose file is not a torch zip archive, is
+    # passed over for the next tier's; the first such failure is raised if none reads.
+    return find_copy(
+        tiers_for(root, "describe_item"),
+        tag,
+        _describe_file,
+        item=name,
+        manifest=read_manifest_strict,
+        root=location,
+    )
 
 
-def _describe_file(store: Store, tag: str, entry: ItemEntry) -> list[dict[str, Any]]:
+def _describe_file(copy: Copy) -> list[dict[str, Any]]:
+    store, tag, entry = copy.store, copy.manifest.tag, copy.entry
+    assert entry is not None
     where = store.display(tag, entry.file)
     with store.open_read(tag, entry.file) as stream:
         data = read_pickle_member(stream, where)

@@ -22,7 +22,7 @@ from typing import Any
 from nebulaml.errors import NebulaError, UnsafeMemoryTierError
 from nebulaml.format.names import order_key
 from nebulaml.protocol.catalog import list_committed, read_committed
-from nebulaml.protocol.tiers import (
+from nebulaml.protocol.memory_tier import (
     OK,
     ORPHANED,
     STALE,

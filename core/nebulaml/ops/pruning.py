@@ -24,18 +24,19 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from nebulaml.api import tiers_for
 from nebulaml.errors import InvalidArgumentError, RootNotFoundError
 from nebulaml.format.names import MANIFEST_NAME, order_key, validate_name
-from nebulaml.protocol.catalog import list_committed, list_incomplete, read_committed
-from nebulaml.protocol.commit import delete_checkpoint, describe_writer, read_writers, writer_alive
+from nebulaml.protocol.catalog import list_committed, read_committed
+from nebulaml.protocol.delete import delete_checkpoint
+from nebulaml.protocol.markers import describe_writer, is_marker, read_writers, writer_alive
+from nebulaml.protocol.recovery import list_incomplete
 from nebulaml.protocol.retention import Version
+from nebulaml.runtime.locate import tiers_for
 from nebulaml.storage.store import Store
 
 PathLike = str | os.PathLike[str]
 DEFAULT_GRACE_S = 3600.0
 BEING_READ = "being read"  # why execute_prune kept a tag a reader holds a lease on
-_MARKER_PREFIXES = (".rank-", ".writer-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +290,7 @@ def _inspect_leftover(store: Store, tag: str, now: datetime) -> Leftover | None:
     """The leftover `tag` as it is now, or None if it is not one (committed, gone, or
     without our markers)."""
     files = store.list_files(tag)
-    if not any(name.startswith(_MARKER_PREFIXES) for name in files):
+    if not any(is_marker(name) for name in files):
         return None
     if MANIFEST_NAME in files and read_committed(store, tag) is not None:
         return None

@@ -14,13 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nebulaml.api import check_root, tiers_for
 from nebulaml.errors import CheckpointNotFoundError, InvalidNameError, ManifestError
-from nebulaml.format.checksum import hash_stream, unknown_algo
-from nebulaml.format.manifest import KNOWN_CHECKSUM_ALGOS, ItemEntry, Manifest
+from nebulaml.format.checksum import KNOWN_CHECKSUM_ALGOS, hash_stream, unknown_algo
+from nebulaml.format.manifest import ItemEntry, Manifest
 from nebulaml.format.names import MANIFEST_NAME, order_key, validate_name
 from nebulaml.ops.inspection import read_manifest_strict
 from nebulaml.protocol.leases import read_lease
+from nebulaml.runtime.locate import check_root, tiers_for
 from nebulaml.storage.store import MissingFileError, Store
 
 PathLike = str | os.PathLike[str]
@@ -66,8 +66,11 @@ def verify_checkpoints(
     Returns one JSON-serialisable dict per item per tier, newest tag first: `tag`, `tier`,
     `item` (None for the manifest itself), `file` (where it is), `status` (`"ok"`,
     `"corrupt"` or `"missing"`), `expected` and `actual` (e.g. `"1829 bytes with xxh3_64
-    9f3c..."`). Where two tiers hold one tag with different bytes for an item, one more
-    dict says so: `tier` `"memory+persistent"`, `status` `"differs"`, `file` naming both.
+    9f3c..."`), and the same as objects, `expected_checksum` and `actual_checksum`:
+    `{size_bytes, algo, checksum}` (a field None where it is not known; the object None for
+    no file, or for a manifest). Where two tiers hold one tag with different bytes for an
+    item, one more dict says so: `tier` `"memory+persistent"`, `status` `"differs"`, `file`
+    naming both.
     A manifest that is present but unreadable or invalid is a `"corrupt"`
     result; folders without a manifest (saves that never committed) are not checkpoints
     and are skipped. `progress(bytes_done, bytes_total)` is called as bytes are read.
@@ -115,6 +118,15 @@ def verify_checkpoints(
     return results
 
 
+def _fields(size: int | None, algo: str | None = None, checksum: str | None = None
+            ) -> dict[str, Any]:  # fmt: skip
+    return {"size_bytes": size, "algo": algo, "checksum": checksum}
+
+
+def _entry_fields(item: ItemEntry | None) -> dict[str, Any] | None:
+    return None if item is None else _fields(item.size_bytes, item.checksum_algo, item.checksum)
+
+
 def _describe(item: ItemEntry | None) -> str:
     if item is None:
         return "no such item"
@@ -153,6 +165,8 @@ def _compare_tiers(copies: list[_Copy]) -> list[dict[str, Any]]:
                         "status": "differs",
                         "expected": f"{other.tier}: {_describe(b)}",
                         "actual": f"{first.tier}: {_describe(a)}",
+                        "expected_checksum": _entry_fields(b),
+                        "actual_checksum": _entry_fields(a),
                     }
                 )
     return out
@@ -180,7 +194,8 @@ def _find_copies(root: PathLike, tag: str | None) -> list[_Copy]:
 
 
 def _result(copy: _Copy, item: str | None, file: str, status: str, expected: str,
-            actual: str) -> dict[str, Any]:  # fmt: skip
+            actual: str, expected_checksum: dict[str, Any] | None = None,
+            actual_checksum: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     return {
         "tag": copy.tag,
         "tier": copy.tier,
@@ -189,6 +204,8 @@ def _result(copy: _Copy, item: str | None, file: str, status: str, expected: str
         "status": status,
         "expected": expected,
         "actual": actual,
+        "expected_checksum": expected_checksum,
+        "actual_checksum": actual_checksum,
     }
 
 
@@ -213,27 +230,31 @@ def _verify_items(
     for item in manifest.items:
         where = store.display(tag, item.file)
         expected = f"{item.size_bytes} bytes with {item.checksum_algo} {item.checksum}"
+        want = _entry_fields(item)
         size = copy.files.get(item.file)
         if size is None:
-            out.append(_result(copy, item.name, where, "missing", expected, "no such file"))
+            out.append(_result(copy, item.name, where, "missing", expected, "no such file", want))
             continue
         if size != item.size_bytes:
-            out.append(_result(copy, item.name, where, "corrupt", expected, f"{size} bytes"))
+            out.append(_result(copy, item.name, where, "corrupt", expected, f"{size} bytes", want,
+                               _fields(size)))  # fmt: skip
             continue
         if item.checksum_algo not in KNOWN_CHECKSUM_ALGOS:
             actual = unknown_algo(item.checksum_algo)
-            out.append(_result(copy, item.name, where, "corrupt", expected, actual))
+            out.append(_result(copy, item.name, where, "corrupt", expected, actual, want,
+                               _fields(size, item.checksum_algo)))  # fmt: skip
             continue
         try:
             size, checksum = _hash_file(store, tag, item, advance)
         except MissingFileError:
             if not store.exists(tag, MANIFEST_NAME):
                 return []  # the copy was deleted (evicted) while we read it
-            out.append(_result(copy, item.name, where, "missing", expected, "no such file"))
+            out.append(_result(copy, item.name, where, "missing", expected, "no such file", want))
             continue
         actual = f"{size} bytes with {item.checksum_algo} {checksum}"
         ok = size == item.size_bytes and checksum == item.checksum
-        out.append(_result(copy, item.name, where, "ok" if ok else "corrupt", expected, actual))
+        out.append(_result(copy, item.name, where, "ok" if ok else "corrupt", expected, actual,
+                           want, _fields(size, item.checksum_algo, checksum)))  # fmt: skip
     return out
 
 

@@ -1,9 +1,11 @@
 """Layer 3, `protocol`: the rules that make a checkpoint on a store safe to share.
 
-Holds: listing what is committed (catalog), the commit protocol with rank markers, copying
-and deleting (commit), read leases and delete claims (leases), the retention policy
-(retention), the tiers of a root with their identity and holds (tiers), and the history
-rows (history).
+Holds: listing what is committed (catalog), the commit protocol (commit), copying between
+tiers (transfer), deleting (delete), rank and writer markers (markers), what a crash leaves
+and what may be cleared (recovery), read leases and delete claims (leases), the retention
+policy (retention), the tiers of a job (tiers) and one memory tier's identity, privacy and
+holds (memory_tier), and the history rows (history). Every reserved file name is spelled
+in `nebulaml.format.names`.
 
 May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: a
 running job's state (runtime) or operator commands (ops).

@@ -4,7 +4,8 @@ A checkpoint is visible only when its manifest is present and valid and every fi
 lists is there with its size (DESIGN.md §4). A manifest of an unknown schema is an error;
 an unreadable one is reported with a warning and the tag treated as not committed.
 
-Not for: writing or deleting (commit.py).
+May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: writing
+(commit.py), deleting (delete.py), or the leftovers of crashed saves (recovery.py).
 """
 
 from __future__ import annotations
@@ -143,18 +144,3 @@ def list_committed(
         if not any(newest is None or order_key(tag, "") > newest for tag in unsettled):
             break
     return sorted(found.values(), key=lambda info: info.sort_key)
-
-
-def list_incomplete(store: Store) -> list[str]:
-    """Tag folders that nebula started but never committed (leftovers of crashed saves)."""
-    out = []
-    for tag in store.list_dirs():
-        try:
-            validate_name("tag", tag)
-        except InvalidNameError:
-            continue
-        files = store.list_files(tag)
-        ours = any(name.startswith((".rank-", ".writer-")) for name in files)
-        if ours and read_committed(store, tag) is None:
-            out.append(tag)
-    return sorted(out)

@@ -26,8 +26,9 @@ A lease's name says who holds it and since when, so deciding needs no file reads
 is gone (this host) or one older than `LEASE_TTL_S` (another host, whose processes cannot
 be checked from here) does not count, and whoever lists it removes it.
 
-Not for: writers (commit.py's writer markers say who is writing a tag) or deciding what
-to delete (retention.py, pruning.py).
+May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: writers
+(markers.py's writer markers say who is writing a tag) or deciding what to delete
+(retention.py, ops/pruning.py).
 """
 
 from __future__ import annotations
@@ -45,12 +46,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from nebulaml.errors import StorageError
-from nebulaml.format.names import MANIFEST_NAME
+from nebulaml.format.names import LEASE_PREFIX, MANIFEST_NAME
 from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
 
-LEASE_PREFIX = ".lease-"
 READ, DELETE = "read", "delete"
 LEASE_TTL_S = 3600.0  # a lease of another host counts for this long
 CLAIM_WAIT_S = 10.0  # how long a reader waits for a live deleter to decide

@@ -1,10 +1,13 @@
-"""Layer 4, `runtime`: a training process's nebula: configuration, session, persister,
-and the fast path of a save.
+"""Layer 4, `runtime`: a training process's nebula: the session, its save and load
+pipelines, the persister, and the fast path of a save.
 
-Holds: the session and its configuration (session), ranks (ranks), the memory budget
-(budget), the background persister (persister), the snapshot layout and fill (snapshot),
-reused buffers (slots) and lazy snapshots' fence (fence).
+Holds: the process's session (session) and its exit path (exit), saving a checkpoint
+(save) and loading an item (load), finding a root's tiers, a tag or an item on them
+(locate), ranks (ranks), the memory budget (budget), the background persister
+(persister), the snapshot layout and fill (snapshot), reused buffers (slots) and lazy
+snapshots' fence (fence).
 
-May import: every layer below (`errors`, `format`, `storage`, `protocol`). Not for: the
-public functions (api.py, checkpoint.py) or operator commands (ops).
+May import: every layer below (`errors`, `config`, `format`, `storage`, `protocol`). Not
+for: the configuration itself (config.py), the public functions (api.py, checkpoint.py)
+or operator commands (ops).
 """

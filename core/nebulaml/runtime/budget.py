@@ -11,7 +11,9 @@ for the pending persist and then evict the newest copy too (it is durable by the
 superseded by a newer one committed on the persistent tier). What still does not fit is
 refused with a `Shortfall` saying why: the caller (checkpoint.py) streams the checkpoint
 to the persistent tier instead. The newest committed copy is never overwritten in place,
-and the memory tier never holds more than the budget because of nebula.
+and the memory tier never holds more than the budget because of nebula. A spare buffer
+for the next save (slots.py) is made only where one more buffer fits (`spare_fits`), and
+the bytes of one being allocated are not counted as free.
 
 Not for: choosing which old copies are evictable (persister.py), how the pool reuses
 files (slots.py), or streaming (checkpoint.py).
@@ -121,6 +123,18 @@ class MemoryBudget:
         pool.trim()
         return self._shortfall(name, size_bytes, reuse=False)
 
+    def spare_fits(self, size_bytes: int) -> bool:
+        """Whether one more buffer of `size_bytes` fits beside what the memory tier holds:
+        within the budget, and within its filesystem's free space with the records' room
+        left (a spare buffer for the next save, slots.SlotPool.prepare, is made only then)."""
+        pool, limit, path = self.pool, self.limit_bytes, self.path
+        if pool is None or path is None:
+            return False
+        if limit is not None and pool.usage_bytes() + size_bytes > limit:
+            return False
+        free = self._free(path)
+        return free is None or _pages(size_bytes) + RECORDS_ROOM_BYTES <= free
+
     def filesystem_full(self, size_bytes: int) -> Shortfall:
         """The shortfall of an item whose write into the memory tier ran out of space
         after `make_room` found room (another process filled the filesystem meanwhile)."""
@@ -135,10 +149,17 @@ class MemoryBudget:
         reused = pool.free_bytes(name, size_bytes) if reuse else 0
         if limit is not None and pool.usage_bytes() - reused + size_bytes > limit:
             return Shortfall(size_bytes, path, limit_bytes=limit)
-        free = free_bytes(path)
+        free = self._free(path)
         if free is not None and _pages(size_bytes) - _pages(reused) + RECORDS_ROOM_BYTES > free:
             return Shortfall(size_bytes, path, free_bytes=free)
         return None
+
+    def _free(self, path: str) -> int | None:
+        """The filesystem's free bytes, less what spare buffers being made will take."""
+        free = free_bytes(path)
+        if free is None or self.pool is None:
+            return free
+        return max(0, free - self.pool.unallocated_bytes())
 
     def _out_of_reach(self, short: Shortfall) -> bool:
         """Whether no eviction can make room: the item is over the whole budget, or over

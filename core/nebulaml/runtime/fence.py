@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nebulaml.runtime.snapshot import Layout
+from nebulaml.format.torchzip import Layout
 
 log = logging.getLogger("nebulaml")
 

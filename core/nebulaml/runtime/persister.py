@@ -21,19 +21,15 @@ import threading
 import time
 
 from nebulaml.errors import NebulaError, PersistError, PersistTimeoutError
-from nebulaml.format.manifest import marker_name, utc_now
-from nebulaml.format.names import order_key, step_of
+from nebulaml.format.manifest import utc_now
+from nebulaml.format.names import marker_name, order_key, step_of
 from nebulaml.protocol.catalog import list_committed, read_committed
-from nebulaml.protocol.commit import (
-    copy_checkpoint,
-    copy_part,
-    delete_checkpoint,
-    delete_part,
-    own_parts,
-)
+from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.history import HistoryRow, append_rows, make_row, skipped_row
+from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.retention import Version, plan_retention
 from nebulaml.protocol.tiers import TierSet
+from nebulaml.protocol.transfer import copy_checkpoint, copy_part
 from nebulaml.runtime.ranks import RankInfo
 from nebulaml.runtime.slots import SlotPool
 

@@ -1,22 +1,28 @@
 """Who this process is in a job: rank, world size, and the ranks on its node.
 
 torch.distributed is asked first when it is initialised; else torchrun's environment
-(`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`); else a single process. The
-memory budget of the seed (`NEBULA_MEMORY_BUFFER_SIZE`: half of it for checkpoints,
-divided among the node's processes) is derived here too.
+(`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, read by config.py); else a single
+process. The memory budget of the seed (`NEBULA_MEMORY_BUFFER_SIZE`: half of it for
+checkpoints, divided among the node's processes) is derived here too.
 
-Not for: talking to other ranks (they meet through rank markers in the tiers).
+May import: `nebulaml.errors` and `nebulaml.config`. Not for: talking to other ranks (they
+meet through rank markers in the tiers), or reading the environment (config.py).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 
+from nebulaml.config import (
+    ENV_LOCAL_RANK,
+    ENV_LOCAL_WORLD_SIZE,
+    ENV_RANK,
+    ENV_WORLD_SIZE,
+    env_count,
+    memory_buffer_bytes,
+)
 from nebulaml.errors import InvalidArgumentError
-
-MEMORY_BUFFER_ENV = "NEBULA_MEMORY_BUFFER_SIZE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,22 +50,9 @@ class RankInfo:
         return self.rank == 0
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        number = int(value)
-    except ValueError:
-        raise InvalidArgumentError(f"{name} must be an integer, not {value!r}") from None
-    if number < 0:
-        raise InvalidArgumentError(f"{name} must not be negative, not {value!r}")
-    return number
-
-
 def detect_ranks() -> RankInfo:
     """This process's rank, from torch.distributed when initialised, else the environment."""
-    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    rank, world_size = env_count(ENV_RANK), env_count(ENV_WORLD_SIZE)
     dist = sys.modules.get("torch.distributed")  # never import torch just to ask
     if dist is not None and dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -67,8 +60,8 @@ def detect_ranks() -> RankInfo:
     world_size = world_size or 1
     if rank >= world_size:
         raise InvalidArgumentError(f"rank {rank} is not below the world size {world_size}")
-    local_world_size = _env_int("LOCAL_WORLD_SIZE") or (world_size if world_size == 1 else None)
-    local_rank = _env_int("LOCAL_RANK")
+    local_world_size = env_count(ENV_LOCAL_WORLD_SIZE) or (world_size if world_size == 1 else None)
+    local_rank = env_count(ENV_LOCAL_RANK)
     if local_world_size is None:
         # Without torchrun's variables, assume every rank is on this node (the common
         # single-node launch); a multi-node launcher sets LOCAL_WORLD_SIZE.
@@ -89,7 +82,7 @@ def memory_budget_bytes(ranks: RankInfo) -> int | None:
         25000000
         >>> del os.environ["NEBULA_MEMORY_BUFFER_SIZE"]
     """
-    total = _env_int(MEMORY_BUFFER_ENV)
+    total = memory_buffer_bytes()
     if total is None:
         return None
     return total // 2 // max(1, ranks.local_world_size)

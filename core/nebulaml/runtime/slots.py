@@ -12,6 +12,15 @@ budget is set. A file is only ever written in place while it is in no committed
 checkpoint: it left its old tag through the delete protocol (manifest first) before it
 came here.
 
+The cold start (issue #22): a job's first save has no buffer to reuse, and neither has its
+second (the first is the newest committed copy). So a new buffer's pages are faulted in by
+two threads before the copy (pages.py), and after a commit the pool makes a *spare* for
+each item whose only copy is that checkpoint's (`prepare`): a pool file allocated,
+populated and mapped by a low-priority thread while training runs, where the memory
+budget and the filesystem hold one more buffer (budget.py). The second save takes it as
+it would a recycled one (waiting for the rest, and helping, if it is not done yet); from
+the third save on, evicted checkpoints' files come back as before.
+
 This module and storage.py are the only ones that touch files; it deals only with the
 memory tier, which is always a local folder.
 
@@ -22,20 +31,27 @@ Not for: what goes into a buffer (snapshot.py) or when a checkpoint is evicted
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import threading
+import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from nebulaml.format.manifest import ItemEntry
-from nebulaml.format.names import validate_name
-from nebulaml.runtime.snapshot import Layout, fill
+from nebulaml.format.names import SLOTS_DIR, validate_name
+from nebulaml.format.torchzip import Layout
+from nebulaml.runtime.pages import Population, lower_priority, populate
+from nebulaml.runtime.snapshot import fill
 from nebulaml.storage.store import Store
 from nebulaml.storage.streams import claim_unused, translate_errors
 
-POOL_DIR = ".slots"
+log = logging.getLogger("nebulaml")
+
+POOL_DIR = SLOTS_DIR
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -51,10 +67,13 @@ class MappedFile:
     pinned: bool = False
 
     @classmethod
-    def open(cls, fd: int, size_bytes: int) -> MappedFile:
+    def open(cls, fd: int, size_bytes: int, *, populated: bool = True) -> MappedFile:
+        """Map `fd`; with `populated`, its existing pages are mapped at once (the caller
+        populates fresh pages itself: pages.py)."""
         import torch
 
-        mm = mmap.mmap(fd, size_bytes, flags=_MAP_FLAGS)
+        flags = _MAP_FLAGS if populated else mmap.MAP_SHARED
+        mm = mmap.mmap(fd, size_bytes, flags=flags)
         return cls(fd, size_bytes, mm, memoryview(mm), torch.frombuffer(mm, dtype=torch.uint8))
 
     def unlinked(self) -> bool:
@@ -84,6 +103,23 @@ class MappedFile:
             os.close(self.fd)
 
 
+@dataclass(eq=False)
+class _Spare:
+    """A pool file being made for the next save of item `name` (SlotPool.prepare)."""
+
+    name: str
+    path: str
+    fd: int
+    size_bytes: int
+    key: tuple[int, int]  # (st_dev, st_ino)
+    allocated: bool = False  # posix_fallocate done: its bytes are the filesystem's
+    cancelled: bool = False
+    mapped: MappedFile | None = None
+    population: Population | None = None
+    mapped_event: threading.Event = field(default_factory=threading.Event)  # or given up
+    finished: threading.Event = field(default_factory=threading.Event)  # ready, or gone
+
+
 class SlotPool:
     """The reusable item files of one memory tier, and this process's mappings of them.
 
@@ -109,7 +145,10 @@ class SlotPool:
         self.limit_bytes = limit_bytes
         self._pool = os.path.join(root, POOL_DIR)
         self._maps: dict[tuple[int, int], MappedFile] = {}
-        # The training thread fills buffers while the persister thread recycles them.
+        self._opened: dict[str, int] = {}  # item name: the size of its last buffer
+        self._spares: dict[str, _Spare] = {}  # by item name, while being made
+        # The training thread fills buffers while the persister thread recycles them and
+        # spare buffers are made in threads of their own.
         self._lock = threading.RLock()
         store.mapped = self.view_of  # the persister reads the files through our mappings
 
@@ -120,6 +159,7 @@ class SlotPool:
         validate_name("item", name)
         dest = self.store.local_path(tag, name)
         assert dest is not None
+        self._await_spare(name)
         with self._lock, translate_errors(self.store.display(tag, name)):
             self._sweep()
             for candidate in self._free_files(name, size_bytes):
@@ -130,7 +170,9 @@ class SlotPool:
                     continue
             fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                return self._map(fd, size_bytes)
+                mapped = self._map(fd, size_bytes)
+                self._opened[name] = size_bytes
+                return mapped
             except BaseException:
                 os.close(fd)
                 with contextlib.suppress(OSError):
@@ -146,13 +188,16 @@ class SlotPool:
             return mapped
         if mapped is not None:
             self._drop(key)
+        fresh = st.st_size < size_bytes
         if st.st_size > size_bytes:
             os.ftruncate(fd, size_bytes)
-        elif st.st_size < size_bytes:
+        elif fresh:
             # Allocated now, so that a full RAM disk is an ENOSPC here (StorageFullError),
             # not a SIGBUS when the copy touches a page that has no room.
             os.posix_fallocate(fd, 0, size_bytes)
-        mapped = MappedFile.open(fd, size_bytes)
+        mapped = MappedFile.open(fd, size_bytes, populated=not fresh)
+        if fresh:  # new pages: faulted in by two threads, faster than by the copy
+            populate(mapped.tensor.data_ptr(), size_bytes)
         self._maps[key] = mapped
         return mapped
 
@@ -237,6 +282,7 @@ class SlotPool:
 
     def trim(self, keep_name: str | None = None) -> int:
         """Delete the free files (but those of item `keep_name`); returns the bytes freed."""
+        self._cancel_spares(keep_name)
         try:
             entries = [e for e in os.scandir(self._pool) if e.is_file()]
         except FileNotFoundError:
@@ -268,6 +314,154 @@ class SlotPool:
             # Our mapping would keep the pages alive after the name is gone.
             self._drop((st.st_dev, st.st_ino))
 
+    # spare buffers ---------------------------------------------------------------------
+    def prepare(self, items: Iterable[ItemEntry], fits: Callable[[int], bool]) -> list[str]:
+        """Start making, in the background, a spare pool file for the next save of each
+        of `items` (a committed checkpoint's) whose buffer this pool filled, where the
+        memory tier holds no other copy of it and the pool no free file: the next save
+        then finds its buffer allocated, populated and mapped (pages.py) instead of
+        faulting in fresh pages itself. `fits(size_bytes)` says whether the memory budget
+        and the filesystem hold one more buffer (budget.MemoryBudget.spare_fits): one
+        they do not is not made. A spare is a pool file from the start (counted in
+        `pool_bytes` and the tier's usage; its unallocated bytes in `unallocated_bytes`)
+        and is taken, or awaited, by `open_item`; `trim` cancels it. Returns the names of
+        the items whose spare is being made."""
+        started = []
+        for item in items:
+            name, size = item.name, item.size_bytes
+            with self._lock:
+                if self._opened.get(name) != size or name in self._spares:
+                    continue  # not a buffer of this pool's, or one is being made
+                if self._free_files(name, size) or self._copies(name) != 1 or not fits(size):
+                    continue
+                spare = self._new_spare(name, size)
+                if spare is None:
+                    continue
+                self._spares[name] = spare
+            threading.Thread(
+                target=self._make_spare, args=(spare,), name=f"nebula-spare-{name}", daemon=True
+            ).start()
+            started.append(name)
+        return started
+
+    def _new_spare(self, name: str, size_bytes: int) -> _Spare | None:
+        path = os.path.join(self._pool, f"{name}.{uuid.uuid4().hex[:12]}")
+        try:
+            os.makedirs(self._pool, mode=0o700, exist_ok=True)
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(path, flags, 0o600)
+        except OSError:
+            return None
+        try:
+            os.ftruncate(fd, size_bytes)  # its size counts in the budget from now on
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            self._unlink(path)
+            return None
+        return _Spare(name, path, fd, size_bytes, (st.st_dev, st.st_ino))
+
+    def _make_spare(self, spare: _Spare) -> None:
+        """A spare's thread: allocate, map, populate, then hand the mapping to the pool
+        (or, cancelled or failed, remove the file)."""
+        lower_priority()
+        adopted = False
+        try:
+            try:
+                os.posix_fallocate(spare.fd, 0, spare.size_bytes)
+            except OSError as exc:  # no room after all (another process took it)
+                log.debug("no spare buffer for %r: %s", spare.name, exc)
+                return
+            with self._lock:
+                spare.allocated = True
+                if spare.cancelled:
+                    return
+                spare.mapped = MappedFile.open(spare.fd, spare.size_bytes, populated=False)
+                address = spare.mapped.tensor.data_ptr()
+                spare.population = Population(address, spare.size_bytes)
+            spare.mapped_event.set()
+            spare.population.work()
+            spare.population.wait()
+            with self._lock:
+                if spare.cancelled or not spare.population.done() or spare.mapped.unlinked():
+                    return
+                self._maps[spare.key] = spare.mapped
+                adopted = True
+        except Exception as exc:  # noqa: BLE001 - a spare is an optimisation, never a failure
+            log.debug("no spare buffer for %r: %s", spare.name, exc)
+        finally:
+            if not adopted and spare.population is not None:
+                spare.population.cancel()  # no thread touches the mapping any more
+            with self._lock:
+                if not adopted:
+                    if spare.mapped is not None:
+                        spare.mapped.close()  # closes the fd too
+                    else:
+                        with contextlib.suppress(OSError):
+                            os.close(spare.fd)
+                    with contextlib.suppress(FileNotFoundError):
+                        st = os.lstat(spare.path)
+                        if (st.st_dev, st.st_ino) == spare.key:  # not another one's by now
+                            os.unlink(spare.path)
+                if self._spares.get(spare.name) is spare:
+                    del self._spares[spare.name]
+            spare.mapped_event.set()
+            spare.finished.set()
+
+    def _await_spare(self, name: str) -> None:
+        """Until the spare of `name` being made (if any) is ready or gone, populating its
+        remaining pages in this thread (and a helper) meanwhile."""
+        with self._lock:
+            spare = self._spares.get(name)
+        if spare is None:
+            return
+        spare.mapped_event.wait()
+        if spare.population is not None:
+            spare.population.run()
+        spare.finished.wait()
+
+    def _cancel_spares(self, keep_name: str | None = None) -> None:
+        """Stop making the spares (but that of `keep_name`); their files are removed."""
+        with self._lock:
+            doomed = [s for n, s in self._spares.items() if n != keep_name]
+            for spare in doomed:
+                spare.cancelled = True
+                if spare.population is not None:
+                    spare.population.cancelled = True
+        for spare in doomed:
+            spare.finished.wait()
+
+    def wait_spares(self, timeout_s: float | None = None) -> bool:
+        """Until no spare is being made (True), or `timeout_s` passed (False)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                spares = list(self._spares.values())
+            if not spares:
+                return True
+            for spare in spares:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not spare.finished.wait(left):
+                    return False
+
+    def unallocated_bytes(self) -> int:
+        """Bytes of spares not allocated yet: counted in the pool's size, not yet in its
+        filesystem's free space (budget.py subtracts them)."""
+        with self._lock:
+            return sum(s.size_bytes for s in self._spares.values() if not s.allocated)
+
+    def _copies(self, name: str) -> int:
+        """How many tag folders of the memory tier hold an item `name`."""
+        root = self.store.local_path()
+        assert root is not None
+        count = 0
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(root):
+                if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
+                    continue
+                count += os.path.lexists(os.path.join(entry.path, name))
+        return count
+
     # mappings --------------------------------------------------------------------------
     def _sweep(self) -> None:
         """Forget mappings of files deleted meanwhile (by eviction, prune, recovery)."""
@@ -282,7 +476,8 @@ class SlotPool:
             mapped.close()
 
     def close(self) -> None:
-        """Unmap everything (the files stay)."""
+        """Unmap everything (the files stay, but spares being made)."""
+        self._cancel_spares()
         with self._lock:
             for key in list(self._maps):
                 self._drop(key)

@@ -26,209 +26,36 @@ The file is byte for byte what `torch.load(path, weights_only=True)` reads. Obje
 layout cannot map exactly (anything but dicts, lists, tuples, plain values and dense
 tensors) return None from `plan_layout`, and the caller writes them with `torch.save`.
 
-Not for: where the buffers live or how they are reused (slots.py), or the commit protocol
-(commit.py).
+This module holds the runtime half: `plan_layout` and the `LayoutCache` (a session's
+state), the fill's threads, hashing and CUDA copies, and pinning. What the file looks like
+(`Layout`, recording it under skip_data, the pickler's walk) is format/torchzip.py.
+
+May import: `nebulaml.format` (torchzip, checksum, serialization's `to_saveable`). Not
+for: torch's zip layout (format/torchzip.py), where the buffers live or how they are
+reused (slots.py), or the commit protocol (protocol/commit.py).
 """
 
 from __future__ import annotations
 
-import bisect
 import ctypes
-import io
 import threading
-import zipfile
-from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from nebulaml.format.checksum import LEAF_BYTES, checksum_of, leaf_digest, tree_hexdigest
-from nebulaml.format.serialization import _zip_crc_off, to_saveable
+from nebulaml.format.serialization import to_saveable
+from nebulaml.format.torchzip import (
+    Layout,
+    record_layout,
+    storages_and_signature,
+    storages_in_pickle_order,
+)
 
-_PLAIN = (str, bytes, int, float, bool, complex, type(None))
 # A fill's unit of work is one checksum leaf: small enough that a piece just copied is
 # still in the cache when it is hashed, large enough that the Python around each call
 # costs nothing.
 _PIECE_BYTES = LEAF_BYTES
 FILL_WORKERS = 2  # threads per fill (a save waits for its copy; a lazy save's fence too)
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """Where every byte of one item's file goes.
-
-    `segments` are the bytes torch wrote itself (offset, bytes); `regions[i]` is the
-    (offset, size_bytes) of `storages[i]`; `gaps` are the ranges neither covers (zip
-    padding), zeroed on every fill so that a reused buffer carries nothing over.
-    """
-
-    size_bytes: int
-    segments: tuple[tuple[int, bytes], ...]
-    regions: tuple[tuple[int, int], ...]
-    gaps: tuple[tuple[int, int], ...]
-    storages: tuple[Any, ...]  # torch.UntypedStorage, in torch's key order
-
-    @property
-    def tensor_bytes(self) -> int:
-        return sum(size for _, size in self.regions)
-
-
-class _Recorder(io.RawIOBase):
-    """A seekable sink that keeps what is written and where; skipped ranges cost nothing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.segments: list[tuple[int, bytes]] = []
-        self.pos = 0
-        self.end = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        chunk = bytes(data)
-        self.segments.append((self.pos, chunk))
-        self.pos += len(chunk)
-        self.end = max(self.end, self.pos)
-        return len(chunk)
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.end}[whence]
-        self.pos = base + offset
-        self.end = max(self.end, self.pos)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-
-class _SparseReader(io.RawIOBase):
-    """Reads the recorded segments back as one file, with zeros where nothing was written:
-    enough for `zipfile` to read the archive's directory and local headers."""
-
-    def __init__(self, segments: list[tuple[int, bytes]], size: int) -> None:
-        super().__init__()
-        self._segments = sorted(segments, key=lambda seg: seg[0])
-        self._starts = [offset for offset, _ in self._segments]
-        self._size, self._pos = size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._size}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        start = self._pos
-        n = max(0, min(len(view), self._size - start))
-        view[:n] = bytes(n)
-        # Segments never overlap (torch writes forward only), so the one before `start`
-        # and those after it up to the end of the read are all that can intersect.
-        i = max(0, bisect.bisect_right(self._starts, start) - 1)
-        while i < len(self._segments) and self._segments[i][0] < start + n:
-            offset, data = self._segments[i]
-            lo, hi = max(offset, start), min(offset + len(data), start + n)
-            if lo < hi:
-                view[lo - start : hi - start] = data[lo - offset : hi - offset]
-            i += 1
-        self._pos += n
-        return n
-
-
-def _storages_in_pickle_order(obj: Any) -> list[Any] | None:
-    """The distinct tensor storages of `obj` in the order torch's pickler meets them, or
-    None if `obj` holds anything whose pickling order this walk cannot mirror."""
-    walked = _walk(obj)
-    return None if walked is None else walked[0]
-
-
-def _walk(obj: Any) -> tuple[list[Any], tuple[Any, ...] | None] | None:
-    """(the distinct storages in pickling order, the signature of everything else that
-    goes into the pickle), or None if the layout cannot map `obj`. The signature is None
-    when `obj` holds something it cannot describe (the layout is then never reused).
-
-    Two objects with equal signatures pickle to the same bytes, given the same storage
-    sizes: the signature holds every container's type and length, every plain value
-    (floats by their bits), every tensor's metadata, and which objects are the same
-    object (the pickler writes a second meeting as a reference).
-    """
-    import torch
-
-    found: dict[int, Any] = {}
-    storage_index: dict[int, int] = {}
-    seen: dict[int, int] = {}
-    sig: list[Any] = []
-    describable = True
-
-    def walk(value: Any) -> bool:
-        nonlocal describable
-        if value is None or value is True or value is False:
-            sig.append(value)
-            return True
-        first = seen.get(id(value))
-        if first is not None:
-            sig.append(("again", first))  # the same object as an earlier one
-            return True
-        seen[id(value)] = len(seen)
-        kind = type(value)
-        if isinstance(value, _PLAIN):
-            sig.append((kind, value.hex() if kind is float else value))
-            if kind not in _PLAIN:
-                describable = False  # a subclass may pickle in its own way
-            return True
-        if kind in (torch.Tensor, torch.nn.Parameter):
-            if value.layout != torch.strided or value.is_quantized or value.__dict__:
-                return False
-            if value.device.type not in ("cpu", "cuda"):
-                return False
-            storage = value.untyped_storage()
-            key = storage_index.setdefault(storage._cdata, len(storage_index))
-            found.setdefault(storage._cdata, storage)
-            sig.append(
-                (
-                    kind,
-                    key,
-                    storage.nbytes(),
-                    str(value.device),
-                    value.dtype,
-                    tuple(value.shape),
-                    value.stride(),
-                    value.storage_offset(),
-                    value.requires_grad,
-                    value.is_conj(),
-                    value.is_neg(),
-                )
-            )
-            if kind is torch.nn.Parameter or value._backward_hooks:
-                describable = False
-            return True
-        if isinstance(value, dict) and kind.__module__ in ("builtins", "collections"):
-            if kind not in (dict, OrderedDict):
-                describable = False  # defaultdict's factory, a Counter's class, ...
-            sig.append((kind, len(value)))
-            return all(walk(k) and walk(v) for k, v in value.items())
-        if kind in (list, tuple):
-            sig.append((kind, len(value)))
-            return all(walk(v) for v in value)
-        if isinstance(value, (torch.dtype, torch.Size, torch.device)):
-            sig.append((kind, value))
-            return True
-        return False
-
-    if not walk(obj):
-        return None
-    return list(found.values()), (tuple(sig) if describable else None)
 
 
 def plan_layout(obj: Any) -> Layout | None:
@@ -243,30 +70,8 @@ def plan_layout(obj: Any) -> Layout | None:
         True
     """
     saveable = to_saveable(obj)
-    walked = _walk(saveable)
-    return None if walked is None else _record_layout(saveable, walked[0])
-
-
-def _record_layout(saveable: Any, storages: list[Any]) -> Layout | None:
-    import torch
-
-    recorder = _Recorder()
-    with _zip_crc_off(), torch.serialization.skip_data():
-        torch.save(saveable, recorder)
-    size = recorder.end
-    records = data_records(recorder.segments, size)
-    if records is None or len(records) != len(storages):
-        return None
-    regions = tuple(records[i] for i in range(len(storages)))
-    if any(n != s.nbytes() for (_, n), s in zip(regions, storages, strict=True)):
-        return None
-    return Layout(
-        size_bytes=size,
-        segments=tuple(recorder.segments),
-        regions=regions,
-        gaps=_gaps(recorder.segments, regions, size),
-        storages=tuple(storages),
-    )
+    walked = storages_and_signature(saveable)
+    return None if walked is None else record_layout(saveable, walked[0])
 
 
 class LayoutCache:
@@ -296,7 +101,7 @@ class LayoutCache:
     def plan(self, name: str, obj: Any) -> Layout | None:
         """`plan_layout(obj)`, from the last layout of `name` when `obj` matches it."""
         saveable = to_saveable(obj)
-        walked = _walk(saveable)
+        walked = storages_and_signature(saveable)
         if walked is None:
             return None
         storages, signature = walked
@@ -306,7 +111,7 @@ class LayoutCache:
             with self._lock:
                 self.hits += 1
             return replace(last[1], storages=tuple(storages))
-        layout = _record_layout(saveable, storages)
+        layout = record_layout(saveable, storages)
         with self._lock:
             self.misses += 1
             if layout is None or signature is None:
@@ -314,42 +119,6 @@ class LayoutCache:
             else:
                 self._last[name] = (signature, replace(layout, storages=()))
         return layout
-
-
-def data_records(segments: list[tuple[int, Any]], size: int) -> dict[int, tuple[int, int]]:
-    """{storage key: (offset, size)} of the `<archive>/data/<key>` records of the zip
-    whose bytes are `segments` (offset, bytes), zeros elsewhere."""
-    records: dict[int, tuple[int, int]] = {}
-    reader = _SparseReader(segments, size)
-    with zipfile.ZipFile(reader) as archive:
-        for info in archive.infolist():
-            parts = info.filename.split("/")
-            if len(parts) != 3 or parts[1] != "data" or not parts[2].isdigit():
-                continue
-            if info.compress_type != zipfile.ZIP_STORED:
-                return {}
-            reader.seek(info.header_offset)
-            header = reader.read(30)
-            name_len = int.from_bytes(header[26:28], "little")
-            extra_len = int.from_bytes(header[28:30], "little")
-            offset = info.header_offset + 30 + name_len + extra_len
-            records[int(parts[2])] = (offset, info.file_size)
-    return records
-
-
-def _gaps(
-    segments: list[tuple[int, bytes]], regions: tuple[tuple[int, int], ...], size: int
-) -> tuple[tuple[int, int], ...]:
-    covered = sorted([(o, len(d)) for o, d in segments] + list(regions))
-    gaps: list[tuple[int, int]] = []
-    pos = 0
-    for offset, length in covered:
-        if offset > pos:
-            gaps.append((pos, offset - pos))
-        pos = max(pos, offset + length)
-    if pos < size:
-        gaps.append((pos, size - pos))
-    return tuple(gaps)
 
 
 def fill(
@@ -487,7 +256,7 @@ def cuda_ready_event(obj: Any) -> Any:
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
-    storages = _storages_in_pickle_order(obj) or []
+    storages = storages_in_pickle_order(obj) or []
     if not any(s.device.type == "cuda" for s in storages):
         return None
     return torch.cuda.current_stream().record_event()  # pragma: no cover - GPU

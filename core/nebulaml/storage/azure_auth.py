@@ -1,4 +1,4 @@
-"""Azure Blob Storage and ADLS Gen2 roots (`az://`, `abfs://`, `abfss://`) for `Store`.
+"""How a `Store` connects to Azure Blob Storage and ADLS Gen2 (`az://`, `abfs://`, `abfss://`).
 
 Built on adlfs (imported only when such a root is opened). What nebula adds:
 
@@ -9,10 +9,11 @@ Built on adlfs (imported only when such a root is opened). What nebula adds:
   tries): the storage boundary retries, bounded and configurable (retry.py);
 - the upload settings of item files (`upload_settings`).
 
-The blob operations nebula needs beyond adlfs (block uploads, create-only uploads,
-uncached listings) are in azure_blob.py.
+The backend that uses this filesystem, with the blob requests nebula needs beyond adlfs
+(block uploads, create-only uploads, uncached listings), is azure.py.
 
-Not for: the storage contract itself (storage.py) or redaction (redaction.py).
+Not for: the storage operations (store.py, azure.py) or redaction (redaction.py). May
+import: `nebulaml.errors`.
 """
 
 from __future__ import annotations
@@ -206,6 +207,21 @@ def resolve_auth(options: Mapping[str, Any], env: Mapping[str, str]) -> AzureAut
     if options.get("anon") is None and anon_env and anon_env not in _FALSE:
         return AzureAuth("anonymous", "environment", **base)
     return AzureAuth("default", "environment", **base)
+
+
+def environment_secrets(env: Mapping[str, str]) -> dict[str, str | None]:
+    """The secrets the Azure SDK may read from `env`, by the storage option each stands
+    for: the storage boundary redacts them from every message, as it does options'.
+
+    Example:
+        >>> environment_secrets({ENV_ACCOUNT_KEY: "k"})["account_key"]
+        'k'
+    """
+    return {
+        "account_key": env.get(ENV_ACCOUNT_KEY),
+        "sas_token": env.get(ENV_SAS_TOKEN),
+        "connection_string": env.get(ENV_CONNECTION_STRING),
+    }
 
 
 def _auth_error(url: str) -> StorageError:

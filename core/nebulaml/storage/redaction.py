@@ -6,7 +6,7 @@ applies it to every error message it raises and every log line it writes, and sc
 backend exceptions it chains (`scrub_exception`), so neither a traceback, a history row,
 nor CLI output can show a secret.
 
-Not for: deciding what is a credential for a backend (azure.py resolves those).
+Not for: deciding what is a credential for a backend (azure_auth.py resolves those).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ The policy comes from storage options (`nebula_retries`, `nebula_retry_base_s`,
 `NEBULA_STORAGE_RETRY_BASE_S`, `NEBULA_STORAGE_RETRY_MAX_S`), else the defaults: 5 retries,
 0.5 s doubling to at most 8 s (about 15 s of waiting in all).
 
-Not for: translating errors (storage.py) or deciding what an operation is (its caller).
+Not for: translating errors (streams.py) or deciding what an operation is (its caller).
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from nebulaml.config import (
+    ENV_STORAGE_RETRIES,
+    ENV_STORAGE_RETRY_BASE_S,
+    ENV_STORAGE_RETRY_MAX_S,
+)
 from nebulaml.errors import InvalidArgumentError, NebulaError
 
 log = logging.getLogger("nebulaml")
@@ -33,9 +38,6 @@ T = TypeVar("T")
 OPTION_RETRIES = "nebula_retries"
 OPTION_BASE_S = "nebula_retry_base_s"
 OPTION_MAX_S = "nebula_retry_max_s"
-ENV_RETRIES = "NEBULA_STORAGE_RETRIES"
-ENV_BASE_S = "NEBULA_STORAGE_RETRY_BASE_S"
-ENV_MAX_S = "NEBULA_STORAGE_RETRY_MAX_S"
 OPTION_NAMES = (OPTION_RETRIES, OPTION_BASE_S, OPTION_MAX_S)
 
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -88,9 +90,9 @@ class RetryPolicy:
             return number
 
         return cls(
-            retries=pick(OPTION_RETRIES, ENV_RETRIES, int, default.retries),
-            base_s=pick(OPTION_BASE_S, ENV_BASE_S, float, default.base_s),
-            max_s=pick(OPTION_MAX_S, ENV_MAX_S, float, default.max_s),
+            retries=pick(OPTION_RETRIES, ENV_STORAGE_RETRIES, int, default.retries),
+            base_s=pick(OPTION_BASE_S, ENV_STORAGE_RETRY_BASE_S, float, default.base_s),
+            max_s=pick(OPTION_MAX_S, ENV_STORAGE_RETRY_MAX_S, float, default.max_s),
         )
 
 

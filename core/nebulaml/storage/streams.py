@@ -4,7 +4,8 @@
 secrets redacted from the message and from the chained exceptions; the stream classes
 wrap a local file or a network store's file so that what they raise is translated too.
 
-Not for: the storage operations themselves (storage.py) or retries (retry.py).
+Not for: the storage operations themselves (store.py and its backends) or retries
+(retry.py). May import: `nebulaml.errors` and storage/'s redaction.py, retry.py.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ class DirectFile:
     def __init__(self, path: str, *, durable: bool, mode: int = PUBLIC_FILE_MODE) -> None:
         self._path, self._durable = path, durable
         # A new file, never an old one truncated: a load may have the old one mapped
-        # (storage._map_file), and a truncated mapping is a SIGBUS, not an error.
+        # (mapped_reads._map_file), and a truncated mapping is a SIGBUS, not an error.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         flags = _CREATE_FLAGS | os.O_EXCL

@@ -1,16 +1,21 @@
-"""Azure blob operations nebula needs beyond adlfs, on an adlfs filesystem's SDK client.
+"""The Azure backend: a root on Azure Blob Storage or ADLS Gen2 (`az://`, `abfs://`,
+`abfss://`), through adlfs and the Azure SDK's async clients.
+
+`AzureBackend` is the fsspec backend (remote.py) with the requests nebula needs beyond
+adlfs, each run on fsspec's event loop and raising the SDK's exceptions (`Store` retries
+and translates them):
 
 - `BlockWriter`: item files uploaded as blocks, several in flight while the caller keeps
-  writing, and committed (made visible) only when the writer is closed whole;
+  writing, each block retried on its own, committed (made visible) only when the writer
+  is closed whole;
 - `create_blob`: a create-only upload (one Put Blob with `If-None-Match: *`), the commit
   point of a checkpoint's manifest;
 - `list_folder`: one uncached listing request, no existence probes;
 - `ensure_container`: the root's container, created when missing.
 
-Each runs on fsspec's event loop (the filesystem's), and raises the SDK's exceptions:
-the storage boundary (storage.py) retries and translates them.
-
-Not for: credentials and the filesystem (azure.py).
+Not for: credentials, the adlfs filesystem and its options (azure_auth.py opens it), or
+what every fsspec store shares (remote.py). May import: `nebulaml.errors`,
+`nebulaml.format` and storage/'s backend.py, remote.py, retry.py.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ import asyncio
 import concurrent.futures
 import uuid
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
+from nebulaml.storage.backend import Parts
+from nebulaml.storage.remote import RemoteBackend
 from nebulaml.storage.retry import RetryPolicy, call_async
 
 # Azure allows 50,000 blocks per blob; the block size grows for huge items (never needed
@@ -273,3 +281,67 @@ class BlockWriter:
         for future in pending:
             future.cancel()
         concurrent.futures.wait(pending)
+
+
+class AzureBackend(RemoteBackend):
+    """A root at `root` (`container/path`) on the adlfs filesystem `fs`. Item files go up
+    in blocks of `block_bytes`, `concurrency` in flight, each retried under `policy`;
+    `name(parts)` is how a file is named in retry logs, `describe(exc)` one line about a
+    failure (both without secrets)."""
+
+    writer_retries = True  # each block, and the commit, retried under `policy`
+    aborted_write_may_leave_file = False  # an aborted BlockWriter commits nothing
+
+    def __init__(
+        self,
+        fs: Any,
+        root: str,
+        *,
+        block_bytes: int,
+        concurrency: int,
+        policy: RetryPolicy,
+        name: Callable[[Parts], str],
+        describe: Callable[[BaseException], str],
+    ) -> None:
+        super().__init__(fs, root)
+        self.appends_as_objects = True
+        self._block_bytes, self._concurrency = block_bytes, concurrency
+        self._policy, self._name, self._describe = policy, name, describe
+        self._container_ready = False
+
+    def _ls(self, parts: Parts) -> list[dict[str, Any]]:
+        # One uncached request, no existence probes for an empty folder.
+        return list_folder(self.fs, self.path(parts))
+
+    def make_dir(self, parts: Parts) -> None:
+        """Blob storage has no empty folders (one appears with its first file): only the
+        root's container is created, if it is missing."""
+        if not self._container_ready:
+            ensure_container(self.fs, self.root.split("/", 1)[0])
+            self._container_ready = True
+
+    def open_write(self, parts: Parts) -> BlockWriter:
+        return BlockWriter(
+            self.fs,
+            self.path(parts),
+            block_bytes=self._block_bytes,
+            concurrency=self._concurrency,
+            policy=self._policy,
+            what=self._name(parts),
+            describe=self._describe,
+        )
+
+    def publish(self, parts: Parts, data: bytes, *, create_only: bool) -> None:
+        """One upload with `If-None-Match: *` (unless not `create_only`). A create that
+        finds exactly the bytes it was to write is a success, not a conflict: a retried
+        upload whose first answer was lost finds its own bytes there (the manifest and
+        history names make other writers' differ)."""
+        path = self.path(parts)
+        try:
+            create_blob(self.fs, path, data, overwrite=not create_only)
+        except FileExistsError:
+            # A retry (ours, or the HTTP client's own for a PUT on a dropped connection)
+            # may find what the first try wrote: the same bytes.
+            if bytes(self.fs.cat_file(path)) == data:
+                return
+            raise

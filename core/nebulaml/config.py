@@ -1,0 +1,203 @@
+"""Every environment variable nebula reads, and the functions that read and check them.
+
+    NEBULA_PERSISTENT_STORAGE_PATH      init()'s persistent_storage_path (none: memory only)
+    NEBULA_PERSISTENT_TIME_INTERVAL     init()'s persistent_time_interval (s, default 100)
+    NEBULA_NUM_OF_VERSION_IN_RETENTION  init()'s num_of_version_in_retention (default 2)
+    NEBULA_EXIT_TIMEOUT_S               init()'s exit_timeout_s (default 600)
+    NEBULA_RANK_TIMEOUT_S               init()'s rank_timeout_s (default 300)
+    NEBULA_LAZY_SNAPSHOT                init()'s lazy_snapshot (1/true/yes/on; default off)
+    NEBULA_KEEP_MEMORY_TIER             init()'s keep_memory_tier (1/true/yes/on; default off)
+    NEBULA_MEMORY_BUFFER_SIZE           the node's memory budget in bytes (half for checkpoints)
+    NEBULA_MEMORY_TIER_PATH             the base folder of this user's memory tiers
+    NEBULA_STORAGE_RETRIES              retries of a transient storage error (default 5)
+    NEBULA_STORAGE_RETRY_BASE_S         the first backoff (s, default 0.5), doubling
+    NEBULA_STORAGE_RETRY_MAX_S          the longest backoff (s, default 8)
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   torchrun's (runtime/ranks.py)
+
+`init()`'s settings are resolved here (`resolve_config`: arguments first, then the
+environment, then the defaults; bad values refused), the others read when they are used.
+
+May import: `nebulaml.errors` only (the base layer). Not for: Azure's own variables
+(`AZURE_STORAGE_*`, read by the Azure modules of storage/ as the Azure SDK names them) or
+what the settings do (session, budget, tiers, retries).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from nebulaml.errors import InvalidArgumentError
+
+ENV_PATH = "NEBULA_PERSISTENT_STORAGE_PATH"
+ENV_INTERVAL = "NEBULA_PERSISTENT_TIME_INTERVAL"
+ENV_RETENTION = "NEBULA_NUM_OF_VERSION_IN_RETENTION"
+ENV_EXIT_TIMEOUT = "NEBULA_EXIT_TIMEOUT_S"
+ENV_RANK_TIMEOUT = "NEBULA_RANK_TIMEOUT_S"
+ENV_LAZY = "NEBULA_LAZY_SNAPSHOT"
+ENV_KEEP_MEMORY_TIER = "NEBULA_KEEP_MEMORY_TIER"
+ENV_MEMORY_BUFFER = "NEBULA_MEMORY_BUFFER_SIZE"
+ENV_MEMORY_TIER_PATH = "NEBULA_MEMORY_TIER_PATH"
+ENV_STORAGE_RETRIES = "NEBULA_STORAGE_RETRIES"
+ENV_STORAGE_RETRY_BASE_S = "NEBULA_STORAGE_RETRY_BASE_S"
+ENV_STORAGE_RETRY_MAX_S = "NEBULA_STORAGE_RETRY_MAX_S"
+# torchrun's (and most launchers'): who this process is in the job.
+ENV_RANK = "RANK"
+ENV_WORLD_SIZE = "WORLD_SIZE"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+
+DEFAULT_INTERVAL_S = 100.0
+DEFAULT_RETENTION = 2
+DEFAULT_EXIT_TIMEOUT_S = 600.0
+DEFAULT_RANK_TIMEOUT_S = 300.0
+KNOWN_OPTIONS = (
+    "storage_options",
+    "exit_timeout_s",
+    "rank_timeout_s",
+    "lazy_snapshot",
+    "keep_memory_tier",
+)
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """What `init()` resolved from its arguments and the environment."""
+
+    persistent_storage_path: str | None
+    persistent_time_interval_s: float
+    num_of_version_in_retention: int
+    exit_timeout_s: float
+    rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S
+    storage_options: tuple[tuple[str, Any], ...] = ()
+    lazy_snapshot: bool = False
+    keep_memory_tier: bool = False
+
+
+def _number(value: object, source: str, kind: type, minimum: float) -> Any:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = kind(value)
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{source} must be a {kind.__name__}, not {value!r}") from None
+    if number < minimum:
+        raise InvalidArgumentError(f"{source} must be at least {minimum}, not {value!r}")
+    return number
+
+
+def resolve_config(
+    persistent_storage_path: Any,
+    persistent_time_interval: Any,
+    num_of_version_in_retention: Any,
+    options: dict[str, Any],
+) -> Config:
+    """Arguments first, then the environment, then the defaults; bad values are refused.
+
+    Example:
+        >>> resolve_config("/ckpt", 5, None, {"lazy_snapshot": True}).lazy_snapshot
+        True
+    """
+    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
+    if unknown:  # a typo (path=...) would otherwise run memory-only: nothing made durable
+        raise TypeError(
+            f"nm.init() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+            "it takes persistent_storage_path, persistent_time_interval, "
+            f"num_of_version_in_retention and {', '.join(KNOWN_OPTIONS)}"
+        )
+    path = persistent_storage_path
+    # The seed writes `persistent_storage_path="/tmp/test",` (a one-element tuple).
+    if isinstance(path, (tuple, list)) and len(path) == 1:
+        path = path[0]
+    if path is None:
+        path = os.environ.get(ENV_PATH) or None
+    if path is not None:
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise InvalidArgumentError(
+                f"persistent_storage_path must be a path or URL, not {persistent_storage_path!r}"
+            )
+        path = os.fspath(path)
+    interval = persistent_time_interval
+    if interval is None:
+        interval = os.environ.get(ENV_INTERVAL, DEFAULT_INTERVAL_S)
+        interval_src = ENV_INTERVAL if ENV_INTERVAL in os.environ else "persistent_time_interval"
+    else:
+        interval_src = "persistent_time_interval"
+    retention = num_of_version_in_retention
+    retention_src = "num_of_version_in_retention"
+    if retention is None:
+        retention = os.environ.get(ENV_RETENTION, DEFAULT_RETENTION)
+        retention_src = ENV_RETENTION if ENV_RETENTION in os.environ else retention_src
+    rank_timeout = options.get("rank_timeout_s")
+    if rank_timeout is None:
+        rank_timeout = os.environ.get(ENV_RANK_TIMEOUT, DEFAULT_RANK_TIMEOUT_S)
+    exit_timeout = options.get("exit_timeout_s")
+    if exit_timeout is None:
+        exit_timeout = os.environ.get(ENV_EXIT_TIMEOUT, DEFAULT_EXIT_TIMEOUT_S)
+    lazy = options.get("lazy_snapshot")
+    if lazy is None:
+        lazy = os.environ.get(ENV_LAZY, "0").strip().lower() in _TRUE
+    if not isinstance(lazy, bool):
+        raise InvalidArgumentError(f"lazy_snapshot must be True or False, not {lazy!r}")
+    keep = options.get("keep_memory_tier")
+    if keep is None:
+        keep = os.environ.get(ENV_KEEP_MEMORY_TIER, "0").strip().lower() in _TRUE
+    if not isinstance(keep, bool):
+        raise InvalidArgumentError(f"keep_memory_tier must be True or False, not {keep!r}")
+    storage_options = options.get("storage_options") or {}
+    if not isinstance(storage_options, dict):
+        raise InvalidArgumentError("storage_options must be a dict")
+    return Config(
+        persistent_storage_path=path,
+        persistent_time_interval_s=_number(interval, interval_src, float, 0),
+        num_of_version_in_retention=_number(retention, retention_src, int, 1),
+        exit_timeout_s=_number(exit_timeout, "exit_timeout_s", float, 0),
+        rank_timeout_s=_number(rank_timeout, "rank_timeout_s", float, 0),
+        storage_options=tuple(sorted(storage_options.items())),
+        lazy_snapshot=lazy,
+        keep_memory_tier=keep,
+    )
+
+
+def env_count(name: str) -> int | None:
+    """The environment variable `name` as a count (an int, not negative); None when it is
+    unset or empty. Raises `InvalidArgumentError` for anything else.
+
+    Example:
+        >>> import os
+        >>> os.environ["NEBULA_EXAMPLE_COUNT"] = "3"
+        >>> env_count("NEBULA_EXAMPLE_COUNT"), env_count("NEBULA_NOT_SET")
+        (3, None)
+        >>> del os.environ["NEBULA_EXAMPLE_COUNT"]
+    """
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise InvalidArgumentError(f"{name} must be an integer, not {value!r}") from None
+    if number < 0:
+        raise InvalidArgumentError(f"{name} must not be negative, not {value!r}")
+    return number
+
+
+def memory_buffer_bytes() -> int | None:
+    """`NEBULA_MEMORY_BUFFER_SIZE`: the node's memory budget in bytes; None when unset."""
+    return env_count(ENV_MEMORY_BUFFER)
+
+
+def memory_tier_base() -> str | None:
+    """`NEBULA_MEMORY_TIER_PATH`: the base folder of the memory tiers; None when unset."""
+    return os.environ.get(ENV_MEMORY_TIER_PATH) or None
+
+
+def storage_retry_env() -> dict[str, str]:
+    """The `NEBULA_STORAGE_RETRY*` variables that are set, by name (storage/retry.py's
+    `RetryPolicy.from_options` parses them, after the storage options)."""
+    names = (ENV_STORAGE_RETRIES, ENV_STORAGE_RETRY_BASE_S, ENV_STORAGE_RETRY_MAX_S)
+    return {name: os.environ[name] for name in names if name in os.environ}

@@ -1,0 +1,584 @@
+"""The Hugging Face Trainer through nebula: `NebulaCallback`, and the export of a checkpoint
+to a `from_pretrained` folder (`nebulaml.transformers` is the public module built on it).
+
+How the Trainer is hooked: a `TrainerCallback` alone cannot do it. Saving happens in
+`Trainer._save_checkpoint` (synchronous writes into `output_dir`), and
+`train(resume_from_checkpoint=True)` looks for `checkpoint-*` folders in `output_dir`
+before any callback runs. So the callback, on `on_init_end` (called from the Trainer's
+`__init__`, whose frame holds the Trainer: callbacks are not handed it), replaces a few of
+that one Trainer's methods on the instance (its class, and every other Trainer, are left
+alone):
+
+- `_save_checkpoint`: every save the Trainer makes (`save_strategy`, `save_steps`, the
+  final save, `save_strategy="best"`) becomes the nebula checkpoint `global_step<N>`:
+  items `model`, `config` (+ `generation_config`), `optimizer`, `scheduler`, `scaler`,
+  `trainer_state` (the JSON `trainer_state.json` would hold) and `rng_state` (one per
+  process under DDP: `rng_state_<i>`). Rank 0 saves the rest; every rank commits. A
+  checkpoint that is the best so far (`metric_for_best_model`) is labelled `best`.
+- `train`: `resume_from_checkpoint=True` takes nebula's newest checkpoint (the memory tier
+  after a crash, else the persistent tier); a path `.../checkpoint-<N>` (or a tag) takes
+  that checkpoint. A real checkpoint folder on disk still resumes as the Trainer would.
+  The Trainer reads `trainer_state.json` from the resume path itself, so that one small
+  file is written to a temporary folder for the length of `train()`.
+- `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_scaler`,
+  `_load_rng_state`, `_init_training_state`, `_load_best_model`: read those items
+  (verified, weights_only=True) instead of files, when the resume path is nebula's.
+
+`state.best_model_checkpoint` keeps the Trainer's form (`<output_dir>/checkpoint-<N>`):
+nothing is written there; `tag_for_path` gives its tag. Not supported (refused when the
+Trainer is built): DeepSpeed (use its own `"nebula"` config block), FSDP, XLA, SageMaker
+MP; `push_to_hub` of checkpoints is not done (a warning says so).
+
+May import: the public API, the layers below, integrations/accelerate.py (the shared item
+layout, RNG and rank rule), transformers and safetensors.
+
+Not for: Accelerate's own loop (integrations/accelerate.py); Lightning
+(lightning_common.py); nebula's semantics (checkpoint.py, api.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import MethodType
+from typing import Any
+
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint
+
+from nebulaml.api import get_checkpoint, init
+from nebulaml.checkpoint import Checkpoint
+from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError, NebulaError
+from nebulaml.format.names import validate_name
+from nebulaml.integrations.accelerate import (
+    BEST_LABEL,
+    capture_rng,
+    ensure_session,
+    find,
+    load_optional,
+    model_config,
+    restore_rng,
+    rng_item,
+    write_checkpoint,
+)
+from nebulaml.protocol.catalog import list_committed
+from nebulaml.protocol.delete import delete_checkpoint
+from nebulaml.runtime import session as _session
+
+log = logging.getLogger("nebulaml")
+
+TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
+STEP_TAG = "global_step{}"
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+HOOKED = (
+    "_save_checkpoint",
+    "train",
+    "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+    "_load_scaler",
+    "_load_rng_state",
+    "_init_training_state",
+    "_load_best_model",
+)
+
+
+def tag_for_step(step: int) -> str:
+    """The nebula tag of the Trainer's checkpoint at `step`.
+
+    Example:
+        >>> tag_for_step(500)
+        'global_step500'
+    """
+    return STEP_TAG.format(int(step))
+
+
+def tag_for_path(path: str | os.PathLike[str]) -> str:
+    """The nebula tag a Trainer checkpoint path names: `.../checkpoint-500` is
+    `global_step500`; any other last component is a tag as it is.
+
+    Example:
+        >>> tag_for_path("out/checkpoint-500"), tag_for_path("out/global_step7/")
+        ('global_step500', 'global_step7')
+    """
+    name = os.path.basename(os.fspath(path).rstrip("/\\"))
+    match = _CHECKPOINT_RE.match(name)
+    if match:
+        return tag_for_step(int(match.group(1)))
+    return validate_name("tag", name)
+
+
+@dataclass(slots=True)
+class _Resume:
+    """A resume from nebula in progress: the checkpoint, and the path the Trainer is given."""
+
+    checkpoint: Checkpoint
+    path: str  # <temporary folder>/checkpoint-<N>, holding trainer_state.json only
+    best_model_checkpoint: str | None
+
+
+class NebulaCallback(TrainerCallback):
+    """Checkpoint a Hugging Face `Trainer` with nebula:
+    `Trainer(..., callbacks=[NebulaCallback(persistent_storage_path=...)])`.
+
+    Arguments are `nm.init`'s (`persistent_storage_path`, `persistent_time_interval`,
+    `num_of_version_in_retention`, and its options, e.g. `lazy_snapshot=True`). With no
+    path and a session already started (`nm.init` called), that session is used.
+    `num_of_version_in_retention` defaults to the Trainer's `save_total_limit` (when set),
+    else nebula's default. Passed in `callbacks=[...]` it hooks the Trainer as it is built;
+    added later (`trainer.add_callback`), call `callback.attach(trainer)` before `train()`
+    for resuming to work.
+    """
+
+    def __init__(
+        self,
+        persistent_storage_path: str | os.PathLike[str] | None = None,
+        persistent_time_interval: float | None = None,
+        num_of_version_in_retention: int | None = None,
+        **init_options: Any,
+    ) -> None:
+        self.persistent_storage_path = persistent_storage_path
+        self.persistent_time_interval = persistent_time_interval
+        self.num_of_version_in_retention = num_of_version_in_retention
+        self.init_options = dict(init_options)
+        self.trainer: Trainer | None = None
+        self._resume: _Resume | None = None
+        self._originals: dict[str, Any] = {}
+
+    # the callback's events --------------------------------------------------------------
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = _find_trainer(self)
+        if trainer is None:
+            warnings.warn(
+                "NebulaCallback could not find its Trainer; call callback.attach(trainer) "
+                "before train()",
+                stacklevel=2,
+            )
+            return
+        self.attach(trainer)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer is not None:
+            return
+        trainer = _find_trainer(self)
+        if trainer is None:
+            raise InvalidArgumentError(
+                "NebulaCallback is not attached to its Trainer: call callback.attach(trainer)"
+            )
+        warnings.warn(
+            "NebulaCallback was attached when training began (added with add_callback?): "
+            "saving goes through nebula, but resuming needs callback.attach(trainer) "
+            "before train()",
+            stacklevel=2,
+        )
+        self.attach(trainer)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer is not None:
+            self._prune_stale_bests()
+
+    # attaching --------------------------------------------------------------------------
+    def attach(self, trainer: Trainer) -> None:
+        """Start nebula (`nm.init` with this callback's arguments) and route this
+        Trainer's checkpoints through it. Idempotent."""
+        if self.trainer is trainer:
+            return
+        if self.trainer is not None:
+            raise InvalidArgumentError("this NebulaCallback is attached to another Trainer")
+        _refuse_unsupported(trainer)
+        missing = [name for name in HOOKED if not callable(getattr(Trainer, name, None))]
+        if missing:
+            import transformers
+
+            raise InvalidArgumentError(
+                f"NebulaCallback hooks Trainer methods that transformers "
+                f"{transformers.__version__} does not have ({', '.join(missing)}); it is "
+                f"tested with transformers 5.23"
+            )
+        if trainer.args.push_to_hub:
+            warnings.warn(
+                "NebulaCallback: checkpoints go to nebula, not to the Hub (push_to_hub pushes "
+                "trainer.save_model() as usual; export a checkpoint with "
+                "nebulaml.transformers.export_pretrained)",
+                stacklevel=3,
+            )
+        self._start(trainer.args)
+        ensure_session("NebulaCallback", max(1, trainer.args.world_size))
+        self.trainer = trainer
+        for name in HOOKED:
+            self._originals[name] = getattr(trainer, name)
+            hook = getattr(type(self), "_hook_" + name.lstrip("_"))
+            trainer.__dict__[name] = MethodType(hook, self)
+
+    def _start(self, args: Any) -> None:
+        retention = self.num_of_version_in_retention
+        if retention is None and args.save_total_limit is not None:
+            retention = max(1, int(args.save_total_limit))
+        explicit = (
+            self.persistent_storage_path is not None
+            or self.persistent_time_interval is not None
+            or self.num_of_version_in_retention is not None
+            or self.init_options
+        )
+        if not explicit and _session.current_or_none() is not None:
+            return  # the session the program started (nm.init) is the one to use
+        init(
+            self.persistent_storage_path,
+            self.persistent_time_interval,
+            retention,
+            **self.init_options,
+        )
+
+    # saving -----------------------------------------------------------------------------
+    # Each `_hook_<name>` replaces the Trainer method `[_]<name>` on the instance; `self` is
+    # the callback, `self.trainer` the Trainer.
+    def _hook_save_checkpoint(self, model: Any, trial: Any) -> None:
+        trainer = self.trainer
+        assert trainer is not None
+        args, state = trainer.args, trainer.state
+        if trainer.hp_search_backend is None and trial is None:
+            trainer.store_flos()
+        run_dir = trainer._get_output_dir(trial=trial)
+        step = state.global_step
+        best_step = state.best_global_step
+        kinds = (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
+        # As the Trainer: the best checkpoint is recorded once it exists.
+        if (
+            args.save_strategy in kinds
+            and best_step
+            and (best_step == step or get_checkpoint(tag_for_step(best_step)) is not None)
+        ):
+            state.best_model_checkpoint = os.path.join(
+                run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}"
+            )
+        labels = (BEST_LABEL,) if best_step == step and args.metric_for_best_model else ()
+        full = not args.save_only_model
+
+        def shared() -> Iterator[tuple[str, Any]]:
+            yield "model", trainer.model.state_dict()
+            config = model_config(trainer.model)
+            if config is not None:
+                yield "config", config[0]
+                if config[1]:
+                    yield "generation_config", config[1]
+            if full:
+                yield "optimizer", trainer.optimizer.state_dict()
+                yield "scheduler", trainer.lr_scheduler.state_dict()
+                scaler = getattr(trainer.accelerator, "scaler", None)
+                if scaler is not None:
+                    yield "scaler", scaler.state_dict()
+            yield "trainer_state", _trainer_state_json(trainer)
+
+        def own() -> Iterator[tuple[str, Any]]:
+            if full:
+                yield rng_item(args.process_index, args.world_size), capture_rng()
+
+        write_checkpoint(
+            tag_for_step(step), shared, own, world_size=max(1, args.world_size), labels=labels
+        )
+        if labels:
+            self._prune_stale_bests()
+
+    def _prune_stale_bests(self) -> None:
+        """Delete checkpoints labelled `best` that no longer are, once retention would have
+        deleted them (they are not among the newest `num_of_version_in_retention`): the label
+        is written at the commit, when each was the best so far, and retention keeps every
+        labelled checkpoint. Rank 0 does it; one the persister still works on waits for
+        the next save."""
+        trainer = self.trainer
+        session = _session.live()
+        if trainer is None or session is None or session.rank != 0:
+            return
+        best = trainer.state.best_model_checkpoint
+        current = tag_for_path(best) if best else None
+        keep = session.config.num_of_version_in_retention
+        tiers = session.tiers
+        stores = [tiers.persistent] if tiers.persistent is not None else []
+        if tiers.persistent is None and session.world_size == 1:
+            stores.append(tiers.memory)
+        for store in stores:
+            try:
+                committed = list_committed(store)
+                newest = sorted(committed, key=lambda c: c.sort_key, reverse=True)
+                window = {c.tag for c in newest[:keep]}
+                for info in committed:
+                    stale = BEST_LABEL in info.manifest.labels and info.tag != current
+                    if not stale or info.tag in window:
+                        continue
+                    if info.tag in session.persister.protected():
+                        continue
+                    discard = session.pool.recycle if store is tiers.memory else None
+                    delete_checkpoint(store, info.tag, discard=discard)
+            except NebulaError as exc:
+                log.warning("could not remove a checkpoint that is no longer the best: %s", exc)
+
+    # resuming ---------------------------------------------------------------------------
+    def _hook_train(
+        self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        original = self._originals["train"]
+        trainer = self.trainer
+        assert trainer is not None
+        checkpoint = self._resolve(resume_from_checkpoint)
+        if checkpoint is None:
+            return original(resume_from_checkpoint, *args, **kwargs)
+        if isinstance(checkpoint, str):  # a checkpoint folder on disk: the Trainer's own
+            return original(checkpoint, *args, **kwargs)
+        folder = tempfile.mkdtemp(prefix="nebula-resume-")
+        try:
+            state = json.loads(checkpoint.load("trainer_state"))
+            best = state.get("best_model_checkpoint")
+            state["best_model_checkpoint"] = None  # restored by _init_training_state
+            path = os.path.join(folder, f"{PREFIX_CHECKPOINT_DIR}-{state['global_step']}")
+            os.mkdir(path)
+            Path(path, TRAINER_STATE).write_text(
+                json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+            )
+            self._resume = _Resume(checkpoint, path, best)
+            log.info("resuming from nebula checkpoint %r", checkpoint.tag)
+            return original(path, *args, **kwargs)
+        finally:
+            self._resume = None
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _resolve(self, resume: str | bool | None) -> Checkpoint | str | None:
+        """What `train(resume_from_checkpoint=...)` resumes from: nebula's checkpoint, a
+        checkpoint folder on disk (the Trainer loads it itself), or None (no resume)."""
+        trainer = self.trainer
+        assert trainer is not None
+        if resume is None or resume is False:
+            return None
+        if resume is True:
+            latest = find(None)
+            if latest is not None:
+                return latest
+            output_dir = trainer.args.output_dir
+            local = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+            if local is None:
+                where = _session.current("train").tiers.display
+                raise ValueError(
+                    f"No valid checkpoint found in nebula ({where}) or in output directory "
+                    f"({output_dir})"
+                )
+            return local
+        path = os.fspath(resume)
+        if os.path.isfile(os.path.join(path, TRAINER_STATE)):
+            return path
+        tag = tag_for_path(path)
+        found = find(tag)
+        if found is None:
+            raise CheckpointNotFoundError(_session.current("train").tiers.display, tag)
+        return found
+
+    def _ours(self, checkpoint: Any) -> Checkpoint | None:
+        resume = self._resume
+        if resume is not None and checkpoint is not None and os.fspath(checkpoint) == resume.path:
+            return resume.checkpoint
+        return None
+
+    def _hook_load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        checkpoint = self._ours(resume_from_checkpoint)
+        if checkpoint is None:
+            return self._originals["_load_from_checkpoint"](resume_from_checkpoint, model)
+        trainer = self.trainer
+        assert trainer is not None
+        target = trainer.model if model is None else model
+        result = target.load_state_dict(checkpoint.load("model", map_location="cpu"), False)
+        trainer._issue_warnings_after_load(result)
+        return None
+
+    def _hook_load_optimizer_and_scheduler(self, checkpoint_path: str | None) -> None:
+        checkpoint = self._ours(checkpoint_path)
+        if checkpoint is None:
+            return self._originals["_load_optimizer_and_scheduler"](checkpoint_path)
+        trainer = self.trainer
+        assert trainer is not None
+        args = trainer.args
+        device = args.device
+        on_device = args.world_size > 1 and device.type != "cpu"
+        optimizer = load_optional(checkpoint, "optimizer", device if on_device else "cpu")
+        scheduler = load_optional(checkpoint, "scheduler")
+        if optimizer is not None and scheduler is not None:
+            trainer.optimizer.load_state_dict(optimizer)
+            trainer.lr_scheduler.load_state_dict(scheduler)
+        return None
+
+    def _hook_load_scaler(self, checkpoint_path: str | None) -> None:
+        checkpoint = self._ours(checkpoint_path)
+        if checkpoint is None:
+            return self._originals["_load_scaler"](checkpoint_path)
+        scaler = getattr(self.trainer.accelerator, "scaler", None) if self.trainer else None
+        state = load_optional(checkpoint, "scaler") if scaler is not None else None
+        if scaler is not None and state is not None:
+            scaler.load_state_dict(state)
+        return None
+
+    def _hook_load_rng_state(self, checkpoint_path: str | None) -> None:
+        checkpoint = self._ours(checkpoint_path)
+        if checkpoint is None:
+            return self._originals["_load_rng_state"](checkpoint_path)
+        trainer = self.trainer
+        assert trainer is not None
+        args = trainer.args
+        name = rng_item(args.process_index, args.world_size)
+        state = load_optional(checkpoint, name)
+        if state is None:
+            log.info(
+                "checkpoint %r has no item %r: the RNG states are not restored, so the "
+                "resumed run will not be identical to an uninterrupted one",
+                checkpoint.tag,
+                name,
+            )
+            return None
+        restore_rng(state)
+        return None
+
+    def _hook_init_training_state(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._originals["_init_training_state"](*args, **kwargs)
+        resume = self._resume
+        trainer = self.trainer
+        if resume is not None and trainer is not None and resume.best_model_checkpoint:
+            best = resume.best_model_checkpoint
+            if find(tag_for_path(best)) is not None or os.path.isdir(best):
+                trainer.state.best_model_checkpoint = best
+            else:
+                log.warning(
+                    "the best checkpoint %s recorded in the resumed state is gone; ignoring it",
+                    best,
+                )
+        return result
+
+    def _hook_load_best_model(self) -> None:
+        trainer = self.trainer
+        assert trainer is not None
+        best = trainer.state.best_model_checkpoint
+        checkpoint = find(tag_for_path(best)) if best else None
+        if checkpoint is None:
+            return self._originals["_load_best_model"]()
+        log.info(
+            "loading the best model from nebula checkpoint %r (score: %s)",
+            checkpoint.tag,
+            trainer.state.best_metric,
+        )
+        state_dict = checkpoint.load("model", map_location="cpu")
+        trainer._issue_warnings_after_load(trainer.model.load_state_dict(state_dict, False))
+        return None
+
+
+def _trainer_state_json(trainer: Trainer) -> str:
+    """What the Trainer writes to trainer_state.json, the states of its stateful callbacks
+    brought up to date first (as `_save_checkpoint` does)."""
+    state = trainer.state
+    for callback in [*trainer.callback_handler.callbacks, trainer.control]:
+        if not isinstance(callback, ExportableState):
+            continue
+        name = callback.__class__.__name__
+        if isinstance(state.stateful_callbacks.get(name), list):
+            state.stateful_callbacks[name].append(callback.state())
+        else:
+            state.stateful_callbacks[name] = callback.state()
+    return json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
+
+
+def _find_trainer(callback: NebulaCallback) -> Trainer | None:
+    """The Trainer whose callbacks hold `callback`, from the calling frames (the Trainer
+    calls its callbacks through its CallbackHandler, and hands them no reference to it)."""
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer) and any(
+            cb is callback for cb in candidate.callback_handler.callbacks
+        ):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _refuse_unsupported(trainer: Trainer) -> None:
+    from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+
+    why = None
+    if trainer.is_deepspeed_enabled:
+        why = "DeepSpeed saves its own checkpoints: enable nebula in its config ('nebula' block)"
+    elif trainer.is_fsdp_enabled or getattr(trainer, "is_fsdp_xla_enabled", False):
+        why = "FSDP checkpoints are sharded; NebulaCallback saves whole states"
+    elif is_sagemaker_mp_enabled() or is_torch_xla_available():
+        why = "SageMaker model parallelism and XLA save through their own calls"
+    if why is not None:
+        raise InvalidArgumentError(f"NebulaCallback does not support this Trainer: {why}")
+
+
+# export ---------------------------------------------------------------------------------
+def export_pretrained(
+    root: str | os.PathLike[str],
+    tag: str | None,
+    dest: str | os.PathLike[str],
+    *,
+    model_class: Any = None,
+) -> Path:
+    """Write the checkpoint `tag` of `root` (the newest when None) as a Hugging Face model
+    folder `dest`: `model.safetensors` and `config.json` (and `generation_config.json`),
+    which `AutoModel.from_pretrained(dest)` or the model's class loads; returns `dest`.
+
+    The model is built from the saved config (`model_class`, default the class named in
+    `config.architectures`) and written with `save_pretrained`, so tied weights and
+    sharding follow transformers' own rules. Tokenizers are not in nebula checkpoints: save
+    yours into `dest` (`tokenizer.save_pretrained(dest)`).
+    """
+    import transformers
+    from transformers import AutoConfig
+
+    checkpoint = find(tag, root)
+    if checkpoint is None:
+        raise CheckpointNotFoundError(os.fspath(root), tag or "(the newest)")
+    config_text = load_optional(checkpoint, "config")
+    if config_text is None:
+        raise InvalidArgumentError(
+            f"checkpoint {checkpoint.tag!r} has no item 'config': its model was not a "
+            f"transformers PreTrainedModel, so there is no config to export"
+        )
+    dest_path = Path(dest)
+    dest_path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="nebula-export-") as scratch:
+        Path(scratch, "config.json").write_text(config_text, encoding="utf-8")
+        config = AutoConfig.from_pretrained(scratch, local_files_only=True)
+    if model_class is None:
+        names = getattr(config, "architectures", None) or []
+        model_class = getattr(transformers, names[0], None) if names else None
+        if model_class is None:
+            model_class = transformers.AutoModel
+    if hasattr(model_class, "from_config"):  # an Auto class
+        model = model_class.from_config(config)
+    else:
+        model = model_class(config)
+    state_dict = checkpoint.load("model", map_location="cpu")
+    floating = [t.dtype for t in state_dict.values() if t.is_floating_point()]
+    if floating:
+        model.to(floating[0])  # as trained (bf16 stays bf16)
+    result = model.load_state_dict(state_dict, strict=False)
+    if result.unexpected_keys or result.missing_keys:
+        raise InvalidArgumentError(
+            f"checkpoint {checkpoint.tag!r} does not fit {type(model).__name__}: missing "
+            f"keys {result.missing_keys[:5]}, unexpected keys {result.unexpected_keys[:5]}"
+        )
+    generation_text = load_optional(checkpoint, "generation_config")
+    if generation_text and getattr(model, "generation_config", None) is not None:
+        with contextlib.suppress(ValueError, TypeError):
+            model.generation_config = type(model.generation_config).from_dict(
+                json.loads(generation_text)
+            )
+    model.save_pretrained(dest_path)
+    return dest_path

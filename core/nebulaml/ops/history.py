@@ -1,0 +1,241 @@
+"""Reading checkpointHistories.csv back: a typed DataFrame, a summary and JSON records.
+
+`read_history` reads a root's history (on object stores, the header file and the batches
+appended beside it, `Store.read_appended`) into a typed pandas DataFrame, oldest first,
+and refuses anything that is not nebula's history, naming the line (`HistoryFormatError`;
+`HistoryNotFoundError` when there is none). `summarize_history` gives stalls, persist
+times, throughput and counts; `history_records` the rows as JSON-ready dicts. They serve
+`nebula history` and operators (`nm.read_history`, `nm.summarize_history`); pandas is
+imported only when they run.
+
+May import: `nebulaml.errors`, `nebulaml.storage` and `nebulaml.protocol.history` (the
+file's name and columns). Not for: writing rows (protocol/history.py: the persister
+appends them), or rendering (tables, CSV on stdout, plots: the CLI's `history` command).
+"""
+
+from __future__ import annotations
+
+import io
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any
+
+from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError, NebulaError
+from nebulaml.protocol.history import COLUMNS, HISTORY_FILE
+from nebulaml.storage.store import Store
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+TIERS = ("memory", "persistent")
+STATUSES = ("ok", "failed", "skipped")
+_ISO_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+class HistoryNotFoundError(CheckpointNotFoundError):
+    """A root without checkpointHistories.csv (no job has saved there yet, or not here)."""
+
+    def __init__(self, root: str) -> None:
+        NebulaError.__init__(
+            self,
+            f"no {HISTORY_FILE} at {root} (a job writes it at its persistent root, or at its "
+            f"memory tier when it has no persistent one)",
+        )
+        self.root, self.tag = root, None
+
+
+class HistoryFormatError(NebulaError):
+    """A checkpointHistories.csv that cannot be read as nebula's history (never skipped)."""
+
+    def __init__(self, where: str, why: str) -> None:
+        super().__init__(f"{where}: not a readable checkpoint history: {why}")
+        self.where, self.why = where, why
+
+
+def read_history(
+    root: str,
+    *,
+    since: datetime | timedelta | None = None,
+    tag: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> pd.DataFrame:
+    """The rows of ROOT's checkpointHistories.csv as a typed DataFrame, oldest first.
+
+    Columns: `tag`, `tier`, `status`, `error` (str); `step` (nullable Int64); `rank`,
+    `size_bytes` (int64); `duration_s`, `blocking_s`, `throughput_mb_s` (float64);
+    `started_at` (UTC datetimes). Columns a newer nebula added are kept, as text.
+    `since` keeps rows that started at or after a time (timezone-aware) or within a
+    duration back from now; `tag` keeps the rows of one tag. Raises `HistoryNotFoundError`
+    when there is no history file and `HistoryFormatError` when it is not one.
+
+    Example:
+        >>> import nebulaml as nm, tempfile
+        >>> nm.read_history(tempfile.mkdtemp())
+        Traceback (most recent call last):
+        ...
+        nebulaml.ops.history.HistoryNotFoundError: no checkpointHistories.csv at ...
+    """
+    cutoff = _cutoff(since)
+    store = Store(root, storage_options)
+    # The file, and on object stores the rows appended beside it (see Store.append_text).
+    data = store.read_appended(HISTORY_FILE)
+    if data is None:
+        raise HistoryNotFoundError(store.url)
+    df = _parse(data, store.display(HISTORY_FILE))
+    if cutoff is not None:
+        df = df[df["started_at"] >= cutoff]
+    if tag is not None:
+        df = df[df["tag"] == tag]
+    return df.reset_index(drop=True)
+
+
+def _cutoff(since: datetime | timedelta | None) -> datetime | None:
+    if since is None:
+        return None
+    if isinstance(since, timedelta):
+        if since < timedelta(0):
+            raise InvalidArgumentError(f"since={since!r}: a duration back from now is positive")
+        return datetime.now(timezone.utc) - since
+    if since.tzinfo is None or since.utcoffset() is None:
+        raise InvalidArgumentError(
+            f"since={since!r} has no time zone; give e.g. datetime(..., tzinfo=timezone.utc)"
+        )
+    return since.astimezone(timezone.utc)
+
+
+def _parse(data: bytes, where: str) -> pd.DataFrame:
+    """Parse and type the file's bytes; anything that does not fit raises, naming the line."""
+    import pandas as pd
+
+    try:
+        text = data.decode("utf-8")
+        raw = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False, na_filter=False)
+    except UnicodeDecodeError as exc:
+        raise HistoryFormatError(where, f"not UTF-8 text ({exc.reason})") from exc
+    except pd.errors.EmptyDataError as exc:
+        raise HistoryFormatError(where, "the file is empty (no header line)") from exc
+    except pd.errors.ParserError as exc:
+        raise HistoryFormatError(where, str(exc).replace("Error tokenizing data. ", "")) from exc
+    missing = [name for name in COLUMNS if name not in raw.columns]
+    if missing:
+        raise HistoryFormatError(
+            where, f"line 1: no column {', '.join(missing)} (expected {','.join(COLUMNS)})"
+        )
+    # Two writers that both found no file both wrote a header: those lines are not rows.
+    raw = raw[~((raw["tag"] == "tag") & (raw["tier"] == "tier") & (raw["status"] == "status"))]
+
+    def reject(bad: pd.Series, column: str, what: str) -> None:
+        if bad.any():
+            label = bad.idxmax()  # read_csv's index: 0 is line 2 (no row spans lines)
+            value = raw.at[label, column]
+            raise HistoryFormatError(where, f"line {label + 2}: {column} {value!r} is not {what}")
+
+    reject(raw["tag"] == "", "tag", "a tag")
+    reject(~raw["tier"].isin(TIERS), "tier", " or ".join(TIERS))
+    statuses = f"{', '.join(STATUSES[:-1])} or {STATUSES[-1]}"
+    reject(~raw["status"].isin(STATUSES), "status", statuses)
+    for column in ("rank", "size_bytes"):
+        reject(~raw[column].str.fullmatch(r"-?\d+"), column, "an integer")
+    reject(~raw["step"].str.fullmatch(r"(-?\d+)?"), "step", "an integer or empty")
+    floats = {c: pd.to_numeric(raw[c], errors="coerce") for c in _FLOAT_COLUMNS}
+    for column, values in floats.items():
+        reject(values.isna(), column, "a number")
+    started_at = pd.to_datetime(raw["started_at"], utc=True, format="ISO8601", errors="coerce")
+    reject(started_at.isna(), "started_at", "an ISO-8601 time")
+
+    step = pd.Series(pd.NA, index=raw.index, dtype="Int64")
+    has_step = raw["step"] != ""
+    step[has_step] = raw.loc[has_step, "step"].astype("int64")
+    typed = {
+        "tag": raw["tag"],
+        "step": step,
+        "tier": raw["tier"],
+        "rank": raw["rank"].astype("int64"),
+        "started_at": started_at,
+        "duration_s": floats["duration_s"].astype("float64"),
+        "blocking_s": floats["blocking_s"].astype("float64"),
+        "size_bytes": raw["size_bytes"].astype("int64"),
+        "throughput_mb_s": floats["throughput_mb_s"].astype("float64"),
+        "status": raw["status"],
+        "error": raw["error"],
+    }
+    extra = {name: raw[name] for name in raw.columns if name not in typed}
+    df = pd.DataFrame({**typed, **extra}, index=raw.index)
+    # Rows are appended as operations end, by every rank: order them by when they started.
+    return df.sort_values("started_at", kind="stable").reset_index(drop=True)
+
+
+_FLOAT_COLUMNS = ("duration_s", "blocking_s", "throughput_mb_s")
+
+
+# summarising -------------------------------------------------------------------------------
+def summarize_history(df: pd.DataFrame) -> dict[str, Any]:
+    """A JSON-serialisable summary of history rows (as `read_history` returns them).
+
+    `count` rows: `saves` (memory tier), `persists` (persistent tier, done or failed),
+    `skipped` (persists skipped: superseded before their turn), `failures`.
+    `stall_s` is the time training waited per save (`blocking_s` of the saves);
+    `persist_s` the time a successful persist took (`duration_s`), and `throughput_mb_s`
+    its speed; each has `p50`, `p95` (linear interpolation) and `max`, or None without
+    rows. `bytes_total` is what successful rows wrote, on every tier. `first_started_at`
+    and `last_started_at` are ISO-8601 UTC, or None.
+
+    Example:
+        >>> import nebulaml as nm, pandas as pd
+        >>> nm.summarize_history(pd.DataFrame(columns=COLUMNS))["count"]
+        0
+    """
+    memory = df["tier"] == "memory"
+    skipped = df["status"] == "skipped"
+    persistent = (df["tier"] == "persistent") & ~skipped
+    ok = df["status"] == "ok"
+    persisted = df[persistent & ok]
+    started = df["started_at"]
+    return {
+        "count": len(df),
+        "saves": int(memory.sum()),
+        "persists": int(persistent.sum()),
+        "skipped": int(skipped.sum()),
+        "failures": int((df["status"] == "failed").sum()),
+        "stall_s": _quantiles(df.loc[memory, "blocking_s"], p95=True),
+        "persist_s": _quantiles(persisted["duration_s"], p95=True),
+        "throughput_mb_s": _quantiles(persisted["throughput_mb_s"], p95=False),
+        "bytes_total": int(df.loc[ok, "size_bytes"].sum()),
+        "first_started_at": None if df.empty else _iso(started.min()),
+        "last_started_at": None if df.empty else _iso(started.max()),
+    }
+
+
+def _quantiles(values: pd.Series, *, p95: bool) -> dict[str, float | None]:
+    keys = ("p50", "p95", "max") if p95 else ("p50", "max")
+    if values.empty:
+        return dict.fromkeys(keys)
+    found = {"p50": values.quantile(0.5), "p95": values.quantile(0.95), "max": values.max()}
+    return {key: round(float(found[key]), 6) for key in keys}
+
+
+def _iso(ts: Any) -> str:
+    return str(ts.strftime(_ISO_FORMAT))
+
+
+def history_records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """History rows as JSON-serialisable dicts, one per row, keys in the file's column order
+    (`step` None when the tag has none, `started_at` ISO-8601 UTC).
+
+    Example:
+        >>> import nebulaml as nm, pandas as pd
+        >>> nm.history_records(pd.DataFrame(columns=COLUMNS))
+        []
+    """
+    import pandas as pd
+
+    columns: dict[str, list[Any]] = {}
+    for name in df.columns:
+        values = df[name]
+        if name == "started_at":
+            columns[name] = [_iso(ts) for ts in values]
+        elif name == "step":
+            columns[name] = [None if pd.isna(v) else int(v) for v in values]
+        else:
+            columns[name] = values.tolist()  # Python ints, floats and strs
+    names = list(columns)
+    return [dict(zip(names, row, strict=True)) for row in zip(*columns.values(), strict=True)]

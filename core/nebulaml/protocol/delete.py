@@ -1,0 +1,186 @@
+"""Deleting a checkpoint from one tier (DESIGN.md §4): the manifest first, then the data.
+
+    delete_checkpoint  a whole tag: invisible at once, then gone; never a tag being read
+    delete_part        one rank's part of a shared tag folder (several ranks, one node)
+
+A deleter first writes a writer marker naming itself (its claim), so that a delete cut
+short leaves a leftover recovery knows to be a dead writer's (recovery.py), and publishes
+a delete claim, so that no reader's tag goes under it (leases.py).
+
+May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, leases.py and
+markers.py. Not for: deciding what to delete (retention.py, ops/pruning.py) or replacing
+a tag (commit.py's `begin_tag` deletes through here).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+
+from nebulaml.errors import NebulaError, StorageError
+from nebulaml.format.manifest import parse_marker
+from nebulaml.format.names import MANIFEST_NAME, marker_name, validate_name, writer_marker_name
+from nebulaml.protocol.leases import delete_claim, is_lease_file
+from nebulaml.protocol.markers import read_writers, writer_alive, writer_record
+from nebulaml.storage.store import MissingFileError, Store
+
+
+def delete_checkpoint(
+    store: Store, tag: str, *, discard: Callable[[str, str], object] | None = None
+) -> bool:
+    """Delete a tag: the manifest first (so it is invisible at once), then the data.
+
+    A checkpoint being read is never deleted: this publishes a delete claim, then looks
+    for live read leases (leases.py); if there is one it returns False and the tag stays
+    as it is (the caller reports it, or tries again later). Returns True once the tag is
+    gone (also when there was nothing to delete).
+
+    A writer marker naming this process goes in before the manifest goes out, so that a
+    delete cut short (the process killed) leaves a leftover that recovery knows to be a
+    dead writer's, not files nobody claims. `discard(tag, name)`, when given, disposes of
+    each data file instead of removing it (the memory tier recycles them: slots.py).
+    """
+    validate_name("tag", tag)
+    files = store.list_files(tag)
+    if not files:
+        _remove_folder(store, tag)  # an empty folder (a store with real folders)
+        return True
+    if MANIFEST_NAME not in files:
+        # Uncommitted: nobody can be reading it (leases.py), and a full disk must not keep
+        # a failed write's leftovers from going for want of room for a claim. But a live
+        # writer may have started it since the caller judged it a leftover: its marker
+        # would be overwritten by our claim, and its files deleted under it.
+        if _live_writer(store, tag):
+            return False
+        try:
+            _claim(store, tag, 0)
+        except MissingFileError:
+            return True  # another deleter was quicker
+        _remove_checkpoint(store, tag, files, discard)
+        return True
+    with delete_claim(store, tag) as readers:
+        if readers:
+            return False
+        try:
+            _claim(store, tag, 0)  # before the manifest goes: no moment without a claim
+        except MissingFileError:
+            return True  # another deleter (prune, retention, eviction) was quicker
+        _remove_checkpoint(store, tag, files, discard)
+    return True
+
+
+def delete_part(
+    store: Store,
+    tag: str,
+    rank: int,
+    *,
+    keep_folder: bool = False,
+    discard: Callable[[str, str], object] | None = None,
+) -> bool:
+    """Remove one rank's part of a shared tag folder: the manifest first (the tag is then
+    invisible on this tier), then the items this rank's marker lists, then its markers,
+    then the folder if no other rank's files remain. A writer marker naming this process
+    is there from the start, so a delete cut short is a dead writer's leftover.
+
+    Returns False, and changes nothing, while a live reader holds a lease on the
+    committed tag (leases.py); True once the part is gone. `discard(tag, name)`, when
+    given, disposes of each item file instead (the memory tier recycles them: slots.py).
+    """
+    files = store.list_files(tag)
+    if not files:
+        return True
+    if MANIFEST_NAME not in files:
+        # Uncommitted: nobody can be reading it (leases.py), and a full disk must not keep
+        # a failed write's leftovers from going for want of room for a claim.
+        _remove_part(store, tag, rank, files, keep_folder, discard)
+        return True
+    with delete_claim(store, tag) as readers:
+        if readers:
+            return False
+        _remove_part(store, tag, rank, files, keep_folder, discard)
+    return True
+
+
+def _remove_part(
+    store: Store,
+    tag: str,
+    rank: int,
+    files: dict[str, int],
+    keep_folder: bool,
+    discard: Callable[[str, str], object] | None = None,
+) -> None:
+    try:
+        _claim(store, tag, rank)
+    except MissingFileError:
+        return  # the folder went meanwhile: another deleter was quicker
+    store.remove(tag, MANIFEST_NAME)
+    own: set[str] = set()
+    if marker_name(rank) in files:
+        try:
+            marker = parse_marker(
+                store.read_bytes(tag, marker_name(rank)), store.display(tag, marker_name(rank))
+            )
+            own = {item.file for item in marker.items}
+        except (NebulaError, ValueError):
+            own = set()
+    for name in sorted(own & set(files)):
+        if discard is not None:
+            discard(tag, name)
+        store.remove(tag, name)
+    store.remove(tag, marker_name(rank))
+    store.remove(tag, writer_marker_name(rank))
+    # Leases (our claim among them) are no other rank's files.
+    if not keep_folder and not [n for n in store.list_files(tag) if not is_lease_file(n)]:
+        _remove_folder(store, tag, files)
+
+
+def _claim(store: Store, tag: str, rank: int) -> None:
+    """Write this process's writer marker into `tag` (before it changes what is there)."""
+    # Written in place, not published: on a full disk a delete must still get its claim
+    # in (a deleter's half-written claim only makes another deleter delete too).
+    store.write_bytes((tag, writer_marker_name(rank)), writer_record(rank))
+
+
+def _live_writer(store: Store, tag: str) -> bool:
+    """Whether another live process on this host is writing `tag` (its writer marker)."""
+    me = os.getpid()
+    return any(w.get("pid") != me and writer_alive(w) for w in read_writers(store, tag))
+
+
+def _remove_checkpoint(
+    store: Store, tag: str, files: dict[str, int], discard: Callable[[str, str], object] | None
+) -> None:
+    store.remove(tag, MANIFEST_NAME)
+    # Data first, our markers last: whatever a kill leaves behind still carries them.
+    for name in files:
+        if not name.startswith(".") and name != MANIFEST_NAME:
+            if discard is not None:
+                discard(tag, name)
+            store.remove(tag, name)
+    _remove_folder(store, tag, files)
+
+
+def _remove_folder(store: Store, tag: str, known: Iterable[str] = (), tries: int = 8) -> None:
+    """Remove the folder of a deleted tag with what is left in it (markers, leases).
+
+    A reader may create its lease between the listing and the removal of the folder (it
+    then finds no manifest and leaves), or another deleter its claim (it then finds the
+    folder gone, or empties it too): the folder is not empty, so try again, a little later.
+    Files that were not there when the delete listed the folder (`known`), other than
+    leases and claims, are a new writer's (the tag saved again): the folder is theirs then.
+    """
+    delay_s = 0.001
+    known = set(known) | {writer_marker_name(0)}
+    for attempt in range(tries):
+        present = store.list_files(tag)
+        if any(name not in known and not is_lease_file(name) for name in present):
+            return
+        try:
+            store.remove_dir(tag)
+            return
+        except StorageError:
+            if attempt == tries - 1:
+                raise
+        time.sleep(delay_s)
+        delay_s *= 2

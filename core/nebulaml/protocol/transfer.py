@@ -1,0 +1,281 @@
+"""Copying a committed checkpoint between tiers with the full commit protocol (DESIGN.md §4).
+
+    copy_checkpoint  a whole tag, its items copied and verified, its manifest last;
+                     optionally resuming an interrupted copy and re-reading what it wrote
+    copy_part        one rank's part of a tag (the persister of each rank copies its own);
+                     whichever rank sees every marker first publishes the manifest
+    copy_item        one item file, hashed on the way and compared with its manifest entry
+
+Every byte copied is hashed and checked against the source manifest: a mismatch raises
+`CorruptCheckpointError` and nothing is committed at the destination.
+
+May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, catalog.py,
+commit.py and markers.py. Not for: when to copy (persister.py, ops/copying.py) or what to
+delete after (retention.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nebulaml.errors import (
+    CheckpointBusyError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    NebulaError,
+)
+from nebulaml.format.checksum import hash_stream, new_hasher
+from nebulaml.format.manifest import ItemEntry, Manifest, RankMarker, parse_marker
+from nebulaml.format.names import MANIFEST_NAME, marker_name, validate_name, writer_marker_name
+from nebulaml.protocol.catalog import CheckpointInfo, read_committed
+from nebulaml.protocol.commit import await_commit, begin_tag, publish_manifest, read_markers
+from nebulaml.protocol.markers import describe_writer, read_writers, writer_alive, writer_record
+from nebulaml.storage.store import MissingFileError, Store
+
+_COPY_CHUNK_BYTES = 8 << 20
+
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class CopyResult:
+    """What `copy_checkpoint` did: items copied, items found already there, byte counts."""
+
+    manifest: Manifest
+    copied_items: tuple[str, ...] = ()
+    skipped_items: tuple[str, ...] = ()
+    copied_bytes: int = 0
+    skipped_bytes: int = 0
+    unchanged: bool = False  # the destination already held this checkpoint, committed
+
+
+def copy_checkpoint(
+    src: CheckpointInfo,
+    dst: Store,
+    *,
+    overwrite: bool = False,
+    resume: bool = False,
+    verify: bool = False,
+    progress: ProgressCallback | None = None,
+) -> CopyResult:
+    """Copy a committed checkpoint to another root with the full commit protocol.
+
+    Every byte is hashed on the way and compared with the source manifest; a mismatch
+    raises `CorruptCheckpointError` and nothing is committed at the destination. A
+    destination that already holds the identical checkpoint is left as it is; a different
+    committed one is refused (`CheckpointExistsError`) unless `overwrite`.
+
+    `verify` re-reads every item from the destination and checks its size and checksum
+    before the manifest is published. `resume` keeps what an interrupted copy left: an
+    uncommitted destination folder's item files of the right size whose checksum matches
+    are not written again (counted in `skipped_bytes`); it refuses to touch a folder that
+    a live process on this host is writing (`CheckpointBusyError`). `progress(done, total)`
+    is called as bytes are copied or found in place. The defaults are the persister's:
+    the destination tag is rewritten whole and only the source bytes are hashed.
+    """
+    tag = src.tag
+    items = src.manifest.items
+    total = src.manifest.total_bytes
+    existing = read_committed(dst, tag)
+    if existing is not None and existing.manifest.items == items:
+        if progress is not None:
+            progress(total, total)
+        return CopyResult(existing.manifest, unchanged=True)
+    # A manifest that does not read as committed (an item missing, say) is not ours to
+    # repair silently either: the caller asks for overwrite.
+    has_manifest = existing is not None or dst.exists(tag, MANIFEST_NAME)
+    if has_manifest and not overwrite:
+        raise CheckpointExistsError(
+            dst.url, tag, hint="copy with overwrite=True (nebula copy --overwrite) to replace it"
+        )
+    if resume and not has_manifest:
+        skipped = _resume_tag(dst, tag, items)
+    else:
+        begin_tag(dst, tag, rank=0, overwrite=overwrite)
+        skipped = {}
+    done = sum(skipped.values())
+    if progress is not None:
+        progress(done, total)
+    copied: list[str] = []
+    for item in items:
+        if item.file in skipped:
+            continue
+
+        def advance(n: int, base: int = done) -> None:
+            if progress is not None:
+                progress(base + n, total)
+
+        copy_item(src.store, dst, tag, item, advance)
+        if verify:
+            # Re-read from the destination rather than trusting the bytes we sent: this is
+            # what a later reader gets, so it also catches a store that truncated or altered
+            # the upload, or a writer that raced us. Hashing while writing cannot.
+            _check_item(dst, tag, item)
+        done += item.size_bytes
+        copied.append(item.name)
+    ranks = sorted({item.rank for item in items}) or [0]
+    for rank in ranks:
+        marker = RankMarker(
+            tag,
+            rank,
+            src.manifest.world_size,
+            src.manifest.created_at,
+            tuple(i for i in items if i.rank == rank),
+            src.manifest.labels,
+        )
+        dst.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
+    manifest = Manifest(
+        tag=tag,
+        step=src.manifest.step,
+        created_at=src.manifest.created_at,
+        # The checkpoint's commit time, kept on every tier so that "newest" is one order.
+        committed_at=src.manifest.committed_at,
+        world_size=src.manifest.world_size,
+        items=items,
+        producer=src.manifest.producer,
+        labels=src.manifest.labels,
+    )
+    dst.publish((tag, MANIFEST_NAME), manifest.to_bytes(), create_only=True)
+    dst.remove(tag, writer_marker_name(0))
+    return CopyResult(
+        manifest,
+        copied_items=tuple(copied),
+        skipped_items=tuple(i.name for i in items if i.file in skipped),
+        copied_bytes=sum(i.size_bytes for i in items if i.file not in skipped),
+        skipped_bytes=sum(skipped.values()),
+    )
+
+
+def _resume_tag(dst: Store, tag: str, items: tuple[ItemEntry, ...]) -> dict[str, int]:
+    """Prepare an uncommitted destination folder for a resumed copy.
+
+    Returns {file: size} of the item files already there and verified. Everything else in
+    the folder (partial or mismatching items, stale markers) is removed, and our writer
+    marker is written, as `begin_tag` does.
+    """
+    validate_name("tag", tag)
+    me = os.getpid()
+    for writer in read_writers(dst, tag):
+        # An earlier, failed attempt of this very process is not a competitor.
+        if writer.get("pid") != me and writer_alive(writer):
+            raise CheckpointBusyError(dst.url, tag, describe_writer(writer))
+    wanted = {item.file: item for item in items}
+    kept: dict[str, int] = {}
+    for name, size in dst.list_files(tag).items():
+        item = wanted.get(name)
+        if item is not None and size == item.size_bytes and _matches(dst, tag, item):
+            kept[name] = size
+        else:
+            dst.remove(tag, name)
+    dst.make_dir(tag)
+    dst.publish((tag, writer_marker_name(0)), writer_record(0), create_only=False)
+    return kept
+
+
+def _matches(store: Store, tag: str, item: ItemEntry) -> bool:
+    try:
+        with store.open_read(tag, item.file) as f:
+            size, digest = hash_stream(f, _COPY_CHUNK_BYTES, item.checksum_algo)
+    except MissingFileError:
+        return False
+    return size == item.size_bytes and digest == item.checksum
+
+
+def _check_item(store: Store, tag: str, item: ItemEntry) -> None:
+    with store.open_read(tag, item.file) as f:
+        size, digest = hash_stream(f, _COPY_CHUNK_BYTES, item.checksum_algo)
+    if size != item.size_bytes or digest != item.checksum:
+        raise CorruptCheckpointError(
+            store.display(tag, item.file),
+            f"{item.size_bytes} bytes with {item.checksum_algo} {item.checksum}",
+            f"{size} bytes with {item.checksum_algo} {digest} after writing it",
+        )
+
+
+def copy_item(
+    src: Store, dst: Store, tag: str, item: ItemEntry, advance: Callable[[int], None]
+) -> None:
+    """Copy one item file of `tag`, hashing on the way; a mismatch with `item` raises
+    `CorruptCheckpointError`."""
+    hasher = new_hasher(item.checksum_algo)
+    size = 0
+
+    def hashed(piece: memoryview) -> None:
+        nonlocal size
+        hasher.update(piece)
+        size += len(piece)
+        advance(size)
+
+    def check() -> None:
+        if size != item.size_bytes or hasher.hexdigest() != item.checksum:
+            raise CorruptCheckpointError(
+                src.display(tag, item.file),
+                f"{item.size_bytes} bytes with {item.checksum_algo} {item.checksum}",
+                f"{size} bytes with {item.checksum_algo} {hasher.hexdigest()}",
+            )
+
+    with src.map_read(tag, item.file) as mapped:
+        if mapped is not None:
+            # A local source is hashed and written from its pages, without a read() copy,
+            # hashing one piece while the one before it is written (with O_DIRECT on a
+            # local disk): the persister competes with training for the CPU.
+            dst.write_view((tag, item.file), mapped, hashed)
+            try:
+                check()
+            except CorruptCheckpointError:
+                with contextlib.suppress(NebulaError):
+                    dst.remove(tag, item.file)  # a bad copy is not left behind
+                raise
+            return
+    with src.open_read(tag, item.file) as fin, dst.open_write(tag, item.file) as fout:
+        while data := fin.read(_COPY_CHUNK_BYTES):
+            hashed(memoryview(data))
+            fout.write(data)
+        check()
+
+
+def copy_part(
+    src: Store,
+    dst: Store,
+    tag: str,
+    *,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    wait: bool = True,
+) -> int:
+    """Copy one rank's part of `tag` (its marker and the items it lists) to another tier,
+    verified; then, with `wait`, wait until every rank's part is there and the manifest is
+    published (`RankTimeoutError` after `timeout_s`: the tag stays uncommitted on `dst`).
+
+    Each rank persists its own part; whichever sees every marker first commits. Without
+    `wait` this returns once the part is durable (followers must not block: the leader
+    may be waiting for one of their older parts). Returns the bytes of this rank's items.
+    """
+    where = src.display(tag, marker_name(rank))
+    marker = parse_marker(src.read_bytes(tag, marker_name(rank)), where)
+    size = sum(item.size_bytes for item in marker.items)
+    existing = read_committed(dst, tag)
+    mine = set() if existing is None else {i for i in existing.manifest.items if i.rank == rank}
+    if existing is not None and mine == set(marker.items):
+        return size  # this part is already durable there
+    begin_tag(dst, tag, rank=rank, overwrite=True, world_size=world_size)
+    for item in marker.items:
+        copy_item(src, dst, tag, item, lambda _n: None)
+    dst.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
+    # The writer's marker goes only once the tag is committed (or, without `wait`, once
+    # this part is): with every part written but no manifest yet, a prune of leftovers
+    # would otherwise take the tag for a dead job's and delete it under the commit.
+    if wait:
+        await_commit(
+            dst, tag, world_size=world_size, timeout_s=timeout_s, poll_s=0.05, max_poll_s=0.5
+        )
+    else:
+        markers = read_markers(dst, tag, world_size)
+        if markers is not None and read_committed(dst, tag) is None:
+            publish_manifest(dst, tag, world_size, markers)
+    dst.remove(tag, writer_marker_name(rank))
+    return size

@@ -1,0 +1,330 @@
+"""Saving a checkpoint: `Checkpoint.save` and `Checkpoint.commit`'s pipeline, one rank's.
+
+A save begins the tag in the memory tier (its writer marker), then writes each item there:
+into a reused buffer when its layout maps exactly (snapshot.py, slots.py), else with
+torch.save. Once the checkpoint does not fit the memory tier (its budget or its
+filesystem: budget.py) it is *streamed*: written and committed on the persistent tier
+directly, the items saved so far copied over first. A lazy save (fence.py) queues the
+copy on the snapshot worker and returns at once. The commit publishes this rank's part
+(commit.commit_rank), waits for the other ranks' on a shared memory tier, and hands the
+tag to the persister with the history row of the save.
+
+May import: every layer below runtime, and the runtime modules a save uses (session,
+budget, fence, slots, snapshot). Not for: the user's checks on the handle (checkpoint.py),
+persisting (persister.py), or loading (load.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from nebulaml.errors import (
+    CheckpointExistsError,
+    MemoryBudgetError,
+    MemoryTierFullError,
+    SnapshotChangedError,
+    StorageFullError,
+    memory_tier_advice,
+)
+from nebulaml.format.manifest import ItemEntry, Manifest, utc_now
+from nebulaml.format.names import step_of, writer_marker_name
+from nebulaml.format.serialization import estimate_bytes, to_saveable
+from nebulaml.protocol.catalog import read_committed
+from nebulaml.protocol.commit import await_commit, begin_tag, commit_rank, write_item
+from nebulaml.protocol.delete import delete_checkpoint, delete_part
+from nebulaml.protocol.history import HistoryRow, make_row
+from nebulaml.protocol.tiers import TierSet
+from nebulaml.protocol.transfer import copy_item
+from nebulaml.runtime.budget import RECORDS_ROOM_BYTES, Shortfall
+from nebulaml.runtime.fence import Taken
+from nebulaml.runtime.session import Session
+from nebulaml.runtime.slots import write_snapshot
+from nebulaml.runtime.snapshot import Layout, cuda_ready_event
+from nebulaml.storage.store import Store
+
+log = logging.getLogger("nebulaml")
+
+
+class SaveJob:
+    """One checkpoint's save on this rank, from its first item to its commit.
+
+    A `Checkpoint` holds one, and checks the user's calls before it hands them over.
+    `names` are the items saved (or queued by a lazy save), `items` their entries once
+    written; `tiers` is where the checkpoint is, bound by the first save (or by
+    `mark_committed`).
+    """
+
+    def __init__(self, tag: str, *, overwrite: bool, labels: tuple[str, ...]) -> None:
+        self.tag = tag
+        self.overwrite = overwrite
+        self.labels = labels
+        self.items: list[ItemEntry] = []
+        self.names: list[str] = []  # saved, or queued by a lazy save
+        self.committed = False
+        self.sealed = False  # a lazy commit is queued
+        self.tiers: TierSet | None = None
+        self._lazy_error: BaseException | None = None
+        self._begun = False
+        self._store: Store | None = None  # where the items go: memory, or streamed
+        self._memory_full = False  # the memory tier had no room for the writer marker
+        self._started_at = ""
+        self._t0 = 0.0
+        self._blocking_s = 0.0
+
+    def mark_committed(self, tiers: TierSet) -> None:
+        """This is a checkpoint committed before, on `tiers`: nothing is saved into it."""
+        self.tiers = tiers
+        self.committed = True
+
+    def add(self, session: Session, name: str, obj: Any, t0: float) -> None:
+        """Write item `name` (or, lazily, queue its copy); the save began at `t0`."""
+        if session.snapshots is not None:
+            session.snapshots.raise_error()  # an earlier lazy save's failure, once
+        if not self._begun:
+            self._begin(session, t0)
+        self.names.append(name)
+        if session.snapshots is None:
+            self.items.append(self._write(session, name, obj))
+        else:
+            # Lazy: the copy (hashed on the way) runs in the background; the fence before
+            # optimizer.step() waits for it. The state dicts are taken now, and the small
+            # tensors copied; the large ones are read later, and must not have changed.
+            saveable = to_saveable(obj)
+            small = session.snapshots.small
+            taken = small.take(name, saveable)
+            ready = cuda_ready_event(saveable)
+
+            def copy() -> None:
+                try:
+                    entry = self._write(session, name, saveable, ready, taken)
+                    changed = taken.changed()
+                    if changed:
+                        raise SnapshotChangedError(self.tag, name, changed)
+                    self.items.append(entry)
+                except BaseException as exc:
+                    self._lazy_error = exc  # the checkpoint is incomplete: never committed
+                    raise
+                finally:
+                    small.give_back(name, taken)
+
+            session.snapshots.submit(copy, copies=True, hold=True)  # until the commit
+        self._blocking_s += time.perf_counter() - t0
+
+    def commit(self, session: Session) -> bool:
+        """Commit now, or (lazy) once the queued copies are done; returns True."""
+        if session.snapshots is not None:
+            self.sealed = True  # no more saves; the commit runs after the copies
+            session.snapshots.submit(lambda: self._commit_lazily(session), copies=False)
+            return True
+        return self._commit_now(session)
+
+    def _begin(self, session: Session, t0: float) -> None:
+        tiers = session.tiers
+        persistent = tiers.persistent
+        if not self.overwrite and persistent and read_committed(persistent, self.tag):
+            raise CheckpointExistsError(tiers.persistent.url, self.tag)
+        self._started_at, self._t0 = utc_now(), t0
+        if self.overwrite:
+            session.persister.release(self.tag)  # never rewrite what is being copied
+        try:
+            begin_tag(
+                tiers.memory,
+                self.tag,
+                rank=session.rank,
+                overwrite=self.overwrite,
+                world_size=session.world_size,
+            )
+        except StorageFullError:
+            self._memory_full = True  # the first item goes to the persistent tier (_write)
+        self.tiers = tiers
+        self._store = tiers.memory
+        self._begun = True
+
+    def _write(
+        self,
+        session: Session,
+        name: str,
+        obj: Any,
+        ready: Any = None,
+        taken: Taken | None = None,
+    ) -> ItemEntry:
+        """Write one item: into a reused memory-tier buffer when its layout maps exactly
+        (snapshot.py), else with torch.save; to the persistent tier once this checkpoint
+        does not fit the memory tier (its budget or its filesystem: budget.py). The copy
+        is done when this returns (`obj` may change); returns the item's entry. A lazy
+        save's small storages are read from what it took at the save (fence.py)."""
+        if self._store is session.tiers.memory:
+            layout = session.layouts.plan(name, obj)
+            size = layout.size_bytes if layout is not None else estimate_bytes(obj)
+            if self._memory_full:
+                short = session.budget.filesystem_full(size)
+            else:
+                short = session.budget.make_room(name, size)
+            if short is None:
+                try:
+                    return self._write_memory(session, name, obj, layout, ready, taken)
+                except StorageFullError:
+                    # Another process took the room meanwhile: as if there had been none.
+                    short = session.budget.filesystem_full(size)
+            self._stream(session, f"item {name!r}", short)
+        assert self._store is not None
+        if taken is not None:
+            obj = taken.substitute(obj)
+        return write_item(self._store, self.tag, name, obj, rank=session.rank)
+
+    def _write_memory(
+        self,
+        session: Session,
+        name: str,
+        obj: Any,
+        layout: Layout | None,
+        ready: Any,
+        taken: Taken | None,
+    ) -> ItemEntry:
+        if layout is None:
+            if taken is not None:
+                obj = taken.substitute(obj)
+            return write_item(session.tiers.memory, self.tag, name, obj, rank=session.rank)
+        if taken is not None:
+            layout = taken.on_copies(layout)
+        return write_snapshot(session.pool, self.tag, name, layout, rank=session.rank, ready=ready)
+
+    def _stream(self, session: Session, what: str, short: Shortfall) -> None:
+        """Move this checkpoint to the persistent tier, since `what` (an item, or the
+        commit's records) does not fit the memory tier (`short`): it is written and
+        committed there directly, the items saved so far copied over first. Says so once:
+        the checkpoint stays there."""
+        persistent, memory = session.tiers.persistent, session.tiers.memory
+        why = None
+        if persistent is None:
+            why = "there is no persistent tier"
+        elif session.world_size > 1:
+            why = "streaming to the persistent tier needs one rank"
+        if why is not None:
+            if short.limit_bytes is not None:
+                raise MemoryBudgetError(self.tag, short.size_bytes, short.limit_bytes, why)
+            free = short.free_bytes or 0
+            raise MemoryTierFullError(self.tag, short.size_bytes, free, short.path, why)
+        assert persistent is not None
+        if short.limit_bytes is not None:
+            log.warning(
+                "checkpoint %r does not fit the memory budget (%d bytes, "
+                "NEBULA_MEMORY_BUFFER_SIZE): %s needs %d bytes; writing it to %s directly",
+                self.tag,
+                short.limit_bytes,
+                what,
+                short.size_bytes,
+                persistent.url,
+            )
+        else:
+            total = sum(item.size_bytes for item in self.items) + short.size_bytes
+            log.warning(
+                "checkpoint %r does not fit the memory tier: %s needs %d bytes (the "
+                "checkpoint %d so far), and %s has %d bytes free; writing the checkpoint to "
+                "%s directly, slower than into memory. To keep checkpoints in memory, %s",
+                self.tag,
+                what,
+                short.size_bytes,
+                total,
+                short.path,
+                short.free_bytes or 0,
+                persistent.url,
+                memory_tier_advice(total),
+            )
+        begin_tag(persistent, self.tag, rank=session.rank, overwrite=self.overwrite)
+        for item in self.items:
+            copy_item(memory, persistent, self.tag, item, lambda _n: None)
+        delete_checkpoint(memory, self.tag, discard=session.pool.recycle)
+        self._store = persistent
+
+    def _commit_lazily(self, session: Session) -> None:
+        if self._lazy_error is None:
+            self._commit_now(session)
+            return
+        # An item's snapshot failed (raised once, by the next call into nebula): the
+        # rest is removed, and the previous checkpoint stays the newest.
+        store = self._store
+        if store is None:
+            return
+        if session.world_size > 1:
+            delete_part(store, self.tag, session.rank)
+        else:
+            memory = store is session.tiers.memory
+            delete_checkpoint(store, self.tag, discard=session.pool.recycle if memory else None)
+
+    def _commit_now(self, session: Session) -> bool:
+        t0 = time.perf_counter()
+        if not self._begun:
+            if session.world_size == 1:
+                return True  # nothing saved, nothing to commit
+            # Every rank's part makes the checkpoint, also the empty part of a rank that
+            # saved nothing (DeepSpeed calls commit() on every rank).
+            self._begin(session, t0)
+        if self._store is not None and self._store is session.tiers.persistent:
+            return self._commit_streamed(session, t0)
+        memory = session.tiers.memory
+        try:
+            manifest = self._commit_part(session, memory)
+        except StorageFullError:
+            if session.world_size > 1 or session.tiers.persistent is None:
+                raise
+            # No room left for the manifest (another process took it): commit it there.
+            short = session.budget.filesystem_full(RECORDS_ROOM_BYTES)
+            self._stream(session, "its manifest", short)
+            return self._commit_streamed(session, t0)
+        if manifest is None and session.ranks.all_local:
+            # The other ranks share this memory tier: wait (bounded) until their parts
+            # are there and the checkpoint is committed, so that it loads on every rank.
+            manifest = await_commit(
+                memory,
+                self.tag,
+                world_size=session.world_size,
+                timeout_s=session.config.rank_timeout_s,
+            )
+        row = self._finish_commit(session, memory, "memory", t0)
+        # This rank's part is committed (on a node without the other ranks, the memory
+        # tier never holds the whole): it is what this rank's persister copies.
+        session.persister.notify_committed(self.tag, row, labels=self.labels)
+        # The next save's buffers, made while training runs (the cold start: slots.py).
+        session.pool.prepare(self.items, fits=session.budget.spare_fits)
+        return True
+
+    def _commit_part(self, session: Session, store: Store) -> Manifest | None:
+        """Publish this rank's part of the tag on `store` (commit.commit_rank): the
+        manifest if this call committed the tag, None while other ranks' parts are due."""
+        return commit_rank(
+            store,
+            self.tag,
+            rank=session.rank,
+            world_size=session.world_size,
+            items=self.items,
+            created_at=self._started_at,
+            labels=self.labels,
+        )
+
+    def _commit_streamed(self, session: Session, t0: float) -> bool:
+        persistent = session.tiers.persistent
+        assert persistent is not None
+        self._commit_part(session, persistent)
+        row = self._finish_commit(session, persistent, "persistent", t0)
+        session.persister.notify_streamed(self.tag, row)
+        return True
+
+    def _finish_commit(self, session: Session, store: Store, tier: str, t0: float) -> HistoryRow:
+        """After the commit on `store`: drop this rank's writer marker, mark the save
+        committed, and give the history row of the save."""
+        store.remove(self.tag, writer_marker_name(session.rank))
+        self.committed = True
+        self._blocking_s += time.perf_counter() - t0
+        return make_row(
+            tag=self.tag,
+            step=step_of(self.tag),
+            tier=tier,
+            rank=session.rank,
+            started_at=self._started_at,
+            duration_s=time.perf_counter() - self._t0,
+            blocking_s=self._blocking_s,
+            size_bytes=sum(item.size_bytes for item in self.items),
+        )

@@ -1,0 +1,293 @@
+"""The local backend: a root on a local (or mounted) filesystem, through the OS directly.
+
+`LocalBackend` implements the `Backend` primitives (backend.py) with what a local disk
+gives: durable writes (fsync of files and of the folders that name them, when `durable`),
+a create-only publish by hard link, appends with O_APPEND, direct (O_DIRECT) writes of
+page-aligned memory (`write_view`), and mapped reads (`map_read`, `read_local`: see
+mapped_reads.py). The memory tier is a local root that is not durable (RAM: nothing to
+fsync) and `private` (folders 0700, files 0600).
+
+No file or folder under the root is ever read, written or deleted through a symbolic link
+(`_local`), and only regular files are read (mapped_reads.open_regular).
+
+Not for: fsspec or Azure stores (remote.py, azure.py), or errors as callers see them
+(store.py translates). May import: `nebulaml.errors`, `nebulaml.format` and storage/'s
+redaction.py, streams.py, mapped_reads.py, backend.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from typing import BinaryIO
+
+from nebulaml.errors import StorageError
+from nebulaml.storage.backend import Parts
+from nebulaml.storage.mapped_reads import Lender, LocalRead, map_view, open_regular, read_in
+from nebulaml.storage.redaction import redact
+from nebulaml.storage.streams import (
+    PRIVATE_FILE_MODE,
+    PUBLIC_FILE_MODE,
+    DirectFile,
+    LocalWriter,
+    create_file,
+    fsync_dir,
+    write_view_chunks,
+)
+
+
+class LocalBackend:
+    """A local root at the absolute path `root`. `durable`: fsync what is written (not
+    for RAM); `private`: this user's alone (folders 0700, files 0600). `secrets` are
+    masked in the messages this backend writes itself."""
+
+    writer_retries = False
+    aborted_write_may_leave_file = False  # LocalWriter.abort removes the file
+
+    def __init__(
+        self, root: str, *, durable: bool, private: bool, secrets: tuple[str, ...] = ()
+    ) -> None:
+        self.root = root
+        self.durable = durable
+        self.private = private
+        self.file_mode = PRIVATE_FILE_MODE if private else PUBLIC_FILE_MODE
+        self._secrets = secrets
+
+    def path(self, parts: Parts) -> str:
+        return "/".join([self.root, *parts]) if parts else self.root
+
+    def _local(self, parts: Parts, *, leaf_may_link: bool = False) -> str:
+        """The OS path of `parts`, after checking that no folder on the way under the root
+        (nor `parts` itself, unless `leaf_may_link`: the caller opens it with O_NOFOLLOW
+        or removes the name alone) is a symbolic link: nebula never reads, writes or
+        deletes through one (`ln -s ~/project ROOT/global_step9` must not make a save
+        delete the files of ~/project). Raises `StorageError` naming the link."""
+        path = self.root
+        last = len(parts) - (1 if leaf_may_link else 0)
+        for i, part in enumerate(parts[:last]):
+            path = f"{path}/{part}"
+            try:
+                mode = os.lstat(path).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                break  # nothing further down exists
+            except OSError:
+                break  # reported by the operation itself
+            if stat.S_ISLNK(mode):
+                raise StorageError(
+                    redact(
+                        f"{self.path(parts[: i + 1])}: is a symbolic link; nebula never "
+                        f"reads, writes or deletes through one (remove the link)",
+                        self._secrets,
+                    )
+                )
+        return self.path(parts)
+
+    def _open(self, parts: Parts) -> BinaryIO:
+        """The regular file `parts`, open for reading (see `open_regular`)."""
+        return open_regular(self._local(parts, leaf_may_link=True), self.path(parts))
+
+    # reading -----------------------------------------------------------------------
+    def exists(self, parts: Parts) -> bool:
+        # The name itself, link or not; never through a linked folder.
+        return os.path.lexists(self._local(parts, leaf_may_link=True))
+
+    def list_folders(self, parts: Parts) -> list[str]:
+        try:
+            with os.scandir(self._local(parts)) as it:
+                return [
+                    e.name
+                    for e in it
+                    if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+                ]
+        except FileNotFoundError:
+            return []
+
+    def list_files(self, parts: Parts) -> dict[str, int]:
+        out: dict[str, int] = {}
+        try:
+            with os.scandir(self._local(parts)) as it:
+                for entry in it:
+                    if entry.is_file(follow_symlinks=False):
+                        try:
+                            out[entry.name] = entry.stat(follow_symlinks=False).st_size
+                        except FileNotFoundError:
+                            # Removed since the scan saw it (a reader's lease, say): that
+                            # file is gone, not the folder.
+                            continue
+        except (FileNotFoundError, NotADirectoryError):
+            return {}  # no such folder (a file of that name is not a tag folder)
+        return out
+
+    def modified_at(self, parts: Parts) -> datetime | None:
+        try:
+            mtime = os.stat(self._local(parts, leaf_may_link=True), follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            return None
+        return datetime.fromtimestamp(mtime, timezone.utc)
+
+    def read_bytes(self, parts: Parts) -> bytes:
+        with self._open(parts) as f:
+            return f.read()
+
+    def open_read(self, parts: Parts) -> BinaryIO:
+        return self._open(parts)
+
+    def read_appended(self, parts: Parts) -> bytes | None:
+        # One file: `append` adds to it in place.
+        try:
+            return self.read_bytes(parts)
+        except FileNotFoundError:
+            return None
+
+    @contextlib.contextmanager
+    def _opened(self, parts: Parts) -> Iterator[tuple[BinaryIO, os.stat_result] | None]:
+        """The regular file `parts` and its `fstat`, closed at the end; None for an empty
+        file (the callers then read bytes)."""
+        f = self._open(parts)
+        try:
+            st = os.fstat(f.fileno())
+            yield (f, st) if st.st_size else None
+        finally:
+            f.close()
+
+    @contextlib.contextmanager
+    def map_read(self, parts: Parts, lend: Lender | None) -> Iterator[memoryview | None]:
+        """A file's bytes mapped read-only (or lent by `lend`, see `Store.map_read`);
+        None for an empty file."""
+        with self._opened(parts) as opened:
+            if opened is None:
+                yield None
+                return
+            f, st = opened
+            with map_view(f, st, lend) as view:
+                yield view
+
+    @contextlib.contextmanager
+    def read_local(self, parts: Parts, *, algo: str | None) -> Iterator[LocalRead | None]:
+        """A file's bytes in memory that loaded tensors may keep (see `Store.read_local`);
+        None for an empty file, or without /proc."""
+        if not os.path.isdir("/proc/self/fd"):
+            yield None
+            return
+        with self._opened(parts) as opened:
+            if opened is None:
+                yield None
+                return
+            f, st = opened
+            path = self.path(parts)
+            with read_in(f, st.st_size, path, durable=self.durable, algo=algo) as read:
+                yield read
+
+    # writing -----------------------------------------------------------------------
+    def make_dir(self, parts: Parts) -> None:
+        """Create the root and the folders `parts` under it, as real folders (0700 in a
+        private store), each new entry made durable; never through a symbolic link."""
+        path = self._local(parts)
+        if os.path.isdir(path) and not os.path.islink(path):
+            return
+        mode = 0o700 if self.private else 0o777
+        if not os.path.isdir(self.root):
+            os.makedirs(os.path.dirname(self.root), exist_ok=True)
+            try:
+                os.mkdir(self.root, mode)
+                if self.durable:
+                    fsync_dir(os.path.dirname(self.root))
+            except FileExistsError:
+                if not os.path.isdir(self.root):
+                    raise
+        folder = self.root
+        for part in parts:
+            parent, folder = folder, f"{folder}/{part}"
+            try:
+                os.mkdir(folder, mode)
+            except FileExistsError:
+                self._local(parts)  # a link made meanwhile is refused, not followed
+                if not os.path.isdir(folder):
+                    raise
+                continue
+            if self.durable:
+                fsync_dir(parent)
+
+    def open_write(self, parts: Parts) -> LocalWriter:
+        """A buffered writer; its close() fsyncs (when durable), its abort() removes."""
+        return LocalWriter(self._local(parts, leaf_may_link=True), self.durable, self.file_mode)
+
+    def write_view(
+        self, parts: Parts, view: memoryview, each: Callable[[memoryview], None]
+    ) -> None:
+        """Write page-aligned `view` as a new file with O_DIRECT where the filesystem
+        allows it (streams.DirectFile), calling `each(piece)` on every piece in order;
+        removed if this raises."""
+        out = DirectFile(
+            self._local(parts, leaf_may_link=True), durable=self.durable, mode=self.file_mode
+        )
+        try:
+            write_view_chunks(out.write_at, view, each)
+            out.close()
+        except BaseException:
+            out.abort()
+            raise
+
+    def publish(self, parts: Parts, data: bytes, *, create_only: bool) -> None:
+        """Write a temporary file, fsync, hard-link it into place (which fails if the name
+        exists) or rename it over, then fsync the folder."""
+        path = self._local(parts, leaf_may_link=True)
+        folder = os.path.dirname(path)
+        tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            with os.fdopen(create_file(tmp, self.file_mode, exclusive=True), "wb") as f:
+                f.write(data)
+                f.flush()
+                if self.durable:
+                    os.fsync(f.fileno())
+            if create_only:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise
+                except OSError as exc:
+                    if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                        raise
+                    # A filesystem without hard links: check, then rename.
+                    if os.path.exists(path):
+                        raise FileExistsError(errno.EEXIST, "exists", path) from exc
+                    os.replace(tmp, path)
+            else:
+                os.replace(tmp, path)
+            if self.durable:
+                fsync_dir(folder)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def append(self, parts: Parts, data: bytes, *, append_id: str) -> None:
+        """One O_APPEND write (whole lines from concurrent writers stay whole), fsynced."""
+        del append_id  # one file takes every append in place
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        mode = self.file_mode if self.private else 0o644
+        fd = os.open(self._local(parts, leaf_may_link=True), flags, mode)
+        try:
+            # One write per batch keeps concurrent appenders' lines whole.
+            os.write(fd, data)
+            if self.durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def remove(self, parts: Parts) -> None:
+        try:
+            os.unlink(self._local(parts, leaf_may_link=True))  # a link: the name alone
+        except FileNotFoundError:
+            return
+        if self.durable and parts[:-1]:
+            with contextlib.suppress(FileNotFoundError):
+                fsync_dir(self.path(parts[:-1]))
+
+    def remove_dir(self, parts: Parts) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(self._local(parts))

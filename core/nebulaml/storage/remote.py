@@ -1,0 +1,150 @@
+"""The fsspec backend: a root on any fsspec store that is not a local disk (memory://,
+S3, GCS, ...), and the base of the Azure backend (azure.py).
+
+`RemoteBackend` implements the `Backend` primitives (backend.py) with fsspec calls. What
+object stores lack, it builds:
+
+- a create-only publish: an exclusive create (`xb`);
+- appends that concurrent writers cannot lose: on object stores, where an object can only
+  be written whole, each append is an object of its own, `.<file>.d/<append id>.part`
+  (`segments_folder`), created create-only and read back in the order of their names;
+  other fsspec stores read, then rewrite the file (safe for one writer at a time only).
+
+Each method is one backend request or a few; `Store` retries and translates them.
+
+Not for: local disks (local.py: `Store` never reads a local root through fsspec) or
+Azure's requests (azure.py). May import: `nebulaml.errors`, `nebulaml.format` and
+storage/'s backend.py.
+"""
+
+from __future__ import annotations
+
+import errno
+from datetime import datetime, timezone
+from typing import Any
+
+import fsspec
+
+from nebulaml.format.names import segments_folder
+from nebulaml.storage.backend import Parts
+
+# Stores without appends (memory:// is fsspec's in-process object store, used in tests).
+OBJECT_STORE_PROTOCOLS = frozenset({"az", "abfs", "abfss", "s3", "s3a", "gs", "gcs", "memory"})
+
+
+class RemoteBackend:
+    """A root at `root` (no protocol, no trailing slash) on the fsspec filesystem `fs`."""
+
+    writer_retries = False
+    # fsspec's writers have no abort: an abandoned one is closed, which may leave a file.
+    aborted_write_may_leave_file = True
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
+        self.fs = fs
+        self.root = root
+        protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+        self.appends_as_objects = bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
+
+    def path(self, parts: Parts) -> str:
+        return "/".join([self.root, *parts]) if parts else self.root
+
+    # reading -----------------------------------------------------------------------
+    def exists(self, parts: Parts) -> bool:
+        return bool(self.fs.exists(self.path(parts)))
+
+    def _ls(self, parts: Parts) -> list[dict[str, Any]]:
+        """fsspec `ls(detail=True)` entries of the folder `parts`; empty if missing."""
+        try:
+            return list(self.fs.ls(self.path(parts), detail=True))
+        except FileNotFoundError:
+            return []
+
+    def list_folders(self, parts: Parts) -> list[str]:
+        out = []
+        for entry in self._ls(parts):
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if name and not name.startswith(".") and entry.get("type", "file") == "directory":
+                out.append(name)
+        return out
+
+    def list_files(self, parts: Parts) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for entry in self._ls(parts):
+            if entry.get("type") == "file":
+                out[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry.get("size") or 0)
+        return out
+
+    def modified_at(self, parts: Parts) -> datetime | None:
+        try:
+            value = self.fs.modified(self.path(parts))
+        except (NotImplementedError, FileNotFoundError):
+            return None
+        if not isinstance(value, datetime):
+            return None
+        return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+
+    def read_bytes(self, parts: Parts) -> bytes:
+        return bytes(self.fs.cat_file(self.path(parts)))
+
+    def open_read(self, parts: Parts) -> Any:
+        return self.fs.open(self.path(parts), "rb")
+
+    def read_appended(self, parts: Parts) -> bytes | None:
+        """The file itself, then (on object stores) the appends under `.<file>.d/`, each
+        ending in a newline, in the order of their names (the time each was written); the
+        file at the name (written whole, or by an older nebula) comes first."""
+        try:
+            head: bytes | None = self.read_bytes(parts)
+        except FileNotFoundError:
+            head = None
+        if not self.appends_as_objects:
+            return head
+        folder = (*parts[:-1], segments_folder(parts[-1]))
+        names = sorted(self.list_files(folder))
+        if not names:
+            return head
+        paths = [self.path((*folder, name)) for name in names]
+        found = self.fs.cat(paths, on_error="raise")
+        if len(found) != len(paths):
+            raise OSError(errno.EIO, f"{len(paths)} appends listed, {len(found)} read")
+        pieces = [head] if head else []
+        pieces += [bytes(found[key]) for key in sorted(found)]  # one folder: by name
+        return b"".join(p if p.endswith(b"\n") else p + b"\n" for p in pieces if p)
+
+    # writing -----------------------------------------------------------------------
+    def make_dir(self, parts: Parts) -> None:
+        self.fs.makedirs(self.path(parts), exist_ok=True)
+
+    def open_write(self, parts: Parts) -> Any:
+        return self.fs.open(self.path(parts), "wb")
+
+    def publish(self, parts: Parts, data: bytes, *, create_only: bool) -> None:
+        """An exclusive create (`xb`), or a plain write unless `create_only`."""
+        with self.fs.open(self.path(parts), "xb" if create_only else "wb") as f:
+            f.write(data)
+
+    def append(self, parts: Parts, data: bytes, *, append_id: str) -> None:
+        if self.appends_as_objects:
+            name = f"{append_id}.part"
+            self.publish((*parts[:-1], segments_folder(parts[-1]), name), data, create_only=True)
+            return
+        path = self.path(parts)
+        old = self.fs.cat_file(path) if self.fs.exists(path) else b""
+        with self.fs.open(path, "wb") as f:
+            f.write(bytes(old) + data)
+
+    def remove(self, parts: Parts) -> None:
+        try:
+            self.fs.rm_file(self.path(parts))
+        except FileNotFoundError:
+            return
+
+    def remove_dir(self, parts: Parts) -> None:
+        # A store with real folders (memory://, ADLS with a hierarchical namespace) keeps
+        # the empty folder; a flat blob store has nothing left to remove.
+        path = self.path(parts)
+        try:
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            return

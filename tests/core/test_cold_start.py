@@ -1,0 +1,171 @@
+"""The cold start (issue #22): the second save's buffer is made off the training thread.
+
+After the first commit, the pool makes a spare buffer for each item in a thread of its
+own (slots.SlotPool.prepare): allocated, its pages faulted in and mapped, a pool file in
+`.slots/` counted in the pool's bytes. The second save then takes it and faults no page
+in on the caller's thread; where the memory budget or the memory tier's filesystem cannot
+hold one more buffer, none is made.
+
+Bugs these catch: a spare never made (the second save faults its buffer in, as the first
+did), made but not taken (a third buffer), made beyond the budget or the free space, and
+one left behind at shutdown. Speed itself is shown by benchmarks/cold_start.py.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+
+import pytest
+import torch
+
+import nebulaml as nm
+from nebulaml.runtime import budget as budget_module
+from nebulaml.runtime import session as _session
+from nebulaml.runtime.slots import SlotPool
+
+MB = 1 << 20
+PAGE = 4096
+SIZE = 16 * MB
+
+
+def _state(step: int, size_bytes: int = SIZE) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((size_bytes // 4,), float(step))}
+
+
+def _save(step: int, size_bytes: int = SIZE, state: dict[str, torch.Tensor] | None = None) -> None:
+    state = _state(step, size_bytes) if state is None else state
+    nm.Checkpoint(f"global_step{step}").save("model", state)
+
+
+def _pool_files(root: Path) -> dict[str, os.stat_result]:
+    slots = Path(nm.memory_tier_path(str(root))) / ".slots"
+    if not slots.is_dir():
+        return {}
+    return {p.name: p.stat() for p in slots.iterdir()}
+
+
+def _item(root: Path, step: int) -> os.stat_result:
+    return (Path(nm.memory_tier_path(str(root))) / f"global_step{step}" / "model").stat()
+
+
+def _thread_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def _resident_bytes(address: int) -> int:
+    """Rss of this process's mapping that starts at `address` (/proc/self/smaps): the
+    bytes of its pages present in the page table, i.e. faulted in."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            for field in lines[i + 1 :]:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def _pool() -> SlotPool:
+    session = _session.live()
+    assert session is not None
+    return session.pool
+
+
+def test_the_second_save_takes_a_buffer_made_and_populated_in_the_background(
+    root: Path,
+) -> None:
+    nm.init(str(root), persistent_time_interval=0)
+    _save(1)
+    size = _item(root, 1).st_size
+    pool = _pool()
+    assert pool.wait_spares(timeout_s=60)
+    spares = _pool_files(root)
+    assert [name.rsplit(".", 1)[0] for name in spares] == ["model"]
+    (spare,) = spares.values()
+    assert spare.st_size == size
+    assert spare.st_blocks * 512 >= size  # allocated, not a sparse file
+    assert pool.pool_bytes() == size
+    # The pool holds it mapped, every page faulted in (by its own thread).
+    mapped = pool._maps[(spare.st_dev, spare.st_ino)]
+    assert _resident_bytes(mapped.tensor.data_ptr()) >= size
+
+    state = _state(2)
+    faults = _thread_faults()
+    _save(2, state=state)
+    faults = _thread_faults() - faults
+    # The second save reuses the spare's mapping: no page of its buffer faults here. (A
+    # buffer mapped with MAP_POPULATE, as the second save's was before issue #22, faults
+    # every page again when the copy writes it: MAP_POPULATE maps a shared file's pages
+    # read-only, on tmpfs as on disk.)
+    assert faults < size // PAGE // 8, f"{faults} page faults on the saving thread"
+    taken = _item(root, 2)
+    assert (taken.st_dev, taken.st_ino) == (spare.st_dev, spare.st_ino)
+    assert torch.equal(nm.get_checkpoint("global_step2").load("model")["w"], _state(2)["w"])
+
+
+def test_steady_state_keeps_two_buffers_per_item(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0)
+    for step in range(1, 6):
+        _save(step)
+        nm.flush_persistence()
+        assert _pool().wait_spares(timeout_s=60)
+        memory = Path(nm.memory_tier_path(str(root)))
+        tags = [p for p in memory.iterdir() if (p / "model").exists()]
+        # The newest copy and one buffer for the next save: never a third.
+        assert len(tags) + len(_pool_files(root)) <= 2, (step, tags, _pool_files(root))
+    assert torch.equal(nm.get_latest_checkpoint().load("model")["w"], _state(5)["w"])
+
+
+def test_the_lazy_mode_prepares_the_second_buffer_too(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0, lazy_snapshot=True)
+    _save(1)
+    nm.wait_for_snapshot()
+    assert _pool().wait_spares(timeout_s=60)
+    (spare,) = _pool_files(root).values()
+    _save(2)
+    nm.wait_for_snapshot()
+    taken = _item(root, 2)
+    assert (taken.st_dev, taken.st_ino) == (spare.st_dev, spare.st_ino)
+
+
+@pytest.mark.parametrize("room", [1.5, 2.5])
+def test_no_spare_beyond_the_memory_budget(
+    root: Path, monkeypatch: pytest.MonkeyPatch, room: float
+) -> None:
+    # Half of NEBULA_MEMORY_BUFFER_SIZE is the checkpoints' share (the seed's rule).
+    limit = int(room * SIZE)
+    monkeypatch.setenv("NEBULA_MEMORY_BUFFER_SIZE", str(2 * limit))
+    nm.init(str(root), persistent_time_interval=0)
+    _save(1)
+    pool = _pool()
+    assert pool.wait_spares(timeout_s=60)
+    assert pool.usage_bytes() <= limit
+    assert bool(_pool_files(root)) == (room > 2)
+    _save(2)  # with or without a spare
+    nm.flush_persistence()
+    assert pool.usage_bytes() <= limit
+    assert torch.equal(nm.get_latest_checkpoint().load("model")["w"], _state(2)["w"])
+
+
+def test_no_spare_beyond_the_free_space_of_the_memory_tier(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nm.init(str(root), persistent_time_interval=0)
+    pool = _pool()
+    # A filesystem with room for one and a half buffers (what the memory tier holds is
+    # taken from it), as a small /dev/shm would be.
+    capacity = SIZE + SIZE // 2
+    monkeypatch.setattr(budget_module, "free_bytes", lambda _path: capacity - pool.usage_bytes())
+    _save(1)
+    assert pool.wait_spares(timeout_s=60)
+    assert _pool_files(root) == {}
+    _save(2)  # waits for the first persist, then takes the first buffer's room
+    assert torch.equal(nm.get_latest_checkpoint().load("model")["w"], _state(2)["w"])
+
+
+def test_a_spare_being_made_is_gone_after_shutdown(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0, keep_memory_tier=True)
+    _save(1, 64 * MB)
+    nm.shutdown()  # at once: the spare may still be being made
+    assert _pool_files(root) == {}
