@@ -66,6 +66,7 @@ def memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
         "NEBULA_STORAGE_RETRIES",
         "NEBULA_STORAGE_RETRY_BASE_S",
         "NEBULA_STORAGE_RETRY_MAX_S",
+        "NEBULA_JOB_ID",
     ):
         monkeypatch.delenv(var, raising=False)
     yield base

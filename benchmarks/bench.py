@@ -29,7 +29,8 @@ every figure and every sample (sizes in bytes, times in seconds). Not a test.
 
 Methods: torch_save, dcp_save, dcp_async, dcp_async_reused, torchsnapshot, nebula,
 nebula_lazy (`nm.init(..., lazy_snapshot=True)`; shown as unavailable where nebulaml has
-no lazy mode). runner.py says exactly how each figure is taken; report.py, the targets.
+no lazy mode), nebula_dcp and nebula_dcp_async (dcp.save / dcp.async_save through
+nebulaml.dcp.Writer). runner.py says exactly how each figure is taken; report.py, the targets.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import torch
 from limits import GIB, add_disk_runs, disk_bandwidth, measure_limits
 from measure import CpuShare
 from model import PRESETS, TrainState
-from nebula_methods import Nebula
+from nebula_methods import Nebula, NebulaDcp
 from peers import DcpAsync, DcpSave, Method, TorchSave, TorchSnapshot, Unavailable
 from report import method_figures, render, target_ratios
 from rich.console import Console
@@ -83,6 +84,8 @@ def all_methods() -> list[Method]:
         TorchSnapshot(),
         Nebula(lazy=False),
         Nebula(lazy=True),
+        NebulaDcp(async_save=False),
+        NebulaDcp(async_save=True),
     ]
 
 

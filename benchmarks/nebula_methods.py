@@ -17,6 +17,13 @@ Loading from disk: the session is shut down and the memory tier deleted
 (`shutil.rmtree(nm.memory_tier_path(root))`); `nm.get_latest_checkpoint(root)` then finds
 only the persistent copy, and its `load` reads (and verifies) the files in the work folder.
 
+DCP through nebula (`NebulaDcp`): `dcp.save` or `dcp.async_save` of the same state with
+`storage_writer=nebulaml.dcp.Writer(tag)` (no process group: `no_dist=True`), beside DCP's
+own FileSystemWriter rows. The call returns once the checkpoint is committed in the memory
+tier (async: staged by DCP's default stager; the rest runs in DCP's thread); durable: the
+upload finished and `nm.flush_persistence()` returned. Loads: `dcp.load` in place through
+`nebulaml.dcp.Reader`.
+
 Not for: the peers (peers.py) or timing (runner.py).
 """
 
@@ -141,3 +148,60 @@ class Nebula(Method):
     def teardown(self) -> None:
         self.deactivate(keep_memory=False)
         super().teardown()
+
+
+class NebulaDcp(Nebula):
+    """`dcp.save` / `dcp.async_save` with nebula's DCP storage writer (nebulaml.dcp)."""
+
+    def __init__(self, *, async_save: bool) -> None:
+        super().__init__(lazy=False)
+        if async_save:
+            self.name, self.label = "nebula_dcp_async", "dcp.async_save -> nebula writer"
+        else:
+            self.name, self.label = "nebula_dcp", "dcp.save -> nebula writer"
+        self.async_save = async_save
+        self._inflight: Any = None
+
+    def save(self, state: TrainState, step: int) -> Pending:
+        import nebulaml.dcp
+
+        dcp = _dcp()
+        if self._inflight is not None:
+            self._inflight.result()  # one save in flight, as for DCP's own async rows
+        tag = f"global_step{step}"
+        writer = nebulaml.dcp.Writer(tag)
+        self.tags.append(tag)
+        self.saved = [self.root / t for t in self.tags[-RETENTION:]]
+        if not self.async_save:
+            dcp.save(state.state_dict(), storage_writer=writer, no_dist=True)
+            return Pending(no_wait, nm.flush_persistence)
+        future = dcp.async_save(state.state_dict(), storage_writer=writer, no_dist=True)
+        self._inflight = future
+
+        def durable() -> None:
+            future.result()
+            nm.flush_persistence()
+
+        return Pending(no_wait, durable)
+
+    def load(self, state: TrainState, *, from_disk: bool) -> Any:
+        import nebulaml.dcp
+
+        target = state.state_dict()  # DCP loads in place, as for DCP's own rows
+        reader = nebulaml.dcp.Reader(persist_path=str(self.root))
+        _dcp().load(target, storage_reader=reader, no_dist=True)
+        return target
+
+    def deactivate(self, *, keep_memory: bool = True) -> None:
+        if self._inflight is not None:
+            self._inflight.result()
+            self._inflight = None
+        super().deactivate(keep_memory=keep_memory)
+
+
+def _dcp() -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    # DCP warns on every call without a process group, even with no_dist=True.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    return dcp

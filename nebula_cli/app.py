@@ -1,6 +1,7 @@
 """The `nebula` Typer application: global options and command registration.
 
-Help is plain text and a usage error is one line, `nebula: error: ...`, exit 2 (help.py).
+Help is plain text and a usage error is one line, `nebula: error: ...`, exit 2 (help.py);
+Ctrl-C is one line, `nebula: interrupted`, exit 130 (`main`).
 `--show-completion [SHELL]` and `--install-completion [SHELL]` take the shell named (bash,
 zsh or fish), else the one this runs under.
 
@@ -10,6 +11,8 @@ must not import torch or pandas, so commands import them lazily.
 
 from __future__ import annotations
 
+import logging
+import signal
 import sys
 from typing import Annotated
 
@@ -159,6 +162,29 @@ def _main(
 _register()
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    # From the moment of Ctrl-C nothing more is logged: the requests the command abandons
+    # (an az:// upload, say) would each report their end as the command unwinds.
+    logging.disable(logging.CRITICAL)
+    raise KeyboardInterrupt
+
+
 def main() -> None:
-    """Console-script entry point."""
-    sys.exit(app(standalone_mode=True) or 0)
+    """Console-script entry point. Ctrl-C ends any command with one line on stderr,
+    `nebula: interrupted`, and status 130 (Typer turns it into Exit(130))."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)
+    try:
+        code = app(standalone_mode=True)
+    except SystemExit as exc:
+        code = exc.code
+    except KeyboardInterrupt:  # before Typer took over, or while it unwound
+        code = EXIT_INTERRUPTED
+    if code == EXIT_INTERRUPTED:
+        # A second Ctrl-C while the interpreter shuts down ends it at once, silently.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        sys.stderr.write("nebula: interrupted\n")
+    sys.exit(code or 0)

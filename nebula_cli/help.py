@@ -114,9 +114,7 @@ class NebulaCommand(TyperCommand):
         """The docstring, its paragraphs re-flowed, but an `Example:` paragraph kept as
         written: a command line to copy is never broken over lines."""
         text = inspect.cleandoc(self.help or "").partition("\f")[0]
-        paragraphs = [
-            f"\b\n{p}" if p.startswith("Example:") else p for p in text.split("\n\n")
-        ]
+        paragraphs = [f"\b\n{p}" if p.startswith("Example:") else p for p in text.split("\n\n")]
         if text:
             formatter.write_paragraph()
             with formatter.indentation():

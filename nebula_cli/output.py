@@ -539,14 +539,24 @@ def parse_time(iso: str) -> datetime:
 
 
 def human_age(iso: str, now: datetime | None = None) -> str:
-    """How long ago an ISO-8601 UTC time was: '42s', '5m', '3h', '2d'.
+    """How long ago an ISO-8601 UTC time was: '42s', '5m', '3h', '2d'; '?' for a time
+    that does not read as one (a damaged or foreign manifest's: it is shown as written
+    beside), and '0s' for one in the future (a clock that was ahead).
 
     Example:
         >>> human_age("2026-01-01T00:00:00Z", parse_time("2026-01-01T03:10:00Z"))
         '3h'
+        >>> human_age("yesterday"), human_age("2026-01-02", parse_time("2026-01-01T00:00Z"))
+        ('?', '0s')
     """
     now = now or datetime.now(timezone.utc)
-    seconds = max(0.0, (now - parse_time(iso)).total_seconds())
+    try:
+        then = parse_time(iso)
+        if then.tzinfo is None:  # no offset written: nebula's times are UTC
+            then = then.replace(tzinfo=timezone.utc)
+        seconds = max(0.0, (now - then).total_seconds())
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return "?"
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{int(seconds // size)}{unit}"

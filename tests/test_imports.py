@@ -52,7 +52,10 @@ def test_public_api_is_exactly_all() -> None:
     }
     assert public == set(nebulaml.__all__) - {"__version__"}
     for name in nebulaml.__all__:
-        assert getattr(torch_nebula, name) is getattr(nebulaml, name)
+        if name == "Checkpoint":  # DeepSpeed's: re-saving a tag replaces it
+            assert issubclass(torch_nebula.Checkpoint, nebulaml.Checkpoint)
+        else:
+            assert getattr(torch_nebula, name) is getattr(nebulaml, name)
         obj = getattr(nebulaml, name)
         if callable(obj):
             assert obj.__doc__, f"{name} has no docstring"

@@ -36,6 +36,7 @@ LAYERS = {
     "pytorch_lightning": 7,
     "transformers": 7,
     "accelerate": 7,
+    "dcp": 7,
     "__init__": 8,  # the package's own namespace re-exports all of the above
 }
 # Third-party frameworks only the integrations (and the public modules on them) import.

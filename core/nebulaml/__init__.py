@@ -36,6 +36,7 @@ from nebulaml.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
     InvalidNameError,
+    ItemCollisionError,
     ItemNotFoundError,
     ManifestError,
     MemoryBudgetError,
@@ -45,6 +46,7 @@ from nebulaml.errors import (
     PersistError,
     PersistTimeoutError,
     RankTimeoutError,
+    RootInUseError,
     RootNotFoundError,
     SnapshotChangedError,
     StorageError,
@@ -88,6 +90,7 @@ __all__ = [
     "HistoryNotFoundError",
     "InvalidArgumentError",
     "InvalidNameError",
+    "ItemCollisionError",
     "ItemNotFoundError",
     "ManifestError",
     "MemoryBudgetError",
@@ -98,6 +101,7 @@ __all__ = [
     "PersistTimeoutError",
     "PrunePlan",
     "RankTimeoutError",
+    "RootInUseError",
     "RootNotFoundError",
     "SnapshotChangedError",
     "StorageError",
@@ -151,8 +155,12 @@ def __getattr__(name: str) -> object:
         from nebulaml.integrations.lightning_common import pick_module
 
         return getattr(pick_module(), name)
+    if name == "dcp":  # nm.dcp.Writer(tag): imports torch.distributed.checkpoint on first use
+        import importlib
+
+        return importlib.import_module("nebulaml.dcp")
     raise AttributeError(f"module 'nebulaml' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LIGHTNING_NAMES])
+    return sorted({*globals(), *_LIGHTNING_NAMES, "dcp"})

@@ -25,6 +25,7 @@ from nebulaml.errors import (
 from nebulaml.format.manifest import Manifest
 from nebulaml.format.names import validate_name
 from nebulaml.protocol.catalog import read_committed
+from nebulaml.protocol.leases import HandleHolds, hold_tag
 from nebulaml.protocol.markers import read_writers
 from nebulaml.protocol.recovery import list_incomplete as catalog_list_incomplete
 from nebulaml.runtime import exit as _exit
@@ -154,7 +155,10 @@ def list_incomplete(persist_path: PathLike | None = None) -> list[dict[str, Any]
 def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | None:
     """The newest committed checkpoint on any tier, or None.
 
-    "Newest" orders by the number after `global_step`, then by commit time.
+    "Newest" orders by the number after `global_step`, then by commit time. The handle
+    holds the checkpoint (leases.py): retention, prune and eviction keep it until it is
+    released (`Checkpoint.release()`, or `with` the handle) or its hold expires, 60 s
+    after its last load.
 
     Example:
         >>> import nebulaml as nm, tempfile
@@ -162,12 +166,40 @@ def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | 
         True
     """
     tiers = tiers_for(persist_path, "get_latest_checkpoint")
-    ordered = newest_first(tiers)
-    return Checkpoint._committed_handle(ordered[0][0][1].tag, tiers) if ordered else None
+    tag = None
+    for _ in range(_HOLD_TRIES):
+        ordered = newest_first(tiers)
+        if not ordered:
+            return None
+        tag = ordered[0][0][1].tag
+        holds = _hold(tag, [info.store for _tier, info in ordered[0]])
+        if holds is not None:
+            return Checkpoint._committed_handle(tag, tiers, holds)
+        # Deleted between the listing and the hold (a newer one was committed): again.
+    assert tag is not None
+    return Checkpoint._committed_handle(tag, tiers)
+
+
+_HOLD_TRIES = 5  # listings of the newest while each one found is deleted before held
+
+
+def _hold(tag: str, stores: list[Store]) -> HandleHolds | None:
+    """Hold `tag` on each of `stores` that still has it (leases.py); None if none does."""
+    holds = HandleHolds(tag)
+    there = False
+    for store in stores:
+        found, name = hold_tag(store, tag)
+        there = there or found
+        holds.add(store, name)
+    if not there:
+        holds.release()
+        return None
+    return holds
 
 
 def get_checkpoint(tag: str, persist_path: PathLike | None = None) -> Checkpoint | None:
-    """The committed checkpoint `tag` on any tier, or None.
+    """The committed checkpoint `tag` on any tier, or None. The handle holds it, as
+    `get_latest_checkpoint`'s does.
 
     Example:
         >>> import nebulaml as nm, tempfile
@@ -179,15 +211,13 @@ def get_checkpoint(tag: str, persist_path: PathLike | None = None) -> Checkpoint
     try:
         # A tier's copy of a schema this version cannot read is raised only if no tier
         # has a readable copy.
-        return find_copy(
-            tiers,
-            tag,
-            lambda _copy: Checkpoint._committed_handle(tag, tiers),
-            manifest=_committed_manifest,
-            report=(ManifestError,),
-        )
+        find_copy(tiers, tag, lambda _copy: None, manifest=_committed_manifest,
+                  report=(ManifestError,))  # fmt: skip
     except CheckpointNotFoundError:
         return None
+    # Held, as get_latest_checkpoint's handle is; gone meanwhile: there is none.
+    holds = _hold(tag, [store for _tier, store in tiers.stores])
+    return None if holds is None else Checkpoint._committed_handle(tag, tiers, holds)
 
 
 def _committed_manifest(store: Store, tag: str) -> Manifest | None:

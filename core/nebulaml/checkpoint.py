@@ -16,12 +16,14 @@ configuration (config.py, runtime/session.py).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 from nebulaml.errors import CheckpointExistsError, InvalidArgumentError, TooManyItemsError
 from nebulaml.format.names import validate_name
 from nebulaml.format.serialization import MapLocation
+from nebulaml.protocol.leases import HandleHolds
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.runtime import session as _session
 from nebulaml.runtime.load import load_item
@@ -37,6 +39,13 @@ class Checkpoint:
     the first); `num_of_files=-2` commits only when `commit()` is called. A committed
     tag is not written again unless `overwrite=True`. `labels` (e.g. `["best"]`) are
     recorded in the manifest, and labelled checkpoints are kept by retention.
+
+    With several ranks every rank writes its part of the tag by default, and the tag
+    commits once every rank has committed its part. `ranks` (e.g. `[0]`, for the common
+    `if rank == 0: save`) names the ranks that write it: it commits once their parts are
+    in, and the other ranks need not call anything (their `save` is refused). The job's
+    ranks are read at the first save. Two ranks saving an item of one name into a tag is
+    an `ItemCollisionError`.
 
     Example:
         >>> import nebulaml as nm, tempfile
@@ -55,6 +64,7 @@ class Checkpoint:
         *,
         overwrite: bool = False,
         labels: Iterable[str] = (),
+        ranks: Iterable[int] | None = None,
     ) -> None:
         self.tag: str = validate_name("tag", tag)
         if not isinstance(num_of_files, int) or isinstance(num_of_files, bool) or num_of_files == 0:
@@ -67,13 +77,44 @@ class Checkpoint:
         self.labels: tuple[str, ...] = tuple(validate_name("label", x) for x in labels)
         # The save of this tag (runtime/save.py); it also holds the tiers the tag is on,
         # bound by the first save, or by get_checkpoint.
-        self._job = SaveJob(self.tag, overwrite=overwrite, labels=self.labels)
+        self.ranks: tuple[int, ...] | None = _writer_ranks(ranks)
+        self._job = SaveJob(self.tag, overwrite=overwrite, labels=self.labels, ranks=self.ranks)
+        # A handle from get_checkpoint / get_latest_checkpoint holds its tag (leases.py).
+        self._holds: HandleHolds | None = None
 
     @classmethod
-    def _committed_handle(cls, tag: str, tiers: TierSet) -> Checkpoint:
+    def _committed_handle(
+        cls, tag: str, tiers: TierSet, holds: HandleHolds | None = None
+    ) -> Checkpoint:
         handle = cls(tag)
         handle._job.mark_committed(tiers)
+        if holds is not None:
+            handle._holds = holds
+            # Dropped unreleased: its holds go with it (or expire, at exit).
+            weakref.finalize(handle, holds.release).atexit = False
         return handle
+
+    def release(self) -> None:
+        """Let go of the checkpoint: retention and prune may delete it again (a handle
+        from `get_checkpoint` or `get_latest_checkpoint` holds it until then, or until
+        60 s after its last load). Idempotent; `with handle:` calls it on exit.
+
+        Example:
+            >>> import nebulaml as nm, tempfile
+            >>> nm.init(tempfile.mkdtemp())
+            >>> nm.Checkpoint("global_step1").save("model", {"w": 1})
+            >>> with nm.get_latest_checkpoint() as latest:
+            ...     latest.load("model")
+            {'w': 1}
+        """
+        if self._holds is not None:
+            self._holds.release()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def __repr__(self) -> str:
         job = self._job
@@ -136,6 +177,31 @@ class Checkpoint:
             tiers = _session.current("Checkpoint.load").tiers
         else:
             _session.current_or_none()
+        if self._holds is not None:
+            self._holds.renew()  # a handle that is loaded keeps its checkpoint
         return load_item(
             tiers, self.tag, name, map_location=map_location, weights_only=weights_only
         )
+
+
+def _writer_ranks(ranks: Iterable[int] | None) -> tuple[int, ...] | None:
+    """`Checkpoint(ranks=)` checked: distinct ranks (ints, 0 or more), at least one,
+    sorted; None (every rank of the job) stays None.
+
+    Example:
+        >>> _writer_ranks([2, 0]), _writer_ranks(None)
+        ((0, 2), None)
+    """
+    if ranks is None:
+        return None
+    why = "must be a list of ranks (ints, 0 or more), at least one, each once"
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+        raise InvalidArgumentError(f"ranks {why}, not {ranks!r}")
+    values = tuple(ranks)
+    if (
+        not values
+        or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in values)
+        or len(set(values)) != len(values)
+    ):
+        raise InvalidArgumentError(f"ranks {why}, not {values!r}")
+    return tuple(sorted(values))

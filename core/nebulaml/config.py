@@ -12,7 +12,11 @@
     NEBULA_STORAGE_RETRIES              retries of a transient storage error (default 5)
     NEBULA_STORAGE_RETRY_BASE_S         the first backoff (s, default 0.5), doubling
     NEBULA_STORAGE_RETRY_MAX_S          the longest backoff (s, default 8)
+    NEBULA_JOB_ID                       which job this process is of (runtime/job.py; default:
+                                        from torchrun's or the rendezvous's variables)
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   torchrun's (runtime/ranks.py)
+    TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT  torchrun's run and restart: the
+                                        generation of a job's checkpoint parts (ranks.py)
 
 `init()`'s settings are resolved here (`resolve_config`: arguments first, then the
 environment, then the defaults; bad values refused), the others read when they are used.
@@ -47,6 +51,11 @@ ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+ENV_ELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+ENV_ELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+ENV_JOB_ID = "NEBULA_JOB_ID"
+ENV_MASTER_ADDR = "MASTER_ADDR"  # the rendezvous of a job's ranks (runtime/job.py)
+ENV_MASTER_PORT = "MASTER_PORT"
 
 DEFAULT_INTERVAL_S = 100.0
 DEFAULT_RETENTION = 2
@@ -184,6 +193,45 @@ def env_count(name: str) -> int | None:
     if number < 0:
         raise InvalidArgumentError(f"{name} must not be negative, not {value!r}")
     return number
+
+
+def rank_env_set() -> tuple[bool, bool]:
+    """Whether `RANK` and `WORLD_SIZE` are set (a launcher that sets only some of them, as
+    Lightning's does for the processes it starts, says nothing certain about the rank)."""
+    return bool(os.environ.get(ENV_RANK)), bool(os.environ.get(ENV_WORLD_SIZE))
+
+
+def elastic_generation() -> str | None:
+    """torchrun's `TORCHELASTIC_RUN_ID` and `TORCHELASTIC_RESTART_COUNT` as one id of this
+    run and restart of the job, e.g. "5f0c2d.1"; None outside torchrun.
+
+    Example:
+        >>> import os
+        >>> os.environ.update(TORCHELASTIC_RUN_ID="job7", TORCHELASTIC_RESTART_COUNT="2")
+        >>> elastic_generation()
+        'job7.2'
+        >>> del os.environ["TORCHELASTIC_RUN_ID"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+    """
+    run_id = os.environ.get(ENV_ELASTIC_RUN_ID)
+    if not run_id:
+        return None
+    restarts = env_count(ENV_ELASTIC_RESTART_COUNT) or 0
+    return f"{run_id}.{restarts}"
+
+
+def job_env() -> dict[str, str]:
+    """What the environment says of this process's job (runtime/job.py): the non-empty
+    ones of `NEBULA_JOB_ID`, `TORCHELASTIC_RUN_ID`, `MASTER_ADDR` and `MASTER_PORT`.
+
+    Example:
+        >>> import os
+        >>> os.environ["NEBULA_JOB_ID"] = "run7"
+        >>> job_env()["NEBULA_JOB_ID"]
+        'run7'
+        >>> del os.environ["NEBULA_JOB_ID"]
+    """
+    names = (ENV_JOB_ID, ENV_ELASTIC_RUN_ID, ENV_MASTER_ADDR, ENV_MASTER_PORT)
+    return {name: value.strip() for name in names if (value := os.environ.get(name, "").strip())}
 
 
 def memory_buffer_bytes() -> int | None:

@@ -90,12 +90,39 @@ class CheckpointBusyError(NebulaError):
         self.where, self.tag, self.writer = where, tag, writer
 
 
+class RootInUseError(NebulaError, RuntimeError):
+    """Another live job holds the root: one job writes a root at a time (ranks of one job
+    share it). `holder` says who ("job ... (pid 12 on node1, since ...)")."""
+
+    def __init__(self, where: str, holder: str, *, hint: str = "") -> None:
+        super().__init__(
+            f"{where}: held by another job, {holder}; one job writes a root at a time: "
+            f"end that job or wait for it, or give this job another root{hint}"
+        )
+        self.where, self.holder = where, holder
+
+
 class CommitConflictError(NebulaError, FileExistsError):
     """Another writer committed the same tag first (create-only manifest lost the race)."""
 
     def __init__(self, where: str, tag: str) -> None:
         super().__init__(f"{where}: checkpoint {tag!r} was committed by another writer first")
         self.where, self.tag = where, tag
+
+
+class ItemCollisionError(CommitConflictError):
+    """Two ranks saved an item of the same name into one checkpoint: it is never committed
+    with an item twice."""
+
+    def __init__(self, where: str, tag: str, name: str, first: int, second: int) -> None:
+        NebulaError.__init__(
+            self,
+            f"{where}: item {name!r} of checkpoint {tag!r} is saved by rank {first} and by "
+            f"rank {second}; each item is one rank's. Save it on one rank only "
+            f"(nm.Checkpoint({tag!r}, ranks=[{first}]) is a checkpoint that rank {first} "
+            f"alone writes), or give each rank's item its own name",
+        )
+        self.where, self.tag, self.name, self.ranks = where, tag, name, (first, second)
 
 
 class CheckpointStateError(NebulaError, RuntimeError):
@@ -200,14 +227,23 @@ class PersistError(NebulaError):
 class RankTimeoutError(NebulaError, TimeoutError):
     """Some ranks did not write their part of a checkpoint in time (one may have died)."""
 
-    def __init__(self, where: str, missing: list[int], timeout_s: float) -> None:
+    def __init__(
+        self, where: str, missing: list[int], timeout_s: float, stale: list[int] | None = None
+    ) -> None:
         ranks = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+        older = ""
+        if stale:
+            older = (
+                f" (the part of rank(s) {', '.join(map(str, stale[:16]))} there is from "
+                f"another run or restart of the job: never committed with this one's)"
+            )
         super().__init__(
-            f"{where}: rank(s) {ranks} did not commit their part within {timeout_s:g} s; "
-            f"the checkpoint stays uncommitted (a rank may have died; the previous "
+            f"{where}: rank(s) {ranks} did not commit their part within {timeout_s:g} s"
+            f"{older}; the checkpoint stays uncommitted (a rank may have died; the previous "
             f"checkpoint still loads). Raise NEBULA_RANK_TIMEOUT_S if ranks are just slow"
         )
         self.where, self.missing, self.timeout_s = where, missing, timeout_s
+        self.stale = stale or []
 
 
 class PersistTimeoutError(NebulaError, TimeoutError):
@@ -223,7 +259,8 @@ class MemoryBudgetError(NebulaError, MemoryError):
             f"of {limit_bytes} bytes (NEBULA_MEMORY_BUFFER_SIZE), and {why}. Raise "
             f"NEBULA_MEMORY_BUFFER_SIZE, or give nm.init() a persistent_storage_path"
         )
-        self.tag, self.need_bytes, self.limit_bytes = tag, need_bytes, limit_bytes
+        self.tag, self.need_bytes = tag, need_bytes
+        self.limit_bytes: int | None = limit_bytes
 
 
 class MemoryTierFullError(MemoryBudgetError):
@@ -237,7 +274,8 @@ class MemoryTierFullError(MemoryBudgetError):
             f"filesystem ({path}) has {free_bytes} bytes free, and {why}: "
             f"{memory_tier_advice(need_bytes)}, or give nm.init() a persistent_storage_path",
         )
-        self.tag, self.need_bytes, self.limit_bytes = tag, need_bytes, None
+        self.tag, self.need_bytes = tag, need_bytes
+        self.limit_bytes = None
         self.free_bytes, self.path = free_bytes, path
 
 

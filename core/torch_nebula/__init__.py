@@ -1,13 +1,20 @@
 """torch_nebula: the name DeepSpeed's Nebula checkpoint engine imports.
 
 It is the same library as `nebulaml`: the very same objects, re-exported, so a checkpoint
-saved through one name is found and loaded through the other.
+saved through one name is found and loaded through the other. One difference, for
+DeepSpeed: `torch_nebula.Checkpoint` (nebulaml.integrations.deepspeed) is the subclass of
+`nebulaml.Checkpoint` whose save of a tag already committed replaces it, as DeepSpeed's own
+engine overwrites a tag saved again (`nebulaml.Checkpoint` refuses it unless
+`overwrite=True`).
 
 Example:
     >>> import nebulaml, torch_nebula
-    >>> torch_nebula.Checkpoint is nebulaml.Checkpoint
+    >>> torch_nebula.init is nebulaml.init
+    True
+    >>> issubclass(torch_nebula.Checkpoint, nebulaml.Checkpoint)
     True
 """
 
 from nebulaml import *  # noqa: F403
 from nebulaml import __all__, __version__  # noqa: F401
+from nebulaml.integrations.deepspeed import Checkpoint  # noqa: F401 - replaces nebulaml's

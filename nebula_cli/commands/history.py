@@ -241,8 +241,8 @@ def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[st
     stats.add_row("persist MiB/s", _speed(p50), "", _speed(top))
     print_table(stats, console=out)
     failures, skipped = summary["failures"], summary["skipped"]
-    span = (
-        f"; {summary['first_started_at']} .. {summary['last_started_at']}"
+    span = (  # on a line of its own: the two times are what a reader copies
+        f"\nfrom {summary['first_started_at']} to {summary['last_started_at']}"
         if summary["count"]
         else ""
     )

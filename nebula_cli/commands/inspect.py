@@ -87,8 +87,8 @@ def _summary(doc: dict[str, Any]) -> Table:
 def _items_table(items: list[dict[str, Any]]) -> Table:
     table = Table(title="items", title_justify="left")
     for column in ("name", "file", "rank", "size", "tensor bytes", "checksum"):
-        justify = "right" if column in ("rank", "size", "tensor bytes") else "left"
-        table.add_column(column, justify=justify, no_wrap=True)
+        right = column in ("rank", "size", "tensor bytes")
+        table.add_column(column, justify="right" if right else "left", no_wrap=True)
     for i in items:
         table.add_row(
             Text(i["name"]),

@@ -4,12 +4,14 @@ complete for real (bash: sourced into a real bash; every shell: the program's pr
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import TAGS, populate
 
 from nebula_cli.completions import SCRIPT_FILES, main
 
@@ -65,3 +67,113 @@ def test_the_sourced_bash_script_completes_commands_and_options() -> None:
     lines = out.stdout.splitlines()
     assert lines[0] == "complete -o default -F _nebula_completion nebula"
     assert lines[1:] == ["words: history", "words: --since"]
+
+
+# Per shell: --show-completion / --install-completion honour the shell named --------------
+@pytest.mark.parametrize("shell", sorted(SCRIPT_FILES))
+def test_show_completion_prints_the_named_shells_script(shell: str) -> None:
+    # main: `--show-completion zsh` printed the bash script (the shell was detected, and
+    # the word "zsh" ignored).
+    out = subprocess.run([NEBULA, "--show-completion", shell], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "SHELL": "/bin/bash"})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (COMMITTED / SCRIPT_FILES[shell]).read_text()
+
+
+def test_show_completion_without_a_shell_uses_this_one() -> None:
+    env = {**os.environ, "SHELL": "/usr/bin/fish"}  # the parent (python) is not a shell
+    out = subprocess.run([NEBULA, "--show-completion"], capture_output=True, text=True,
+                         timeout=60, env=env)  # fmt: skip
+    assert out.returncode == 0 and out.stdout == (COMMITTED / "nebula.fish").read_text()
+    bad = subprocess.run([NEBULA, "--show-completion", "tcsh"], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.startswith("nebula: error: ")
+
+
+INSTALLED = {
+    "bash": (
+        ".bash_completions/nebula.sh",
+        ".bashrc",
+        "source '{home}/.bash_completions/nebula.sh'",
+    ),
+    "zsh": (".zfunc/_nebula", ".zshrc", "fpath+=~/.zfunc; autoload -Uz compinit; compinit"),
+    "fish": (".config/fish/completions/nebula.fish", None, None),
+}
+
+
+@pytest.mark.parametrize("shell", sorted(SCRIPT_FILES))
+def test_install_completion_installs_the_named_shells_script(shell: str, tmp_path: Path) -> None:
+    # main: `--install-completion fish` installed the bash script (for the detected shell).
+    env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash"}
+    for _ in range(2):  # a second install changes nothing
+        out = subprocess.run([NEBULA, "--install-completion", shell], capture_output=True,
+                             text=True, timeout=60, env=env)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+    script, rc, line = INSTALLED[shell]
+    assert (tmp_path / script).read_text() == (COMMITTED / SCRIPT_FILES[shell]).read_text()
+    assert f"Installed the {shell} completion in {tmp_path / script}" in out.stdout
+    if rc is not None:
+        lines = (tmp_path / rc).read_text().splitlines()
+        assert lines.count(line.format(home=tmp_path)) == 1
+    others = {s for s in SCRIPT_FILES if s != shell}
+    assert not any((tmp_path / INSTALLED[s][0]).exists() for s in others)
+
+
+# Dynamic completion: the tags and items of the ROOT on the line ---------------------------
+@pytest.fixture
+def populated(root: Path) -> Path:
+    populate(root)
+    return root
+
+
+def _shell_complete(shell: str, words: str) -> list[str]:
+    """What the app answers the `shell` script for the line `words` (the last word being
+    completed; a trailing space: a new word)."""
+    if shell == "bash":
+        parts = words.split(" ")
+        env = {"_NEBULA_COMPLETE": "complete_bash", "COMP_WORDS": words,
+               "COMP_CWORD": str(len(parts) - 1)}  # fmt: skip
+    elif shell == "zsh":
+        env = {"_NEBULA_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": words}
+    else:
+        env = {"_NEBULA_COMPLETE": "complete_fish", "_TYPER_COMPLETE_ARGS": words,
+               "_TYPER_COMPLETE_FISH_ACTION": "get-args"}  # fmt: skip
+    out = subprocess.run([NEBULA], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    if shell == "zsh":  # _arguments '*: :(("a" "b"))'
+        return re.findall(r'"((?:[^"\\]|\\.)*)"', out.stdout)
+    return [line.split("\t")[0] for line in out.stdout.splitlines() if line]
+
+
+@pytest.mark.parametrize("shell", sorted(SCRIPT_FILES))
+def test_tags_and_items_complete_for_a_root(populated: Path, shell: str) -> None:
+    # main: neither tags nor item names completed.
+    r = str(populated)
+    assert _shell_complete(shell, f"nebula inspect {r} epoch") == TAGS[:3][::-1]
+    assert _shell_complete(shell, f"nebula verify {r} glob") == ["global_step400"]
+    assert _shell_complete(shell, f"nebula diff {r} {TAGS[0]} glob") == ["global_step400"]
+    assert _shell_complete(shell, f"nebula inspect {r} {TAGS[0]} --item o") == ["optimizer"]
+    assert _shell_complete(shell, f"nebula latest {r} --item ") == ["model", "optimizer"]
+    assert _shell_complete(shell, f"nebula history {r} --tag glob") == ["global_step400"]
+    assert _shell_complete(shell, f"nebula export {r} glob") == ["global_step400"]
+
+
+@pytest.mark.parametrize("shell", sorted(SCRIPT_FILES))
+def test_completion_is_silent_when_the_root_cannot_be_read(tmp_path: Path, shell: str) -> None:
+    assert _shell_complete(shell, f"nebula inspect {tmp_path / 'nope'} glob") == []
+    assert _shell_complete(shell, "nebula inspect az://no-such-container/x glob") == []
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_the_sourced_bash_script_completes_tags(populated: Path) -> None:
+    script = f"""
+        source {COMMITTED / "nebula.bash"}
+        COMP_WORDS=(nebula inspect {populated} glob); COMP_CWORD=3; _nebula_completion nebula
+        echo "words: ${{COMPREPLY[*]}}"
+    """
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    out = subprocess.run(["bash", "--norc", "--noprofile", "-c", script], env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["words: global_step400"]

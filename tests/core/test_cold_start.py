@@ -3,7 +3,8 @@
 After the first commit, the pool makes a spare buffer for each item in a thread of its
 own (slots.SlotPool.prepare): allocated, its pages faulted in and mapped, a pool file in
 `.slots/` counted in the pool's bytes. The second save then takes it and faults no page
-in on the caller's thread; where the memory budget or the memory tier's filesystem cannot
+in on the caller's thread (one that comes before the spare is ready populates the rest
+itself, and takes it); where the memory budget or the memory tier's filesystem cannot
 hold one more buffer, none is made.
 
 Bugs these catch: a spare never made (the second save faults its buffer in, as the first
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import os
 import resource
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ import torch
 
 import nebulaml as nm
 from nebulaml.runtime import budget as budget_module
+from nebulaml.runtime import pages
 from nebulaml.runtime import session as _session
 from nebulaml.runtime.slots import SlotPool
 
@@ -101,6 +105,34 @@ def test_the_second_save_takes_a_buffer_made_and_populated_in_the_background(
     assert faults < size // PAGE // 8, f"{faults} page faults on the saving thread"
     taken = _item(root, 2)
     assert (taken.st_dev, taken.st_ino) == (spare.st_dev, spare.st_ino)
+    assert torch.equal(nm.get_checkpoint("global_step2").load("model")["w"], _state(2)["w"])
+
+
+def test_a_save_before_its_spare_is_ready_finishes_it_and_takes_it(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    populated_by: list[str] = []
+    populate, work = pages._populate, pages.Population.work
+
+    def recording_populate(address: int, length: int) -> None:
+        populated_by.append(threading.current_thread().name)
+        populate(address, length)
+
+    def slow_spare_work(self: pages.Population) -> None:
+        if threading.current_thread().name.startswith("nebula-spare"):
+            time.sleep(0.5)  # the spare's thread is late: the second save comes first
+        work(self)
+
+    monkeypatch.setattr(pages, "_populate", recording_populate)
+    monkeypatch.setattr(pages.Population, "work", slow_spare_work)
+    nm.init(str(root), persistent_time_interval=0)
+    _save(1)
+    (spare,) = _pool_files(root).values()  # being made
+    populated_by.clear()
+    _save(2)
+    taken = _item(root, 2)
+    assert (taken.st_dev, taken.st_ino) == (spare.st_dev, spare.st_ino)
+    assert populated_by and not any(n.startswith("nebula-spare") for n in populated_by)
     assert torch.equal(nm.get_checkpoint("global_step2").load("model")["w"], _state(2)["w"])
 
 

@@ -205,11 +205,11 @@ def test_a_persist_between_its_last_part_and_its_manifest_is_not_a_leftover(
         commit_rank(memory, "global_step1", rank=rank, world_size=2, items=[item], created_at="t")
     publish, pruned = commit.publish_manifest, []
 
-    def prune_first(store: Store, tag: str, *args: object) -> object:
+    def prune_first(store: Store, tag: str, *args: object, **kwargs: object) -> object:
         if store.url == root.url:
             plan = nm.plan_prune(nm.list_prune_candidates(root.url, incomplete=True), 1, grace_s=0)
             pruned.append((plan, nm.execute_prune(root.url, plan)))
-        return publish(store, tag, *args)
+        return publish(store, tag, *args, **kwargs)
 
     monkeypatch.setattr(commit, "publish_manifest", prune_first)
     copy_part(memory, root, "global_step1", rank=0, world_size=2, timeout_s=5, wait=False)

@@ -52,7 +52,7 @@ def test_round_trip() -> None:
     manifest = _manifest()
     assert parse_manifest(manifest.to_bytes(), "x") == manifest
     doc = json.loads(manifest.to_bytes())
-    assert doc["total_bytes"] == 10 and doc["schema_version"] == 1
+    assert doc["total_bytes"] == 10 and doc["schema_version"] == 2 and doc["sequence"] == 0
     assert doc["items"][0]["checksum"] == {"algo": "xxh3_64", "value": "00ff"}
 
 
@@ -85,6 +85,12 @@ def _broken(mutate) -> bytes:
         (_broken(lambda d: d["items"][0].pop("checksum")), "no 'checksum'"),
         (_broken(lambda d: d["items"].append(dict(d["items"][0]))), "twice"),
         (_broken(lambda d: d.update(labels="best")), "labels"),
+        (_broken(lambda d: d.pop("sequence")), "no 'sequence'"),
+        (_broken(lambda d: d.update(sequence=-1)), "'sequence' is negative"),
+        (_broken(lambda d: d.update(sequence=True)), "wrong type"),
+        (_broken(lambda d: d.update(sequence="3")), "wrong type"),
+        (_broken(lambda d: d.update(schema_version=1)), "schema 1 manifest has no 'sequence'"),
+        (b"[" * 5000 + b"]" * 5000, "nested more than 32 deep"),
     ],
 )
 def test_malformed_manifests_are_refused(data: bytes, match: str) -> None:
@@ -92,7 +98,7 @@ def test_malformed_manifests_are_refused(data: bytes, match: str) -> None:
         parse_manifest(data, "somewhere/manifest.json")
 
 
-@pytest.mark.parametrize("version", [2, 99])
+@pytest.mark.parametrize("version", [3, 99])
 def test_newer_schema_version_asks_for_an_upgrade(version: object) -> None:
     data = _broken(lambda d: d.update(schema_version=version))
     with pytest.raises(nm.UnsupportedSchemaError, match="upgrade nebula-checkpoint"):
@@ -140,9 +146,27 @@ def test_manifest_has_no_absolute_paths_or_pickles(root: Path) -> None:
     doc = json.loads(text)
     assert set(doc) == {
         "schema_version", "tag", "step", "created_at", "committed_at", "world_size",
-        "items", "total_bytes", "producer", "labels", "checksum",
+        "items", "total_bytes", "producer", "labels", "checksum", "sequence",
     }  # fmt: skip
     assert doc["committed_at"] >= doc["created_at"]
+
+
+def test_a_manifest_too_large_is_refused_unparsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nebulaml.format import manifest as manifest_module
+
+    data = _manifest().to_bytes()
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", len(data) - 1)
+    with pytest.raises(nm.ManifestError, match="manifest is too large"):
+        parse_manifest(data, "m")
+
+
+def test_a_schema_1_manifest_reads_with_no_sequence() -> None:
+    manifest = _manifest(schema_version=1)
+    doc = json.loads(manifest.to_bytes())
+    assert doc["schema_version"] == 1 and "sequence" not in doc
+    assert parse_manifest(manifest.to_bytes(), "m").sequence == 0
+    newer = parse_manifest(_manifest(sequence=1).to_bytes(), "m")
+    assert newer.sort_key > manifest.sort_key  # same tag and time: any sequence is newer
 
 
 @pytest.mark.parametrize("version_dir", sorted(p.name for p in FIXTURES.iterdir()))

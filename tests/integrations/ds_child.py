@@ -17,6 +17,21 @@ builds the model from another seed and calls `model_engine.load_checkpoint(save_
 Each phase writes WORKDIR/<phase>-rank<r>.json: per stage, the checkpoint engine's class,
 digests of the parameters and optimizer state (before and after loading), global_steps
 and the client state.
+
+Tags saved again (WORKDIR/resave<stage>/, the same ds/ and nebula/): PHASE "resave" saves
+global_step2 and "best" after step 2, global_step4 and "best" again after step 4 (and
+loads "best" back at once), then rolls back (`load_checkpoint(save_dir,
+tag="global_step2")`), trains 2 other steps and saves global_step4 again. Each save is
+made durable at once (`torch_nebula.flush_persistence()` on every rank), so that each
+re-save replaces a persisted version; but for "final", saved after steps 2 and 4 too,
+whose second version is left to the persister (and superseded by the later saves): the
+JSON has the items of that version (name and checksum, from the memory tier). The JSON
+has the state saved last under each tag (and the one it replaced); rank 0 writes the
+parameters of each, by name, to expected-<key>.pt.
+PHASE "reload": fresh processes load "best", then the latest tag. PHASE "fp32", one
+process without torch.distributed: DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`
+on save_dir for "best" and the latest tag (once the test has materialized them), written
+to zero_to_fp32-<tag>.pt.
 """
 
 from __future__ import annotations
@@ -35,12 +50,12 @@ STEPS = 4
 SAVE_AFTER = (2, 4)
 
 
-def ds_config(root: Path, stage: int, *, resume: bool) -> dict[str, Any]:
+def ds_config(root: Path, stage: int, *, resume: bool, retention: int = 2) -> dict[str, Any]:
     nebula: dict[str, Any] = {
         "enabled": True,
         "persistent_storage_path": str(root / "nebula"),
         "persistent_time_interval": 100,
-        "num_of_version_in_retention": 2,
+        "num_of_version_in_retention": retention,
         "enable_nebula_load": True,
     }
     if resume and stage % 2 == 1:
@@ -172,9 +187,97 @@ def run_stage(phase: str, root: Path, stage: int, rank: int) -> dict[str, Any]:
     return out
 
 
+def full_params(engine: Any, stage: int) -> dict[str, torch.Tensor]:
+    """The model's parameters by name, whole (gathered under ZeRO-3), in fp32."""
+    import deepspeed
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if stage == 3:  # one at a time: see param_digest
+            with deepspeed.zero.GatheredParameters([p]):
+                out[name] = p.detach().float().clone()
+        else:
+            out[name] = p.detach().float().clone()
+    return out
+
+
+def run_resave(phase: str, root: Path, stage: int, rank: int) -> dict[str, Any]:
+    import deepspeed
+
+    reload = phase == "reload"
+    model = build_model(seed=1 if reload else 0)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=ds_config(root, stage, resume=False, retention=5),
+    )
+    save_dir = str(root / "ds")
+    out: dict[str, Any] = {"engine": type(engine.checkpoint_engine).__name__}
+    if reload:
+        for tag in ("best", None):
+            load_path, _ = engine.load_checkpoint(save_dir, tag=tag)
+            _settle(engine)
+            out["latest" if tag is None else tag] = state_of(engine, stage)
+            out[f"load_path_{tag or 'latest'}"] = load_path
+        return out
+
+    def train(data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for x, y in data:
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+
+    def save(tag: str | None, key: str, durable: bool = True) -> None:
+        import torch_nebula
+
+        engine.save_checkpoint(save_dir, tag=tag)
+        if durable:
+            torch_nebula.flush_persistence()
+        out[key] = state_of(engine, stage)
+        params = full_params(engine, stage)
+        if rank == 0:
+            torch.save(params, root / f"expected-{key}.pt")
+
+    data = batches(rank)
+    train(data[:2])
+    save(None, "global_step2")
+    save("best", "best_replaced")
+    save("final", "final_replaced")
+    train(data[2:])
+    save(None, "global_step4_replaced")
+    save("best", "best")  # the same tag again: replaces it
+    save("final", "final", durable=False)
+    import nebulaml as nm
+
+    manifest = Path(nm.memory_tier_path(root / "nebula")) / "final" / "manifest.json"
+    items = json.loads(manifest.read_text())["items"]
+    out["final_items"] = sorted([i["name"], i["checksum"]["value"]] for i in items)
+    engine.load_checkpoint(save_dir, tag="best")  # in the job: the new version
+    _settle(engine)
+    out["best_loaded_in_job"] = state_of(engine, stage)
+    engine.load_checkpoint(save_dir, tag="global_step2")  # a rollback...
+    _settle(engine)
+    train(batches(rank + 10)[:2])  # ... and other steps, up to global_step4 again
+    save(None, "latest")
+    out["global_steps"] = engine.global_steps
+    return out
+
+
+def zero_to_fp32(root: Path) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    for tag in ("best", None):
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(str(root / "ds"), tag=tag)
+        torch.save(dict(fp32), root / f"zero_to_fp32-{tag or 'latest'}.pt")
+
+
 def main() -> int:
     phase, workdir, stages = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if phase == "fp32":
+        for stage in stages.split(","):
+            zero_to_fp32(workdir / f"resave{stage}")
+        print("OK fp32", flush=True)
+        return 0
     import deepspeed  # here, not at the top: pytest collects this file for doctests
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -182,7 +285,10 @@ def main() -> int:
     results = {}
     for stage in (int(s) for s in stages.split(",")):
         t0 = time.perf_counter()
-        results[str(stage)] = run_stage(phase, workdir / f"zero{stage}", stage, rank)
+        if phase in ("resave", "reload"):
+            results[str(stage)] = run_resave(phase, workdir / f"resave{stage}", stage, rank)
+        else:
+            results[str(stage)] = run_stage(phase, workdir / f"zero{stage}", stage, rank)
         print(f"{phase} zero{stage} rank {rank}: {time.perf_counter() - t0:.1f} s", flush=True)
     (workdir / f"{phase}-rank{rank}.json").write_text(json.dumps(results, indent=1))
     torch.distributed.barrier()

@@ -5,11 +5,12 @@ Usage: hf_child.py MODE SPEC_JSON. SPEC_JSON holds `root` (the persistent root),
 (where this process writes its result JSON; `{rank}` is replaced), `output_dir` (the
 Trainer's), `max_steps`, `save_steps`, `interval` (the persistent time interval),
 `retention`, and optionally `kill_at` (SIGKILL this process right after the save at that
-step), `stop_at` (stop training, cleanly, after the save at that step), `flush` (persist
-every checkpoint: none skipped by the interval), `resume` (True: resume from nebula's
-newest; a path: from that checkpoint) and `start_state` (where to torch.save the state
-training starts from: model, optimizer, scheduler, global step; `{rank}` is replaced). A
-JSON list of such specs runs them one after another in this process.
+step), `stop_at` (stop training, cleanly, after the save at that step), `flush` (True:
+persist every checkpoint, none skipped by the interval; a list: the saves at those steps),
+`resume` (True: resume from nebula's newest; a path: from that checkpoint) and
+`start_state` (where to torch.save the state training starts from: model, optimizer,
+scheduler, global step; `{rank}` is replaced). A JSON list of such specs runs them one
+after another in this process.
 
 MODE "trainer": a tiny GPT-2 (built from a config, no downloads) trained by a `Trainer`
 with `NebulaCallback`; under RANK / WORLD_SIZE (as a launcher sets them) it is a DDP job
@@ -119,8 +120,8 @@ def run_trainer(spec: dict[str, Any]) -> dict[str, Any]:
                 )
 
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
-            if spec.get("flush"):
-                nm.flush_persistence()  # every checkpoint persisted: none skipped
+            if spec.get("flush") is True or state.global_step in (spec.get("flush") or ()):
+                nm.flush_persistence()  # persisted before training goes on
             if state.global_step == spec.get("kill_at"):
                 os.kill(os.getpid(), signal.SIGKILL)
             if state.global_step == spec.get("stop_at"):
@@ -204,7 +205,7 @@ def run_accelerate(spec: dict[str, Any]) -> dict[str, Any]:
         result["losses"][step] = [loss.item()]
         if step % spec["save_steps"] == 0:
             nma.save_state(accelerator, f"global_step{step}")
-            if spec.get("flush"):
+            if spec.get("flush") is True or step in (spec.get("flush") or ()):
                 nm.flush_persistence()
             if step == spec.get("kill_at"):
                 os.kill(os.getpid(), signal.SIGKILL)

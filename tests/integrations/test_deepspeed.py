@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from frameworks import child_env, require, run_ranks
+from frameworks import child_env, require, run_ranks, run_script
 from typer.testing import CliRunner
 
 import nebulaml as nm
@@ -24,6 +24,7 @@ from nebula_cli.app import app
 
 CHILD = Path(__file__).with_name("ds_child.py")
 STAGES = (0, 1, 2, 3)
+RESAVE_STAGES = (2, 3)
 
 
 # torch_nebula as DeepSpeed's engine calls it ---------------------------------------------
@@ -206,3 +207,137 @@ def test_outside_deepspeed_its_classes_are_still_refused(
     assert "optimizer_state_dict" in trusted
     allowed = torch.serialization.get_safe_globals()
     assert not [g for g in allowed if "deepspeed" in getattr(g, "__module__", "")]
+
+
+# tags saved again, and DeepSpeed's zero_to_fp32 ----------------------------------------
+def test_the_engines_resave_of_a_tag_replaces_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed's default engine overwrites a tag saved again; so does its Nebula engine's
+    `torch_nebula.Checkpoint` (nm.Checkpoint still refuses it unless overwrite=True). Bug
+    caught: CheckpointExistsError on a re-save of "best", or the first state loaded."""
+    root = tmp_path / "nebula"
+    torch_nebula.init(persistent_storage_path=str(root), persistent_time_interval=100)
+    for scale in (1.0, 2.0):
+        checkpoint = torch_nebula.Checkpoint("best", -2)
+        checkpoint.save("mp_rank_00_model_states.pt", _engine_state(scale))
+        assert checkpoint.commit() is True
+        if scale == 1.0:
+            nm.flush_persistence()  # the version to replace is durable
+    assert isinstance(checkpoint, nm.Checkpoint)
+    for persist_path in (None, str(root)):
+        found = torch_nebula.get_checkpoint(tag="best", persist_path=persist_path)
+        assert found is not None
+        loaded = found.load("mp_rank_00_model_states.pt", map_location="cpu")
+        assert torch.equal(loaded["module"]["weight"], torch.full((2, 4), 2.0))
+    with pytest.raises(nm.CheckpointExistsError):
+        nm.Checkpoint("best", -2).save("mp_rank_00_model_states.pt", _engine_state(3.0))
+    # A newer save supersedes "best" before its persist: at exit only the newer one is
+    # persisted, and "best" is gone: never the version it replaced.
+    newer = torch_nebula.Checkpoint("global_step9", -2)
+    newer.save("mp_rank_00_model_states.pt", _engine_state(9.0))
+    newer.commit()
+    nm.shutdown()
+    assert [c["tag"] for c in nm.list_checkpoints(str(root))] == ["global_step9"]
+    assert torch_nebula.get_checkpoint(tag="best", persist_path=str(root)) is None
+
+
+@pytest.fixture(scope="module")
+def resave_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """ds_child's "resave" then "reload" phases, 2 ranks, RESAVE_STAGES: the per-rank JSON."""
+    require("deepspeed")
+    workdir = tmp_path_factory.mktemp("ds-resave")
+    env = child_env(workdir / "memory-tier")
+    results: dict[str, list[dict]] = {}
+    for phase in ("resave", "reload"):
+        argv = [sys.executable, str(CHILD), phase, str(workdir), ",".join(map(str, RESAVE_STAGES))]
+        finished = run_ranks(argv, 2, env)
+        for rank, done in enumerate(finished):
+            assert done.returncode == 0, f"{phase} rank {rank}:\n{done.output[-6000:]}"
+        results[phase] = [
+            json.loads((workdir / f"{phase}-rank{rank}.json").read_text()) for rank in range(2)
+        ]
+    return workdir, results
+
+
+@pytest.mark.parametrize("stage", RESAVE_STAGES)
+def test_deepspeed_saving_a_tag_again_replaces_it(
+    resave_job: tuple[Path, dict], stage: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 gloo ranks save "best" twice, and global_step4 again after a rollback to
+    global_step2 and 2 other steps; fresh processes load both. Bugs caught: the re-save
+    refused on every rank (CheckpointExistsError), and a load that returns the state the
+    re-save replaced, or one rank's new part with the other's old one (which a version
+    never persisted left committed on the persistent tier: rank 1's persister took rank 0's
+    marker of the old version for the new one's)."""
+    workdir, results = resave_job
+    monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(workdir / "memory-tier"))
+    root = workdir / f"resave{stage}"
+    for rank in range(2):
+        saved = results["resave"][rank][str(stage)]
+        loaded = results["reload"][rank][str(stage)]
+        assert saved["engine"] == loaded["engine"] == "NebulaCheckpointEngine"
+        assert saved["global_steps"] == 4
+        # The replaced states differ from the new ones: the check has teeth.
+        assert saved["best"]["params"] != saved["best_replaced"]["params"]
+        assert saved["latest"]["params"] != saved["global_step4_replaced"]["params"]
+        assert saved["best_loaded_in_job"] == saved["best"], f"rank {rank}"
+        assert loaded["best"] == saved["best"], f"rank {rank}"
+        assert loaded["latest"] == saved["latest"], f"rank {rank}"
+        assert loaded["load_path_best"].endswith("/best/" + Path(loaded["load_path_best"]).name)
+        assert "/global_step4/" in loaded["load_path_latest"]
+    assert (root / "ds" / "latest").read_text() == "global_step4"
+    listed = {c["tag"]: c for c in nm.list_checkpoints(str(root / "nebula"))}
+    assert {"global_step2", "global_step4", "best"} <= set(listed)
+    for tag in ("best", "global_step4"):  # persisted, both ranks' parts
+        assert "persistent" in listed[tag]["tiers"]
+        manifest = json.loads((root / "nebula" / tag / "manifest.json").read_text())
+        assert {item["rank"] for item in manifest["items"]} == {0, 1}
+    # "final"'s second version was superseded before its persist: the persistent tier
+    # holds that version or none, never the first one, nor one rank's part of each.
+    if "final" in listed:
+        manifest = json.loads((root / "nebula" / "final" / "manifest.json").read_text())
+        items = sorted([i["name"], i["checksum"]["value"]] for i in manifest["items"])
+        assert items == results["resave"][0][str(stage)]["final_items"]
+
+
+def test_zero_to_fp32_reads_the_save_dir_once_materialized(
+    resave_job: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`materialize(save_dir, tag, persist_path=root)` after the job writes the files over
+    the engine's placeholders; DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint` on
+    save_dir then returns the trained model's fp32 weights, of "best" and of the latest
+    tag, both saved twice (ZeRO 2 and 3, 2 ranks). Bug caught: zero_to_fp32's
+    AttributeError on the placeholders ('str' object has no attribute 'get'), and the
+    files of a replaced save."""
+    from nebulaml.integrations.deepspeed import materialize
+
+    workdir, _results = resave_job
+    monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(workdir / "memory-tier"))
+    for stage in RESAVE_STAGES:
+        root = workdir / f"resave{stage}"
+        save_dir = root / "ds"
+        placeholders = sorted(p.name for p in (save_dir / "global_step4").glob("*.pt"))
+        for name in placeholders:  # what zero_to_fp32 fails on
+            assert torch.load(save_dir / "global_step4" / name, weights_only=True) == ""
+        files = materialize(save_dir, "best", persist_path=root / "nebula")
+        files += materialize(save_dir, persist_path=root / "nebula")  # save_dir/latest's tag
+        assert sorted(Path(f).name for f in files if "/global_step4/" in f) == placeholders
+        optim = {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)}
+        assert optim <= set(placeholders)
+        assert not [p for p in (save_dir / "best").iterdir() if p.name.startswith(".")]
+
+    stages = ",".join(map(str, RESAVE_STAGES))
+    done = run_script(
+        [str(CHILD), "fp32", str(workdir), stages], child_env(workdir / "memory-tier")
+    )
+    assert done.returncode == 0, done.output[-6000:]
+    for stage in RESAVE_STAGES:
+        root = workdir / f"resave{stage}"
+        for key in ("best", "latest"):
+            fp32 = torch.load(root / f"zero_to_fp32-{key}.pt", weights_only=True)
+            expected = torch.load(root / f"expected-{key}.pt", weights_only=True)
+            assert sorted(fp32) == sorted(expected) and expected
+            for name, tensor in expected.items():
+                assert fp32[name].dtype == torch.float32
+                assert torch.equal(fp32[name], tensor), f"zero{stage} {key} {name}"

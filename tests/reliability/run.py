@@ -22,9 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from campaigns import Figures, corruption_campaign, crash_campaign, hostile_pickle_campaign
+from clock_steps import clock_steps_campaign
 from concurrency import concurrency_campaign
+from operators import operators_campaign
 from signals import double_signal_campaign
 from stale_roots import stale_root_campaign
+from two_jobs import two_jobs_campaign
 
 HERE = Path(__file__).parent
 
@@ -85,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             ("concurrency", lambda w: concurrency_campaign(w, 60 if args.quick else 3000)),
             ("double signal", lambda w: double_signal_campaign(w, 3 if args.quick else 20)),
             ("stale roots", lambda w: stale_root_campaign(w, 3 if args.quick else 30)),
+            ("two jobs", lambda w: two_jobs_campaign(w, 3 if args.quick else 30)),
+            ("operators", lambda w: operators_campaign(w, 2 if args.quick else 20)),
+            ("clock steps", lambda w: clock_steps_campaign(w, 40 if args.quick else 600)),
             *(
                 (name, lambda w, name=name, path=path: scenario_campaign(name, path, w))
                 for name, path in SCENARIO_FILES

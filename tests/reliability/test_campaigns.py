@@ -92,3 +92,49 @@ def test_signals_during_the_exit_persist_never_lose_a_checkpoint_silently(tmp_pa
     # One of each kind: let finish; exit_timeout_s too short; abandoned by a third signal.
     assert figures.counts["persisted"] == 1
     assert figures.counts["reported not persisted"] == 2
+
+
+def test_clock_steps_never_reorder_latest_or_retention(tmp_path: Path) -> None:
+    from clock_steps import clock_steps_campaign
+
+    figures = clock_steps_campaign(tmp_path, saves=40, seed=18)
+    assert figures.failures == []
+    assert figures.counts["saves"] == 40
+    assert figures.counts["latest checks"] == 80
+    assert figures.counts["latest wrong"] == 0
+    assert figures.counts["wrong deletions"] == 0
+    assert figures.counts["older ones kept"] == 0
+    assert figures.counts["listings out of order"] == 0
+    assert figures.counts["clock jumps back"] > 5
+    assert figures.counts["restarts"] >= 2
+    assert figures.counts["roots: no step"] >= 1 and figures.counts["roots: same step"] >= 1
+
+
+def test_two_jobs_on_one_root_run_one_at_a_time(tmp_path: Path) -> None:
+    from two_jobs import two_jobs_campaign
+
+    # Three rounds: a second job started while the first trains, one started at the very
+    # same time as the first, each round ending in a SIGKILL or SIGTERM of the job.
+    figures = two_jobs_campaign(tmp_path, rounds=3, seed=18)
+    assert figures.failures == []
+    assert figures.counts["rounds"] == 3
+    assert figures.counts["second job refused"] == 3
+    assert figures.counts["both jobs ran"] == 0 and figures.counts["neither job ran"] == 0
+    assert figures.counts["acknowledged checkpoints lost"] == 0
+    assert figures.counts["acknowledged checkpoints checked"] == 3
+    assert figures.counts["errors in the trainer"] == 0
+
+
+def test_operators_never_fail_a_running_trainer(tmp_path: Path) -> None:
+    from operators import operators_campaign
+
+    # Two rounds of a trainer SIGKILLed after a few seconds of copies, flushes, prunes,
+    # verifies and held reads on its root.
+    figures = operators_campaign(tmp_path, rounds=2, seed=18)
+    assert figures.failures == []
+    assert figures.counts["kills"] == 2
+    assert figures.counts["errors in the trainer"] == 0
+    assert figures.counts["acknowledged checkpoints lost"] == 0
+    assert figures.counts["readers failed by retention"] == 0
+    for kind in ("copies to the persistent tier", "flushes", "prunes", "verifies", "reads correct"):
+        assert figures.counts.get(kind, 0) > 0, kind

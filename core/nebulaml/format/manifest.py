@@ -1,12 +1,18 @@
 """manifest.json: the record whose presence, valid, means "committed" (DESIGN.md §3).
 
 This module turns manifests and rank markers into JSON and back, and refuses anything it
-cannot trust: unknown schema versions, missing fields, file names that leave the tag folder.
-It also checks an item's bytes against its entry (`verify_bytes`).
+cannot trust: unknown schema versions, missing fields, file names that leave the tag folder,
+documents too large or too deeply nested to parse safely (jsonbounds.py). It also checks
+an item's bytes against its entry (`verify_bytes`).
 
-May import: `nebulaml.errors`, `nebulaml.format.names` and `nebulaml.format.checksum` (the
-algorithms an entry names). Not for: computing checksums (checksum.py), or reading or
-writing storage (protocol/catalog.py and protocol/commit.py do that).
+Manifest schemas: 1, the first release; 2 adds `sequence`, the checkpoint's place in the
+commit order of its root (see `Manifest`). Both are read; 2 is written. Rank markers are
+still written as 1 (nothing of theirs changed).
+
+May import: `nebulaml.errors`, `nebulaml.format.names`, `nebulaml.format.jsonbounds` and
+`nebulaml.format.checksum` (the algorithms an entry names). Not for: computing checksums
+(checksum.py), or reading or writing storage (protocol/catalog.py and protocol/commit.py
+do that).
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ from nebulaml.format.checksum import (
     checksum_of,
     unknown_algo,
 )
-from nebulaml.format.names import validate_name
+from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES, JsonBoundsError, load_json
+from nebulaml.format.names import OrderKey, order_key, validate_name
 
-SCHEMA_VERSION = 1
-SUPPORTED_SCHEMAS = (1,)
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMAS = (1, 2)
+MARKER_SCHEMA_VERSION = 1
 # Item files name their algorithm (`CHECKSUM_ALGO`, or a legacy one: checksum.py). A
 # manifest seals itself with plain xxh3.
 SEAL_ALGO = "xxh3_64"
@@ -92,7 +100,13 @@ class Producer:
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    """A committed checkpoint's table of contents (schema_version 1).
+    """A committed checkpoint's table of contents (schema_version 2; 1 is read too).
+
+    `sequence` orders checkpoints whose tags name no step, or the same one, without a
+    clock: at its commit on a root a checkpoint gets 1 + the highest sequence there
+    (protocol/commit.py), and a copy keeps it unless the destination already holds a
+    higher one (protocol/transfer.py). 0: none recorded (a schema 1 manifest), older than
+    any that has one. `committed_at` is for people, and only the last tie-break.
 
     Example:
         >>> m = Manifest(tag="global_step5", step=5, created_at="2026-01-01T00:00:00Z",
@@ -111,6 +125,20 @@ class Manifest:
     producer: Producer
     labels: tuple[str, ...] = field(default=())
     schema_version: int = SCHEMA_VERSION
+    # The ranks that wrote it, when not every rank of the job did (`Checkpoint(tag,
+    # ranks=[0])`); None (and no field in the file) means all `world_size` ranks.
+    ranks: tuple[int, ...] | None = None
+    sequence: int = 0
+
+    @property
+    def writers(self) -> tuple[int, ...]:
+        """The ranks that wrote this checkpoint's parts."""
+        return writer_ranks(self.ranks, self.world_size)
+
+    @property
+    def sort_key(self) -> OrderKey:
+        """This checkpoint's place in "newest" order (names.order_key)."""
+        return order_key(self.tag, self.committed_at, self.sequence)
 
     @property
     def total_bytes(self) -> int:
@@ -124,7 +152,7 @@ class Manifest:
         return json.loads(self.to_bytes())
 
     def _fields(self) -> dict[str, Any]:
-        return {
+        doc = {
             "schema_version": self.schema_version,
             "tag": self.tag,
             "step": self.step,
@@ -136,6 +164,11 @@ class Manifest:
             "producer": asdict(self.producer),
             "labels": list(self.labels),
         }
+        if self.ranks is not None:
+            doc["ranks"] = list(self.ranks)
+        if self.schema_version >= 2:
+            doc["sequence"] = self.sequence
+        return doc
 
     def to_bytes(self) -> bytes:
         return seal(self._fields())
@@ -183,7 +216,7 @@ def _parse_item(doc: Any, where: str) -> ItemEntry:
 
 _MANIFEST_KEYS = frozenset(
     {"schema_version", "tag", "step", "created_at", "committed_at", "world_size", "items",
-     "total_bytes", "producer", "labels", "checksum"}
+     "total_bytes", "producer", "labels", "checksum", "ranks", "sequence"}
 )  # fmt: skip
 _ITEM_KEYS = frozenset({"name", "file", "rank", "size_bytes", "checksum", "tensor_bytes"})
 
@@ -215,13 +248,15 @@ def _check_seal(doc: dict[str, Any], where: str) -> None:
         raise ManifestError(where, "manifest does not match its own checksum (it was altered)")
 
 
-def _check_schema(version: object, where: str) -> None:
-    """A schema newer than this nebula reads is `UnsupportedSchemaError` (upgrade); a
-    missing, malformed or impossible one (below 1) is corruption, a `ManifestError`."""
+def _check_schema(version: object, where: str) -> int:
+    """`version` if this nebula reads it. A schema newer than this nebula reads is
+    `UnsupportedSchemaError` (upgrade); a missing, malformed or impossible one (below 1)
+    is corruption, a `ManifestError`."""
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise ManifestError(where, f"manifest has no valid schema_version ({version!r})")
     if version not in SUPPORTED_SCHEMAS:
         raise UnsupportedSchemaError(where, version, SUPPORTED_SCHEMAS)
+    return version
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:
@@ -231,13 +266,12 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     `ManifestError` for anything malformed.
     """
     try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(where, f"manifest is not valid JSON ({exc})") from exc
+        doc = load_json(data, max_bytes=MAX_MANIFEST_BYTES)
+    except JsonBoundsError as exc:
+        raise ManifestError(where, f"manifest is {exc}") from exc
     if not isinstance(doc, dict):
         raise ManifestError(where, "manifest is not a JSON object")
-    version = doc.get("schema_version")
-    _check_schema(version, where)
+    version = _check_schema(doc.get("schema_version"), where)
     tag = _require(doc, "tag", str, where)
     try:
         validate_name("tag", tag)
@@ -266,6 +300,10 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     world_size = _require(doc, "world_size", int, where)
     if world_size < 1:
         raise ManifestError(where, "manifest world_size is below 1")
+    ranks = _parse_ranks(doc, world_size, where)
+    if ranks is not None and any(item.rank not in ranks for item in items):
+        raise ManifestError(where, "manifest lists an item of a rank that did not write")
+    sequence = _parse_sequence(doc, version, where)
     _check_seal(doc, where)  # last: the structural errors above say more
     return Manifest(
         tag=tag,
@@ -277,7 +315,62 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         producer=producer,
         labels=tuple(labels),
         schema_version=version,
+        ranks=ranks,
+        sequence=sequence,
     )
+
+
+def _parse_sequence(doc: dict[str, Any], version: int, where: str) -> int:
+    """A schema 2 manifest's `sequence` (an int, 0 or more); a schema 1 one has none (0)."""
+    if version < 2:
+        if "sequence" in doc:
+            raise ManifestError(where, "a schema 1 manifest has no 'sequence' field")
+        return 0
+    sequence = _require(doc, "sequence", int, where)
+    if sequence < 0:
+        raise ManifestError(where, "manifest field 'sequence' is negative")
+    return int(sequence)
+
+
+def writer_ranks(ranks: tuple[int, ...] | None, world_size: int) -> tuple[int, ...]:
+    """The ranks that write a checkpoint: `ranks`, or (None) every rank of the job.
+
+    Example:
+        >>> writer_ranks(None, 3), writer_ranks((0,), 3)
+        ((0, 1, 2), (0,))
+    """
+    return tuple(range(world_size)) if ranks is None else ranks
+
+
+def some_ranks(ranks: Any, world_size: int) -> tuple[int, ...] | None:
+    """`ranks` as a manifest or marker records them: sorted, or None when they are every
+    rank of the job (so that such a checkpoint's files are as they always were).
+
+    Example:
+        >>> some_ranks([1, 0], 2), some_ranks([0], 2)
+        (None, (0,))
+    """
+    if ranks is None:
+        return None
+    ordered = tuple(sorted(ranks))
+    return None if ordered == tuple(range(world_size)) else ordered
+
+
+def _parse_ranks(doc: dict[str, Any], world_size: int, where: str) -> tuple[int, ...] | None:
+    """The optional `ranks` field of a manifest or marker: distinct ranks below
+    `world_size`, at least one; absent (an older file, or every rank) is None."""
+    value = doc.get("ranks")
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(r, int) and not isinstance(r, bool) for r in value)
+        or len(set(value)) != len(value)
+        or not all(0 <= r < world_size for r in value)
+    ):
+        raise ManifestError(where, f"field 'ranks' is not a list of ranks below {world_size}")
+    return tuple(sorted(value))
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,10 +383,20 @@ class RankMarker:
     created_at: str
     items: tuple[ItemEntry, ...]
     labels: tuple[str, ...] = ()
+    # The ranks that write this checkpoint when not all of them do (see Manifest.ranks).
+    ranks: tuple[int, ...] | None = None
+    # Which run of the job (and which restart of it) wrote this part: a checkpoint is
+    # committed only from parts of one generation. None: written without one (older).
+    generation: str | None = None
+
+    @property
+    def writers(self) -> tuple[int, ...]:
+        """The ranks whose parts make this checkpoint."""
+        return writer_ranks(self.ranks, self.world_size)
 
     def to_bytes(self) -> bytes:
-        doc = {
-            "schema_version": SCHEMA_VERSION,
+        doc: dict[str, Any] = {
+            "schema_version": MARKER_SCHEMA_VERSION,
             "tag": self.tag,
             "rank": self.rank,
             "world_size": self.world_size,
@@ -301,15 +404,19 @@ class RankMarker:
             "items": [item.to_json() for item in self.items],
             "labels": list(self.labels),
         }
+        if self.ranks is not None:
+            doc["ranks"] = list(self.ranks)
+        if self.generation is not None:
+            doc["generation"] = self.generation
         return (json.dumps(doc, sort_keys=True) + "\n").encode()
 
 
 def parse_marker(data: bytes, where: str) -> RankMarker:
     """Parse a rank marker with the same checks as a manifest's items."""
     try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(where, f"rank marker is not valid JSON ({exc})") from exc
+        doc = load_json(data, max_bytes=MAX_MANIFEST_BYTES)
+    except JsonBoundsError as exc:
+        raise ManifestError(where, f"rank marker is {exc}") from exc
     if not isinstance(doc, dict):
         raise ManifestError(where, "rank marker is not a JSON object")
     _check_schema(doc.get("schema_version"), where)
@@ -317,13 +424,19 @@ def parse_marker(data: bytes, where: str) -> RankMarker:
     labels = doc.get("labels", [])
     if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
         raise ManifestError(where, "rank marker field 'labels' has the wrong type")
+    world_size = _require(doc, "world_size", int, where)
+    generation = doc.get("generation")
+    if generation is not None and not isinstance(generation, str):
+        raise ManifestError(where, "rank marker field 'generation' has the wrong type")
     return RankMarker(
         tag=_require(doc, "tag", str, where),
         rank=_require(doc, "rank", int, where),
-        world_size=_require(doc, "world_size", int, where),
+        world_size=world_size,
         created_at=_require(doc, "created_at", str, where),
         items=items,
         labels=tuple(labels),
+        ranks=_parse_ranks(doc, max(world_size, 1), where),
+        generation=generation,
     )
 
 

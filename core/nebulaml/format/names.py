@@ -13,11 +13,22 @@ Not for: paths or URLs of roots (storage.py owns those).
 from __future__ import annotations
 
 import re
+import unicodedata
 
 from nebulaml.errors import InvalidNameError
 
 MAX_NAME_BYTES = 255
-_STEP_RE = re.compile(r"global_step(\d+)")
+# Steps are ASCII digits only: `\d` would take Arabic-Indic or full-width digits for a step.
+_STEP_RE = re.compile(r"global_step([0-9]+)")
+# Lightning's `{step}` in a file name: `epoch=1-step=200`.
+_LIGHTNING_STEP_RE = re.compile(r"(?<![A-Za-z0-9])step=([0-9]+)")
+# Characters a name must not hold: controls (Cc: C0, DEL, C1 such as U+0085), format
+# characters (Cf: bidi overrides and isolates such as U+202E and U+2066, zero-width ones
+# such as U+200B, the BOM U+FEFF) and line and paragraph separators (Zl, Zp). They make a
+# name display as another name, or break the line it is shown on.
+_INVISIBLE = frozenset({"Cf", "Zl", "Zp"})
+# "Newest" order: (step or -1, sequence, committed_at, tag); see `order_key`.
+OrderKey = tuple[int, int, str, str]
 
 # Reserved names: all but the manifest's start with "." (no tag or item may: `validate_name`),
 # and no item may take the manifest's.
@@ -29,6 +40,11 @@ ROOT_ID_FILE = ".nebula-root-id.json"  # in a persistent root: its identity (mem
 ROOT_INFO_FILE = ".nebula-root.json"  # in a memory tier: which root it belongs to
 HOLD_FILE = ".nebula-hold"  # in a memory tier: share-locked by every live session
 SLOTS_DIR = ".slots"  # in a memory tier: the pool of reused item files (runtime/slots.py)
+JOB_PREFIX = ".nebula-job-"  # the job that writes a root: `.nebula-job-<n>.json` in a
+# persistent root, `.nebula-job-<id digest>.lock` in a memory tier (protocol/holds.py)
+JOB_CLAIM_FILE = ".nebula-claim"  # in a memory tier: locked while a job claims it
+WRITING_PREFIX = ".nebula-writing-"  # in the memory-tier base folder: `<n>.lock`, locked
+# by the node's one writer of a tag at a destination (protocol/cowriters.py)
 
 
 def marker_name(rank: int) -> str:
@@ -62,7 +78,9 @@ def validate_name(kind: str, name: object) -> str:
     """Return `name` if it is a safe tag or item name, else raise `InvalidNameError`.
 
     Refused: non-strings, empty names, names over 255 UTF-8 bytes, path separators,
-    `..`, control characters, and names starting with `.` (reserved for nebula's markers).
+    `..`, control characters, invisible, direction-changing and line-separating
+    characters (Unicode categories Cc, Cf, Zl and Zp, the BOM among them), and names
+    starting with `.` (reserved for nebula's markers).
 
     Example:
         >>> validate_name("tag", "global_step500")
@@ -80,6 +98,18 @@ def validate_name(kind: str, name: object) -> str:
         raise InvalidNameError(kind, name, "must not contain '..'")
     if any(ord(c) < 32 or ord(c) == 127 for c in name):
         raise InvalidNameError(kind, name, "must not contain control characters")
+    if not name.isascii():
+        for c in name:
+            category = unicodedata.category(c)
+            if category == "Cc":
+                raise InvalidNameError(kind, name, "must not contain control characters")
+            if category in _INVISIBLE:
+                raise InvalidNameError(
+                    kind,
+                    name,
+                    f"must not contain U+{ord(c):04X} (an invisible, direction-changing or "
+                    "line-separating character: the name would show as another name)",
+                )
     if name.startswith("."):
         raise InvalidNameError(kind, name, "must not start with '.' (reserved for nebula)")
     if name.strip() != name:
@@ -90,23 +120,33 @@ def validate_name(kind: str, name: object) -> str:
 
 
 def step_of(tag: str) -> int | None:
-    """The training step a tag names: the number after `global_step`, else None.
+    """The training step a tag names, in ASCII digits: the number after `global_step`
+    (DeepSpeed's and nebula's tags), else after a Lightning `step=`; else None.
 
     Example:
-        >>> step_of("global_step1000"), step_of("best")
-        (1000, None)
+        >>> step_of("global_step1000"), step_of("epoch=1-step=200"), step_of("best")
+        (1000, 200, None)
     """
-    match = _STEP_RE.search(tag)
+    match = _STEP_RE.search(tag) or _LIGHTNING_STEP_RE.search(tag)
     return int(match.group(1)) if match else None
 
 
-def order_key(tag: str, committed_at: str) -> tuple[int, str, str]:
-    """Sort key for "newest": the step after `global_step` (tags without one sort first),
-    then the ISO-8601 commit time, then the tag itself so that the order is total.
+def order_key(tag: str, committed_at: str = "", sequence: int = 0) -> OrderKey:
+    """Sort key for "newest", the one order of checkpoints everywhere (listings, latest,
+    retention, prune, persist, recovery): the step the tag names (`step_of`; tags without
+    one sort first), then the checkpoint's commit `sequence` on its root (manifest.py's
+    `Manifest`: clock-free, so a clock stepped back or ahead reorders nothing), then the
+    ISO-8601 commit time (a tie-break only), then the tag itself so that the order is total.
+
+    A key made from the tag alone (`order_key(tag)`) is at most the key of any
+    checkpoint of that tag: what is "newer than the newest" is known from tags alone only
+    by the step.
 
     Example:
-        >>> sorted(["global_step10", "global_step9"], key=lambda t: order_key(t, ""))
+        >>> sorted(["global_step10", "global_step9"], key=order_key)
         ['global_step9', 'global_step10']
+        >>> order_key("best", "2026-01-01T00:00:00Z", 7) > order_key("best2", "2030-01-01", 6)
+        True
     """
     step = step_of(tag)
-    return (step if step is not None else -1, committed_at, tag)
+    return (step if step is not None else -1, sequence, committed_at, tag)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 from typing import Any, BinaryIO
 
 from nebulaml.errors import InvalidArgumentError, UnsafeCheckpointError
@@ -38,9 +39,13 @@ def to_saveable(obj: Any) -> Any:
     import torch
 
     memo: dict[int, Any] = {}
+    sharded = sharded_tensor_types()
+    top = obj
 
     def convert(obj: Any) -> Any:
         if isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None))):
+            if sharded and isinstance(obj, sharded):
+                raise _sharded_tensor_error(top, obj, sharded)
             return obj
         if id(obj) in memo:
             return memo[id(obj)]
@@ -54,12 +59,94 @@ def to_saveable(obj: Any) -> Any:
         elif type(obj) is tuple:
             new = memo[id(obj)] = tuple(convert(value) for value in obj)
         else:
-            state_dict = getattr(obj, "state_dict", None)
+            state_dict: Any = getattr(obj, "state_dict", None)
             is_stateful = callable(state_dict) and not isinstance(obj, (type, dict))
             new = memo[id(obj)] = state_dict() if is_stateful else obj
+            if is_stateful and sharded:  # a state dict is written as it is: look inside
+                found = _first_sharded(new, sharded)
+                if found is not None:
+                    raise _sharded_tensor_error(top, found, sharded)
         return new
 
     return convert(obj)
+
+
+# Tensors sharded over ranks, by the module that defines each class. None exists unless its
+# module is imported, so nothing is imported to look for them.
+SHARDED_TENSOR_CLASSES = (
+    ("torch.distributed.tensor", "DTensor"),
+    ("torch.distributed._shard.sharded_tensor.api", "ShardedTensorBase"),
+)
+
+
+def sharded_tensor_types() -> tuple[type, ...]:
+    """The classes of tensors sharded over ranks (DTensor, ShardedTensor) that can exist
+    in this process: those whose module is imported.
+
+    Example:
+        >>> import torch.distributed.tensor
+        >>> [cls.__name__ for cls in sharded_tensor_types()][0]
+        'DTensor'
+    """
+    found = []
+    for module_name, class_name in SHARDED_TENSOR_CLASSES:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+def _sharded_tensor_error(top: Any, tensor: Any, sharded: tuple[type, ...]) -> Exception:
+    """Checkpoint.save met a sharded tensor: an item holds one rank's plain tensors, and
+    torch.save of this rank's shard alone could never load on another number of ranks."""
+    path = _sharded_path(top, sharded)
+    return InvalidArgumentError(
+        f"{path!r} is a {type(tensor).__name__}, a tensor sharded over ranks (FSDP2's "
+        f"fully_shard, tensor parallelism), which Checkpoint.save does not write: each rank "
+        f"holds only its shard. Save sharded state through nebula with PyTorch's "
+        f"distributed checkpoint, which loads on any number of ranks: "
+        f"dcp.save(state, storage_writer=nebulaml.dcp.Writer(tag)) on every rank, and "
+        f"dcp.load(state, storage_reader=nebulaml.dcp.Reader(tag)); or save full tensors "
+        f"(get_state_dict(..., options=StateDictOptions(full_state_dict=True)))"
+    )
+
+
+def _first_sharded(obj: Any, sharded: tuple[type, ...]) -> Any:
+    """A sharded tensor inside `obj` (through dicts, lists and tuples), or None."""
+    stack = [obj]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, sharded):
+            return cur
+        if isinstance(cur, dict):
+            stack.extend(cur.values())
+        elif isinstance(cur, (list, tuple)):
+            stack.extend(cur)
+    return None
+
+
+def _sharded_path(top: Any, sharded: tuple[type, ...]) -> str:
+    """Where in `top` a sharded tensor is ("model.0.weight"); walked again as to_saveable
+    walks it, only when it has met one."""
+    stack: list[tuple[Any, str]] = [(top, "")]
+    seen: set[int] = set()
+    while stack:
+        cur, path = stack.pop()
+        if isinstance(cur, sharded):
+            return path or "the object"
+        if id(cur) in seen or isinstance(cur, (str, bytes)):
+            continue
+        seen.add(id(cur))
+        children: Any = ()
+        if isinstance(cur, dict):
+            children = cur.items()
+        elif isinstance(cur, (list, tuple)):
+            children = enumerate(cur)
+        elif callable(getattr(cur, "state_dict", None)) and not isinstance(cur, type):
+            children = cur.state_dict().items()
+        prefix = f"{path}." if path else ""
+        stack.extend(reversed([(value, f"{prefix}{key}") for key, value in children]))
+    return "the object"
 
 
 def tensor_bytes_of(obj: Any) -> int:

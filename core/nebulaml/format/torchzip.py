@@ -194,7 +194,7 @@ def storages_and_signature(obj: Any) -> tuple[list[Any], tuple[Any, ...] | None]
         seen[id(value)] = len(seen)
         kind = type(value)
         if isinstance(value, _PLAIN):
-            sig.append((kind, value.hex() if kind is float else value))
+            sig.append((kind, value.hex() if isinstance(value, float) else value))
             if kind not in _PLAIN:
                 describable = False  # a subclass may pickle in its own way
             return True
@@ -259,7 +259,7 @@ def record_layout(saveable: Any, storages: list[Any]) -> Layout | None:
 
     recorder = _Recorder()
     with zip_crc_off(), torch.serialization.skip_data():
-        torch.save(saveable, recorder)
+        torch.save(saveable, recorder)  # type: ignore[arg-type]  # a file-like writer
     size = recorder.end
     records = data_records(recorder.segments, size)
     if records is None or len(records) != len(storages):

@@ -10,7 +10,9 @@ Mapping: Lightning names a checkpoint by a file path; nebula stores it as the it
 "checkpoint" of the tag named by the file name without `.ckpt` (`/ckpts/epoch=1-step=8.ckpt`
 is the tag `epoch=1-step=8`). Nothing is written at the path itself: the path is only a
 name, so a checkpoint loads by its path even where that folder does not exist. Saving a
-path again replaces its checkpoint, as writing a file again would.
+path again replaces its checkpoint, as writing a file again would. Under DDP Lightning
+saves on global rank 0 alone: the checkpoint is that rank's (`Checkpoint(ranks=[0])`), and
+every rank loads it.
 
 Not for: the checkpoint format (a Lightning checkpoint dict, saved as one nebula item that
 plain `torch.load` reads) or nebula's own semantics (checkpoint.py, api.py).
@@ -100,15 +102,6 @@ class CheckpointIOMixin:
         options = _storage_options(storage_options)
         tag = tag_for_path(path)
         session = _session_for(options.get("persist_path"))
-        if session.world_size > 1:
-            # Lightning saves on global rank 0 only, and a nebula checkpoint of a
-            # several-rank job commits once every rank wrote its part: rank 0 would wait
-            # for parts that never come.
-            raise InvalidArgumentError(
-                f"NebulaCheckpointIO supports single-process training for now; this job "
-                f"has {session.world_size} ranks (Lightning saves on rank 0 only, and a "
-                f"nebula checkpoint commits once every rank saved its part)"
-            )
         if tag in session.persister.protected():
             # The previous checkpoint of this path is still queued or being persisted;
             # replacing its memory copy now would pull the files out from under the
@@ -117,7 +110,10 @@ class CheckpointIOMixin:
 
             flush_persistence(tag)
         labels = (BEST_LABEL,) if options.get("is_best") else ()
-        Checkpoint(tag, 1, overwrite=True, labels=labels).save(ITEM, checkpoint)
+        # Lightning saves on global rank 0 only (its strategies call this there): the
+        # checkpoint is that rank's alone, and commits without the other ranks.
+        writer = [session.rank]
+        Checkpoint(tag, 1, overwrite=True, labels=labels, ranks=writer).save(ITEM, checkpoint)
         persistent = session.tiers.persistent
         self._roots[tag] = None if persistent is None else persistent.url
 
@@ -208,6 +204,7 @@ class CallbackMixin:
             init(**self.config_params)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        _refuse_checkpoints_without_checkpoint_io(trainer.strategy)
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         if not isinstance(trainer.strategy.checkpoint_io, self._checkpoint_io_class):
             warnings.warn(
@@ -216,6 +213,28 @@ class CallbackMixin:
                 "plugins=[nm.NebulaCheckpointIO()] to the Trainer to checkpoint with nebula",
                 stacklevel=2,
             )
+
+
+def _refuse_checkpoints_without_checkpoint_io(strategy: Any) -> None:
+    """A strategy that saves a distributed checkpoint itself never calls the CheckpointIO:
+    refused at setup, rather than training on with no nebula checkpoint (issue #19)."""
+    name = type(strategy).__name__
+    if getattr(strategy, "_save_distributed_checkpoint", False):  # ModelParallelStrategy
+        how = f"{name}(save_distributed_checkpoint=True)"
+        instead = "save_distributed_checkpoint=False"
+    elif getattr(strategy, "_state_dict_type", None) == "sharded":  # FSDPStrategy
+        how, instead = f"{name}(state_dict_type='sharded')", "state_dict_type='full'"
+    else:
+        return
+    raise InvalidArgumentError(
+        f"NebulaCallback cannot checkpoint with {how}: that strategy writes "
+        f"torch.distributed.checkpoint files at the checkpoint path itself and never calls "
+        f"the Trainer's CheckpointIO, so no nebula checkpoint would be saved. Save the "
+        f"sharded state through nebula yourself, on every rank: dcp.save(state, "
+        f"storage_writer=nebulaml.dcp.Writer(tag)) (it loads on any number of ranks with "
+        f"nebulaml.dcp.Reader); or use {instead}, whose full checkpoint goes through the "
+        f"CheckpointIO; or a plain ModelCheckpoint"
+    )
 
 
 # which package ------------------------------------------------------------------------

@@ -51,7 +51,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import MethodType
+from types import FrameType, MethodType
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
@@ -61,6 +61,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_
 from nebulaml.api import get_checkpoint, init
 from nebulaml.checkpoint import Checkpoint
 from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError, NebulaError
+from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES, load_json
 from nebulaml.format.names import validate_name
 from nebulaml.integrations.accelerate import (
     BEST_LABEL,
@@ -73,9 +74,10 @@ from nebulaml.integrations.accelerate import (
     rng_item,
     write_checkpoint,
 )
-from nebulaml.protocol.catalog import list_committed
+from nebulaml.protocol.catalog import CheckpointInfo, list_committed
 from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.runtime import session as _session
+from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
 
@@ -221,6 +223,13 @@ class NebulaCallback(TrainerCallback):
             hook = getattr(type(self), "_hook_" + name.lstrip("_"))
             trainer.__dict__[name] = MethodType(hook, self)
 
+    def _attached(self) -> Any:
+        """The Trainer this callback hooks (typed Any: the Trainer declares its optimizer,
+        scheduler and model Optional, and they are all set once training runs)."""
+        if self.trainer is None:
+            raise InvalidArgumentError("NebulaCallback is not attached to a Trainer")
+        return self.trainer
+
     def _start(self, args: Any) -> None:
         retention = self.num_of_version_in_retention
         if retention is None and args.save_total_limit is not None:
@@ -244,8 +253,7 @@ class NebulaCallback(TrainerCallback):
     # Each `_hook_<name>` replaces the Trainer method `[_]<name>` on the instance; `self` is
     # the callback, `self.trainer` the Trainer.
     def _hook_save_checkpoint(self, model: Any, trial: Any) -> None:
-        trainer = self.trainer
-        assert trainer is not None
+        trainer = self._attached()
         args, state = trainer.args, trainer.state
         if trainer.hp_search_backend is None and trial is None:
             trainer.store_flos()
@@ -287,49 +295,59 @@ class NebulaCallback(TrainerCallback):
         write_checkpoint(
             tag_for_step(step), shared, own, world_size=max(1, args.world_size), labels=labels
         )
-        if labels:
+        if args.metric_for_best_model:
             self._prune_stale_bests()
 
     def _prune_stale_bests(self) -> None:
         """Delete checkpoints labelled `best` that no longer are, once retention would have
         deleted them (they are not among the newest `num_of_version_in_retention`): the label
         is written at the commit, when each was the best so far, and retention keeps every
-        labelled checkpoint. Rank 0 does it; one the persister still works on waits for
-        the next save."""
+        labelled checkpoint. Rank 0 does it, on every tier. A single process first takes
+        the checkpoint off the persister's queue (a labelled one is queued until persisted;
+        one in flight is waited for); under several ranks one the persister still works
+        on waits for the next save, since the other ranks persist their parts of it."""
         trainer = self.trainer
         session = _session.live()
         if trainer is None or session is None or session.rank != 0:
             return
         best = trainer.state.best_model_checkpoint
         current = tag_for_path(best) if best else None
-        keep = session.config.num_of_version_in_retention
         tiers = session.tiers
-        stores = [tiers.persistent] if tiers.persistent is not None else []
-        if tiers.persistent is None and session.world_size == 1:
-            stores.append(tiers.memory)
-        for store in stores:
-            try:
-                committed = list_committed(store)
-                newest = sorted(committed, key=lambda c: c.sort_key, reverse=True)
-                window = {c.tag for c in newest[:keep]}
-                for info in committed:
-                    stale = BEST_LABEL in info.manifest.labels and info.tag != current
-                    if not stale or info.tag in window:
-                        continue
-                    if info.tag in session.persister.protected():
-                        continue
-                    discard = session.pool.recycle if store is tiers.memory else None
-                    delete_checkpoint(store, info.tag, discard=discard)
-            except NebulaError as exc:
-                log.warning("could not remove a checkpoint that is no longer the best: %s", exc)
+        keep = session.config.num_of_version_in_retention
+
+        def committed() -> list[tuple[Store, CheckpointInfo]]:
+            return [(store, info) for _, store in tiers.stores for info in list_committed(store)]
+
+        try:
+            found = committed()
+            window: set[str] = set()
+            for _, info in sorted(found, key=lambda copy: copy[1].sort_key, reverse=True):
+                if len(window) < keep:
+                    window.add(info.tag)
+            stale = {
+                info.tag
+                for _, info in found
+                if BEST_LABEL in info.manifest.labels and info.tag not in window
+            } - {current}
+            for tag in sorted(stale & session.persister.protected()):
+                if session.world_size > 1:
+                    stale.discard(tag)  # the other ranks persist their parts of it
+                else:
+                    session.persister.release(tag)  # off the queue; waits if in flight
+            for store, info in committed() if stale else []:
+                memory = store is tiers.memory
+                if info.tag not in stale or (memory and session.world_size > 1):
+                    continue  # a rank's memory part goes with its persister's eviction
+                discard = session.pool.recycle if memory else None
+                delete_checkpoint(store, info.tag, discard=discard)
+        except NebulaError as exc:
+            log.warning("could not remove a checkpoint that is no longer the best: %s", exc)
 
     # resuming ---------------------------------------------------------------------------
     def _hook_train(
         self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
     ) -> Any:
         original = self._originals["train"]
-        trainer = self.trainer
-        assert trainer is not None
         checkpoint = self._resolve(resume_from_checkpoint)
         if checkpoint is None:
             return original(resume_from_checkpoint, *args, **kwargs)
@@ -337,7 +355,7 @@ class NebulaCallback(TrainerCallback):
             return original(checkpoint, *args, **kwargs)
         folder = tempfile.mkdtemp(prefix="nebula-resume-")
         try:
-            state = json.loads(checkpoint.load("trainer_state"))
+            state = load_json(checkpoint.load("trainer_state"), max_bytes=MAX_MANIFEST_BYTES)
             best = state.get("best_model_checkpoint")
             state["best_model_checkpoint"] = None  # restored by _init_training_state
             path = os.path.join(folder, f"{PREFIX_CHECKPOINT_DIR}-{state['global_step']}")
@@ -355,8 +373,7 @@ class NebulaCallback(TrainerCallback):
     def _resolve(self, resume: str | bool | None) -> Checkpoint | str | None:
         """What `train(resume_from_checkpoint=...)` resumes from: nebula's checkpoint, a
         checkpoint folder on disk (the Trainer loads it itself), or None (no resume)."""
-        trainer = self.trainer
-        assert trainer is not None
+        trainer = self._attached()
         if resume is None or resume is False:
             return None
         if resume is True:
@@ -391,8 +408,7 @@ class NebulaCallback(TrainerCallback):
         checkpoint = self._ours(resume_from_checkpoint)
         if checkpoint is None:
             return self._originals["_load_from_checkpoint"](resume_from_checkpoint, model)
-        trainer = self.trainer
-        assert trainer is not None
+        trainer = self._attached()
         target = trainer.model if model is None else model
         result = target.load_state_dict(checkpoint.load("model", map_location="cpu"), False)
         trainer._issue_warnings_after_load(result)
@@ -402,8 +418,7 @@ class NebulaCallback(TrainerCallback):
         checkpoint = self._ours(checkpoint_path)
         if checkpoint is None:
             return self._originals["_load_optimizer_and_scheduler"](checkpoint_path)
-        trainer = self.trainer
-        assert trainer is not None
+        trainer = self._attached()
         args = trainer.args
         device = args.device
         on_device = args.world_size > 1 and device.type != "cpu"
@@ -418,7 +433,7 @@ class NebulaCallback(TrainerCallback):
         checkpoint = self._ours(checkpoint_path)
         if checkpoint is None:
             return self._originals["_load_scaler"](checkpoint_path)
-        scaler = getattr(self.trainer.accelerator, "scaler", None) if self.trainer else None
+        scaler = getattr(self._attached().accelerator, "scaler", None)
         state = load_optional(checkpoint, "scaler") if scaler is not None else None
         if scaler is not None and state is not None:
             scaler.load_state_dict(state)
@@ -428,8 +443,7 @@ class NebulaCallback(TrainerCallback):
         checkpoint = self._ours(checkpoint_path)
         if checkpoint is None:
             return self._originals["_load_rng_state"](checkpoint_path)
-        trainer = self.trainer
-        assert trainer is not None
+        trainer = self._attached()
         args = trainer.args
         name = rng_item(args.process_index, args.world_size)
         state = load_optional(checkpoint, name)
@@ -460,8 +474,7 @@ class NebulaCallback(TrainerCallback):
         return result
 
     def _hook_load_best_model(self) -> None:
-        trainer = self.trainer
-        assert trainer is not None
+        trainer = self._attached()
         best = trainer.state.best_model_checkpoint
         checkpoint = find(tag_for_path(best)) if best else None
         if checkpoint is None:
@@ -476,7 +489,7 @@ class NebulaCallback(TrainerCallback):
         return None
 
 
-def _trainer_state_json(trainer: Trainer) -> str:
+def _trainer_state_json(trainer: Any) -> str:
     """What the Trainer writes to trainer_state.json, the states of its stateful callbacks
     brought up to date first (as `_save_checkpoint` does)."""
     state = trainer.state
@@ -494,7 +507,7 @@ def _trainer_state_json(trainer: Trainer) -> str:
 def _find_trainer(callback: NebulaCallback) -> Trainer | None:
     """The Trainer whose callbacks hold `callback`, from the calling frames (the Trainer
     calls its callbacks through its CallbackHandler, and hands them no reference to it)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(16):
         if frame is None:
             return None
@@ -578,7 +591,7 @@ def export_pretrained(
     if generation_text and getattr(model, "generation_config", None) is not None:
         with contextlib.suppress(ValueError, TypeError):
             model.generation_config = type(model.generation_config).from_dict(
-                json.loads(generation_text)
+                load_json(generation_text, max_bytes=MAX_MANIFEST_BYTES)
             )
     model.save_pretrained(dest_path)
     return dest_path

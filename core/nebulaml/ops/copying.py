@@ -22,11 +22,11 @@ from nebulaml.errors import CheckpointNotFoundError, NebulaError, RootNotFoundEr
 from nebulaml.format.manifest import utc_now
 from nebulaml.format.names import step_of, validate_name
 from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed
+from nebulaml.protocol.cowriters import copy_alongside
 from nebulaml.protocol.history import append_rows, make_row
 from nebulaml.protocol.leases import read_lease
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.protocol.transfer import CopyResult
-from nebulaml.protocol.transfer import copy_checkpoint as _copy
 from nebulaml.runtime.locate import newest_first, tiers_for
 from nebulaml.storage.store import Store
 
@@ -89,8 +89,10 @@ def copy_checkpoint(
         fresh = read_committed(src.store, src.tag) if readable else None
         if fresh is None:
             raise CheckpointNotFoundError(tiers.display, src.tag)  # deleted meanwhile
-        result = _copy(fresh, dst, overwrite=overwrite, resume=True, verify=True,
-                       progress=progress)  # fmt: skip
+        # A live writer of the tag at `dst` (the job's persister, say) is waited for:
+        # its committed copy of the same items is this one's (protocol/cowriters.py).
+        result = copy_alongside(fresh, dst, overwrite=overwrite, resume=True, verify=True,
+                                progress=progress)  # fmt: skip
     return _report(tiers, source_tier, fresh, dst, result, time.perf_counter() - t0)
 
 
@@ -138,8 +140,8 @@ def persist_memory_tier(
         try:
             # overwrite, as the persister does: the memory copy is newer than a same-named
             # persistent one (a tag re-saved with overwrite=True).
-            _copy(source, persistent, overwrite=True, resume=True, verify=True,
-                  progress=progress)  # fmt: skip
+            copy_alongside(source, persistent, overwrite=True, resume=True, verify=True,
+                           progress=progress)  # fmt: skip
         except NebulaError as exc:
             error = exc
             raise

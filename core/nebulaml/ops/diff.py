@@ -78,7 +78,7 @@ def diff_checkpoints(
         if item not in names:
             raise ItemNotFoundError(tag_a, item, names)  # in neither
         names = [item]
-    items = []
+    items: list[dict[str, Any]] = []
     for name in names:
         a, b = manifest_a.item(name), manifest_b.item(name)
         if a is None or b is None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from nebulaml.errors import CorruptCheckpointError, InvalidArgumentError, NebulaError
 from nebulaml.format.checksum import new_hasher, unknown_algo
+from nebulaml.format.jsonbounds import JsonBoundsError, load_json
 from nebulaml.format.manifest import ItemEntry, Manifest
 from nebulaml.format.names import validate_name
 from nebulaml.runtime.load import load_item
@@ -274,8 +275,11 @@ def _export_safetensors(tiers: Any, tag: str, entry: ItemEntry, target: Path, ov
     if target.is_file():
         metadata, count = _safetensors_header(target)
         if metadata.items() >= source.items():  # written from these very bytes
-            dropped = json.loads(metadata.get("nebula_dropped", "[]"))
-            if drop_non_tensors or not dropped:
+            try:
+                dropped = load_json(metadata.get("nebula_dropped", "[]"))
+            except JsonBoundsError:
+                dropped = None  # not what nebula writes: the file is not reused
+            if isinstance(dropped, list) and (drop_non_tensors or not dropped):
                 return _record(entry, target, reused=True, tensors=count, dropped=dropped)
     _refuse_existing(target, entry, tag, overwrite)
     obj = load_item(tiers, tag, entry.name, map_location="cpu", weights_only=True)

@@ -126,11 +126,11 @@ def describe_memory_tier(path: str) -> MemoryTierInfo:
             path, None, OK, "a job without a persistent root", tuple(tags), newest,
             False if tags else None, size, alive,
         )  # fmt: skip
-    state, note, persisted = _judge_root(memory, record.persistent, record.location, newest_info)
+    state, why, persisted = _judge_root(memory, record.persistent, record.location, newest_info)
     if newest is not None and newest_info is None and state == OK:
-        persisted = _part_persisted(record.persistent, newest)
+        persisted = _part_persisted(record.persistent, str(newest))
     return MemoryTierInfo(
-        path, record.persistent, state, note, tuple(tags), newest,
+        path, record.persistent, state, why, tuple(tags), newest,
         persisted if tags else None, size, alive,
     )  # fmt: skip
 

@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from nebulaml.errors import InvalidArgumentError, RootNotFoundError
-from nebulaml.format.names import MANIFEST_NAME, order_key, validate_name
+from nebulaml.format.names import MANIFEST_NAME, OrderKey, validate_name
 from nebulaml.protocol.catalog import list_committed, read_committed
 from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.markers import describe_writer, is_marker, read_writers, writer_alive
@@ -131,7 +131,8 @@ def list_prune_candidates(root: PathLike, *, incomplete: bool = False) -> PruneL
     """
     store = _store(root)
     versions = tuple(
-        Version(info.tag, info.committed_at, info.manifest.labels) for info in list_committed(store)
+        Version(info.tag, info.committed_at, info.manifest.labels, info.sequence)
+        for info in list_committed(store)
     )
     leftovers: tuple[Leftover, ...] = ()
     if incomplete:
@@ -164,7 +165,7 @@ def plan_prune(
         raise InvalidArgumentError(f"keep must be an int of at least 1, not {keep!r}")
     if grace_s < 0:
         raise InvalidArgumentError(f"grace_s must be at least 0, not {grace_s!r}")
-    ordered = sorted(listing.versions, key=lambda v: order_key(v.tag, v.committed_at), reverse=True)
+    ordered = sorted(listing.versions, key=lambda v: v.sort_key, reverse=True)
     newest = ordered[0].tag if ordered else None
     kept: list[PruneDecision] = []
     protected: list[PruneDecision] = []
@@ -271,7 +272,7 @@ def _spare_leftover(leftover: Leftover, grace_s: float) -> str | None:
     return None
 
 
-def _newer_witness(store: Store, witness: str | None, key: tuple[int, str, str]) -> str | None:
+def _newer_witness(store: Store, witness: str | None, key: OrderKey) -> str | None:
     """A tag committed on `store` that sorts after `key`, or None if there is none.
 
     The plan's newest is checked first (one read); only if it has gone is the root listed.

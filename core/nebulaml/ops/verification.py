@@ -17,7 +17,7 @@ from typing import Any
 from nebulaml.errors import CheckpointNotFoundError, InvalidNameError, ManifestError
 from nebulaml.format.checksum import KNOWN_CHECKSUM_ALGOS, hash_stream, unknown_algo
 from nebulaml.format.manifest import ItemEntry, Manifest
-from nebulaml.format.names import MANIFEST_NAME, order_key, validate_name
+from nebulaml.format.names import MANIFEST_NAME, OrderKey, order_key, validate_name
 from nebulaml.ops.inspection import read_manifest_strict
 from nebulaml.protocol.leases import read_lease
 from nebulaml.runtime.locate import check_root, tiers_for
@@ -42,8 +42,8 @@ class _Copy:
     error: ManifestError | None
 
     @property
-    def sort_key(self) -> tuple[int, str, str]:
-        return order_key(self.tag, self.manifest.committed_at if self.manifest else "")
+    def sort_key(self) -> OrderKey:
+        return self.manifest.sort_key if self.manifest else order_key(self.tag)
 
     def to_read(self) -> list[ItemEntry]:
         """Items whose file is there with its recorded size: the ones worth hashing."""
@@ -91,7 +91,7 @@ def verify_checkpoints(
     copies = _find_copies(root, tag)
     if tag is not None and not copies:
         raise CheckpointNotFoundError(location, tag)
-    newest: dict[str, tuple[int, str, str]] = {}
+    newest: dict[str, OrderKey] = {}
     for copy in copies:
         newest[copy.tag] = max(newest.get(copy.tag, copy.sort_key), copy.sort_key)
     copies.sort(key=lambda c: _TIER_ORDER.get(c.tier, len(_TIER_ORDER)))

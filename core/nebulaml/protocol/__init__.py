@@ -2,8 +2,9 @@
 
 Holds: listing what is committed (catalog), the commit protocol (commit), copying between
 tiers (transfer), deleting (delete), rank and writer markers (markers), what a crash leaves
-and what may be cleared (recovery), read leases and delete claims (leases), the retention
-policy (retention), the tiers of a job (tiers) and one memory tier's identity, privacy and
+and what may be cleared (recovery), read leases, handles' holds and delete claims (leases),
+which job holds a root (holds), two writers of one tag (cowriters), the retention policy
+(retention), the tiers of a job (tiers) and one memory tier's identity, privacy and
 holds (memory_tier), and the history rows (history). Every reserved file name is spelled
 in `nebulaml.format.names`.
 

@@ -14,8 +14,9 @@ import logging
 from dataclasses import dataclass
 
 from nebulaml.errors import InvalidNameError, ManifestError, UnsupportedSchemaError
+from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES
 from nebulaml.format.manifest import Manifest, parse_manifest
-from nebulaml.format.names import MANIFEST_NAME, order_key, validate_name
+from nebulaml.format.names import MANIFEST_NAME, OrderKey, order_key, validate_name
 from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
@@ -39,8 +40,12 @@ class CheckpointInfo:
         return self.manifest.committed_at
 
     @property
-    def sort_key(self) -> tuple[int, str, str]:
-        return order_key(self.tag, self.committed_at)
+    def sequence(self) -> int:
+        return self.manifest.sequence
+
+    @property
+    def sort_key(self) -> OrderKey:
+        return self.manifest.sort_key
 
 
 def read_manifest(store: Store, tag: str) -> Manifest | None:
@@ -75,6 +80,11 @@ def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
     validate_name("tag", tag)
     files = store.list_files(tag)
     if MANIFEST_NAME not in files:
+        return None
+    if files[MANIFEST_NAME] > MAX_MANIFEST_BYTES:  # not read: too large to be one of ours
+        where = store.display(tag, MANIFEST_NAME)
+        log.warning("ignoring checkpoint %r: %s is %d bytes, more than %d",
+                    tag, where, files[MANIFEST_NAME], MAX_MANIFEST_BYTES)  # fmt: skip
         return None
     manifest = read_manifest(store, tag)
     if manifest is None:
@@ -116,7 +126,7 @@ def list_committed(
     """
     found: dict[str, CheckpointInfo] = {}
     refused: set[str] = set()  # an unsupported schema, reported once
-    newest: tuple[int, str, str] | None = None  # the sort key of the newest found so far
+    newest: OrderKey | None = None  # the sort key of the newest found so far
     for _ in range(_LIST_PASSES):
         unsettled: list[str] = []  # folders that did not read as committed
         for tag in store.list_dirs():
@@ -126,7 +136,7 @@ def list_committed(
                 validate_name("tag", tag)
             except InvalidNameError:
                 continue  # not a folder nebula writes
-            if newest is not None and order_key(tag, "") <= newest:
+            if newest is not None and order_key(tag) <= newest:
                 continue  # a later pass looks only for what is newer than the newest
             try:
                 info = read_committed(store, tag)
@@ -141,6 +151,24 @@ def list_committed(
             else:
                 unsettled.append(tag)
         newest = max((info.sort_key for info in found.values()), default=None)
-        if not any(newest is None or order_key(tag, "") > newest for tag in unsettled):
+        if not any(newest is None or order_key(tag) > newest for tag in unsettled):
             break
     return sorted(found.values(), key=lambda info: info.sort_key)
+
+
+def highest_sequence(store: Store) -> int:
+    """The highest commit sequence of the checkpoints committed on `store` (0: none, or
+    only schema 1 manifests): a commit there takes the next one (commit.py).
+
+    One pass over the folders (not `list_committed`'s: a folder being committed is no
+    reason to list again), a manifest of a schema this version cannot read passed over.
+    """
+    highest = 0
+    for tag in store.list_dirs():
+        try:
+            info = read_committed(store, tag)
+        except (InvalidNameError, UnsupportedSchemaError):
+            continue
+        if info is not None:
+            highest = max(highest, info.sequence)
+    return highest

@@ -2,10 +2,19 @@
 
     begin_tag         refuse a committed tag (unless overwriting), clear a dead writer's
                       leftovers, write this process's writer marker (markers.py)
+    claim_item        on a tier several ranks share: claim an item name for this rank, or
+                      `ItemCollisionError` if another rank saves one of that name
     write_item        serialise one object into an item file, hashing on the way
-    commit_rank       publish this rank's marker; the manifest once every rank's is there
-    await_commit      wait until every rank's marker is there and the manifest published
-    publish_manifest  the manifest from every rank's marker (create-only)
+    commit_rank       publish this rank's marker; the manifest once every writing rank's
+                      is there (all ranks, or those the checkpoint names), of one generation
+    await_commit      wait until those markers are there and the manifest published
+    publish_manifest  the manifest from the writing ranks' markers (create-only)
+
+A checkpoint's parts are written by every rank of the job, or by the ranks it names
+(`ranks`: the markers and the manifest record them); each part carries the generation of
+the job that wrote it (runtime/ranks.py), and parts of different generations are never
+committed together: a rank's part saved before a restart never completes a checkpoint
+with another's saved after it.
 
 The same protocol with items copied from another tier is transfer.py; deleting is
 delete.py.
@@ -20,13 +29,16 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from nebulaml.errors import (
     CheckpointBusyError,
     CheckpointExistsError,
     CommitConflictError,
+    ItemCollisionError,
     ManifestError,
+    NebulaError,
     RankTimeoutError,
 )
 from nebulaml.format.checksum import HashingWriter
@@ -36,21 +48,32 @@ from nebulaml.format.manifest import (
     Producer,
     RankMarker,
     parse_marker,
+    some_ranks,
     utc_now,
+    writer_ranks,
 )
 from nebulaml.format.names import (
     MANIFEST_NAME,
+    WRITER_PREFIX,
     marker_name,
     step_of,
     validate_name,
     writer_marker_name,
 )
 from nebulaml.format.serialization import write_item as serialise
-from nebulaml.protocol.catalog import read_committed
+from nebulaml.protocol.catalog import highest_sequence, read_committed
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.leases import live_leases
-from nebulaml.protocol.markers import describe_writer, read_writers, writer_alive, writer_record
+from nebulaml.protocol.markers import (
+    claimed_items,
+    describe_writer,
+    read_writers,
+    writer_alive,
+    writer_record,
+)
 from nebulaml.storage.store import Store
+
+ANY_GENERATION: Any = object()  # read_markers: parts of any generation
 
 
 def producer() -> Producer:
@@ -79,8 +102,11 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
     if store.exists(tag, MANIFEST_NAME):
         if not overwrite:
             raise CheckpointExistsError(store.url, tag)
+        # A handle's hold does not keep a tag from its own writer (leases.py): a read does.
         deleted = (
-            delete_checkpoint(store, tag) if world_size == 1 else delete_part(store, tag, rank)
+            delete_checkpoint(store, tag, replacing=True)
+            if world_size == 1
+            else delete_part(store, tag, rank, replacing=True)
         )
         if not deleted:
             readers = ", ".join(lease.describe() for lease in live_leases(store, tag))
@@ -101,6 +127,53 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
     # Whole or not at all: a deleter reading a half-written marker would take the tag for
     # a dead writer's leftover (the concurrency campaign caught a prune doing so).
     store.publish((tag, writer_marker_name(rank)), writer_record(rank), create_only=False)
+
+
+def claim_item(
+    store: Store,
+    tag: str,
+    name: str,
+    *,
+    rank: int,
+    claimed: list[str],
+    started_at: str | None = None,
+) -> None:
+    """Claim the item `name` of `tag` for `rank` on a tier other ranks share, before it is
+    written: `claimed` (this rank's names so far) and `name` go into its writer marker
+    (`started_at`: when its save began), then the other live writers' markers are read.
+    Raises `ItemCollisionError` (and withdraws the claim) when another rank claimed an
+    item of that name.
+
+    Each rank publishes its claim before it looks at the others', so of two ranks saving
+    one name at once at least one sees the other's (both may, and both then fail): an
+    item's file is never written by two ranks. A rank's writer marker stays until the tag
+    is committed, so the items of a part waiting for the others stay claimed; those of a
+    committed version (being replaced: `overwrite`) or of a dead process do not.
+    """
+    record = writer_record(rank, [*claimed, name], started_at)
+    store.publish((tag, writer_marker_name(rank)), record, create_only=False)
+    for other in _ranks_claiming(store, tag, name, rank):
+        store.publish(
+            (tag, writer_marker_name(rank)),
+            writer_record(rank, list(claimed), started_at),
+            create_only=False,
+        )
+        raise ItemCollisionError(store.display(tag), tag, name, other, rank)
+
+
+def _ranks_claiming(store: Store, tag: str, name: str, rank: int) -> list[int]:
+    """The other ranks whose writer marker, of a live process, claims `name`."""
+    found = []
+    for file in sorted(store.list_files(tag)):
+        if not file.startswith(WRITER_PREFIX) or file == writer_marker_name(rank):
+            continue
+        doc = claimed_items(store, tag, file) or {}
+        other, names = doc.get("rank"), doc.get("items") or []
+        if name not in names or not isinstance(other, int) or other == rank:
+            continue
+        if writer_alive({k: doc.get(k) for k in ("host", "pid")}):
+            found.append(other)
+    return found
 
 
 def write_item(store: Store, tag: str, name: str, obj: Any, *, rank: int) -> ItemEntry:
@@ -127,17 +200,31 @@ def commit_rank(
     items: list[ItemEntry],
     created_at: str,
     labels: tuple[str, ...] = (),
+    ranks: Sequence[int] | None = None,
+    generation: str | None = None,
+    sequence_floor: int = 0,
 ) -> Manifest | None:
-    """Publish this rank's marker, then the manifest if every rank's marker is present.
+    """Publish this rank's marker, then the manifest if the marker of every rank that
+    writes the tag (`ranks`; None: every rank of the job) is present, of `generation`.
 
     Returns the manifest if this call committed the tag, else None (other ranks pending).
+    `sequence_floor`: see `publish_manifest`.
     """
-    marker = RankMarker(tag, rank, world_size, created_at, tuple(items), labels)
+    marker = RankMarker(
+        tag,
+        rank,
+        world_size,
+        created_at,
+        tuple(items),
+        labels,
+        ranks=some_ranks(ranks, world_size),
+        generation=generation,
+    )
     store.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
-    markers = read_markers(store, tag, world_size)
+    markers = read_markers(store, tag, marker.writers, generation)
     if markers is None:
         return None  # another rank's part is not written yet; the last rank commits
-    manifest = publish_manifest(store, tag, world_size, markers)
+    manifest = publish_manifest(store, tag, world_size, markers, sequence_floor=sequence_floor)
     store.remove(tag, writer_marker_name(rank))
     return manifest
 
@@ -150,38 +237,86 @@ def await_commit(
     timeout_s: float,
     poll_s: float = 0.005,
     max_poll_s: float = 0.1,
+    ranks: Sequence[int] | None = None,
+    generation: Any = ANY_GENERATION,
+    sequence_floor: int = 0,
 ) -> Manifest:
-    """Wait until `tag` is committed on `store`: its manifest appears, or every rank's
-    marker is there and this call publishes the manifest itself.
+    """Wait until `tag` is committed on `store`: its manifest appears, or the marker of
+    every rank that writes it (`ranks`; None: all `world_size`) is there, of `generation`,
+    and this call publishes the manifest itself.
 
-    Raises `RankTimeoutError` naming the ranks whose part is missing after `timeout_s`.
+    Raises `RankTimeoutError` naming the ranks whose part is missing (or is of another
+    generation) after `timeout_s`.
     """
+    writers = writer_ranks(some_ranks(ranks, world_size), world_size)
     deadline = time.monotonic() + timeout_s
     while True:
         info = read_committed(store, tag)
         if info is not None:
             return info.manifest
-        markers = read_markers(store, tag, world_size)
+        markers = read_markers(store, tag, writers, generation)
         if markers is not None:
-            manifest = publish_manifest(store, tag, world_size, markers)
+            manifest = publish_manifest(
+                store, tag, world_size, markers, sequence_floor=sequence_floor
+            )
             if manifest is not None:
                 return manifest
         if time.monotonic() >= deadline:
             files = store.list_files(tag)
-            missing = [r for r in range(world_size) if marker_name(r) not in files]
-            raise RankTimeoutError(store.display(tag), missing, timeout_s)
+            missing = [r for r in writers if marker_name(r) not in files]
+            stale = [r for r in writers if r not in missing and _stale(store, tag, r, generation)]
+            raise RankTimeoutError(store.display(tag), missing + stale, timeout_s, stale)
         time.sleep(poll_s)
         poll_s = min(max_poll_s, poll_s * 2)
 
 
+def _stale(store: Store, tag: str, rank: int, generation: Any) -> bool:
+    """Whether rank `rank`'s marker of `tag` is of another generation than `generation`."""
+    if generation is ANY_GENERATION:
+        return False
+    try:
+        where = store.display(tag, marker_name(rank))
+        marker = parse_marker(store.read_bytes(tag, marker_name(rank)), where)
+    except NebulaError:
+        return False
+    return marker.generation != generation
+
+
 def publish_manifest(
-    store: Store, tag: str, world_size: int, markers: list[RankMarker]
+    store: Store,
+    tag: str,
+    world_size: int,
+    markers: list[RankMarker],
+    *,
+    sequence_floor: int = 0,
 ) -> Manifest | None:
-    """Publish the manifest from every rank's marker (create-only); None if another
-    writer's manifest, with other items, won."""
+    """Publish the manifest from the markers of the ranks that write `tag` (create-only);
+    None if another writer's manifest, with other items, won.
+
+    Raises `ManifestError` when the markers disagree on the job (its world size, the
+    ranks that write, its generation), and `ItemCollisionError` when two ranks wrote an
+    item of one name: such a checkpoint is never committed.
+
+    The manifest's `sequence` (its place in "newest" order: names.order_key) is 1 + the
+    highest on `store` or `sequence_floor`, whichever is higher: the caller's floor is the
+    highest it knows on the root's other tiers (a memory tier's commit comes after what
+    the persistent tier holds).
+    """
+    where = store.display(tag)
     if any(m.world_size != world_size or m.tag != tag for m in markers):
-        raise ManifestError(store.display(tag), "rank markers disagree on the world size")
+        raise ManifestError(where, "rank markers disagree on the world size")
+    if len({m.ranks for m in markers}) > 1:
+        raise ManifestError(where, "rank markers disagree on the ranks that write the checkpoint")
+    if len({m.generation for m in markers}) > 1:
+        raise ManifestError(where, "rank markers are of different runs or restarts of the job")
     all_items = [item for m in markers for item in m.items]
+    by_name: dict[str, int] = {}
+    by_file: dict[str, int] = {}
+    for item in all_items:
+        first = by_name.get(item.name, by_file.get(item.file))
+        if first is not None:
+            raise ItemCollisionError(where, tag, item.name, first, item.rank)
+        by_name[item.name] = by_file[item.file] = item.rank
     manifest = Manifest(
         tag=tag,
         step=step_of(tag),
@@ -191,6 +326,8 @@ def publish_manifest(
         items=tuple(sorted(all_items, key=lambda i: (i.rank, i.name))),
         producer=producer(),
         labels=tuple(sorted({label for m in markers for label in m.labels})),
+        ranks=markers[0].ranks if markers else None,
+        sequence=1 + max(sequence_floor, highest_sequence(store)),
     )
     try:
         store.publish((tag, MANIFEST_NAME), manifest.to_bytes(), create_only=True)
@@ -204,12 +341,20 @@ def publish_manifest(
     return manifest
 
 
-def read_markers(store: Store, tag: str, world_size: int) -> list[RankMarker] | None:
-    """Every rank's marker of `tag`, or None while any is missing."""
+def read_markers(
+    store: Store, tag: str, writers: int | Sequence[int], generation: Any = ANY_GENERATION
+) -> list[RankMarker] | None:
+    """The markers of `tag` of the ranks `writers` (an int: every rank of a job that
+    size), or None while any is missing, or (given a `generation`) of another generation:
+    a part saved before a restart is not part of a checkpoint saved after it."""
+    ranks = range(writers) if isinstance(writers, int) else writers
     files = store.list_files(tag)
-    if any(marker_name(r) not in files for r in range(world_size)):
+    if any(marker_name(r) not in files for r in ranks):
         return None
-    return [
+    markers = [
         parse_marker(store.read_bytes(tag, marker_name(r)), store.display(tag, marker_name(r)))
-        for r in range(world_size)
+        for r in ranks
     ]
+    if generation is not ANY_GENERATION and any(m.generation != generation for m in markers):
+        return None
+    return markers

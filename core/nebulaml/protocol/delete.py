@@ -27,7 +27,11 @@ from nebulaml.storage.store import MissingFileError, Store
 
 
 def delete_checkpoint(
-    store: Store, tag: str, *, discard: Callable[[str, str], object] | None = None
+    store: Store,
+    tag: str,
+    *,
+    discard: Callable[[str, str], object] | None = None,
+    replacing: bool = False,
 ) -> bool:
     """Delete a tag: the manifest first (so it is invisible at once), then the data.
 
@@ -40,6 +44,8 @@ def delete_checkpoint(
     delete cut short (the process killed) leaves a leftover that recovery knows to be a
     dead writer's, not files nobody claims. `discard(tag, name)`, when given, disposes of
     each data file instead of removing it (the memory tier recycles them: slots.py).
+    `replacing`: the tag is about to be written again by its writer (`overwrite=True`),
+    which waits for readers but not for handles' holds (leases.py).
     """
     validate_name("tag", tag)
     files = store.list_files(tag)
@@ -59,7 +65,7 @@ def delete_checkpoint(
             return True  # another deleter was quicker
         _remove_checkpoint(store, tag, files, discard)
         return True
-    with delete_claim(store, tag) as readers:
+    with delete_claim(store, tag, replacing=replacing) as readers:
         if readers:
             return False
         try:
@@ -77,6 +83,7 @@ def delete_part(
     *,
     keep_folder: bool = False,
     discard: Callable[[str, str], object] | None = None,
+    replacing: bool = False,
 ) -> bool:
     """Remove one rank's part of a shared tag folder: the manifest first (the tag is then
     invisible on this tier), then the items this rank's marker lists, then its markers,
@@ -86,6 +93,7 @@ def delete_part(
     Returns False, and changes nothing, while a live reader holds a lease on the
     committed tag (leases.py); True once the part is gone. `discard(tag, name)`, when
     given, disposes of each item file instead (the memory tier recycles them: slots.py).
+    `replacing` is `delete_checkpoint`'s.
     """
     files = store.list_files(tag)
     if not files:
@@ -95,7 +103,7 @@ def delete_part(
         # a failed write's leftovers from going for want of room for a claim.
         _remove_part(store, tag, rank, files, keep_folder, discard)
         return True
-    with delete_claim(store, tag) as readers:
+    with delete_claim(store, tag, replacing=replacing) as readers:
         if readers:
             return False
         _remove_part(store, tag, rank, files, keep_folder, discard)

@@ -21,10 +21,19 @@ every completed create: local disks, Azure Blob Storage and memory:// do.
 An uncommitted folder (no manifest when the deleter lists it) cannot be being read: a
 reader there finds no manifest and leaves; `delete_claim` reports no readers for it.
 
+A checkpoint handle (`nm.get_checkpoint`, `nm.get_latest_checkpoint`) holds its tag the
+same way, with a hold lease (`hold_tag`, `HandleHolds`) published before the handle is
+returned, so that the checkpoint the library just named is there when the caller loads
+it: retention, prune and eviction keep a held tag (a tag replaced by its own writer, with
+`overwrite=True`, is not kept for a hold: only for a read). A hold expires `HOLD_TTL_S`
+after it was taken, even while its process lives; each load renews it, and
+`Checkpoint.release()` ends it.
+
 A lease's name says who holds it and since when, so deciding needs no file reads:
-`.lease-<read|delete>-<UTC time>-<pid>-<random>-<host>.json`. The lease of a process that
-is gone (this host) or one older than `LEASE_TTL_S` (another host, whose processes cannot
-be checked from here) does not count, and whoever lists it removes it.
+`.lease-<read|delete|hold>-<UTC time>-<pid>-<random>-<host>.json`. The lease of a process
+that is gone (this host), one older than `LEASE_TTL_S` (another host, whose processes
+cannot be checked from here), or a hold older than `HOLD_TTL_S` does not count, and
+whoever lists it removes it.
 
 May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: writers
 (markers.py's writer markers say who is writing a tag) or deciding what to delete
@@ -39,9 +48,10 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -51,8 +61,9 @@ from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
 
-READ, DELETE = "read", "delete"
+READ, DELETE, HOLD = "read", "delete", "hold"
 LEASE_TTL_S = 3600.0  # a lease of another host counts for this long
+HOLD_TTL_S = 60.0  # a handle's hold counts for this long after it was taken (or renewed)
 CLAIM_WAIT_S = 10.0  # how long a reader waits for a live deleter to decide
 _STAMP = "%Y%m%dT%H%M%S%fZ"
 _SUFFIX = ".json"
@@ -60,7 +71,8 @@ _SUFFIX = ".json"
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """A read lease or a delete claim found in a tag folder (`kind` is "read" or "delete")."""
+    """A read lease, a delete claim or a handle's hold found in a tag folder (`kind` is
+    "read", "delete" or "hold")."""
 
     name: str
     kind: str
@@ -91,7 +103,7 @@ def parse_lease(name: str) -> Lease | None:
     if len(fields) != 5:
         return None
     kind, stamp, pid, _random, host = fields
-    if kind not in (READ, DELETE) or not pid.isdigit() or not host:
+    if kind not in (READ, DELETE, HOLD) or not pid.isdigit() or not host:
         return None
     try:
         taken_at = datetime.strptime(stamp, _STAMP).replace(tzinfo=timezone.utc)
@@ -102,20 +114,23 @@ def parse_lease(name: str) -> Lease | None:
 
 def lease_alive(lease: Lease, *, now: datetime | None = None, ttl_s: float = LEASE_TTL_S) -> bool:
     """Whether `lease` still counts: its process is alive (this host), or it is younger
-    than `ttl_s` seconds (another host)."""
+    than `ttl_s` seconds (another host); a hold, besides, only for `HOLD_TTL_S`."""
+    age_s = ((now or datetime.now(timezone.utc)) - lease.taken_at).total_seconds()
+    if lease.kind == HOLD and age_s >= HOLD_TTL_S:
+        return False
     if lease.host == _host():
         return process_alive(lease.pid)
-    age_s = ((now or datetime.now(timezone.utc)) - lease.taken_at).total_seconds()
     return age_s < ttl_s
 
 
 def live_leases(store: Store, tag: str, *, ttl_s: float = LEASE_TTL_S) -> list[Lease]:
-    """The live read leases in the folder of `tag`; stale ones are removed on the way.
+    """The live read leases and handles' holds in the folder of `tag`; stale ones are
+    removed on the way.
 
     A deleter must publish its claim first (`delete_claim` does both in order); alone,
     this only describes who is reading.
     """
-    return _live(store, tag, store.list_files(tag), READ, ttl_s)
+    return _live(store, tag, store.list_files(tag), (READ, HOLD), ttl_s)
 
 
 @contextlib.contextmanager
@@ -154,20 +169,109 @@ def read_lease(store: Store, tag: str, *, wait_s: float = CLAIM_WAIT_S) -> Itera
 
 
 @contextlib.contextmanager
-def delete_claim(store: Store, tag: str, *, ttl_s: float = LEASE_TTL_S) -> Iterator[list[Lease]]:
-    """Publish this thread's delete claim on `tag`, then yield the live read leases.
+def delete_claim(
+    store: Store, tag: str, *, ttl_s: float = LEASE_TTL_S, replacing: bool = False
+) -> Iterator[list[Lease]]:
+    """Publish this thread's delete claim on `tag`, then yield the live read leases and
+    handles' holds (`replacing`: the read leases only; a tag written again by its own
+    writer, `overwrite=True`, does not wait for handles).
 
     Empty: no reader holds the tag, and none can start reading before the claim goes;
     remove the manifest first, then the data, inside the block. Not empty: leave the tag
     as it is. The claim is removed when the block exits (with the folder, if it went).
     """
     name = _publish(store, tag, DELETE)
+    kinds = (READ,) if replacing else (READ, HOLD)
     try:
         files = store.list_files(tag)
-        yield _live(store, tag, files, READ, ttl_s) if MANIFEST_NAME in files else []
+        yield _live(store, tag, files, kinds, ttl_s) if MANIFEST_NAME in files else []
     finally:
         if name is not None:
             store.remove(tag, name)
+
+
+def hold_tag(store: Store, tag: str, *, wait_s: float = CLAIM_WAIT_S) -> tuple[bool, str | None]:
+    """Publish a handle's hold on the committed `tag` (see the module docstring).
+
+    Returns (there, name): `there` is False when the tag is gone or being deleted (nothing
+    is held then); `name` is the hold's file, None where the store refuses the create
+    (read-only, or full: the tag is there, unheld, as it would be without this module).
+
+    Example:
+        >>> import tempfile
+        >>> hold_tag(Store(tempfile.mkdtemp()), "global_step1")
+        (False, None)
+    """
+    if not store.exists(tag, MANIFEST_NAME):
+        return False, None
+    try:
+        name = _publish(store, tag, HOLD)
+    except StorageError as exc:
+        log.debug("not holding %s: %s", store.display(tag), exc)
+        return _await_no_claim(store, tag, wait_s), None
+    if name is None:
+        return False, None
+    if _await_no_claim(store, tag, wait_s):
+        return True, name
+    with contextlib.suppress(StorageError):
+        store.remove(tag, name)
+    return False, None
+
+
+class HandleHolds:
+    """The holds of one checkpoint handle on its tag, one per tier that holds it: renewed
+    by `renew` (each load) once a quarter of `HOLD_TTL_S` old, ended by `release`.
+
+    Example:
+        >>> import tempfile
+        >>> holds = HandleHolds("global_step1")
+        >>> holds.add(Store(tempfile.mkdtemp()), None); holds.release(); holds.held
+        0
+    """
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self._lock = threading.Lock()
+        self._held: list[tuple[Store, str]] = []
+        self._taken = time.monotonic()
+
+    @property
+    def held(self) -> int:
+        """How many tiers' copies this handle holds."""
+        return len(self._held)
+
+    def add(self, store: Store, name: str | None) -> None:
+        """Keep the hold `name` (from `hold_tag`) on `store`'s copy."""
+        if name is not None:
+            with self._lock:
+                self._held.append((store, name))
+
+    def renew(self, *, force: bool = False) -> None:
+        """Take each hold again (then drop the old one) once it is a quarter of
+        `HOLD_TTL_S` old: a handle that is loaded keeps its checkpoint."""
+        with self._lock:
+            if not self._held or (not force and time.monotonic() - self._taken < HOLD_TTL_S / 4):
+                return
+            renewed: list[tuple[Store, str]] = []
+            for store, old in self._held:
+                try:
+                    new = _publish(store, self.tag, HOLD)
+                except StorageError as exc:
+                    log.debug("could not renew the hold on %s: %s", store.display(self.tag), exc)
+                    new = None
+                if new is not None:
+                    renewed.append((store, new))
+                with contextlib.suppress(StorageError):
+                    store.remove(self.tag, old)
+            self._held, self._taken = renewed, time.monotonic()
+
+    def release(self) -> None:
+        """End every hold (idempotent; errors are left to the holds' expiry)."""
+        with self._lock:
+            held, self._held = self._held, []
+        for store, name in held:
+            with contextlib.suppress(StorageError):
+                store.remove(self.tag, name)
 
 
 # helpers -------------------------------------------------------------------------------------
@@ -204,8 +308,10 @@ def _publish(store: Store, tag: str, kind: str) -> str | None:
     return name
 
 
-def _live(store: Store, tag: str, files: Mapping[str, int], kind: str, ttl_s: float) -> list[Lease]:
-    """The live leases of `kind` among `files`; stale ones (of any kind) are removed."""
+def _live(
+    store: Store, tag: str, files: Mapping[str, int], kinds: Collection[str], ttl_s: float
+) -> list[Lease]:
+    """The live leases of `kinds` among `files`; stale ones (of any kind) are removed."""
     now = datetime.now(timezone.utc)
     live = []
     for name in sorted(files):
@@ -217,7 +323,7 @@ def _live(store: Store, tag: str, files: Mapping[str, int], kind: str, ttl_s: fl
             # read-only store keeps it).
             with contextlib.suppress(StorageError):
                 store.remove(tag, name)
-        elif lease.kind == kind:
+        elif lease.kind in kinds:
             live.append(lease)
     return live
 
@@ -231,7 +337,7 @@ def _await_no_claim(store: Store, tag: str, wait_s: float) -> bool:
         files = store.list_files(tag)
         if MANIFEST_NAME not in files:
             return False
-        if not _live(store, tag, files, DELETE, LEASE_TTL_S):
+        if not _live(store, tag, files, (DELETE,), LEASE_TTL_S):
             return True
         # A deleter claimed the tag before it could see our lease: it either backs off
         # (its claim goes) or deletes (the manifest goes), within a few operations.

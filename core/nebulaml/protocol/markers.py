@@ -23,6 +23,7 @@ import socket
 from typing import Any
 
 from nebulaml.errors import NebulaError
+from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES, load_json
 from nebulaml.format.manifest import parse_marker, utc_now
 from nebulaml.format.names import RANK_PREFIX, WRITER_PREFIX, marker_name, validate_name
 from nebulaml.protocol.leases import process_alive
@@ -45,21 +46,42 @@ def _host() -> str:
     return socket.gethostname()
 
 
-def writer_record(rank: int) -> bytes:
-    """The content of this process's writer marker for `rank`: host, pid, rank, started_at."""
-    doc = {"host": _host(), "pid": os.getpid(), "rank": rank, "started_at": utc_now()}
+def writer_record(
+    rank: int, items: list[str] | None = None, started_at: str | None = None
+) -> bytes:
+    """The content of this process's writer marker for `rank`: host, pid, rank, started_at,
+    and (a save of several ranks sharing a tier) the names of the items it claimed."""
+    doc: dict[str, Any] = {
+        "host": _host(),
+        "pid": os.getpid(),
+        "rank": rank,
+        "started_at": started_at or utc_now(),
+    }
+    if items is not None:
+        doc["items"] = items
     return json.dumps(doc).encode()
+
+
+def claimed_items(store: Store, tag: str, name: str) -> dict[str, Any] | None:
+    """The writer marker `name` of `tag` as a dict (with the item names it claimed under
+    "items"), or None when it is gone or unreadable."""
+    try:
+        doc = load_json(store.read_bytes(tag, name), max_bytes=MAX_MANIFEST_BYTES)
+    except (NebulaError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def read_writers(store: Store, tag: str) -> list[dict[str, Any]]:
     """The writer markers of an uncommitted tag: host, pid, rank, started_at (unreadable
     markers are skipped: they only describe, they decide nothing here)."""
     writers = []
-    for name in sorted(store.list_files(tag)):
-        if not name.startswith(WRITER_PREFIX):
+    files = store.list_files(tag)
+    for name in sorted(files):
+        if not name.startswith(WRITER_PREFIX) or files[name] > MAX_MANIFEST_BYTES:
             continue
         try:
-            doc = json.loads(store.read_bytes(tag, name))
+            doc = load_json(store.read_bytes(tag, name), max_bytes=MAX_MANIFEST_BYTES)
         except (NebulaError, ValueError):
             continue
         if isinstance(doc, dict):

@@ -49,6 +49,7 @@ from nebulaml.errors import (
     StorageFullError,
     UnsafeMemoryTierError,
 )
+from nebulaml.format.jsonbounds import JsonBoundsError, load_json
 from nebulaml.format.manifest import utc_now
 from nebulaml.format.names import HOLD_FILE, ROOT_ID_FILE, ROOT_INFO_FILE
 from nebulaml.storage.store import MissingFileError, Store
@@ -149,11 +150,9 @@ def _read_json(store: Store, name: str) -> dict[str, Any] | None:
         data = store.read_bytes(name)
     except MissingFileError:
         return None
-    if len(data) > _RECORD_MAX_BYTES:
-        return None
     try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
+        doc = load_json(data, max_bytes=_RECORD_MAX_BYTES)
+    except JsonBoundsError:
         return None
     return doc if isinstance(doc, dict) else None
 

@@ -3,6 +3,8 @@
     list_incomplete      tag folders nebula started (a rank or writer marker) but never
                          committed: the leftovers of crashed saves, persists and deletes
     remove_dead_writers  delete those whose writers all ran on this host and are gone
+    discard_stale_parts  remove one rank's uncommitted parts written by another generation
+                         of the job (before a restart): never completed by newer parts
 
 A leftover whose writer is alive, or ran on another host (whose processes cannot be
 checked from here), is left alone: `nebula prune --incomplete` judges those by a grace
@@ -15,12 +17,15 @@ recovery, runtime/session.py) or this user's other memory tiers (ops/memory_tier
 
 from __future__ import annotations
 
+import os
 import socket
+from collections.abc import Callable
 
-from nebulaml.errors import InvalidNameError
-from nebulaml.format.names import WRITER_PREFIX, validate_name
+from nebulaml.errors import InvalidNameError, NebulaError
+from nebulaml.format.manifest import RankMarker, parse_marker
+from nebulaml.format.names import MANIFEST_NAME, WRITER_PREFIX, marker_name, validate_name
 from nebulaml.protocol.catalog import read_committed
-from nebulaml.protocol.delete import delete_checkpoint
+from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.markers import is_marker, read_writers, writer_alive
 from nebulaml.storage.store import Store
 
@@ -60,4 +65,42 @@ def remove_dead_writers(store: Store) -> list[str]:
         if not any(w.get("host") != host or writer_alive(w, host) for w in writers):
             delete_checkpoint(store, tag)
             removed.append(tag)
+    return removed
+
+
+def discard_stale_parts(
+    store: Store,
+    rank: int,
+    generation: str | None,
+    *,
+    keep: Callable[[str, RankMarker], bool] = lambda _tag, _marker: False,
+) -> list[str]:
+    """Remove `rank`'s parts on `store` of uncommitted tags that another generation of the
+    job wrote (a run before a restart): a checkpoint is committed only from parts of one
+    generation, so such a part would never be; persisting it would only hold up the
+    persister. Kept: a part `keep(tag, marker)` says still completes its checkpoint, and
+    one a live process on this host is still writing. Returns the tags of the parts removed.
+    """
+    removed = []
+    me = os.getpid()
+    for tag in store.list_dirs():
+        try:
+            validate_name("tag", tag)
+        except InvalidNameError:
+            continue
+        files = store.list_files(tag)
+        if marker_name(rank) not in files or MANIFEST_NAME in files:
+            continue
+        try:
+            where = store.display(tag, marker_name(rank))
+            marker = parse_marker(store.read_bytes(tag, marker_name(rank)), where)
+        except NebulaError:
+            continue  # gone meanwhile, or not ours to judge
+        if marker.generation == generation or keep(tag, marker):
+            continue
+        writers = read_writers(store, tag)
+        if any(w.get("rank") == rank and w.get("pid") != me and writer_alive(w) for w in writers):
+            continue
+        delete_part(store, tag, rank)
+        removed.append(tag)
     return removed

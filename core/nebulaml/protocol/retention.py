@@ -1,5 +1,8 @@
 """Which committed checkpoints may be deleted: pure functions, no I/O.
 
+"Newest" is names.order_key's order: the step a tag names, then the commit sequence, the
+commit time last. A clock stepped back or ahead between saves changes no decision.
+
 Not for: deleting (catalog.delete_checkpoint does it, manifest first).
 """
 
@@ -8,16 +11,22 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from nebulaml.format.names import order_key
+from nebulaml.format.names import OrderKey, order_key
 
 
 @dataclass(frozen=True, slots=True)
 class Version:
-    """What retention needs to know of one committed checkpoint."""
+    """What retention needs to know of one committed checkpoint: its tag, commit time,
+    labels and commit sequence (format/manifest.py: 0 for a schema 1 manifest)."""
 
     tag: str
     committed_at: str
     labels: tuple[str, ...] = ()
+    sequence: int = 0
+
+    @property
+    def sort_key(self) -> OrderKey:
+        return order_key(self.tag, self.committed_at, self.sequence)
 
 
 def plan_retention(
@@ -27,6 +36,7 @@ def plan_retention(
 
     Never returned: the newest version, labelled versions, and tags in `protected`
     (being written or read). Labelled and protected versions do not count towards `keep`.
+    Of the others, every version returned is older than every version kept.
 
     Example:
         >>> vs = [Version(f"global_step{i}", "") for i in range(4)]
@@ -35,7 +45,7 @@ def plan_retention(
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")
-    ordered = sorted(versions, key=lambda v: order_key(v.tag, v.committed_at), reverse=True)
+    ordered = sorted(versions, key=lambda v: v.sort_key, reverse=True)
     if not ordered:
         return []
     newest = ordered[0].tag

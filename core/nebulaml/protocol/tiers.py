@@ -114,7 +114,7 @@ def claim_tiers(
         record = read_record(memory)
         known = record.root_id if record is not None else None
         if persistent is not None and root_id is not None and known not in (None, root_id):
-            shown = record.persistent or persistent.url
+            shown = (record.persistent if record else None) or persistent.url
             tags, size = release_memory_tier(memory, hold)
             if not tags and not size and check_private_dir(memory.root):
                 raise NebulaError(

@@ -25,12 +25,19 @@ from nebulaml.errors import (
     CheckpointBusyError,
     CheckpointExistsError,
     CorruptCheckpointError,
+    ItemCollisionError,
     NebulaError,
 )
 from nebulaml.format.checksum import hash_stream, new_hasher
 from nebulaml.format.manifest import ItemEntry, Manifest, RankMarker, parse_marker
-from nebulaml.format.names import MANIFEST_NAME, marker_name, validate_name, writer_marker_name
-from nebulaml.protocol.catalog import CheckpointInfo, read_committed
+from nebulaml.format.names import (
+    MANIFEST_NAME,
+    RANK_PREFIX,
+    marker_name,
+    validate_name,
+    writer_marker_name,
+)
+from nebulaml.protocol.catalog import CheckpointInfo, highest_sequence, read_committed
 from nebulaml.protocol.commit import await_commit, begin_tag, publish_manifest, read_markers
 from nebulaml.protocol.markers import describe_writer, read_writers, writer_alive, writer_record
 from nebulaml.storage.store import MissingFileError, Store
@@ -60,6 +67,7 @@ def copy_checkpoint(
     resume: bool = False,
     verify: bool = False,
     progress: ProgressCallback | None = None,
+    same_root: bool = False,
 ) -> CopyResult:
     """Copy a committed checkpoint to another root with the full commit protocol.
 
@@ -75,6 +83,12 @@ def copy_checkpoint(
     a live process on this host is writing (`CheckpointBusyError`). `progress(done, total)`
     is called as bytes are copied or found in place. The defaults are the persister's:
     the destination tag is rewritten whole and only the source bytes are hashed.
+
+    The copy's commit `sequence` (its place in "newest" order): with `same_root` (the
+    persister: another tier of the same root, one numbering) the source's, kept, so that
+    an older checkpoint persisted after a newer one stays older; else (another root's
+    checkpoint) 1 + the highest the destination holds, or the source's if higher: it
+    comes after what the destination holds, as committed there last.
     """
     tag = src.tag
     items = src.manifest.items
@@ -116,7 +130,7 @@ def copy_checkpoint(
             _check_item(dst, tag, item)
         done += item.size_bytes
         copied.append(item.name)
-    ranks = sorted({item.rank for item in items}) or [0]
+    ranks = sorted({item.rank for item in items}) or [src.manifest.writers[0]]
     for rank in ranks:
         marker = RankMarker(
             tag,
@@ -125,6 +139,7 @@ def copy_checkpoint(
             src.manifest.created_at,
             tuple(i for i in items if i.rank == rank),
             src.manifest.labels,
+            ranks=src.manifest.ranks,
         )
         dst.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
     manifest = Manifest(
@@ -137,6 +152,8 @@ def copy_checkpoint(
         items=items,
         producer=src.manifest.producer,
         labels=src.manifest.labels,
+        ranks=src.manifest.ranks,
+        sequence=_sequence_at(src.manifest.sequence, dst, same_root),
     )
     dst.publish((tag, MANIFEST_NAME), manifest.to_bytes(), create_only=True)
     dst.remove(tag, writer_marker_name(0))
@@ -147,6 +164,14 @@ def copy_checkpoint(
         copied_bytes=sum(i.size_bytes for i in items if i.file not in skipped),
         skipped_bytes=sum(skipped.values()),
     )
+
+
+def _sequence_at(sequence: int, dst: Store, same_root: bool) -> int:
+    """The commit sequence of a copy of a checkpoint of `sequence` on `dst` (see
+    `copy_checkpoint`); a schema 1 source (0) comes after what `dst` holds."""
+    if same_root and sequence > 0:
+        return sequence
+    return max(sequence, 1 + highest_sequence(dst))
 
 
 def _resume_tag(dst: Store, tag: str, items: tuple[ItemEntry, ...]) -> dict[str, int]:
@@ -248,12 +273,17 @@ def copy_part(
     wait: bool = True,
 ) -> int:
     """Copy one rank's part of `tag` (its marker and the items it lists) to another tier,
-    verified; then, with `wait`, wait until every rank's part is there and the manifest is
-    published (`RankTimeoutError` after `timeout_s`: the tag stays uncommitted on `dst`).
+    verified; then, with `wait`, wait until the part of every rank that writes the tag is
+    there and the manifest is published (`RankTimeoutError` after `timeout_s`: the tag
+    stays uncommitted on `dst`).
 
-    Each rank persists its own part; whichever sees every marker first commits. Without
-    `wait` this returns once the part is durable (followers must not block: the leader
-    may be waiting for one of their older parts). Returns the bytes of this rank's items.
+    Each rank persists its own part; whichever sees every writer's marker first commits,
+    from parts of the generation of this one only (the marker says which ranks write the
+    tag and which generation wrote the part; `world_size` is the job's, for a marker
+    that does not say). Without `wait` this returns once the part is durable (followers
+    must not block: the leader may be waiting for one of their older parts). Returns the
+    bytes of this rank's items. An item another rank's part of this generation already
+    holds under the same name is refused (`ItemCollisionError`), not overwritten.
     """
     where = src.display(tag, marker_name(rank))
     marker = parse_marker(src.read_bytes(tag, marker_name(rank)), where)
@@ -262,7 +292,9 @@ def copy_part(
     mine = set() if existing is None else {i for i in existing.manifest.items if i.rank == rank}
     if existing is not None and mine == set(marker.items):
         return size  # this part is already durable there
-    begin_tag(dst, tag, rank=rank, overwrite=True, world_size=world_size)
+    jobs = max(marker.world_size, world_size, 2)  # several ranks: only this one's part goes
+    begin_tag(dst, tag, rank=rank, overwrite=True, world_size=jobs)
+    _refuse_collisions(dst, tag, marker)
     for item in marker.items:
         copy_item(src, dst, tag, item, lambda _n: None)
     dst.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
@@ -271,11 +303,40 @@ def copy_part(
     # would otherwise take the tag for a dead job's and delete it under the commit.
     if wait:
         await_commit(
-            dst, tag, world_size=world_size, timeout_s=timeout_s, poll_s=0.05, max_poll_s=0.5
+            dst,
+            tag,
+            world_size=marker.world_size,
+            ranks=marker.ranks,
+            generation=marker.generation,
+            timeout_s=timeout_s,
+            poll_s=0.05,
+            max_poll_s=0.5,
         )
     else:
-        markers = read_markers(dst, tag, world_size)
+        markers = read_markers(dst, tag, marker.writers, marker.generation)
         if markers is not None and read_committed(dst, tag) is None:
-            publish_manifest(dst, tag, world_size, markers)
+            publish_manifest(dst, tag, marker.world_size, markers)
     dst.remove(tag, writer_marker_name(rank))
     return size
+
+
+def _refuse_collisions(dst: Store, tag: str, marker: RankMarker) -> None:
+    """`ItemCollisionError` if another rank's part of `tag` on `dst`, of the generation of
+    `marker`, holds an item file of `marker`'s (ranks on different nodes meet only here).
+    One listing: the markers are read only when one of the files is already there."""
+    files = dst.list_files(tag)
+    clash = {item.file for item in marker.items} & set(files)
+    if not clash:
+        return
+    for name in sorted(files):
+        if not name.startswith(RANK_PREFIX) or name == marker_name(marker.rank):
+            continue
+        try:
+            theirs = parse_marker(dst.read_bytes(tag, name), dst.display(tag, name))
+        except NebulaError:
+            continue
+        if theirs.generation != marker.generation:
+            continue  # a part of an earlier run: replaced, never committed with this one
+        for item in theirs.items:
+            if item.file in clash:
+                raise ItemCollisionError(dst.display(tag), tag, item.name, theirs.rank, marker.rank)

@@ -161,7 +161,7 @@ COPY_NOW_BYTES = 64 * 1024  # storages this small are copied by a lazy save() it
 # storages, measured against a fill on two threads).
 _memmove_holding_gil = ctypes.PYFUNCTYPE(
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t
-)(ctypes.cast(ctypes.memmove, ctypes.c_void_p).value)
+)(ctypes.cast(ctypes.memmove, ctypes.c_void_p).value or 0)
 
 
 # A tensor's place in the object, as `take` met it: (the place of its container, its key

@@ -180,9 +180,9 @@ def find_copy(
             except _COPY_FAILURES as exc:
                 failures.append(exc)
     for kind in report:
-        for exc in failures:
-            if isinstance(exc, kind):
-                raise exc
+        for failure in failures:
+            if isinstance(failure, kind):
+                raise failure
     if not found_tag:
         raise CheckpointNotFoundError(root or tiers.display, tag)
     assert item is not None

@@ -21,17 +21,19 @@ import threading
 import time
 
 from nebulaml.errors import NebulaError, PersistError, PersistTimeoutError
-from nebulaml.format.manifest import utc_now
+from nebulaml.format.manifest import parse_marker, utc_now
 from nebulaml.format.names import marker_name, order_key, step_of
-from nebulaml.protocol.catalog import list_committed, read_committed
+from nebulaml.protocol.catalog import highest_sequence, list_committed, read_committed
+from nebulaml.protocol.cowriters import copy_alongside
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.history import HistoryRow, append_rows, make_row, skipped_row
 from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.retention import Version, plan_retention
 from nebulaml.protocol.tiers import TierSet
-from nebulaml.protocol.transfer import copy_checkpoint, copy_part
+from nebulaml.protocol.transfer import copy_part
 from nebulaml.runtime.ranks import RankInfo
 from nebulaml.runtime.slots import SlotPool
+from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
 
@@ -69,9 +71,11 @@ class Persister:
         self.rank_timeout_s = rank_timeout_s
         self._cond = threading.Condition()
         self._pending: str | None = None  # newest committed, not yet persisted
-        # A follower (rank > 0) persists exactly what rank 0 persists: the tags it holds
-        # and has not yet seen rank 0's marker for, oldest first.
+        # A follower persists exactly what the tag's leader persists: the tags it holds
+        # and has not yet seen the leader's marker for, oldest first. The leader of a tag
+        # is the lowest rank that writes it (rank 0, unless the checkpoint names ranks).
         self._candidates: list[str] = []
+        self._leaders: dict[str, int] = {}
         # Flush requests and labelled checkpoints: persisted in order, the interval
         # ignored, never superseded.
         self._forced: list[str] = []
@@ -83,23 +87,41 @@ class Persister:
         self._retention_lock = threading.Lock()  # the thread and a streamed commit apply it
         self._stopping = False
         self._history_lock = threading.Lock()  # flush() and the thread both append
+        # The highest commit sequence this job knows on its persistent tier (its start's,
+        # then each persist's and retention's): a memory-tier commit takes a higher one,
+        # so that "newest" is one order on both tiers (`sequence_floor`).
+        persistent = tiers.persistent
+        self._sequence = highest_sequence(persistent) if persistent is not None else 0
         self._thread = threading.Thread(target=self._run, name="nebula-persister", daemon=True)
         self._thread.start()
 
     # called by the training thread --------------------------------------------------------
+    def set_ranks(self, ranks: RankInfo) -> None:
+        """This process's place in the job, read again at the first save (session.py)."""
+        with self._cond:
+            self.ranks = ranks
+            self.rank = ranks.rank
+
     def notify_committed(
-        self, tag: str, row: HistoryRow | None = None, *, labels: tuple[str, ...] = ()
+        self,
+        tag: str,
+        row: HistoryRow | None = None,
+        *,
+        labels: tuple[str, ...] = (),
+        leader: int = 0,
     ) -> None:
         """A tag was committed in the memory tier: it becomes the one to persist next,
         superseding the pending one. A labelled tag (`labels`) is queued instead: it is
-        persisted without waiting for the interval and is never superseded."""
+        persisted without waiting for the interval and is never superseded. `leader`:
+        the lowest rank that writes the tag, which decides whether it is persisted."""
         with self._cond:
             if row is not None:
                 self._rows.append(row)
             if self.tiers.persistent is not None:
                 self._done.pop(tag, None)
-                if self._follows():
-                    # Rank 0 decides what is persisted and what skipped; this rank follows.
+                self._leaders[tag] = leader
+                if self._follows(tag):
+                    # Its leader decides what is persisted and what skipped; this follows.
                     self._pending = tag
                     if tag not in self._candidates:
                         self._candidates.append(tag)
@@ -112,15 +134,18 @@ class Persister:
             self._cond.notify_all()
         self.evict_memory()
 
-    def notify_streamed(self, tag: str, row: HistoryRow) -> None:
+    def notify_streamed(self, tag: str, row: HistoryRow, *, leader: int = 0) -> None:
         """A tag too large for the memory budget was committed straight to the persistent
         tier: older pending copies are superseded, and retention runs on the thread."""
         with self._cond:
             self._rows.append(row)
-            if self._pending is not None and order_key(self._pending, "") < order_key(tag, ""):
+            self._leaders[tag] = leader
+            # The streamed commit is the later one: it supersedes a pending tag of a step
+            # no higher (a tag-only key orders by step; tags without one compare equal).
+            if self._pending is not None and order_key(self._pending)[0] <= order_key(tag)[0]:
                 self._supersede_pending(tag)
             self._cond.notify_all()
-        if self.ranks.is_leader:
+        if leader == self.rank:
             self._retire_after_stream(tag)
 
     def request(self, tag: str) -> None:
@@ -146,6 +171,11 @@ class Persister:
             while self._inflight == tag:
                 self._cond.wait(timeout=1.0)
             self._done.pop(tag, None)
+
+    def fail(self, error: NebulaError) -> None:
+        """A failure outside a persist (the root's hold lost): raised on the next call."""
+        with self._cond:
+            self._error = error  # type: ignore[assignment]
 
     def raise_pending_error(self) -> None:
         """Raise a background failure once; later calls go on until the next one."""
@@ -199,6 +229,21 @@ class Persister:
         self._write_history()
         return target
 
+    def sequence_floor(self, store: Store) -> int:
+        """What a commit on `store`, one of this job's tiers, passes as its
+        `sequence_floor` (protocol/commit.py): the highest commit sequence this job knows
+        on its other tier. A memory-tier commit so comes after what the persistent tier
+        holds; a commit streamed to the persistent tier after what the memory tier holds."""
+        with self._cond:
+            floor = self._sequence
+        if store is not self.tiers.memory and self.tiers.memory_usable:
+            floor = max(floor, highest_sequence(self.tiers.memory))
+        return floor
+
+    def _note_sequence(self, sequence: int) -> None:
+        with self._cond:
+            self._sequence = max(self._sequence, sequence)
+
     def protected(self) -> set[str]:
         """Tags the memory tier must keep: pending, in flight, or queued (asked for, or
         labelled and not yet persisted)."""
@@ -222,15 +267,17 @@ class Persister:
             versions = [Version(t, created, ()) for t, created in own_parts(memory, self.rank)]
         else:
             committed = list_committed(memory)
-            versions = [Version(c.tag, c.committed_at, c.manifest.labels) for c in committed]
+            versions = [
+                Version(c.tag, c.committed_at, c.manifest.labels, c.sequence) for c in committed
+            ]
         if not versions:
             return
         protected = self.protected()
         if self.tiers.persistent is None:
             doomed = plan_retention(versions, self.retention, protected)
         else:
-            newest = max(versions, key=lambda v: order_key(v.tag, v.committed_at)).tag
-            keep = newest
+            newest = max(versions, key=lambda v: v.sort_key).tag
+            keep: str | None = newest
             if superseded_newest and self._superseded(newest):
                 keep = None
             doomed = [v.tag for v in versions if v.tag != keep and v.tag not in protected]
@@ -287,19 +334,42 @@ class Persister:
         if old is None or old == by or old == self._inflight or old in self._forced:
             return  # nothing pending, or it is persisted anyway
         log.debug("%r superseded by %r before its persist: skipped", old, by)
-        if self.ranks.is_leader:
+        if self._leaders.get(old, 0) == self.rank:
             row = skipped_row(
                 tag=old, step=step_of(old), rank=self.rank, started_at=utc_now(), superseded_by=by
             )
             self._rows.append(row)
 
     # the thread ---------------------------------------------------------------------
-    def _follows(self) -> bool:
+    def _follows(self, tag: str) -> bool:
+        """Under the lock: whether another rank, the tag's leader, decides its persist."""
         return (
             self.ranks.world_size > 1
-            and not self.ranks.is_leader
+            and self._leaders.get(tag, 0) != self.rank
             and self.tiers.persistent is not None
         )
+
+    def _leader_of(self, tag: str) -> int | None:
+        """The leader of `tag` (the lowest rank that writes it), from its commit or else
+        from this rank's marker in the memory tier; None when this rank wrote no part of
+        it (a checkpoint of other ranks: nothing of it is this rank's to persist)."""
+        with self._cond:
+            leader = self._leaders.get(tag)
+        if leader is not None:
+            return leader
+        memory = self.tiers.memory
+        try:
+            where = memory.display(tag, marker_name(self.rank))
+            return min(parse_marker(memory.read_bytes(tag, marker_name(self.rank)), where).writers)
+        except MissingFileError:
+            # No part of this rank's here: a checkpoint other ranks write (committed on a
+            # shared tier without this rank, or on their nodes).
+            info = read_committed(memory, tag)
+            if info is None or self.rank not in info.manifest.writers:
+                return None
+        except NebulaError:
+            pass
+        return 0  # copy_part reports what is wrong with this rank's part
 
     def _next_tag(self) -> str | None:
         """Under the lock: the tag to persist now, or None to keep waiting."""
@@ -308,7 +378,7 @@ class Persister:
             if tag in self._candidates:
                 self._candidates.remove(tag)
             return tag
-        if self._pending is None or self._follows():
+        if self._pending is None or self._follows(self._pending):
             return None
         due = self._last_start is None or (time.monotonic() - self._last_start >= self.interval_s)
         if due or self._stopping:
@@ -325,7 +395,7 @@ class Persister:
                     tag = self._next_tag()
                     if tag is not None or self._rows or self._finished():
                         break
-                    if self._follows() and self._candidates:
+                    if self._candidates and self.tiers.persistent is not None:
                         probe = list(self._candidates)
                         break
                     wait = None
@@ -349,6 +419,8 @@ class Persister:
             with self._cond:
                 self._inflight = None
                 self._done[tag] = error
+                if tag != self._pending and tag not in self._forced + self._candidates:
+                    self._leaders.pop(tag, None)
                 if error is not None:
                     self._error = error
                 self._cond.notify_all()
@@ -359,26 +431,33 @@ class Persister:
                     log.warning("could not evict old memory-tier copies: %s", exc)
 
     def _follow_leader(self, candidates: list[str]) -> None:
-        """Queue the candidates rank 0 has started to persist; drop older ones it skipped.
+        """Queue the candidates their leader has started to persist; drop older ones it
+        skipped.
 
-        Rank 0 persists tags in order, one at a time, so once its marker of a tag is
+        A leader persists tags in order, one at a time, so once its marker of a tag is
         visible, the markers of every older tag it persisted are visible too. A skipped
-        tag's history row is rank 0's (it knows which commit superseded it); this rank
+        tag's history row is the leader's (it knows which commit superseded it); this rank
         writes none.
         """
         persistent = self.tiers.persistent
         assert persistent is not None
+        with self._cond:
+            leaders = {t: self._leaders.get(t, 0) for t in candidates}
         try:
-            led = [t for t in candidates if persistent.exists(t, marker_name(0))]
+            led = [t for t in candidates if persistent.exists(t, marker_name(leaders[t]))]
         except NebulaError as exc:
-            log.warning("could not look for rank 0's persisted checkpoints: %s", exc)
+            log.warning("could not look for the leaders' persisted checkpoints: %s", exc)
             led = []
         with self._cond:
             if led:
-                newest = max(led, key=lambda t: order_key(t, ""))
+                newest: dict[int, str] = {}  # each leader's newest persisted candidate
+                for t in sorted(led, key=lambda t: order_key(t, "")):
+                    newest[leaders[t]] = t
                 for tag in candidates:
+                    last = newest.get(leaders[tag])
                     if tag in self._candidates and (
-                        tag in led or order_key(tag, "") < order_key(newest, "")
+                        tag in led
+                        or (last is not None and order_key(tag, "") < order_key(last, ""))
                     ):
                         self._candidates.remove(tag)
                         if tag in led and tag not in self._forced:
@@ -387,7 +466,7 @@ class Persister:
                     self._pending = None
                 self._cond.notify_all()
             elif self._stopping:
-                # Exiting: what rank 0 has not started by now, it skipped.
+                # Exiting: what the leaders have not started by now, they skipped.
                 for tag in candidates:
                     if tag in self._candidates:
                         self._candidates.remove(tag)
@@ -405,8 +484,13 @@ class Persister:
         started_at, t0 = utc_now(), time.perf_counter()
         size = 0
         error: PersistError | None = None
+        leader: int | None = 0
         try:
             if self.ranks.world_size > 1:
+                leader = self._leader_of(tag)
+                if leader is None:
+                    log.debug("%r: rank %d wrote no part of it, nothing to persist", tag, self.rank)
+                    return None
                 size = copy_part(
                     self.tiers.memory,
                     persistent,
@@ -414,9 +498,9 @@ class Persister:
                     rank=self.rank,
                     world_size=self.ranks.world_size,
                     timeout_s=self.rank_timeout_s,
-                    # Rank 0 waits for the whole and reports a missing rank; the others
-                    # must not block (rank 0 may be waiting for one of their older parts).
-                    wait=self.ranks.is_leader,
+                    # The leader waits for the whole and reports a missing rank; the others
+                    # must not block (it may be waiting for one of their older parts).
+                    wait=leader == self.rank,
                 )
             else:
                 src = read_committed(self.tiers.memory, tag)
@@ -427,8 +511,11 @@ class Persister:
                         FileNotFoundError("no committed copy in the memory tier"),
                     )
                 size = src.manifest.total_bytes
-                copy_checkpoint(src, persistent, overwrite=True)
-            if self.ranks.is_leader:
+                # An operator's copy or flush of the same tag waits for this, or this
+                # for it, and a committed copy of the same items is this persist's.
+                copied = copy_alongside(src, persistent, overwrite=True, same_root=True)
+                self._note_sequence(copied.manifest.sequence)
+            if leader == self.rank:
                 self._apply_retention(tag)
         except PersistError as exc:
             error = exc
@@ -476,9 +563,17 @@ class Persister:
         assert persistent is not None
         with self._retention_lock:
             committed = list_committed(persistent)
-            versions = [Version(c.tag, c.committed_at, c.manifest.labels) for c in committed]
+            versions = [
+                Version(c.tag, c.committed_at, c.manifest.labels, c.sequence) for c in committed
+            ]
+            self._note_sequence(max((v.sequence for v in versions), default=0))
             for tag in plan_retention(versions, self.retention, {just_persisted}):
-                delete_checkpoint(persistent, tag)
+                try:
+                    delete_checkpoint(persistent, tag)
+                except NebulaError as exc:
+                    # Tidying, after the persist: an older checkpoint that could not go now
+                    # (a prune deleting it too, say) goes at the next persist's retention.
+                    log.warning("retention could not delete %r yet: %s", tag, exc)
 
     def _retire_after_stream(self, tag: str) -> None:
         persistent = self.tiers.persistent

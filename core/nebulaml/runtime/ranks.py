@@ -2,16 +2,21 @@
 
 torch.distributed is asked first when it is initialised; else torchrun's environment
 (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, read by config.py); else a single
-process. The memory budget of the seed (`NEBULA_MEMORY_BUFFER_SIZE`: half of it for
-checkpoints, divided among the node's processes) is derived here too.
+process. The session reads them again at the first save (a program may set nebula up
+before torch.distributed). The generation of the job (which run, and which restart of it:
+`job_generation`) and the memory budget of the seed (`NEBULA_MEMORY_BUFFER_SIZE`: half of
+it for checkpoints, divided among the node's processes) are derived here too.
 
 May import: `nebulaml.errors` and `nebulaml.config`. Not for: talking to other ranks (they
-meet through rank markers in the tiers), or reading the environment (config.py).
+meet through rank markers in the tiers; the generation is agreed once, through the process
+group's key-value store, without a collective), or reading the environment (config.py).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+import uuid
 from dataclasses import dataclass
 
 from nebulaml.config import (
@@ -19,10 +24,15 @@ from nebulaml.config import (
     ENV_LOCAL_WORLD_SIZE,
     ENV_RANK,
     ENV_WORLD_SIZE,
+    elastic_generation,
     env_count,
     memory_buffer_bytes,
+    rank_env_set,
 )
 from nebulaml.errors import InvalidArgumentError
+
+log = logging.getLogger("nebulaml")
+GENERATION_KEY = "nebulaml/generation"  # in the process group's store: the agreed one
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +63,8 @@ class RankInfo:
 def detect_ranks() -> RankInfo:
     """This process's rank, from torch.distributed when initialised, else the environment."""
     rank, world_size = env_count(ENV_RANK), env_count(ENV_WORLD_SIZE)
-    dist = sys.modules.get("torch.distributed")  # never import torch just to ask
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if _dist_initialized():
+        dist = sys.modules["torch.distributed"]
         rank, world_size = dist.get_rank(), dist.get_world_size()
     rank = rank or 0
     world_size = world_size or 1
@@ -69,6 +79,52 @@ def detect_ranks() -> RankInfo:
     if local_rank is None:
         local_rank = rank % local_world_size
     return RankInfo(rank, world_size, local_rank, min(local_world_size, world_size))
+
+
+def _dist_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")  # never import torch just to ask
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def ranks_settled() -> bool:
+    """Whether `detect_ranks()` can tell for certain who this process is: torch.distributed
+    is initialised, or the launcher set both `RANK` and `WORLD_SIZE` (torchrun), or neither
+    (one process; or a launcher's first process before it starts the others, which is
+    rank 0 either way). Lightning's launcher sets `WORLD_SIZE` alone in the processes it
+    starts: their rank is known once torch.distributed is initialised."""
+    if _dist_initialized():
+        return True
+    rank_set, world_set = rank_env_set()
+    return rank_set == world_set
+
+
+def job_generation(ranks: RankInfo) -> str | None:
+    """Which run of the job, and which restart of it, this process belongs to: a value
+    every rank of the job agrees on, carried by each part of a checkpoint, so that a
+    checkpoint is never committed from parts of two runs (one rank's part saved before a
+    restart, another's after).
+
+    torchrun's run id and restart count; else, with torch.distributed initialised, the
+    first value any rank proposes through the process group's store (no collective: a
+    rank that never saves takes no part); else for one process an id of its own; else None
+    (ranks without torchrun or a process group cannot agree on one: no check).
+    """
+    elastic = elastic_generation()
+    if elastic is not None:
+        return elastic
+    mine = uuid.uuid4().hex[:16]
+    if ranks.world_size == 1:
+        return mine
+    if not _dist_initialized():
+        return None
+    try:
+        from torch.distributed import distributed_c10d
+
+        agreed = distributed_c10d._get_default_store().compare_set(GENERATION_KEY, "", mine)
+    except Exception as exc:  # noqa: BLE001 - no store (another backend): no generation
+        log.debug("no generation agreed through the process group's store: %s", exc)
+        return None
+    return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
 
 
 def memory_budget_bytes(ranks: RankInfo) -> int | None:

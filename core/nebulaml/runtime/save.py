@@ -22,6 +22,7 @@ from typing import Any
 
 from nebulaml.errors import (
     CheckpointExistsError,
+    InvalidArgumentError,
     MemoryBudgetError,
     MemoryTierFullError,
     SnapshotChangedError,
@@ -32,7 +33,13 @@ from nebulaml.format.manifest import ItemEntry, Manifest, utc_now
 from nebulaml.format.names import step_of, writer_marker_name
 from nebulaml.format.serialization import estimate_bytes, to_saveable
 from nebulaml.protocol.catalog import read_committed
-from nebulaml.protocol.commit import await_commit, begin_tag, commit_rank, write_item
+from nebulaml.protocol.commit import (
+    await_commit,
+    begin_tag,
+    claim_item,
+    commit_rank,
+    write_item,
+)
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.history import HistoryRow, make_row
 from nebulaml.protocol.tiers import TierSet
@@ -56,10 +63,19 @@ class SaveJob:
     `mark_committed`).
     """
 
-    def __init__(self, tag: str, *, overwrite: bool, labels: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        tag: str,
+        *,
+        overwrite: bool,
+        labels: tuple[str, ...],
+        ranks: tuple[int, ...] | None = None,
+    ) -> None:
         self.tag = tag
         self.overwrite = overwrite
         self.labels = labels
+        self.ranks = ranks  # the ranks that write it (`Checkpoint(ranks=)`); None: all
+        self._generation: str | None = None  # the job's, when the first save began
         self.items: list[ItemEntry] = []
         self.names: list[str] = []  # saved, or queued by a lazy save
         self.committed = False
@@ -78,12 +94,44 @@ class SaveJob:
         self.tiers = tiers
         self.committed = True
 
+    def writers(self, session: Session) -> tuple[int, ...]:
+        """The ranks that write this checkpoint: those it names, or every rank."""
+        world_size = session.world_size
+        if self.ranks is None:
+            return tuple(range(world_size))
+        beyond = [r for r in self.ranks if r >= world_size]
+        if beyond:
+            raise InvalidArgumentError(
+                f"checkpoint {self.tag!r} names rank(s) {beyond} (ranks={list(self.ranks)}), "
+                f"and this job has {world_size} process(es)"
+            )
+        return self.ranks
+
     def add(self, session: Session, name: str, obj: Any, t0: float) -> None:
         """Write item `name` (or, lazily, queue its copy); the save began at `t0`."""
         if session.snapshots is not None:
             session.snapshots.raise_error()  # an earlier lazy save's failure, once
+        writers = self.writers(session)
+        if session.rank not in writers:
+            raise InvalidArgumentError(
+                f"rank {session.rank} saves item {name!r} into checkpoint {self.tag!r}, which "
+                f"rank(s) {', '.join(map(str, writers))} write (ranks=); only those save "
+                f"into it, and the other ranks need not call anything"
+            )
         if not self._begun:
             self._begin(session, t0)
+        shared = len(writers) > 1 and session.ranks.local_world_size > 1
+        if shared and not self._memory_full and self._store is session.tiers.memory:
+            # Other ranks write this tag folder too: claim the name first, so that two
+            # ranks never write one item (ItemCollisionError, naming both).
+            claim_item(
+                self._store,
+                self.tag,
+                name,
+                rank=session.rank,
+                claimed=self.names,
+                started_at=self._started_at,
+            )
         self.names.append(name)
         if session.snapshots is None:
             self.items.append(self._write(session, name, obj))
@@ -126,6 +174,9 @@ class SaveJob:
         if not self.overwrite and persistent and read_committed(persistent, self.tag):
             raise CheckpointExistsError(tiers.persistent.url, self.tag)
         self._started_at, self._t0 = utc_now(), t0
+        # The job's generation (agreed with the other ranks at the first save): this
+        # part is committed only with parts of the same run and restart of the job.
+        self._generation = session.save_generation()
         if self.overwrite:
             session.persister.release(self.tag)  # never rewrite what is being copied
         try:
@@ -200,8 +251,8 @@ class SaveJob:
         why = None
         if persistent is None:
             why = "there is no persistent tier"
-        elif session.world_size > 1:
-            why = "streaming to the persistent tier needs one rank"
+        elif len(self.writers(session)) > 1:
+            why = "streaming to the persistent tier needs a checkpoint that one rank writes"
         if why is not None:
             if short.limit_bytes is not None:
                 raise MemoryBudgetError(self.tag, short.size_bytes, short.limit_bytes, why)
@@ -257,10 +308,10 @@ class SaveJob:
     def _commit_now(self, session: Session) -> bool:
         t0 = time.perf_counter()
         if not self._begun:
-            if session.world_size == 1:
-                return True  # nothing saved, nothing to commit
-            # Every rank's part makes the checkpoint, also the empty part of a rank that
-            # saved nothing (DeepSpeed calls commit() on every rank).
+            if session.world_size == 1 or session.rank not in self.writers(session):
+                return True  # nothing saved, nothing to commit (or not this rank's)
+            # Every writing rank's part makes the checkpoint, also the empty part of a
+            # rank that saved nothing (DeepSpeed calls commit() on every rank).
             self._begin(session, t0)
         if self._store is not None and self._store is session.tiers.persistent:
             return self._commit_streamed(session, t0)
@@ -268,7 +319,7 @@ class SaveJob:
         try:
             manifest = self._commit_part(session, memory)
         except StorageFullError:
-            if session.world_size > 1 or session.tiers.persistent is None:
+            if len(self.writers(session)) > 1 or session.tiers.persistent is None:
                 raise
             # No room left for the manifest (another process took it): commit it there.
             short = session.budget.filesystem_full(RECORDS_ROOM_BYTES)
@@ -281,12 +332,17 @@ class SaveJob:
                 memory,
                 self.tag,
                 world_size=session.world_size,
+                ranks=self.ranks,
+                generation=self._generation,
                 timeout_s=session.config.rank_timeout_s,
+                sequence_floor=session.persister.sequence_floor(memory),
             )
         row = self._finish_commit(session, memory, "memory", t0)
         # This rank's part is committed (on a node without the other ranks, the memory
         # tier never holds the whole): it is what this rank's persister copies.
-        session.persister.notify_committed(self.tag, row, labels=self.labels)
+        session.persister.notify_committed(
+            self.tag, row, labels=self.labels, leader=min(self.writers(session))
+        )
         # The next save's buffers, made while training runs (the cold start: slots.py).
         session.pool.prepare(self.items, fits=session.budget.spare_fits)
         return True
@@ -302,6 +358,9 @@ class SaveJob:
             items=self.items,
             created_at=self._started_at,
             labels=self.labels,
+            ranks=self.ranks,
+            generation=self._generation,
+            sequence_floor=session.persister.sequence_floor(store),
         )
 
     def _commit_streamed(self, session: Session, t0: float) -> bool:
@@ -309,7 +368,7 @@ class SaveJob:
         assert persistent is not None
         self._commit_part(session, persistent)
         row = self._finish_commit(session, persistent, "persistent", t0)
-        session.persister.notify_streamed(self.tag, row)
+        session.persister.notify_streamed(self.tag, row, leader=session.rank)
         return True
 
     def _finish_commit(self, session: Session, store: Store, tier: str, t0: float) -> HistoryRow:

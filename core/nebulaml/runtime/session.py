@@ -3,11 +3,15 @@
 `init()` may be called on every rank and several times; the same configuration is a
 no-op. After a crash, the next `init()` for the same root persists what the memory tier
 still holds that is newer than the persistent tier, and removes what dead writers left
-half-written in the memory tier. `close()` persists what is pending and releases the
-memory tier once everything in it is persisted.
+half-written in the memory tier, and this rank's parts that an earlier generation of the
+job (before a restart) left uncommitted. Who this process is in the job (rank, world
+size) and its generation are read again at the first save (`bind_ranks`,
+`save_generation`): a program may set nebula up before torch.distributed; where they
+cannot be told at `init()`, the recovery waits for that first save. `close()` persists
+what is pending and releases the memory tier once everything in it is persisted.
 
 May import: every layer below runtime, `nebulaml.config`, and the runtime modules the
-session owns (budget, fence, persister, ranks, slots, snapshot). Not for: the
+session owns (budget, fence, job, persister, ranks, slots, snapshot). Not for: the
 configuration (config.py), the exit path (exit.py), saving and loading (save.py,
 load.py), or the public functions (api.py, checkpoint.py).
 """
@@ -18,19 +22,28 @@ import logging
 import threading
 from collections.abc import Callable
 
-from nebulaml.config import Config
-from nebulaml.errors import NebulaError, NotInitializedError
+from nebulaml.config import Config, elastic_generation
+from nebulaml.errors import NebulaError, NotInitializedError, RootInUseError
+from nebulaml.format.manifest import RankMarker
 from nebulaml.format.names import order_key
-from nebulaml.protocol.catalog import list_committed
+from nebulaml.protocol.catalog import list_committed, read_committed
+from nebulaml.protocol.commit import read_markers
 from nebulaml.protocol.delete import delete_part
 from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.memory_tier import TierHold, release_memory_tier
-from nebulaml.protocol.recovery import remove_dead_writers
+from nebulaml.protocol.recovery import discard_stale_parts, remove_dead_writers
 from nebulaml.protocol.tiers import TierSet, claim_tiers
 from nebulaml.runtime.budget import MemoryBudget
 from nebulaml.runtime.fence import SnapshotWorker
+from nebulaml.runtime.job import JobHold, claim_job
 from nebulaml.runtime.persister import Persister
-from nebulaml.runtime.ranks import RankInfo, detect_ranks, memory_budget_bytes
+from nebulaml.runtime.ranks import (
+    RankInfo,
+    detect_ranks,
+    job_generation,
+    memory_budget_bytes,
+    ranks_settled,
+)
 from nebulaml.runtime.slots import SlotPool
 from nebulaml.runtime.snapshot import LayoutCache
 
@@ -42,9 +55,15 @@ class Session:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.ranks: RankInfo = detect_ranks()
-        self.rank = self.ranks.rank
-        self.world_size = self.ranks.world_size
+        # Who this process is, as far as can be told now; read again at the first save
+        # (bind_ranks), once torch.distributed is up.
+        self._ranks: RankInfo = detect_ranks()
+        self._bound = False
+        self._bind_lock = threading.RLock()
+        # Which run and restart of the job: torchrun's is known now, another is agreed at
+        # the first save (save_generation). Every part this process writes carries it.
+        self.generation: str | None = elastic_generation()
+        self._generation_known = self.generation is not None
         # The persistent root with its identity; this root's memory tier, checked private,
         # held while this session lives, and released first if an earlier root left it.
         self.tiers: TierSet
@@ -52,54 +71,158 @@ class Session:
         self.tiers, self.hold = claim_tiers(
             config.persistent_storage_path, dict(config.storage_options)
         )
+        # One job writes a root at a time (job.py): another live job's root is refused
+        # before anything in it is touched; the ranks of this job share it.
+        try:
+            self.job: JobHold = claim_job(self.tiers, self._ranks, on_lost=self._hold_lost)
+        except BaseException:
+            self.hold.close()
+            raise
         # Leftovers of this node's crashed saves and persists; other nodes' are theirs.
         for _tier, store in self.tiers.stores:
             remove_dead_writers(store)
-        share = memory_budget_bytes(self.ranks)
+        share = memory_budget_bytes(self._ranks)
         # The budget is per process, the memory tier shared by the node's processes.
-        limit = None if share is None else share * self.ranks.local_world_size
+        limit = None if share is None else share * self._ranks.local_world_size
         self.pool = SlotPool(self.tiers.memory, limit_bytes=limit)
         self.layouts = LayoutCache()  # each item name's last layout (snapshot.py)
         self.persister = Persister(
             self.tiers,
             interval_s=config.persistent_time_interval_s,
             retention=config.num_of_version_in_retention,
-            ranks=self.ranks,
+            ranks=self._ranks,
             rank_timeout_s=config.rank_timeout_s,
             pool=self.pool,
         )
         self.budget = MemoryBudget(
             limit, pool=self.pool, persister=self.persister, wait_s=config.exit_timeout_s
         )
-        self.recovered: str | None = self._recover()
+        # What an earlier process left: recovered now if this process knows who it is in
+        # the job (and, with several ranks, its generation), else at the first save.
+        self.recovered: str | None = None
+        self._recovery_due = True
+        if ranks_settled() and (self._ranks.world_size == 1 or self._generation_known):
+            self._recover_once()
         self.snapshots: SnapshotWorker | None = None
         if config.lazy_snapshot:
             self.snapshots = SnapshotWorker()
             self.snapshots.install_fence()
+
+    def _hold_lost(self, why: str) -> None:
+        """Another job took the root over (this one was judged gone): said by the next call."""
+        persister = getattr(self, "persister", None)
+        if persister is not None:
+            persister.fail(RootInUseError(self.tiers.display, why))
 
     def wait_for_snapshots(self) -> None:
         """The fence: every lazy save's snapshot and commit done; raises their failure."""
         if self.snapshots is not None:
             self.snapshots.wait()
 
+    # who this process is in the job ------------------------------------------------------
+    @property
+    def ranks(self) -> RankInfo:
+        """This process's place in the job (read at the first save: `bind_ranks`)."""
+        return self.bind_ranks()
+
+    @property
+    def rank(self) -> int:
+        return self.bind_ranks().rank
+
+    @property
+    def world_size(self) -> int:
+        return self.bind_ranks().world_size
+
+    def bind_ranks(self) -> RankInfo:
+        """Read this process's rank and world size again, once they can be told for
+        certain (ranks.ranks_settled: torch.distributed is up, or the launcher said), and
+        keep them from then on; the persister follows. Before, the reading of `init()`."""
+        if self._bound:
+            return self._ranks
+        with self._bind_lock:
+            if not self._bound and ranks_settled():
+                ranks = detect_ranks()
+                if ranks != self._ranks:
+                    log.info(
+                        "this process is rank %d of %d (nebula was set up as rank %d of %d)",
+                        ranks.rank,
+                        ranks.world_size,
+                        self._ranks.rank,
+                        self._ranks.world_size,
+                    )
+                    self._ranks = ranks
+                    self.persister.set_ranks(ranks)
+                self._bound = True
+        return self._ranks
+
+    def save_generation(self) -> str | None:
+        """The generation this process's parts carry (ranks.job_generation), agreed with
+        the other ranks at the first save; then what an earlier process left is recovered,
+        if `init()` could not yet."""
+        ranks = self.bind_ranks()
+        if not self._generation_known or self._recovery_due:
+            with self._bind_lock:
+                if not self._generation_known:
+                    self.generation = job_generation(ranks)
+                    self._generation_known = True
+                if self._recovery_due:
+                    self._recover_once()
+        return self.generation
+
+    def _recover_once(self) -> None:
+        """Discard this rank's parts of earlier generations, then queue what the memory
+        tier holds that the persistent tier lacks (`_recover`)."""
+        self._recovery_due = False
+        ranks = self._ranks
+        if ranks.world_size > 1 and self._generation_known and self.generation is not None:
+            stale = discard_stale_parts(
+                self.tiers.memory, ranks.rank, self.generation, keep=self._completes
+            )
+            if stale:
+                log.info(
+                    "discarded rank %d's uncommitted part(s) of %s: written before a restart "
+                    "of the job, never committed with parts written after it",
+                    ranks.rank,
+                    ", ".join(stale),
+                )
+        self.recovered = self._recover()
+
+    def _completes(self, tag: str, marker: RankMarker) -> bool:
+        """Whether this rank's part `marker` of `tag`, of an earlier generation, is all the
+        persistent tier lacks to commit that checkpoint (every other rank that writes it
+        persisted its part, of that generation): it is kept and persisted, not discarded."""
+        persistent = self.tiers.persistent
+        if persistent is None:
+            return False
+        try:
+            if read_committed(persistent, tag) is not None:
+                return False
+            others = [r for r in marker.writers if r != marker.rank]
+            return read_markers(persistent, tag, others, marker.generation) is not None
+        except NebulaError:
+            return False
+
     def _recover(self) -> str | None:
         """Queue the memory tier's newest checkpoint (this rank's part of it) if the
         persistent tier lacks it."""
         if self.tiers.persistent is None:
             return None
-        if self.ranks.all_local:
+        ranks = self._ranks
+        if ranks.all_local:
             committed = list_committed(self.tiers.memory)
+            if ranks.world_size > 1:  # this rank persists its own part: where it wrote one
+                committed = [c for c in committed if ranks.rank in c.manifest.writers]
             in_memory = [(c.tag, c.sort_key) for c in committed]
             # A labelled checkpoint is always persisted (persister.py), even one a crash
             # left unpersisted behind a newer one.
-            if self.world_size == 1:
+            if ranks.world_size == 1:
                 durable = {c.tag for c in list_committed(self.tiers.persistent)}
                 for c in committed[:-1]:
                     if c.manifest.labels and c.tag not in durable:
                         log.info("persisting %r (labelled), left in the memory tier", c.tag)
                         self.persister.request(c.tag)
         else:  # the node holds only its ranks' parts, never a manifest of the whole
-            parts = own_parts(self.tiers.memory, self.rank)
+            parts = own_parts(self.tiers.memory, ranks.rank)
             in_memory = sorted((tag, order_key(tag, created)) for tag, created in parts)
             in_memory.sort(key=lambda pair: pair[1])
         if not in_memory:
@@ -131,6 +254,7 @@ class Session:
             log.warning("could not release the memory tier %s: %s", self.tiers.memory.url, exc)
         finally:
             self.hold.close()
+            self.job.close()
         return left
 
     def _releasable(self) -> bool:
@@ -141,17 +265,20 @@ class Session:
         persistent = self.tiers.persistent
         if persistent is None or self.config.keep_memory_tier or self.persister.error:
             return False
+        ranks = self.bind_ranks()
+        if not self._bound:
+            return False  # which rank this is is not known: no rank's parts are its to drop
         memory = self.tiers.memory
         persisted = list_committed(persistent)
         newest = persisted[-1].sort_key if persisted else None
         durable = {info.tag: info.manifest.items for info in persisted}
-        if self.world_size > 1:
-            mine = own_parts(memory, self.rank)
+        if ranks.world_size > 1:
+            mine = own_parts(memory, ranks.rank)
             for tag, created in mine:
                 if tag not in durable and (newest is None or order_key(tag, created) >= newest):
                     return False
             for tag, _created in mine:
-                delete_part(memory, tag, self.rank)
+                delete_part(memory, tag, ranks.rank)
             return not any(True for _ in memory.list_dirs())
         for info in list_committed(memory):
             same = durable.get(info.tag) == info.manifest.items

@@ -52,7 +52,8 @@ from nebulaml.storage.streams import claim_unused, translate_errors
 log = logging.getLogger("nebulaml")
 
 POOL_DIR = SLOTS_DIR
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+# An item smaller than this gets no spare: its fresh pages cost less than a thread.
+SPARE_MIN_BYTES = 1 << 20
 
 
 @dataclass(eq=False)
@@ -67,13 +68,11 @@ class MappedFile:
     pinned: bool = False
 
     @classmethod
-    def open(cls, fd: int, size_bytes: int, *, populated: bool = True) -> MappedFile:
-        """Map `fd`; with `populated`, its existing pages are mapped at once (the caller
-        populates fresh pages itself: pages.py)."""
+    def open(cls, fd: int, size_bytes: int) -> MappedFile:
+        """Map `fd` (shared); its pages are faulted in by the caller (pages.populate)."""
         import torch
 
-        flags = _MAP_FLAGS if populated else mmap.MAP_SHARED
-        mm = mmap.mmap(fd, size_bytes, flags=flags)
+        mm = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED)
         return cls(fd, size_bytes, mm, memoryview(mm), torch.frombuffer(mm, dtype=torch.uint8))
 
     def unlinked(self) -> bool:
@@ -89,7 +88,7 @@ class MappedFile:
 
             self.pinned = pin(self.tensor)
 
-    def close(self) -> None:
+    def close(self, *, close_fd: bool = True) -> None:
         if self.pinned:
             from nebulaml.runtime.snapshot import unpin
 
@@ -99,8 +98,9 @@ class MappedFile:
         self.view.release()
         with contextlib.suppress(BufferError):
             self.mm.close()  # a BufferError: a caller still holds a view; GC unmaps it
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        if close_fd:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
 
 
 @dataclass(eq=False)
@@ -147,6 +147,7 @@ class SlotPool:
         self._maps: dict[tuple[int, int], MappedFile] = {}
         self._opened: dict[str, int] = {}  # item name: the size of its last buffer
         self._spares: dict[str, _Spare] = {}  # by item name, while being made
+        self._closed = False  # no spare is made once the pool is closed
         # The training thread fills buffers while the persister thread recycles them and
         # spare buffers are made in threads of their own.
         self._lock = threading.RLock()
@@ -188,16 +189,19 @@ class SlotPool:
             return mapped
         if mapped is not None:
             self._drop(key)
-        fresh = st.st_size < size_bytes
-        if st.st_size > size_bytes:
+        if st.st_size != size_bytes:
             os.ftruncate(fd, size_bytes)
-        elif fresh:
+        mapped = MappedFile.open(fd, size_bytes)
+        try:
             # Allocated now, so that a full RAM disk is an ENOSPC here (StorageFullError),
-            # not a SIGBUS when the copy touches a page that has no room.
-            os.posix_fallocate(fd, 0, size_bytes)
-        mapped = MappedFile.open(fd, size_bytes, populated=not fresh)
-        if fresh:  # new pages: faulted in by two threads, faster than by the copy
-            populate(mapped.tensor.data_ptr(), size_bytes)
+            # not a SIGBUS when the copy touches a page that has no room; and faulted in
+            # writable, by two threads that allocate a chunk each in turn: faster than
+            # by the copy (pages.py). (mmap's MAP_POPULATE maps a file's pages read-only:
+            # the copy then faults each one again.)
+            populate(mapped.tensor.data_ptr(), size_bytes, fd=fd)
+        except BaseException:
+            mapped.close(close_fd=False)  # the caller closes the descriptor
+            raise
         self._maps[key] = mapped
         return mapped
 
@@ -329,8 +333,10 @@ class SlotPool:
         started = []
         for item in items:
             name, size = item.name, item.size_bytes
+            if size < SPARE_MIN_BYTES:
+                continue
             with self._lock:
-                if self._opened.get(name) != size or name in self._spares:
+                if self._closed or self._opened.get(name) != size or name in self._spares:
                     continue  # not a buffer of this pool's, or one is being made
                 if self._free_files(name, size) or self._copies(name) != 1 or not fits(size):
                     continue
@@ -376,7 +382,7 @@ class SlotPool:
                 spare.allocated = True
                 if spare.cancelled:
                     return
-                spare.mapped = MappedFile.open(spare.fd, spare.size_bytes, populated=False)
+                spare.mapped = MappedFile.open(spare.fd, spare.size_bytes)
                 address = spare.mapped.tensor.data_ptr()
                 spare.population = Population(address, spare.size_bytes)
             spare.mapped_event.set()
@@ -477,6 +483,8 @@ class SlotPool:
 
     def close(self) -> None:
         """Unmap everything (the files stay, but spares being made)."""
+        with self._lock:
+            self._closed = True
         self._cancel_spares()
         with self._lock:
             for key in list(self._maps):

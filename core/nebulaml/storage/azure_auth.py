@@ -235,13 +235,13 @@ def _auth_error(url: str) -> StorageError:
 
 # the filesystem ------------------------------------------------------------------------------
 @functools.cache
-def _filesystem_class() -> type:
+def _filesystem_class() -> Any:
     try:
         from adlfs import AzureBlobFileSystem
     except ImportError as exc:
         raise ImportError(f"{exc}; {INSTALL_HINT}") from exc
 
-    class NebulaBlobFileSystem(AzureBlobFileSystem):  # type: ignore[misc]
+    class NebulaBlobFileSystem(AzureBlobFileSystem):
         """adlfs with nebula's credential order and endpoint, and without SDK retries."""
 
         def __init__(
@@ -267,7 +267,7 @@ def _filesystem_class() -> type:
             client_kwargs: dict[str, Any] = {"retry_total": 0, "user_agent": "nebula-checkpoint"}
             if auth.kind == "connection_string":
                 self.service_client = BlobServiceClient.from_connection_string(
-                    auth.connection_string, **client_kwargs
+                    auth.connection_string or "", **client_kwargs
                 )
                 return
             if not auth.account_url:
@@ -276,14 +276,14 @@ def _filesystem_class() -> type:
             if auth.kind == "credential":
                 credential = auth.credential
             elif auth.kind == "account_key":
-                credential = AzureNamedKeyCredential(auth.account_name or "", auth.account_key)
+                credential = AzureNamedKeyCredential(auth.account_name or "", auth.account_key or "")
             elif auth.kind == "sas_token":
                 credential = AzureSasCredential((auth.sas_token or "").lstrip("?"))
             elif auth.kind == "service_principal":
                 from azure.identity.aio import ClientSecretCredential
 
                 credential = ClientSecretCredential(
-                    auth.tenant_id, auth.client_id, auth.client_secret
+                    auth.tenant_id or "", auth.client_id or "", auth.client_secret or ""
                 )
                 self.credential = credential  # closed with the filesystem
             elif auth.kind == "default":

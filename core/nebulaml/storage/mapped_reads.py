@@ -96,7 +96,7 @@ def _read_whole(f: BinaryIO, size: int) -> tuple[mmap.mmap, int]:
     with memoryview(buffer) as view:
         done = 0
         while done < size:
-            n = f.readinto(view[done : min(size, done + _READ_CHUNK_BYTES)])
+            n = f.readinto(view[done : min(size, done + _READ_CHUNK_BYTES)])  # type: ignore[attr-defined]
             if not n:
                 break
             done += n

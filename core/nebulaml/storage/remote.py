@@ -19,7 +19,12 @@ storage/'s backend.py.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
+import logging
+import threading
+import weakref
 from datetime import datetime, timezone
 from typing import Any
 
@@ -42,6 +47,7 @@ class RemoteBackend:
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
         self.fs = fs
         self.root = root
+        quiet_async_exit(fs)
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
         self.appends_as_objects = bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
 
@@ -148,3 +154,60 @@ class RemoteBackend:
                 self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             return
+
+
+# interpreter exit ------------------------------------------------------------------------
+_loops: weakref.WeakSet[Any] = weakref.WeakSet()  # the event loops of the stores opened
+_quieting = False
+
+
+def quiet_async_exit(fs: Any) -> None:
+    """Keep the interpreter's exit quiet about `fs`'s event loop (issue #18: Ctrl-C during
+    an az:// copy printed hundreds of lines). A process that ends while requests are in
+    flight (an interrupt, an exit during a persist) abandons them on fsspec's loop
+    thread; as the interpreter shuts down, asyncio and aiohttp report each one ("Task was
+    destroyed but it is pending", "Unclosed connection", "Task exception was never
+    retrieved", the SDK's "Unable to stream download"), most once the interpreter has
+    shut its thread pools down under them. They are nothing to report then: as the
+    interpreter begins to exit (threading's exit hook, before the pools go), that loop's
+    exception handler and the loggers of asyncio, aiohttp and the Azure SDK are silenced.
+    What nebula could not do itself at exit it says on its own (runtime/exit.py)."""
+    global _quieting
+    loop = getattr(fs, "_loop", None) if getattr(fs, "async_impl", False) else None
+    if loop is not None:
+        _loops.add(loop)
+    if not _quieting:
+        _quieting = True
+        # Imported first, so that the pools' own hook is registered before this one (the
+        # hooks run newest first) and this one runs before the pools are shut down.
+        import concurrent.futures.thread  # noqa: F401
+
+        register = getattr(threading, "_register_atexit", None)
+        try:
+            if register is None:
+                raise RuntimeError("no threading exit hooks")
+            register(_silence_abandoned_requests)
+        except RuntimeError:  # already shutting down, or an interpreter without them
+            atexit.register(_silence_abandoned_requests)
+
+
+def _quiet_handler(_loop: Any, _context: dict[str, Any]) -> None:
+    return None
+
+
+_SILENCED_LOGGERS = ("asyncio", "aiohttp", "azure", "adlfs")
+
+
+def _silence_abandoned_requests() -> None:
+    for name in _SILENCED_LOGGERS:
+        logging.getLogger(name).disabled = True
+    try:
+        from fsspec import asyn
+
+        default = asyn.loop[0]
+    except (ImportError, AttributeError, IndexError):
+        default = None
+    for loop in {*list(_loops), *([default] if default is not None else [])}:
+        # A loop already closed has nothing left to say.
+        with contextlib.suppress(Exception):
+            loop.set_exception_handler(_quiet_handler)

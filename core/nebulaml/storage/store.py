@@ -372,7 +372,10 @@ class Store:
                 self._backend.write_view(parts, view, each)
             return
         with self.open_write(*parts) as f:
-            write_view_chunks(lambda piece, _offset: f.write(piece), view, each)
+            def write(piece: memoryview, _offset: int) -> None:
+                f.write(piece)
+
+            write_view_chunks(write, view, each)
 
     def write_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
         """Write (or replace) a small file durably."""

@@ -1,0 +1,177 @@
+"""The commit protocol for checkpoints that some ranks write (`ranks`), parts of one
+generation only, and item names that two ranks claim (the real multi-process jobs are in
+tests/dist/test_writers.py and test_generations.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import nebulaml as nm
+from nebulaml.format.manifest import RankMarker, parse_manifest, parse_marker
+from nebulaml.protocol.catalog import read_committed
+from nebulaml.protocol.commit import (
+    await_commit,
+    begin_tag,
+    claim_item,
+    commit_rank,
+    write_item,
+)
+from nebulaml.protocol.recovery import discard_stale_parts
+from nebulaml.protocol.tiers import open_tiers
+from nebulaml.protocol.transfer import copy_checkpoint, copy_part
+from nebulaml.runtime.persister import Persister
+from nebulaml.runtime.ranks import RankInfo
+from nebulaml.storage.store import Store
+
+TAG = "global_step1"
+
+
+def _part(store: Store, rank: int, names: list[str], **commit: object) -> object:
+    begin_tag(store, TAG, rank=rank, overwrite=False, world_size=2)
+    items = [write_item(store, TAG, n, {"w": torch.full((4,), rank)}, rank=rank) for n in names]
+    return commit_rank(store, TAG, rank=rank, world_size=2, items=items, created_at="t", **commit)
+
+
+def test_a_checkpoint_of_rank_0_alone_commits_without_the_others(tmp_path: Path) -> None:
+    """Bug caught: a manifest waiting for every rank of the job, or one that forgets which
+    ranks wrote it (every reader then believes rank 1's part is missing)."""
+    store = Store(tmp_path / "root")
+    manifest = _part(store, 0, ["model"], ranks=[0])
+    assert manifest is not None and manifest.world_size == 2 and manifest.ranks == (0,)
+    doc = json.loads(store.read_bytes(TAG, "manifest.json"))
+    assert doc["ranks"] == [0] and doc["world_size"] == 2
+    assert parse_manifest(store.read_bytes(TAG, "manifest.json"), "m").writers == (0,)
+    # A copy keeps it (the persister of one process, nebula copy).
+    info = read_committed(store, TAG)
+    assert info is not None
+    copied = copy_checkpoint(info, Store(tmp_path / "other")).manifest
+    assert copied.ranks == (0,) and copied.world_size == 2
+
+
+def test_every_rank_checkpoints_are_written_as_before(tmp_path: Path) -> None:
+    """All ranks (the default, or named in full): no `ranks` field, as older manifests."""
+    store = Store(tmp_path / "root")
+    assert _part(store, 0, ["a"], ranks=[1, 0]) is None
+    manifest = _part(store, 1, ["b"], ranks=[0, 1])
+    assert manifest is not None and manifest.ranks is None and manifest.writers == (0, 1)
+    assert "ranks" not in json.loads(store.read_bytes(TAG, "manifest.json"))
+
+
+def test_parts_of_two_generations_are_never_committed_together(tmp_path: Path) -> None:
+    """Rank 0's part from before a restart, rank 1's from after. Bug caught: a torn
+    checkpoint committed from both."""
+    store = Store(tmp_path / "root")
+    assert _part(store, 0, ["a"], generation="run.0") is None
+    assert _part(store, 1, ["b"], generation="run.1") is None  # not with run.0's part
+    assert read_committed(store, TAG) is None
+    with pytest.raises(nm.RankTimeoutError, match="another run or restart") as caught:
+        await_commit(store, TAG, world_size=2, generation="run.1", timeout_s=0.05)
+    assert caught.value.stale == [0]
+    # Rank 0's part of the new run replaces its old one: the tag commits, one generation.
+    manifest = _part(store, 0, ["a"], generation="run.1")
+    assert manifest is not None
+    markers = [
+        parse_marker(store.read_bytes(TAG, f".rank-{r}.json"), "m").generation for r in (0, 1)
+    ]
+    assert markers == ["run.1", "run.1"]
+
+
+def test_an_item_name_twice_is_never_committed(tmp_path: Path) -> None:
+    """Bug caught: a manifest listing "model" twice (every reader then ignores it)."""
+    store = Store(tmp_path / "root")
+    assert _part(store, 0, ["model"]) is None
+    begin_tag(store, TAG, rank=1, overwrite=False, world_size=2)
+    elsewhere = Store(tmp_path / "elsewhere")  # rank 1's node
+    elsewhere.make_dir(TAG)
+    item = write_item(elsewhere, TAG, "model", {"w": 1}, rank=1)
+    with pytest.raises(nm.ItemCollisionError, match=r"'model' .* by rank 0 and by rank 1"):
+        commit_rank(store, TAG, rank=1, world_size=2, items=[item], created_at="t")
+    assert read_committed(store, TAG) is None
+
+
+def test_a_rank_claims_an_item_name_before_writing_it(tmp_path: Path) -> None:
+    """Two ranks on one tier: the second to claim "model" is refused before it writes."""
+    store = Store(tmp_path / "root")
+    begin_tag(store, TAG, rank=0, overwrite=False, world_size=2)
+    begin_tag(store, TAG, rank=1, overwrite=False, world_size=2)
+    claim_item(store, TAG, "model", rank=0, claimed=[])
+    claim_item(store, TAG, "extra", rank=1, claimed=[])
+    with pytest.raises(nm.ItemCollisionError) as caught:
+        claim_item(store, TAG, "model", rank=1, claimed=["extra"])
+    assert caught.value.ranks == (0, 1) and caught.value.name == "model"
+    # The refused claim is withdrawn; the earlier one stays.
+    writer = json.loads(store.read_bytes(TAG, ".writer-1.json"))
+    assert writer["items"] == ["extra"]
+    # Rank 0's part, committed and waiting for rank 1's, keeps its claim.
+    item = write_item(store, TAG, "model", {"w": 1}, rank=0)
+    commit_rank(store, TAG, rank=0, world_size=2, items=[item], created_at="t")
+    with pytest.raises(nm.ItemCollisionError):
+        claim_item(store, TAG, "model", rank=1, claimed=["extra"])
+    # A dead process's claim is no claim.
+    dead = json.loads(store.read_bytes(TAG, ".writer-0.json"))
+    dead["pid"] = 2**22 + 12345  # above the kernel's pid limit: never alive
+    store.publish((TAG, ".writer-0.json"), json.dumps(dead).encode(), create_only=False)
+    claim_item(store, TAG, "model", rank=1, claimed=["extra"])
+
+
+def test_init_discards_only_this_ranks_parts_of_other_generations(tmp_path: Path) -> None:
+    store = Store(tmp_path / "mem")
+    _part(store, 0, ["a"], generation="run.0")
+    _part(store, 1, ["b"], generation="run.0")  # committed: a whole checkpoint, kept
+    begin_tag(store, "global_step2", rank=0, overwrite=False, world_size=2)
+    item = write_item(store, "global_step2", "a", {"w": 1}, rank=0)
+    commit_rank(store, "global_step2", rank=0, world_size=2, items=[item], created_at="t",
+                generation="run.0")  # fmt: skip
+    store.remove("global_step2", ".writer-0.json")  # its writer is gone
+    assert discard_stale_parts(store, 1, "run.1") == []  # rank 1 has no stale part
+    assert discard_stale_parts(store, 0, "run.0") == []  # its own generation
+    assert discard_stale_parts(store, 0, "run.1") == ["global_step2"]
+    assert read_committed(store, TAG) is not None
+    assert ".rank-0.json" not in store.list_files("global_step2")
+
+
+def test_copy_part_and_the_persister_follow_the_lowest_writing_rank(tmp_path: Path) -> None:
+    """A checkpoint that rank 1 alone writes: rank 1 decides and commits its persist; rank
+    0 never hears of it. Bug caught: rank 1 waiting forever for rank 0's lead."""
+    tiers = open_tiers(str(tmp_path / "root"))
+    assert tiers.persistent is not None
+    begin_tag(tiers.memory, TAG, rank=1, overwrite=False, world_size=2)
+    item = write_item(tiers.memory, TAG, "rank1_only", {"w": 1}, rank=1)
+    commit_rank(tiers.memory, TAG, rank=1, world_size=2, items=[item], created_at="t",
+                ranks=[1])  # fmt: skip
+    persister = Persister(
+        tiers, interval_s=0, retention=2, ranks=RankInfo(1, 2, 1, 2), rank_timeout_s=5
+    )
+    try:
+        persister.notify_committed(TAG, leader=1)
+        assert persister.flush(TAG, timeout_s=30) == TAG
+    finally:
+        persister.close(timeout_s=10)
+    info = read_committed(tiers.persistent, TAG)
+    assert info is not None and info.manifest.ranks == (1,)
+    # A part copied again is already durable; another rank's part is not its to copy.
+    assert copy_part(tiers.memory, tiers.persistent, TAG, rank=1, world_size=2, timeout_s=1)
+    marker = parse_marker(tiers.memory.read_bytes(TAG, ".rank-1.json"), "m")
+    assert isinstance(marker, RankMarker) and marker.writers == (1,)
+
+
+def test_checkpoint_ranks_are_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of 2 (torchrun's variables), with rank 1 absent: what it writes alone commits."""
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(var, value)
+    nm.init(str(tmp_path / "root"), rank_timeout_s=30)
+    for bad in ([], [0, 0], [-1], ["0"], "0", 0):
+        with pytest.raises(nm.InvalidArgumentError, match="ranks must be"):
+            nm.Checkpoint(TAG, ranks=bad)  # type: ignore[arg-type]
+    with pytest.raises(nm.InvalidArgumentError, match=r"rank\(s\) \[3\].* 2 process"):
+        nm.Checkpoint(TAG, ranks=[0, 3]).save("model", {"w": 1})
+    with pytest.raises(nm.InvalidArgumentError, match="rank 0 saves item 'model'"):
+        nm.Checkpoint("global_step2", ranks=[1]).save("model", {"w": 1})
+    assert nm.Checkpoint("global_step3", ranks=[1]).commit() is True  # not its: a no-op
+    nm.Checkpoint("global_step4", ranks=[0]).save("model", {"w": 1})
+    latest = nm.get_latest_checkpoint()
+    assert latest is not None and latest.tag == "global_step4"
