@@ -223,6 +223,9 @@ def test_single_process_round_trip_and_item_format(root: Path) -> None:
     target = _emptied(state)
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert _differences(target, state) == [] and reader.tag == "global_step13"
+    dcp.save(state, storage_writer=nebulaml.dcp.Writer("global_step14"), no_dist=True)
+    dcp.load(_emptied(state), storage_reader=reader, no_dist=True)  # the same reader again
+    assert reader.tag == "global_step14"
 
 
 def test_a_committed_tag_is_refused_unless_overwrite(root: Path) -> None:

@@ -25,7 +25,7 @@ def test_lightning_example(package: str, tmp_path: Path, memory_tier: Path) -> N
     assert "trained to step 24 with NebulaCheckpointIO" in done.output
     assert "saved example.ckpt as nebula tag 'example', labels ['best']" in done.output
     assert f"a file at {root / 'example.ckpt'}? False" in done.output
-    assert "/tier3/checkpoint/example/checkpoint): weights identical" in done.output
+    assert "/checkpoint): weights identical" in done.output
     assert "resumed at step 24, finished at 48" in done.output
     assert f"lightning example ({package}) passed" in done.output
 
@@ -44,6 +44,8 @@ def test_deepspeed_example(tmp_path: Path, memory_tier: Path) -> None:
         "global_step12/mp_rank_00_model_states.pt, step 12, NebulaCheckpointEngine" in done.output
     )
     assert "parameters and optimizer state identical to what was saved" in done.output
-    assert "│ global_step12 │" in done.output  # nebula ls
-    assert "│ global_step4  │" in done.output
+    listed = [
+        line.split()[0] for line in done.output.splitlines() if line.startswith("global_step")
+    ]
+    assert {"global_step12", "global_step4"} <= set(listed)  # nebula ls, plain in a pipe
     assert "deepspeed example passed" in done.output

@@ -532,7 +532,8 @@ class Reader(StorageReader):
         weights_only: bool = True,
     ) -> None:
         super().__init__()
-        self.tag: str | None = None if tag is None else _tag_of(tag, "nebulaml.dcp.Reader")
+        self.requested: str | None = None if tag is None else _tag_of(tag, "nebulaml.dcp.Reader")
+        self.tag: str | None = self.requested  # the tag being read (set by read_metadata)
         self.persist_path = persist_path
         self.weights_only = weights_only
         self.storage_data: dict[MetadataIndex, ItemRef] = {}
@@ -540,11 +541,12 @@ class Reader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.tag = _tag_of(checkpoint_id, "nebulaml.dcp.Reader")
-        self.storage_data, self._handle = {}, None
+            self.requested = _tag_of(checkpoint_id, "nebulaml.dcp.Reader")
+        self.tag, self.storage_data, self._handle = self.requested, {}, None
 
     def read_metadata(self, *args: Any) -> Metadata:
-        handle = self._checkpoint()
+        self._handle = None  # looked up again: Reader() reads the newest at each load
+        handle = self._checkpoint(self.requested)
         where = f"{handle.tag}/{METADATA_ITEM}"
         metadata = decode_metadata(handle.load(METADATA_ITEM, map_location="cpu"), where)
         assert metadata.storage_meta is not None
@@ -580,7 +582,7 @@ class Reader(StorageReader):
         per_item: dict[str, list[Any]] = {}
         for request in plan.items:
             per_item.setdefault(self.storage_data[request.storage_index].item, []).append(request)
-        handle = self._checkpoint()
+        handle = self._checkpoint(self.tag)
         for name, requests in per_item.items():
             where = f"{handle.tag}/{name}"
             stored = handle.load(name, map_location="cpu")
@@ -616,15 +618,16 @@ class Reader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _is_tag(checkpoint_id)
 
-    def _checkpoint(self) -> Checkpoint:
-        if self._handle is not None:
+    def _checkpoint(self, tag: str | None) -> Checkpoint:
+        """The committed checkpoint `tag` (the newest if None), found once per load."""
+        if self._handle is not None and (tag is None or self._handle.tag == tag):
             return self._handle
-        if self.tag is None:
+        if tag is None:
             found = get_latest_checkpoint(self.persist_path)
         else:
-            found = get_checkpoint(self.tag, self.persist_path)
+            found = get_checkpoint(tag, self.persist_path)
         if found is None:
             where = tiers_for(self.persist_path, "nebulaml.dcp.Reader").display
-            raise CheckpointNotFoundError(where, self.tag)
-        self._handle = found
+            raise CheckpointNotFoundError(where, tag)
+        self._handle, self.tag = found, found.tag
         return found

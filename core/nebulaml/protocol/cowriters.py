@@ -51,11 +51,11 @@ LOCK_STRIPES = 64
 
 
 def copy_alongside(
-    src: CheckpointInfo, dst: Store, *, wait_s: float = BUSY_WAIT_S, **options: Any
+    src: CheckpointInfo, dst: Store, *, wait_s: float | None = None, **options: Any
 ) -> CopyResult:
     """`copy_checkpoint(src, dst, **options)`, cooperating with another live writer of the
     same tag at `dst` (see the module docstring). Raises `CheckpointBusyError` if the other
-    writer is still at it after `wait_s`.
+    writer is still at it after `wait_s` (default `BUSY_WAIT_S`); says once that it waits.
 
     Example:
         >>> import tempfile, nebulaml as nm
@@ -69,16 +69,30 @@ def copy_alongside(
         >>> copy_alongside(src, Store(tempfile.mkdtemp())).copied_items
         ('model',)
     """
+    wait_s = BUSY_WAIT_S if wait_s is None else wait_s
     deadline = time.monotonic() + wait_s
-    with writing(dst, src.tag, deadline):
-        return _copy_waiting(src, dst, deadline, options)
+    said: list[str] = []
+    with writing(dst, src.tag, deadline, said, wait_s):
+        return _copy_waiting(src, dst, deadline, options, said, wait_s)
+
+
+def _waiting(exc: CheckpointBusyError, said: list[str], wait_s: float) -> None:
+    """Say once that the copy waits for the other writer."""
+    if not said:
+        said.append(exc.writer)
+        log.warning("%s: checkpoint %r is in use by %s; waiting for it (up to %g s)",
+                    exc.where, exc.tag, exc.writer, wait_s)  # fmt: skip
 
 
 def _copy_waiting(
-    src: CheckpointInfo, dst: Store, deadline: float, options: dict[str, Any]
+    src: CheckpointInfo,
+    dst: Store,
+    deadline: float,
+    options: dict[str, Any],
+    said: list[str],
+    wait_s: float,
 ) -> CopyResult:
     delay_s = 0.02
-    said = False
     while True:
         try:
             return copy_checkpoint(src, dst, **options)
@@ -86,9 +100,7 @@ def _copy_waiting(
             # Nothing was written: another live process writes (or reads) the tag there.
             if time.monotonic() >= deadline:
                 raise
-            if not said:
-                log.info("%s; waiting for it", exc)
-                said = True
+            _waiting(exc, said, wait_s)
         except CommitConflictError:
             # Both wrote; the other published first. The same items: that is the commit.
             existing = read_committed(dst, src.tag)
@@ -108,7 +120,9 @@ def _drop_own_marker(dst: Store, tag: str) -> None:
 
 
 @contextlib.contextmanager
-def writing(dst: Store, tag: str, deadline: float) -> Iterator[None]:
+def writing(
+    dst: Store, tag: str, deadline: float, said: list[str] | None = None, wait_s: float = 0.0
+) -> Iterator[None]:
     """Be this node's only writer of `tag` at `dst` for the block: an exclusive flock on
     its stripe, waited for until `deadline` (then `CheckpointBusyError`). Where the
     memory-tier base folder cannot be used, nothing is locked (the markers still are)."""
@@ -130,10 +144,10 @@ def writing(dst: Store, tag: str, deadline: float) -> Iterator[None]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                busy = CheckpointBusyError(dst.url, tag, "another process of this node")
                 if time.monotonic() >= deadline:
-                    raise CheckpointBusyError(
-                        dst.url, tag, "another process of this node"
-                    ) from None
+                    raise busy from None
+                _waiting(busy, said if said is not None else [], wait_s)
                 time.sleep(delay_s)
                 delay_s = min(0.2, delay_s * 2)
         yield

@@ -38,6 +38,7 @@ import logging
 import os
 import socket
 import stat
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
@@ -417,7 +418,10 @@ class NodeClaim:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 if os.fstat(fd).st_size == 0:
-                    os.write(fd, me(job).to_bytes())
+                    # Who holds it, for another job's refusal; a full RAM disk leaves it
+                    # empty (the lock is the hold).
+                    with contextlib.suppress(OSError):
+                        os.write(fd, me(job).to_bytes())
             except BaseException:
                 os.close(fd)
                 raise
@@ -465,7 +469,7 @@ def _live_lock(path: str) -> Holder | None:
 
 
 @contextlib.contextmanager
-def _claim_lock(folder: str, *, create: bool):  # type: ignore[no-untyped-def]
+def _claim_lock(folder: str, *, create: bool) -> Iterator[bool]:
     """Exclusive while a job claims this memory tier or lets it go (a few file operations).
     Without `create`, a folder already released yields False and locks nothing."""
     flags = os.O_RDWR | (os.O_CREAT if create else 0)

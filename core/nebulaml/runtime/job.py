@@ -153,11 +153,13 @@ class JobHold:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        lease = self.lease
         try:
-            if self.lease is not None:
-                self.lease.release()
+            if lease is not None:
+                lease.release()
         except NebulaError as exc:
-            log.warning("could not release the hold on %s: %s", self.lease.store.url, exc)
+            assert lease is not None
+            log.warning("could not release the hold on %s: %s", lease.store.url, exc)
         finally:
             self.claim.close()
 

@@ -10,6 +10,10 @@ interval, and the memory tier keeps it until then. A failure is kept and raised 
 the next call into the library (`raise_pending_error`), and reported at exit; it is never
 swallowed.
 
+Longer than the layout's ~400 lines: the queue (pending, forced, labelled, followers'
+candidates), the thread loop and the one persist are one state machine under one lock;
+split, each half would reach into the other's state.
+
 Not for: the commit protocol itself (commit.py) or process-wide state (session.py).
 """
 

@@ -172,7 +172,7 @@ class SaveJob:
         tiers = session.tiers
         persistent = tiers.persistent
         if not self.overwrite and persistent and read_committed(persistent, self.tag):
-            raise CheckpointExistsError(tiers.persistent.url, self.tag)
+            raise CheckpointExistsError(persistent.url, self.tag)
         self._started_at, self._t0 = utc_now(), t0
         # The job's generation (agreed with the other ranks at the first save): this
         # part is committed only with parts of the same run and restart of the job.
@@ -209,6 +209,7 @@ class SaveJob:
         if self._store is session.tiers.memory:
             layout = session.layouts.plan(name, obj)
             size = layout.size_bytes if layout is not None else estimate_bytes(obj)
+            short: Shortfall | None
             if self._memory_full:
                 short = session.budget.filesystem_full(size)
             else:

@@ -12,6 +12,10 @@ budget is set. A file is only ever written in place while it is in no committed
 checkpoint: it left its old tag through the delete protocol (manifest first) before it
 came here.
 
+Longer than the layout's ~400 lines: the pool's files, this process's mappings of them and
+the spares prepared in the background share one lock and one set of invariants (a file is
+mapped, free, or in a checkpoint, never two at once).
+
 The cold start (issue #22): a job's first save has no buffer to reuse, and neither has its
 second (the first is the newest committed copy). So a new buffer's pages are faulted in by
 two threads before the copy (pages.py), and after a commit the pool makes a *spare* for

@@ -276,7 +276,9 @@ def _filesystem_class() -> Any:
             if auth.kind == "credential":
                 credential = auth.credential
             elif auth.kind == "account_key":
-                credential = AzureNamedKeyCredential(auth.account_name or "", auth.account_key or "")
+                credential = AzureNamedKeyCredential(
+                    auth.account_name or "", auth.account_key or ""
+                )
             elif auth.kind == "sas_token":
                 credential = AzureSasCredential((auth.sas_token or "").lstrip("?"))
             elif auth.kind == "service_principal":

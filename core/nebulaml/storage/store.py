@@ -372,6 +372,7 @@ class Store:
                 self._backend.write_view(parts, view, each)
             return
         with self.open_write(*parts) as f:
+
             def write(piece: memoryview, _offset: int) -> None:
                 f.write(piece)
 
