@@ -178,9 +178,9 @@ def plain_table(table: Table) -> str:
         >>> t.add_row("global_step5", "1.5 KiB"); t.add_row("[red]x[/red]", "12 B")
         >>> print(plain_table(t), end="")
         root
-        tag                size
-        global_step5    1.5 KiB
-        x                  12 B
+        tag              size
+        global_step5  1.5 KiB
+        x                12 B
     """
     rows = [[cell.plain for cell in row] for row in _rows(table)]
     headers = [_cell_text(column.header).plain for column in table.columns]
