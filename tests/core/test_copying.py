@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import nebulaml as nm
+from nebulaml.protocol import cowriters
 from nebulaml.protocol.catalog import read_committed
 from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.history import HISTORY_FILE
@@ -142,7 +144,10 @@ def test_resume_keeps_verified_items_and_rewrites_the_rest(root: Path, tmp_path:
     assert_loads(str(dest), "global_step1", 0.5)
 
 
-def test_resume_refuses_a_folder_a_live_writer_is_writing(root: Path, tmp_path: Path) -> None:
+def test_resume_waits_for_a_live_writer_then_refuses_its_folder(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cowriters, "BUSY_WAIT_S", 0.5)
     populate(root)
     folder = tmp_path / "dest" / "global_step1"
     folder.mkdir(parents=True)
@@ -150,8 +155,11 @@ def test_resume_refuses_a_folder_a_live_writer_is_writing(root: Path, tmp_path: 
     parent = os.getppid()  # alive, on this host, and not us
     doc = f'{{"host": "{socket.gethostname()}", "pid": {parent}, "rank": 0, "started_at": "x"}}'
     (folder / ".writer-0.json").write_text(doc)
+    t0 = time.monotonic()
     with pytest.raises(nm.CheckpointBusyError, match=f"pid {parent}"):
         nm.copy_checkpoint(str(root), "global_step1", str(tmp_path / "dest"))
+    assert 0.5 <= time.monotonic() - t0 < 30  # it waited for the writer, then gave up
+    assert "waiting for it" in caplog.text
     assert (folder / "model").read_bytes() == b"being written"
 
 
