@@ -75,7 +75,7 @@ def _checkpoints(params: dict[str, Any]) -> list[dict[str, Any]]:
 
             options = parse_storage_options(list(params.get("storage_option") or []))
             with nm.using_storage_options(options):
-                return nm.list_checkpoints(root)
+                return nm.list_checkpoints(root, hold=False)
     except Exception:  # noqa: BLE001 - completion offers nothing rather than failing
         return []
     finally:

@@ -488,7 +488,7 @@ def tag_hint(root: str, tag: str) -> str:
     import nebulaml as nm
 
     try:
-        tags = [c["tag"] for c in nm.list_checkpoints(root)]
+        tags = [c["tag"] for c in nm.list_checkpoints(root, hold=False)]
     except nm.NebulaError:
         return ""
     return suggestion(tag, tags, f"; see nebula ls {root}")

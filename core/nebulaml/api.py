@@ -11,6 +11,7 @@ loading items (checkpoint.py), or operator commands (ops/).
 
 from __future__ import annotations
 
+import atexit
 import os
 from typing import Any
 
@@ -25,7 +26,7 @@ from nebulaml.errors import (
 from nebulaml.format.manifest import Manifest
 from nebulaml.format.names import validate_name
 from nebulaml.protocol.catalog import read_committed
-from nebulaml.protocol.leases import HandleHolds, hold_tag
+from nebulaml.protocol.leases import HandleHolds, ListingHolds, hold_tag
 from nebulaml.protocol.markers import read_writers
 from nebulaml.protocol.recovery import list_incomplete as catalog_list_incomplete
 from nebulaml.runtime import exit as _exit
@@ -96,11 +97,18 @@ def wait_for_snapshot() -> None:
         session.wait_for_snapshots()
 
 
-def list_checkpoints(persist_path: PathLike | None = None) -> list[dict[str, Any]]:
+def list_checkpoints(
+    persist_path: PathLike | None = None, *, hold: bool = True
+) -> list[dict[str, Any]]:
     """Committed checkpoints on every tier, newest first, as JSON-serialisable dicts.
 
     Each dict has `tag`, `step`, `tiers` (e.g. `["memory", "persistent"]`), `size_bytes`,
     `committed_at` (ISO-8601 UTC), `items` (names) and `labels`.
+
+    The checkpoints listed are held for 60 s (leases.py), so that the one the caller then
+    opens with `get_checkpoint` is there although retention or a prune ran between: a
+    tag is held this way the first time this process lists it, not again. `hold=False`
+    lists without writing anything (what the CLI does).
 
     Example:
         >>> import nebulaml as nm, tempfile
@@ -110,6 +118,8 @@ def list_checkpoints(persist_path: PathLike | None = None) -> list[dict[str, Any
     out = []
     for copies in newest_first(tiers_for(persist_path, "list_checkpoints")):
         manifest = copies[0][1].manifest
+        if hold and not _LISTED.hold(manifest.tag, [info.store for _tier, info in copies]):
+            continue  # deleted since it was listed
         out.append(
             {
                 "tag": manifest.tag,
@@ -181,6 +191,8 @@ def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | 
 
 
 _HOLD_TRIES = 5  # listings of the newest while each one found is deleted before held
+_LISTED = ListingHolds()  # this process's holds on the tags it listed
+atexit.register(_LISTED.release)
 
 
 def _hold(tag: str, stores: list[Store]) -> HandleHolds | None:
@@ -231,7 +243,8 @@ def get_latest_checkpoint_path(name: str, persist_path: PathLike | None = None) 
     """The path of item `name` in the newest committed checkpoint, or None if there is none.
 
     The file is what plain `torch.load(path, weights_only=True)` reads. The persistent
-    tier's copy is preferred (it outlives the node); else the memory tier's.
+    tier's copy is preferred (it outlives the node); else the memory tier's. The
+    checkpoint is held for 60 s, as `list_checkpoints` holds what it lists.
 
     Example:
         >>> import nebulaml as nm, tempfile
@@ -245,6 +258,7 @@ def get_latest_checkpoint_path(name: str, persist_path: PathLike | None = None) 
         return None
     copies = sorted(ordered[0], key=lambda copy: copy[0] != "persistent")
     info = copies[0][1]
+    _LISTED.hold(info.tag, [info.store])  # there when the caller opens the path
     entry = info.manifest.item(name)
     if entry is None:
         raise ItemNotFoundError(info.tag, name, [item.name for item in info.manifest.items])

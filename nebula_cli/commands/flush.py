@@ -34,7 +34,8 @@ def flush_command(
     import nebulaml as nm
 
     location = nm.check_root(root)
-    nm.list_checkpoints(root)  # a root that cannot be listed fails here, as `nebula ls` does
+    # A root that cannot be listed fails here, as `nebula ls` does.
+    nm.list_checkpoints(root, hold=False)
     memory_tier = nm.memory_tier_path(root)
     with progress(f"persisting to {location}", quiet=quiet) as report:
         persisted = nm.persist_memory_tier(root, progress=report)

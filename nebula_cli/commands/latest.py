@@ -94,7 +94,8 @@ def latest_command(
                 )
             local_path = doc["files"][0]["path"]
     if as_json:
-        info = next((c for c in nm.list_checkpoints(root) if c["tag"] == latest.tag), None)
+        listed = nm.list_checkpoints(root, hold=False)
+        info = next((c for c in listed if c["tag"] == latest.tag), None)
         out = {"root": location, **(info or {"tag": latest.tag})}
         if item is not None:
             out.update(item=item, path=item_path)

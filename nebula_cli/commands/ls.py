@@ -39,7 +39,7 @@ def ls_command(
     import nebulaml as nm
 
     location = nm.check_root(root)
-    committed = nm.list_checkpoints(root)
+    committed = nm.list_checkpoints(root, hold=False)
     incomplete = nm.list_incomplete(root) if all_ else []
     if as_json:
         doc = {"root": location, "checkpoints": committed}

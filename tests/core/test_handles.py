@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from children.crashkit import assert_same_state, known_state, save_step
 from jobkit import JobChild, job_env
 
@@ -133,3 +134,60 @@ def test_get_latest_checkpoint_is_held_at_once_after_init(root: Path) -> None:
     save_step(4)
     nm.flush_persistence()
     assert_same_state(latest.load("optimizer"), known_state(2, "optimizer"))
+
+
+def test_a_listed_checkpoint_is_there_when_the_caller_opens_it(root: Path) -> None:
+    # Before: list_checkpoints() took no hold, and retention deleted the listed tag before
+    # the caller's get_checkpoint: None for a checkpoint the library had just named.
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=1)
+    save_step(1)
+    nm.flush_persistence()
+    listed = [c["tag"] for c in nm.list_checkpoints()]
+    assert listed == ["global_step1"]
+    for step in (2, 3):
+        save_step(step)
+        nm.flush_persistence()
+    handle = nm.get_checkpoint(listed[0])
+    assert handle is not None
+    assert_same_state(handle.load("model"), known_state(1, "model"))
+    handle.release()
+
+
+def test_get_latest_checkpoint_path_holds_what_it_names(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=1)
+    save_step(1)
+    nm.flush_persistence()
+    path = nm.get_latest_checkpoint_path("model")
+    assert path is not None
+    for step in (2, 3):
+        save_step(step)
+        nm.flush_persistence()
+    assert_same_state(torch.load(path, weights_only=True), known_state(1, "model"))
+
+
+def test_a_listing_holds_each_tag_once_so_a_loop_of_listings_keeps_retention_working(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(leases, "HOLD_TTL_S", 0.5)
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=1)
+    for step in (1, 2, 3, 4):
+        save_step(step)
+        nm.flush_persistence()
+        nm.list_checkpoints()  # a training loop that lists after each save
+        time.sleep(0.6)  # every hold expires; listing again does not take it again
+    save_step(5)
+    nm.flush_persistence()
+    assert tags(Store(str(root))) == ["global_step5"]
+    assert hold_leases(root, "global_step5") == []  # listed by nobody yet
+
+
+def test_a_listing_without_hold_writes_nothing(root: Path) -> None:
+    persist_steps(root, 1, 2)
+    before = sorted(p.name for p in root.rglob("*"))
+    assert [c["tag"] for c in nm.list_checkpoints(str(root), hold=False)] == [
+        "global_step2",
+        "global_step1",
+    ]
+    assert sorted(p.name for p in root.rglob("*")) == before
+    nm.list_checkpoints(str(root))
+    assert len(hold_leases(root, "global_step1")) == 1

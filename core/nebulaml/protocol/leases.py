@@ -29,6 +29,11 @@ it: retention, prune and eviction keep a held tag (a tag replaced by its own wri
 after it was taken, even while its process lives; each load renews it, and
 `Checkpoint.release()` ends it.
 
+A listing holds too (`ListingHolds`): the tags `nm.list_checkpoints()` names are held for
+`HOLD_TTL_S`, so that the one the caller then opens is there. A process holds a tag by
+listing once only: a job that lists in its training loop would otherwise hold every
+checkpoint for ever, and retention would never delete one.
+
 A lease's name says who holds it and since when, so deciding needs no file reads:
 `.lease-<read|delete|hold>-<UTC time>-<pid>-<random>-<host>.json`. The lease of a process
 that is gone (this host), one older than `LEASE_TTL_S` (another host, whose processes
@@ -272,6 +277,60 @@ class HandleHolds:
         for store, name in held:
             with contextlib.suppress(StorageError):
                 store.remove(self.tag, name)
+
+
+class ListingHolds:
+    """The holds this process took on tags by listing them: each tag once, for
+    `HOLD_TTL_S`; expired ones are removed at the next listing and at `release`.
+
+    Example:
+        >>> import tempfile
+        >>> listed = ListingHolds()
+        >>> listed.hold("global_step1", [Store(tempfile.mkdtemp())])  # not there
+        False
+        >>> listed.release()
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, str], tuple[Store, str, float]] = {}
+        self._seen: set[tuple[str, str]] = set()
+
+    def hold(self, tag: str, stores: list[Store]) -> bool:
+        """Hold `tag` on each of `stores` not held by a listing before; False when no
+        store has it any more (it was deleted since it was listed)."""
+        self._expire()
+        there = False
+        for store in stores:
+            key = (store.location, tag)
+            with self._lock:
+                if key in self._seen:
+                    there = True  # held once already; a later listing does not renew it
+                    continue
+                self._seen.add(key)
+            found, name = hold_tag(store, tag)
+            there = there or found
+            if name is not None:
+                with self._lock:
+                    self._held[key] = (store, name, time.monotonic())
+        return there
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            old = [key for key, (_s, _n, t) in self._held.items() if now - t >= HOLD_TTL_S]
+            gone = [(key[1], self._held.pop(key)) for key in old]
+        for tag, (store, name, _t) in gone:
+            with contextlib.suppress(StorageError):
+                store.remove(tag, name)
+
+    def release(self) -> None:
+        """End every listing hold (idempotent; errors are left to the holds' expiry)."""
+        with self._lock:
+            held, self._held = self._held, {}
+        for (_location, tag), (store, name, _t) in held.items():
+            with contextlib.suppress(StorageError):
+                store.remove(tag, name)
 
 
 # helpers -------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -224,15 +225,23 @@ def copy_item(
     src: Store, dst: Store, tag: str, item: ItemEntry, advance: Callable[[int], None]
 ) -> None:
     """Copy one item file of `tag`, hashing on the way; a mismatch with `item` raises
-    `CorruptCheckpointError`."""
+    `CorruptCheckpointError`. `advance(n)` says `n` bytes of it have reached `dst` (on
+    Azure: as uploads complete, from another thread)."""
     hasher = new_hasher(item.checksum_algo)
     size = 0
+    sent_total = 0
+    lock = threading.Lock()
 
     def hashed(piece: memoryview) -> None:
         nonlocal size
         hasher.update(piece)
         size += len(piece)
-        advance(size)
+
+    def sent(n: int) -> None:
+        nonlocal sent_total
+        with lock:
+            sent_total += n
+            advance(sent_total)
 
     def check() -> None:
         if size != item.size_bytes or hasher.hexdigest() != item.checksum:
@@ -247,7 +256,7 @@ def copy_item(
             # A local source is hashed and written from its pages, without a read() copy,
             # hashing one piece while the one before it is written (with O_DIRECT on a
             # local disk): the persister competes with training for the CPU.
-            dst.write_view((tag, item.file), mapped, hashed)
+            dst.write_view((tag, item.file), mapped, hashed, sent)
             try:
                 check()
             except CorruptCheckpointError:
@@ -255,7 +264,7 @@ def copy_item(
                     dst.remove(tag, item.file)  # a bad copy is not left behind
                 raise
             return
-    with src.open_read(tag, item.file) as fin, dst.open_write(tag, item.file) as fout:
+    with src.open_read(tag, item.file) as fin, dst.open_write(tag, item.file, sent=sent) as fout:
         while data := fin.read(_COPY_CHUNK_BYTES):
             hashed(memoryview(data))
             fout.write(data)

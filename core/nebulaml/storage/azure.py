@@ -130,7 +130,9 @@ class BlockWriter:
     file that fits in one block goes up in one request instead.
 
     `bytes` given to `write` are kept without a copy until uploaded (they cannot
-    change); other buffers are copied once.
+    change); other buffers are copied once. `on_sent(n)`, when set, is called as each
+    block's upload completes (on the event loop's thread), with its size: progress that
+    tracks bytes at the service, not bytes handed to the writer.
     """
 
     def __init__(
@@ -156,6 +158,7 @@ class BlockWriter:
         self._buffered = 0
         self._ids: list[str] = []
         self._inflight: deque[concurrent.futures.Future[None]] = deque()
+        self.on_sent: Callable[[int], None] | None = None
         self.closed = False
 
     def writable(self) -> bool:
@@ -218,6 +221,8 @@ class BlockWriter:
                 await client.stage_block(block_id, block, length=len(block))
 
         await call_async(once, self._policy, self._what, describe=self._describe)
+        if self.on_sent is not None:
+            self.on_sent(len(block))  # before the block's future is done: in order
 
     def close(self) -> None:
         """Upload what is left and commit the blob (the moment it appears)."""
@@ -253,6 +258,8 @@ class BlockWriter:
             await call_async(once, self._policy, self._what, describe=self._describe)
 
         _run(self._fs, upload())
+        if self.on_sent is not None:
+            self.on_sent(len(data))
 
     def _commit(self) -> None:
         from azure.storage.blob import BlobBlock

@@ -218,16 +218,26 @@ class LocalBackend:
         return LocalWriter(self._local(parts, leaf_may_link=True), self.durable, self.file_mode)
 
     def write_view(
-        self, parts: Parts, view: memoryview, each: Callable[[memoryview], None]
+        self,
+        parts: Parts,
+        view: memoryview,
+        each: Callable[[memoryview], None],
+        sent: Callable[[int], None] | None = None,
     ) -> None:
         """Write page-aligned `view` as a new file with O_DIRECT where the filesystem
-        allows it (streams.DirectFile), calling `each(piece)` on every piece in order;
-        removed if this raises."""
+        allows it (streams.DirectFile), calling `each(piece)` on every piece in order and
+        `sent(len(piece))` once it is written; removed if this raises."""
         out = DirectFile(
             self._local(parts, leaf_may_link=True), durable=self.durable, mode=self.file_mode
         )
+
+        def write_at(piece: memoryview, offset: int) -> None:
+            out.write_at(piece, offset)
+            if sent is not None:
+                sent(len(piece))
+
         try:
-            write_view_chunks(out.write_at, view, each)
+            write_view_chunks(write_at, view, each)
             out.close()
         except BaseException:
             out.abort()

@@ -44,6 +44,7 @@ from nebulaml.storage.retry import OPTION_NAMES as RETRY_OPTIONS
 from nebulaml.storage.retry import RetryPolicy
 from nebulaml.storage.retry import call as call_with_retries
 from nebulaml.storage.streams import (
+    CountedWriter,
     MissingFileError,
     RemoteReader,
     RemoteWriter,
@@ -318,11 +319,15 @@ class Store:
         self._call(parts, lambda: self._backend.make_dir(parts))
 
     @contextlib.contextmanager
-    def open_write(self, *parts: str) -> Iterator[BinaryIO]:
+    def open_write(
+        self, *parts: str, sent: Callable[[int], None] | None = None
+    ) -> Iterator[BinaryIO]:
         """Write a file; it is durable when the block exits, and removed if it raises.
 
         On Azure the file is uploaded in blocks, several in flight, while the block runs,
-        and appears (whole) only when the block exits.
+        and appears (whole) only when the block exits. `sent(n)` is called as `n` more
+        bytes have reached the store: on Azure as each block's upload completes (from
+        another thread), elsewhere as each write returns.
         """
         where = self.display(*parts)
         if isinstance(self._backend, LocalBackend):
@@ -330,7 +335,7 @@ class Store:
                 writer = self._backend.open_write(parts)
             try:
                 with self._translated(where):
-                    yield writer  # type: ignore[misc]
+                    yield writer if sent is None else CountedWriter(writer, sent)  # type: ignore[misc]
             except BaseException:
                 writer.abort()
                 raise
@@ -345,7 +350,9 @@ class Store:
             with translate_errors(where, self._secrets, remote=True, tries=tries):
                 return fn()
 
-        remote = RemoteWriter(raw, translated)
+        if sent is not None and hasattr(raw, "on_sent"):
+            raw.on_sent, sent = sent, None  # the writer says when its uploads complete
+        remote = RemoteWriter(raw, translated, sent)
         try:
             with translate_errors(where, self._secrets):
                 yield remote  # type: ignore[misc]
@@ -358,20 +365,25 @@ class Store:
             raise
 
     def write_view(
-        self, parts: tuple[str, ...], view: memoryview, each: Callable[[memoryview], None]
+        self,
+        parts: tuple[str, ...],
+        view: memoryview,
+        each: Callable[[memoryview], None],
+        sent: Callable[[int], None] | None = None,
     ) -> None:
         """Write `view` (page-aligned memory, such as `map_read`'s) as the file `parts`,
         durable on return and removed if this raises; `each(piece)` (a hash update) runs on
-        every piece, in order, while the piece before it is written.
+        every piece, in order, while the piece before it is written; `sent(n)` as
+        `open_write`'s.
 
         On a local disk the pieces go with O_DIRECT where the filesystem allows it
         (streams.DirectFile); other stores take them through `open_write`.
         """
         if isinstance(self._backend, LocalBackend):
             with self._translated(self.display(*parts)):
-                self._backend.write_view(parts, view, each)
+                self._backend.write_view(parts, view, each, sent)
             return
-        with self.open_write(*parts) as f:
+        with self.open_write(*parts, sent=sent) as f:
 
             def write(piece: memoryview, _offset: int) -> None:
                 f.write(piece)

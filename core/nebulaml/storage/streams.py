@@ -351,18 +351,50 @@ class RemoteReader(io.RawIOBase):
             super().close()
 
 
-class RemoteWriter(io.RawIOBase):
-    """A network store's write stream whose errors are translated by the store."""
+class CountedWriter:
+    """A writer that calls `sent(n)` after each write of `n` bytes returns.
 
-    def __init__(self, raw: Any, call: Callable[[Callable[[], Any]], Any]) -> None:
+    Example:
+        >>> import io
+        >>> counts = []
+        >>> CountedWriter(io.BytesIO(), counts.append).write(b"abc"); counts
+        3
+        [3]
+    """
+
+    def __init__(self, raw: Any, sent: Callable[[int], None]) -> None:
+        self._raw, self._sent = raw, sent
+
+    def write(self, data: Any) -> int:
+        n = int(self._raw.write(data))
+        self._sent(n)
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+class RemoteWriter(io.RawIOBase):
+    """A network store's write stream whose errors are translated by the store; `sent(n)`
+    is called after each write returns (for writers that do not report their uploads)."""
+
+    def __init__(
+        self,
+        raw: Any,
+        call: Callable[[Callable[[], Any]], Any],
+        sent: Callable[[int], None] | None = None,
+    ) -> None:
         super().__init__()
-        self._raw, self._call = raw, call
+        self._raw, self._call, self._sent = raw, call, sent
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        return int(self._call(lambda: self._raw.write(data)))
+        n = int(self._call(lambda: self._raw.write(data)))
+        if self._sent is not None:
+            self._sent(n)
+        return n
 
     def flush(self) -> None:
         """Writes are uploaded as blocks fill, and committed on close."""

@@ -5,7 +5,8 @@
 global_step1 is saved and persisted; global_step2 (seeded, 256 KiB) is saved with the
 interval holding its persist back, so that only the exit persists it. Then the script
 returns (HOW=return), raises (raise), or prints READY and sleeps until the test sends
-SIGTERM (sigterm). The credentials come from AZURE_STORAGE_CONNECTION_STRING.
+SIGTERM (sigterm) or SIGINT, Ctrl-C (sigint). The credentials come from
+AZURE_STORAGE_CONNECTION_STRING.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def main() -> None:
     print("READY", flush=True)
     if how == "raise":
         raise RuntimeError("training failed")
-    if how == "sigterm":
-        time.sleep(120)  # the test sends SIGTERM here
+    if how in ("sigterm", "sigint"):
+        time.sleep(120)  # the test sends the signal here
 
 
 if __name__ == "__main__":
