@@ -11,7 +11,6 @@ loading items (checkpoint.py), or operator commands (ops/).
 
 from __future__ import annotations
 
-import atexit
 import os
 from typing import Any
 
@@ -25,8 +24,8 @@ from nebulaml.errors import (
 )
 from nebulaml.format.manifest import Manifest
 from nebulaml.format.names import validate_name
-from nebulaml.protocol.catalog import read_committed
-from nebulaml.protocol.leases import HandleHolds, ListingHolds, hold_tag
+from nebulaml.protocol.catalog import CheckpointInfo, read_committed
+from nebulaml.protocol.leases import LISTINGS, HandleHolds, hold_tag
 from nebulaml.protocol.markers import read_writers
 from nebulaml.protocol.recovery import list_incomplete as catalog_list_incomplete
 from nebulaml.runtime import exit as _exit
@@ -106,9 +105,9 @@ def list_checkpoints(
     `committed_at` (ISO-8601 UTC), `items` (names) and `labels`.
 
     The checkpoints listed are held for 60 s (leases.py), so that the one the caller then
-    opens with `get_checkpoint` is there although retention or a prune ran between: a
-    tag is held this way the first time this process lists it, not again. `hold=False`
-    lists without writing anything (what the CLI does).
+    opens with `get_checkpoint` is there although retention or a prune ran between: the
+    persistent copy (else the memory tier's), the first time this process lists the tag.
+    `hold=False` lists without writing anything (what the CLI does).
 
     Example:
         >>> import nebulaml as nm, tempfile
@@ -118,7 +117,7 @@ def list_checkpoints(
     out = []
     for copies in newest_first(tiers_for(persist_path, "list_checkpoints")):
         manifest = copies[0][1].manifest
-        if hold and not _LISTED.hold(manifest.tag, [info.store for _tier, info in copies]):
+        if hold and not LISTINGS.hold(manifest.tag, _durable_copy(copies)):
             continue  # deleted since it was listed
         out.append(
             {
@@ -132,6 +131,14 @@ def list_checkpoints(
             }
         )
     return out
+
+
+def _durable_copy(copies: list[tuple[str, CheckpointInfo]]) -> list[Store]:
+    """The store of the persistent copy, if there is one, else of every copy: a listing
+    holds what a load could still fall back to, and leaves the memory tier's eviction
+    free to reuse its buffers."""
+    persistent = [info.store for tier, info in copies if tier == "persistent"]
+    return persistent or [info.store for _tier, info in copies]
 
 
 def list_incomplete(persist_path: PathLike | None = None) -> list[dict[str, Any]]:
@@ -191,8 +198,6 @@ def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | 
 
 
 _HOLD_TRIES = 5  # listings of the newest while each one found is deleted before held
-_LISTED = ListingHolds()  # this process's holds on the tags it listed
-atexit.register(_LISTED.release)
 
 
 def _hold(tag: str, stores: list[Store]) -> HandleHolds | None:
@@ -258,7 +263,7 @@ def get_latest_checkpoint_path(name: str, persist_path: PathLike | None = None) 
         return None
     copies = sorted(ordered[0], key=lambda copy: copy[0] != "persistent")
     info = copies[0][1]
-    _LISTED.hold(info.tag, [info.store])  # there when the caller opens the path
+    LISTINGS.hold(info.tag, [info.store])  # there when the caller opens the path
     entry = info.manifest.item(name)
     if entry is None:
         raise ItemNotFoundError(info.tag, name, [item.name for item in info.manifest.items])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -10,12 +9,11 @@ from rich.table import Table
 from rich.text import Text
 
 from ..output import (
-    EXIT_ERROR,
     JsonOpt,
     RootArg,
     StorageOpt,
+    confirm,
     emit_json,
-    fail,
     handles_errors,
     print_table,
     stderr,
@@ -151,14 +149,12 @@ def _what(plan: PrunePlan) -> str:
 
 def _confirm(plan: PrunePlan) -> None:
     """Ask on a terminal (prompt on stderr); off a terminal, refuse without --yes."""
-    if not sys.stdin.isatty():
-        fail(
-            f"{plan.root}: {_what(plan)} to delete; refusing to delete without --yes when "
-            f"not on a terminal (add --yes, or --dry-run to see the plan only)"
-        )
-    if not typer.confirm(f"Delete {_what(plan)} from {plan.root}?", default=False, err=True):
-        stderr().print("Nothing deleted.")
-        raise typer.Exit(EXIT_ERROR)
+    confirm(
+        f"Delete {_what(plan)} from {plan.root}?",
+        f"{plan.root}: {_what(plan)} to delete; refusing to delete without --yes when not on "
+        f"a terminal (add --yes, or --dry-run to see the plan only)",
+        "Nothing deleted.",
+    )
 
 
 def _show_plan(plan: PrunePlan, dry_run: bool) -> None:

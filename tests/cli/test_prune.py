@@ -33,7 +33,9 @@ def populate(root: Path, steps: int = 4, labelled: tuple[int, ...] = ()) -> None
 def persisted(root: Path) -> list[str]:
     """Tags committed on the root itself, oldest first."""
     return [
-        c["tag"] for c in reversed(nm.list_checkpoints(str(root))) if "persistent" in c["tiers"]
+        c["tag"]
+        for c in reversed(nm.list_checkpoints(str(root), hold=False))
+        if "persistent" in c["tiers"]
     ]
 
 

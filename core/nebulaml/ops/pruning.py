@@ -28,6 +28,7 @@ from nebulaml.errors import InvalidArgumentError, RootNotFoundError
 from nebulaml.format.names import MANIFEST_NAME, OrderKey, validate_name
 from nebulaml.protocol.catalog import list_committed, read_committed
 from nebulaml.protocol.delete import delete_checkpoint
+from nebulaml.protocol.leases import LISTINGS
 from nebulaml.protocol.markers import describe_writer, is_marker, read_writers, writer_alive
 from nebulaml.protocol.recovery import list_incomplete
 from nebulaml.protocol.retention import Version
@@ -230,6 +231,9 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
         if witness is None:
             skipped.append(PruneDecision(decision.tag, "it is now the newest committed"))
             continue
+        # This process asked for the deletion: what it merely listed does not hold the tag
+        # against it (a handle it took still does).
+        LISTINGS.release_tag(store, decision.tag)
         if not delete_checkpoint(store, decision.tag):
             skipped.append(PruneDecision(decision.tag, BEING_READ))
             continue

@@ -32,7 +32,8 @@ after it was taken, even while its process lives; each load renews it, and
 A listing holds too (`ListingHolds`): the tags `nm.list_checkpoints()` names are held for
 `HOLD_TTL_S`, so that the one the caller then opens is there. A process holds a tag by
 listing once only: a job that lists in its training loop would otherwise hold every
-checkpoint for ever, and retention would never delete one.
+checkpoint for ever, and retention would never delete one. A prune by the same process
+ends its listing hold on what it deletes (it asked for that; a handle still holds).
 
 A lease's name says who holds it and since when, so deciding needs no file reads:
 `.lease-<read|delete|hold>-<UTC time>-<pid>-<random>-<host>.json`. The lease of a process
@@ -47,6 +48,7 @@ May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -324,6 +326,14 @@ class ListingHolds:
             with contextlib.suppress(StorageError):
                 store.remove(tag, name)
 
+    def release_tag(self, store: Store, tag: str) -> None:
+        """End the listing hold on `store`'s `tag`, if this process took one."""
+        with self._lock:
+            held = self._held.pop((store.location, tag), None)
+        if held is not None:
+            with contextlib.suppress(StorageError):
+                store.remove(tag, held[1])
+
     def release(self) -> None:
         """End every listing hold (idempotent; errors are left to the holds' expiry)."""
         with self._lock:
@@ -331,6 +341,10 @@ class ListingHolds:
         for (_location, tag), (store, name, _t) in held.items():
             with contextlib.suppress(StorageError):
                 store.remove(tag, name)
+
+
+LISTINGS = ListingHolds()  # this process's holds on the tags it listed (api.py)
+atexit.register(LISTINGS.release)
 
 
 # helpers -------------------------------------------------------------------------------------
