@@ -9,22 +9,19 @@ memory-tier base through NEBULA_MEMORY_TIER_PATH (set by the autouse fixture).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import pty
 import re
 import shutil
 import signal
-import struct
 import subprocess
 import sys
-import termios
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import on_a_terminal
 from typer.testing import CliRunner
 
 import nebulaml as nm
@@ -340,31 +337,6 @@ def test_a_tier_that_changed_after_the_plan_is_kept(root: Path, killed_job: Call
     assert nm.get_checkpoint("global_step3").load("model")["w"].sum() == 1000
 
 
-def on_a_terminal(args: list[str], memory_tier: Path, columns: int = 80) -> str:
-    """Run the real `nebula` on a pseudo-terminal `columns` wide; its output, uncoloured."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "NO_COLOR")}
-    env.update(NEBULA_MEMORY_TIER_PATH=str(memory_tier), TERM="xterm")
-    proc = subprocess.Popen([EXE, *args], stdin=slave, stdout=slave, stderr=slave, env=env)
-    os.close(slave)
-    chunks = []
-    try:
-        while True:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(master)
-        assert proc.wait(timeout=60) == 0
-    text = b"".join(chunks).decode().replace("\r\n", "\n")
-    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
-
-
 def test_readable_at_80_columns(tmp_path: Path, memory_tier: Path) -> None:
     # catches: a root, tag or path cut with "…" or folded over lines to fit a narrow
     # terminal (too wide for any table, each tier is a record: its root on a line, the
@@ -373,7 +345,9 @@ def test_readable_at_80_columns(tmp_path: Path, memory_tier: Path) -> None:
     kept_tier(root, step=123456)
     path = nm.memory_tier_path(str(root))
     for args in (["memory"], ["gc", "--dry-run"]):
-        out = on_a_terminal(args, memory_tier)
+        run = on_a_terminal(args, memory_tier)
+        assert run.code == 0, run.stdout
+        out = run.stdout
         lines = out.splitlines()
         assert "…" not in out and str(root) in lines, out  # the root alone on its line
         assert any("global_step123456" in line for line in lines), out

@@ -1,7 +1,7 @@
 """Helpers of the framework integration tests: skip-or-fail for optional frameworks, and
 launching framework children (several ranks, as torchrun would).
 
-The frameworks are optional extras (`pip install -e '.[deepspeed,lightning]'`). A test
+The frameworks are optional extras (`pip install -e '.[deepspeed,lightning,transformers]'`). A test
 that needs one that is not installed is skipped with the reason, and fails under CI
 (CI=true), where the extras must be installed.
 """
@@ -24,6 +24,8 @@ EXTRAS = {
     "deepspeed": "deepspeed",
     "lightning": "lightning",
     "pytorch_lightning": "lightning",
+    "transformers": "transformers",
+    "accelerate": "transformers",
 }
 
 

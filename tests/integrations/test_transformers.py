@@ -11,7 +11,6 @@ The models have dropout, so that only a restored RNG gives the same losses.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from frameworks import REPO, Finished, child_env, in_ci, run_ranks
+from frameworks import REPO, Finished, child_env, require, run_ranks
 
 import nebulaml as nm
 
@@ -32,15 +31,8 @@ TRAINER_ITEMS |= {"trainer_state", "rng_state"}
 
 @pytest.fixture(autouse=True)
 def _frameworks() -> None:
-    for package in ("transformers", "accelerate"):
-        if importlib.util.find_spec(package) is None:
-            reason = (
-                f"{package} is not installed: pip install -e '.[transformers]' "
-                f"(make test installs it)"
-            )
-            if in_ci():
-                pytest.fail(reason, pytrace=False)
-            pytest.skip(reason)
+    require("transformers")
+    require("accelerate")
 
 
 # helpers --------------------------------------------------------------------------------
