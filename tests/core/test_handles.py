@@ -8,6 +8,7 @@ the library just named is there when the caller loads it. Before, a loop of save
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -191,3 +192,16 @@ def test_a_listing_without_hold_writes_nothing(root: Path) -> None:
     assert sorted(p.name for p in root.rglob("*")) == before
     nm.list_checkpoints(str(root))
     assert len(hold_leases(root, "global_step1")) == 1
+
+
+def test_a_listing_holds_against_another_threads_prune_not_its_own(root: Path) -> None:
+    # The operators campaign: a reader thread listed, a pruning thread of the same process
+    # deleted the listed tag before the reader opened it.
+    persist_steps(root, 1, 2, 3)
+    assert [c["tag"] for c in nm.list_checkpoints(str(root))][-1] == "global_step1"
+    deleted: list[str] = []
+    other = threading.Thread(target=lambda: deleted.extend(prune(root, keep=1)))
+    other.start()
+    other.join()
+    assert deleted == []  # held by this thread's listing
+    assert prune(root, keep=1) == ("global_step1", "global_step2")  # its own: deleted

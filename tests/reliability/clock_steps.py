@@ -113,7 +113,7 @@ def _check(
         figures.add("latest wrong")
         figures.failures.append(f"{root.name} {when} {tag!r}: latest was {got}")
     expected = [t for t, _v in saved[-keep:]]
-    listed = [c["tag"] for c in nm.list_checkpoints()]
+    listed = [c["tag"] for c in nm.list_checkpoints(hold=False)]  # an observer: holds nothing
     if listed[: len(expected)] != expected[::-1]:
         figures.add("listings out of order")
         figures.failures.append(f"{root.name} {when}: listed {listed}, saved {expected}")

@@ -231,8 +231,8 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
         if witness is None:
             skipped.append(PruneDecision(decision.tag, "it is now the newest committed"))
             continue
-        # This process asked for the deletion: what it merely listed does not hold the tag
-        # against it (a handle it took still does).
+        # This thread asked for the deletion: what it merely listed does not hold the tag
+        # against it (a handle it took still does, and another thread's listing).
         LISTINGS.release_tag(store, decision.tag)
         if not delete_checkpoint(store, decision.tag):
             skipped.append(PruneDecision(decision.tag, BEING_READ))

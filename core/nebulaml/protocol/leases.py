@@ -32,8 +32,9 @@ after it was taken, even while its process lives; each load renews it, and
 A listing holds too (`ListingHolds`): the tags `nm.list_checkpoints()` names are held for
 `HOLD_TTL_S`, so that the one the caller then opens is there. A process holds a tag by
 listing once only: a job that lists in its training loop would otherwise hold every
-checkpoint for ever, and retention would never delete one. A prune by the same process
-ends its listing hold on what it deletes (it asked for that; a handle still holds).
+checkpoint for ever, and retention would never delete one. A prune by the thread that
+listed ends its listing holds on what it deletes (it asked for that; a handle still
+holds, and so does another thread's listing).
 
 A lease's name says who holds it and since when, so deciding needs no file reads:
 `.lease-<read|delete|hold>-<UTC time>-<pid>-<random>-<host>.json`. The lease of a process
@@ -282,8 +283,10 @@ class HandleHolds:
 
 
 class ListingHolds:
-    """The holds this process took on tags by listing them: each tag once, for
-    `HOLD_TTL_S`; expired ones are removed at the next listing and at `release`.
+    """The holds this process's threads took on tags by listing them: each tag once per
+    thread, for `HOLD_TTL_S`; expired ones are removed at the next listing and at
+    `release`. A thread's own prune ends its holds on what it deletes (`release_tag`);
+    another thread's does not: it is another caller.
 
     Example:
         >>> import tempfile
@@ -295,16 +298,17 @@ class ListingHolds:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: dict[tuple[str, str], tuple[Store, str, float]] = {}
-        self._seen: set[tuple[str, str]] = set()
+        # (thread, store location, tag) -> (store, hold file, when taken)
+        self._held: dict[tuple[int, str, str], tuple[Store, str, float]] = {}
+        self._seen: set[tuple[int, str, str]] = set()
 
     def hold(self, tag: str, stores: list[Store]) -> bool:
-        """Hold `tag` on each of `stores` not held by a listing before; False when no
-        store has it any more (it was deleted since it was listed)."""
+        """Hold `tag` on each of `stores` not held by this thread's listings before;
+        False when no store has it any more (it was deleted since it was listed)."""
         self._expire()
         there = False
         for store in stores:
-            key = (store.location, tag)
+            key = (threading.get_ident(), store.location, tag)
             with self._lock:
                 if key in self._seen:
                     there = True  # held once already; a later listing does not renew it
@@ -321,15 +325,15 @@ class ListingHolds:
         now = time.monotonic()
         with self._lock:
             old = [key for key, (_s, _n, t) in self._held.items() if now - t >= HOLD_TTL_S]
-            gone = [(key[1], self._held.pop(key)) for key in old]
+            gone = [(key[2], self._held.pop(key)) for key in old]
         for tag, (store, name, _t) in gone:
             with contextlib.suppress(StorageError):
                 store.remove(tag, name)
 
     def release_tag(self, store: Store, tag: str) -> None:
-        """End the listing hold on `store`'s `tag`, if this process took one."""
+        """End this thread's listing hold on `store`'s `tag`, if it took one."""
         with self._lock:
-            held = self._held.pop((store.location, tag), None)
+            held = self._held.pop((threading.get_ident(), store.location, tag), None)
         if held is not None:
             with contextlib.suppress(StorageError):
                 store.remove(tag, held[1])
@@ -338,7 +342,7 @@ class ListingHolds:
         """End every listing hold (idempotent; errors are left to the holds' expiry)."""
         with self._lock:
             held, self._held = self._held, {}
-        for (_location, tag), (store, name, _t) in held.items():
+        for (_thread, _location, tag), (store, name, _t) in held.items():
             with contextlib.suppress(StorageError):
                 store.remove(tag, name)
 
