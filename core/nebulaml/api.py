@@ -104,7 +104,7 @@ def list_checkpoints(
     Each dict has `tag`, `step`, `tiers` (e.g. `["memory", "persistent"]`), `size_bytes`,
     `committed_at` (ISO-8601 UTC), `items` (names) and `labels`.
 
-    The checkpoints listed are held for 60 s (leases.py), so that the one the caller then
+    The checkpoints listed are held for 10 s (leases.py), so that the one the caller then
     opens with `get_checkpoint` is there although retention or a prune ran between: the
     persistent copy (else the memory tier's), the first time this process lists the tag.
     `hold=False` lists without writing anything (what the CLI does).
@@ -234,7 +234,11 @@ def get_checkpoint(tag: str, persist_path: PathLike | None = None) -> Checkpoint
         return None
     # Held, as get_latest_checkpoint's handle is; gone meanwhile: there is none.
     holds = _hold(tag, [store for _tier, store in tiers.stores])
-    return None if holds is None else Checkpoint._committed_handle(tag, tiers, holds)
+    if holds is None:
+        return None
+    for _tier, store in tiers.stores:
+        LISTINGS.release_tag(store, tag)  # opened: the handle holds it now
+    return Checkpoint._committed_handle(tag, tiers, holds)
 
 
 def _committed_manifest(store: Store, tag: str) -> Manifest | None:
@@ -249,7 +253,7 @@ def get_latest_checkpoint_path(name: str, persist_path: PathLike | None = None) 
 
     The file is what plain `torch.load(path, weights_only=True)` reads. The persistent
     tier's copy is preferred (it outlives the node); else the memory tier's. The
-    checkpoint is held for 60 s, as `list_checkpoints` holds what it lists.
+    checkpoint is held for 10 s, as `list_checkpoints` holds what it lists.
 
     Example:
         >>> import nebulaml as nm, tempfile

@@ -29,8 +29,8 @@ def tags(store: Store) -> list[str]:
     return [c.tag for c in list_committed(store)]
 
 
-def hold_leases(root: Path, tag: str) -> list[str]:
-    return sorted(p.name for p in (root / tag).iterdir() if p.name.startswith(".lease-hold-"))
+def hold_leases(root: Path, tag: str, kind: str = "hold") -> list[str]:
+    return sorted(p.name for p in (root / tag).iterdir() if p.name.startswith(f".lease-{kind}-"))
 
 
 def prune(root: Path, keep: int) -> tuple[str, ...]:
@@ -169,7 +169,7 @@ def test_get_latest_checkpoint_path_holds_what_it_names(root: Path) -> None:
 def test_a_listing_holds_each_tag_once_so_a_loop_of_listings_keeps_retention_working(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(leases, "HOLD_TTL_S", 0.5)
+    monkeypatch.setattr(leases, "LIST_TTL_S", 0.5)
     nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=1)
     for step in (1, 2, 3, 4):
         save_step(step)
@@ -179,7 +179,7 @@ def test_a_listing_holds_each_tag_once_so_a_loop_of_listings_keeps_retention_wor
     save_step(5)
     nm.flush_persistence()
     assert tags(Store(str(root))) == ["global_step5"]
-    assert hold_leases(root, "global_step5") == []  # listed by nobody yet
+    assert hold_leases(root, "global_step5", "list") == []  # listed by nobody yet
 
 
 def test_a_listing_without_hold_writes_nothing(root: Path) -> None:
@@ -191,7 +191,11 @@ def test_a_listing_without_hold_writes_nothing(root: Path) -> None:
     ]
     assert sorted(p.name for p in root.rglob("*")) == before
     nm.list_checkpoints(str(root))
-    assert len(hold_leases(root, "global_step1")) == 1
+    assert len(hold_leases(root, "global_step1", "list")) == 1
+    with nm.get_checkpoint("global_step1", str(root)) as handle:  # opened: the handle holds
+        assert handle is not None
+        assert hold_leases(root, "global_step1", "list") == []
+        assert len(hold_leases(root, "global_step1")) == 1
 
 
 def test_a_listing_holds_against_another_threads_prune_not_its_own(root: Path) -> None:

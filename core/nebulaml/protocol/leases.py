@@ -29,15 +29,16 @@ it: retention, prune and eviction keep a held tag (a tag replaced by its own wri
 after it was taken, even while its process lives; each load renews it, and
 `Checkpoint.release()` ends it.
 
-A listing holds too (`ListingHolds`): the tags `nm.list_checkpoints()` names are held for
-`HOLD_TTL_S`, so that the one the caller then opens is there. A process holds a tag by
+A listing holds too (`ListingHolds`, `.lease-list-...`): the tags `nm.list_checkpoints()`
+names are held for `LIST_TTL_S`, so that the one the caller then opens is there (opening
+it, `get_checkpoint`, ends the listing's hold: the handle holds it then). A process holds a tag by
 listing once only: a job that lists in its training loop would otherwise hold every
 checkpoint for ever, and retention would never delete one. A prune by the thread that
 listed ends its listing holds on what it deletes (it asked for that; a handle still
 holds, and so does another thread's listing).
 
 A lease's name says who holds it and since when, so deciding needs no file reads:
-`.lease-<read|delete|hold>-<UTC time>-<pid>-<random>-<host>.json`. The lease of a process
+`.lease-<read|delete|hold|list>-<UTC time>-<pid>-<random>-<host>.json`. The lease of a process
 that is gone (this host), one older than `LEASE_TTL_S` (another host, whose processes
 cannot be checked from here), or a hold older than `HOLD_TTL_S` does not count, and
 whoever lists it removes it.
@@ -69,9 +70,10 @@ from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
 
-READ, DELETE, HOLD = "read", "delete", "hold"
+READ, DELETE, HOLD, LIST = "read", "delete", "hold", "list"
 LEASE_TTL_S = 3600.0  # a lease of another host counts for this long
 HOLD_TTL_S = 60.0  # a handle's hold counts for this long after it was taken (or renewed)
+LIST_TTL_S = 10.0  # a listing's hold counts for this long
 CLAIM_WAIT_S = 10.0  # how long a reader waits for a live deleter to decide
 _STAMP = "%Y%m%dT%H%M%S%fZ"
 _SUFFIX = ".json"
@@ -111,7 +113,7 @@ def parse_lease(name: str) -> Lease | None:
     if len(fields) != 5:
         return None
     kind, stamp, pid, _random, host = fields
-    if kind not in (READ, DELETE, HOLD) or not pid.isdigit() or not host:
+    if kind not in (READ, DELETE, HOLD, LIST) or not pid.isdigit() or not host:
         return None
     try:
         taken_at = datetime.strptime(stamp, _STAMP).replace(tzinfo=timezone.utc)
@@ -122,9 +124,12 @@ def parse_lease(name: str) -> Lease | None:
 
 def lease_alive(lease: Lease, *, now: datetime | None = None, ttl_s: float = LEASE_TTL_S) -> bool:
     """Whether `lease` still counts: its process is alive (this host), or it is younger
-    than `ttl_s` seconds (another host); a hold, besides, only for `HOLD_TTL_S`."""
+    than `ttl_s` seconds (another host); a hold, besides, only for `HOLD_TTL_S` (a
+    listing's for `LIST_TTL_S`)."""
     age_s = ((now or datetime.now(timezone.utc)) - lease.taken_at).total_seconds()
     if lease.kind == HOLD and age_s >= HOLD_TTL_S:
+        return False
+    if lease.kind == LIST and age_s >= LIST_TTL_S:
         return False
     if lease.host == _host():
         return process_alive(lease.pid)
@@ -138,7 +143,7 @@ def live_leases(store: Store, tag: str, *, ttl_s: float = LEASE_TTL_S) -> list[L
     A deleter must publish its claim first (`delete_claim` does both in order); alone,
     this only describes who is reading.
     """
-    return _live(store, tag, store.list_files(tag), (READ, HOLD), ttl_s)
+    return _live(store, tag, store.list_files(tag), (READ, HOLD, LIST), ttl_s)
 
 
 @contextlib.contextmanager
@@ -189,7 +194,7 @@ def delete_claim(
     as it is. The claim is removed when the block exits (with the folder, if it went).
     """
     name = _publish(store, tag, DELETE)
-    kinds = (READ,) if replacing else (READ, HOLD)
+    kinds = (READ,) if replacing else (READ, HOLD, LIST)
     try:
         files = store.list_files(tag)
         yield _live(store, tag, files, kinds, ttl_s) if MANIFEST_NAME in files else []
@@ -198,8 +203,11 @@ def delete_claim(
             store.remove(tag, name)
 
 
-def hold_tag(store: Store, tag: str, *, wait_s: float = CLAIM_WAIT_S) -> tuple[bool, str | None]:
-    """Publish a handle's hold on the committed `tag` (see the module docstring).
+def hold_tag(
+    store: Store, tag: str, *, wait_s: float = CLAIM_WAIT_S, kind: str = HOLD
+) -> tuple[bool, str | None]:
+    """Publish a handle's hold (a listing's: `kind=LIST`) on the committed `tag` (see the
+    module docstring).
 
     Returns (there, name): `there` is False when the tag is gone or being deleted (nothing
     is held then); `name` is the hold's file, None where the store refuses the create
@@ -213,7 +221,7 @@ def hold_tag(store: Store, tag: str, *, wait_s: float = CLAIM_WAIT_S) -> tuple[b
     if not store.exists(tag, MANIFEST_NAME):
         return False, None
     try:
-        name = _publish(store, tag, HOLD)
+        name = _publish(store, tag, kind)
     except StorageError as exc:
         log.debug("not holding %s: %s", store.display(tag), exc)
         return _await_no_claim(store, tag, wait_s), None
@@ -284,7 +292,7 @@ class HandleHolds:
 
 class ListingHolds:
     """The holds this process's threads took on tags by listing them: each tag once per
-    thread, for `HOLD_TTL_S`; expired ones are removed at the next listing and at
+    thread, for `LIST_TTL_S`; expired ones are removed at the next listing and at
     `release`. A thread's own prune ends its holds on what it deletes (`release_tag`);
     another thread's does not: it is another caller.
 
@@ -314,7 +322,7 @@ class ListingHolds:
                     there = True  # held once already; a later listing does not renew it
                     continue
                 self._seen.add(key)
-            found, name = hold_tag(store, tag)
+            found, name = hold_tag(store, tag, kind=LIST)
             there = there or found
             if name is not None:
                 with self._lock:
@@ -324,7 +332,7 @@ class ListingHolds:
     def _expire(self) -> None:
         now = time.monotonic()
         with self._lock:
-            old = [key for key, (_s, _n, t) in self._held.items() if now - t >= HOLD_TTL_S]
+            old = [key for key, (_s, _n, t) in self._held.items() if now - t >= LIST_TTL_S]
             gone = [(key[2], self._held.pop(key)) for key in old]
         for tag, (store, name, _t) in gone:
             with contextlib.suppress(StorageError):
