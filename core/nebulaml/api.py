@@ -11,7 +11,9 @@ loading items (checkpoint.py), or operator commands (ops/).
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any
 
 from nebulaml.checkpoint import Checkpoint
@@ -35,6 +37,8 @@ from nebulaml.runtime.locate import find_copy, newest_first, tiers_for
 from nebulaml.storage.store import Store
 
 PathLike = str | os.PathLike[str]
+
+log = logging.getLogger("nebulaml")
 
 
 def init(
@@ -184,7 +188,8 @@ def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | 
     """
     tiers = tiers_for(persist_path, "get_latest_checkpoint")
     tag = None
-    for _ in range(_HOLD_TRIES):
+    deadline = time.monotonic() + _HOLD_WAIT_S
+    while True:
         ordered = newest_first(tiers)
         if not ordered:
             return None
@@ -192,12 +197,15 @@ def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | 
         holds = _hold(tag, [info.store for _tier, info in ordered[0]])
         if holds is not None:
             return Checkpoint._committed_handle(tag, tiers, holds)
-        # Deleted between the listing and the hold (a newer one was committed): again.
-    assert tag is not None
-    return Checkpoint._committed_handle(tag, tiers)
+        # Deleted between the listing and the hold (newer ones were committed): again,
+        # for as long as a job saving faster than this listing lets us.
+        if time.monotonic() >= deadline:
+            log.warning("%s: the newest checkpoint changed faster than it could be held; "
+                        "returning %r unheld", tiers.display, tag)  # fmt: skip
+            return Checkpoint._committed_handle(tag, tiers)
 
 
-_HOLD_TRIES = 5  # listings of the newest while each one found is deleted before held
+_HOLD_WAIT_S = 30.0  # how long to keep listing while each newest found is deleted before held
 
 
 def _hold(tag: str, stores: list[Store]) -> HandleHolds | None:

@@ -125,9 +125,11 @@ class Operators:
                 self.add(f"verify results {result['status']}")
 
     def read(self, rng: random.Random) -> None:
+        how = "latest"
         if rng.random() < 0.5:
             handle = nm.get_latest_checkpoint(self.root)
         else:
+            how = "listed"
             listed = nm.list_checkpoints(self.root)
             if not listed:
                 return
@@ -143,10 +145,10 @@ class Operators:
                 handle.load("model")
                 handle.load("optimizer")
             except nm.CheckpointNotFoundError as exc:
-                self.fail("readers failed by retention", f"{handle.tag}: {exc}")
+                self.fail("readers failed by retention", f"{how} {handle.tag}: {exc}")
                 return
             except nm.NebulaError as exc:
-                self.fail("readers failed otherwise", f"{handle.tag}: {exc!r}")
+                self.fail("readers failed otherwise", f"{how} {handle.tag}: {exc!r}")
                 return
         self.add("reads correct")
 
