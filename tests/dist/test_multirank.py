@@ -3,61 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from dist_launch import run_ranks
 
 import nebulaml as nm
 
 CHILD = Path(__file__).with_name("rank_child.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_job(
     scenario: str, root: Path, memory: Path, world_size: int, *, one_node: bool = True
 ) -> list[tuple[int, str]]:
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size if one_node else 1),
-            NEBULA_MEMORY_TIER_PATH=str(memory if one_node else memory / f"node{rank}"),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(CHILD), scenario, str(root), str(port)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    results = []
-    deadline = time.monotonic() + 180
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        results.append((proc.returncode, out))
-    return results
+    return run_ranks(CHILD, scenario, root, memory, world_size, nodes=1 if one_node else world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -5,61 +5,20 @@ simulated nodes (a memory tier each)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from dist_launch import run_ranks
 
 import nebulaml as nm
 
 CHILD = Path(__file__).with_name("writers_child.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(scenario: str, root: Path, memory: Path, *, nodes: int = 1) -> list[tuple[int, str]]:
     """Two ranks of `scenario`; `nodes=2` gives each rank a memory tier of its own."""
-    port, world_size = _free_port(), 2
-    procs = []
-    for rank in range(world_size):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size // nodes),
-            NEBULA_MEMORY_TIER_PATH=str(memory if nodes == 1 else memory / f"node{rank}"),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(CHILD), scenario, str(root), str(port)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    results = []
-    deadline = time.monotonic() + 180
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-            results.append((proc.returncode, out))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+    return run_ranks(CHILD, scenario, root, memory, 2, nodes=nodes)
 
 
 def _ok(results: list[tuple[int, str]]) -> None:
