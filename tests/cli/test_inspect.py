@@ -27,12 +27,15 @@ class _Canary:
 
 
 def _populate(root: Path) -> None:
-    nm.init(str(root), persistent_time_interval=3600)
+    """global_step100 on both tiers, and no session left running: a session's threads
+    would log to the stderr the CLI's output is checked on."""
+    nm.init(str(root), persistent_time_interval=3600, keep_memory_tier=True)
     model = torch.nn.Linear(3, 2)
     ckpt = nm.Checkpoint("global_step100", 2, labels=["best"])
     ckpt.save("model", model)
     ckpt.save("optimizer", {"state": {0: {"step": torch.tensor(5.0)}}, "lr": 0.1})
     nm.flush_persistence()
+    nm.shutdown()
 
 
 def _manifest(root: Path, tag: str = "global_step100") -> dict[str, Any]:
