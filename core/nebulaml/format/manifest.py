@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import xxhash
@@ -440,8 +441,22 @@ def parse_marker(data: bytes, where: str) -> RankMarker:
     )
 
 
+def parse_utc(value: object) -> datetime | None:
+    """An ISO-8601 time as written by `utc_now` (naive: UTC), or None if `value` is not one.
+
+    Example:
+        >>> parse_utc("2026-11-29T09:24:01.123456Z").year, parse_utc("x"), parse_utc(None)
+        (2026, None, None)
+    """
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
+
+
 def utc_now() -> str:
     """The current time as ISO-8601 UTC with microseconds, e.g. 2026-11-29T09:24:01.123456Z."""
-    from datetime import datetime, timezone
-
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

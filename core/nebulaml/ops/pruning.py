@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from nebulaml.errors import InvalidArgumentError, RootNotFoundError
+from nebulaml.format.manifest import parse_utc
 from nebulaml.format.names import MANIFEST_NAME, OrderKey, validate_name
 from nebulaml.protocol.catalog import list_committed, read_committed
 from nebulaml.protocol.delete import delete_checkpoint
@@ -302,20 +303,10 @@ def _inspect_leftover(store: Store, tag: str, now: datetime) -> Leftover | None:
     host = socket.gethostname()
     writers = read_writers(store, tag)
     live = next((describe_writer(w) for w in writers if writer_alive(w, host)), None)
-    times = [t for t in (_parse_time(w.get("started_at")) for w in writers) if t is not None]
+    times = [t for t in (parse_utc(w.get("started_at")) for w in writers) if t is not None]
     for name in files:
         modified = store.modified_at(tag, name)
         if modified is not None:
             times.append(modified)
     idle_s = max(0.0, (now - max(times)).total_seconds()) if times else None
     return Leftover(tag, idle_s, live, sum(files.values()))
-
-
-def _parse_time(value: object) -> datetime | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)

@@ -101,6 +101,24 @@ def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
     return CheckpointInfo(store, manifest)
 
 
+def tag_folders(store: Store) -> list[str]:
+    """The folders of `store` whose names are tags (others are not folders nebula writes).
+
+    Example:
+        >>> import tempfile
+        >>> tag_folders(Store(tempfile.mkdtemp()))
+        []
+    """
+    out = []
+    for name in store.list_dirs():
+        try:
+            validate_name("tag", name)
+        except InvalidNameError:
+            continue
+        out.append(name)
+    return out
+
+
 def list_committed(
     store: Store, unsupported: list[UnsupportedSchemaError] | None = None
 ) -> list[CheckpointInfo]:
@@ -129,13 +147,9 @@ def list_committed(
     newest: OrderKey | None = None  # the sort key of the newest found so far
     for _ in range(_LIST_PASSES):
         unsettled: list[str] = []  # folders that did not read as committed
-        for tag in store.list_dirs():
+        for tag in tag_folders(store):
             if tag in found or tag in refused:
                 continue
-            try:
-                validate_name("tag", tag)
-            except InvalidNameError:
-                continue  # not a folder nebula writes
             if newest is not None and order_key(tag) <= newest:
                 continue  # a later pass looks only for what is newer than the newest
             try:

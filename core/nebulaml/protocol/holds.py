@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
 from nebulaml.errors import CommitConflictError, NebulaError, RootInUseError, StorageError
-from nebulaml.format.manifest import utc_now
+from nebulaml.format.manifest import parse_utc, utc_now
 from nebulaml.format.names import JOB_CLAIM_FILE, JOB_PREFIX
 from nebulaml.protocol.leases import process_alive
 from nebulaml.storage.store import MissingFileError, Store
@@ -161,16 +161,6 @@ def holder_alive_here(holder: Holder) -> bool:
     return now is None or now == holder.pid_start
 
 
-def _parse_time(value: str) -> datetime | None:
-    if not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
-
-
 def lease_alive(
     holder: Holder | None,
     modified_at: datetime | None,
@@ -183,7 +173,7 @@ def lease_alive(
     An unreadable hold counts while the store says it was written within `ttl_s`."""
     if holder is not None and holder.host == _host():
         return holder_alive_here(holder)
-    times = [t for t in (modified_at, _parse_time(holder.renewed_at if holder else "")) if t]
+    times = [t for t in (modified_at, parse_utc(holder.renewed_at if holder else "")) if t]
     if not times:
         return False
     age_s = ((now or datetime.now(timezone.utc)) - max(times)).total_seconds()

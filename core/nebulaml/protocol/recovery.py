@@ -21,10 +21,10 @@ import os
 import socket
 from collections.abc import Callable
 
-from nebulaml.errors import InvalidNameError, NebulaError
+from nebulaml.errors import NebulaError
 from nebulaml.format.manifest import RankMarker, parse_marker
-from nebulaml.format.names import MANIFEST_NAME, WRITER_PREFIX, marker_name, validate_name
-from nebulaml.protocol.catalog import read_committed
+from nebulaml.format.names import MANIFEST_NAME, WRITER_PREFIX, marker_name
+from nebulaml.protocol.catalog import read_committed, tag_folders
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.markers import is_marker, read_writers, writer_alive
 from nebulaml.storage.store import Store
@@ -39,11 +39,7 @@ def list_incomplete(store: Store) -> list[str]:
         []
     """
     out = []
-    for tag in store.list_dirs():
-        try:
-            validate_name("tag", tag)
-        except InvalidNameError:
-            continue
+    for tag in tag_folders(store):
         files = store.list_files(tag)
         ours = any(is_marker(name) for name in files)
         if ours and read_committed(store, tag) is None:
@@ -83,11 +79,7 @@ def discard_stale_parts(
     """
     removed = []
     me = os.getpid()
-    for tag in store.list_dirs():
-        try:
-            validate_name("tag", tag)
-        except InvalidNameError:
-            continue
+    for tag in tag_folders(store):
         files = store.list_files(tag)
         if marker_name(rank) not in files or MANIFEST_NAME in files:
             continue
