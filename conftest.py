@@ -1,11 +1,15 @@
-"""Isolation for every test and doctest: a private memory tier, no inherited NEBULA_*
-settings, and no nebula session left behind."""
+"""Isolation for every test and doctest: a private memory tier, a private temporary
+folder (`tempfile`, and TMPDIR for children), no inherited NEBULA_* settings, and no
+nebula session left behind; the suite leaves nothing new in /dev/shm or the temporary
+folder (pytest's own `pytest-of-<user>` aside)."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,21 +33,34 @@ if any(importlib.util.find_spec(name) is None for name in ("transformers", "acce
     ]
 
 
-def _shm_entries() -> set[str]:
+TMP = tempfile.gettempdir()
+
+
+def _entries(folder: str) -> set[str]:
+    """The names in `folder` this user owns (another user's are not this suite's)."""
     try:
-        return set(os.listdir(SHM))
+        names = os.listdir(folder)
     except FileNotFoundError:
         return set()
+    mine = set()
+    for name in names:
+        with contextlib.suppress(OSError):
+            if os.lstat(os.path.join(folder, name)).st_uid == os.getuid():
+                mine.add(name)
+    return mine
 
 
 @pytest.fixture(scope="session", autouse=True)
-def leaves_nothing_in_shm() -> Iterator[None]:
-    """The suite's teardown: nothing new left in /dev/shm (a memory tier is RAM)."""
-    before = _shm_entries()
+def leaves_nothing_behind() -> Iterator[None]:
+    """The suite's teardown: nothing new left in /dev/shm (a memory tier is RAM) or in
+    the temporary folder (pytest keeps its own basetemp under `pytest-of-<user>`)."""
+    before = {SHM: _entries(SHM), TMP: _entries(TMP)}
     yield
-    left = sorted(_shm_entries() - before)
-    if left:
-        pytest.fail(f"the test suite left {left} in {SHM}", pytrace=False)
+    for folder, was in before.items():
+        left = sorted(n for n in _entries(folder) - was if not n.startswith("pytest-of-"))
+        if left:
+            pytest.fail(f"the test suite (or another process of this user, meanwhile) left "
+                        f"{left} in {folder}", pytrace=False)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +71,11 @@ def memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
 
     base = tmp_path / "memory-tier"
     monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(base))
+    # Doctests' `tempfile.mkdtemp()` and children's temporary files go here, and with
+    # it; short, so that a Unix socket's path under it still fits.
+    scratch = tempfile.mkdtemp(prefix="nbt-")
+    monkeypatch.setattr(tempfile, "tempdir", scratch)
+    monkeypatch.setenv("TMPDIR", scratch)
     for var in (
         "NEBULA_PERSISTENT_STORAGE_PATH",
         "NEBULA_PERSISTENT_TIME_INTERVAL",
@@ -73,3 +95,4 @@ def memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     # A test that provoked a background failure has already asserted on it.
     with contextlib.suppress(nm.NebulaError):
         _session.stop(timeout_s=30)
+    shutil.rmtree(scratch, ignore_errors=True)

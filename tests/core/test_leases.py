@@ -9,6 +9,7 @@ then the leases that must not count (dead processes, another host's past its TTL
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -321,6 +322,30 @@ def test_a_reader_after_the_deleter_decided_reads_nothing(tmp_path: Path) -> Non
         reading.join(30)
     assert deleted == [True] and outcome == [False]
     assert not (tmp_path / "root" / TAG).exists()
+
+
+def test_a_leftover_committed_after_the_deleters_listing_stays(tmp_path: Path) -> None:
+    """A deleter lists a folder being written (no manifest: a leftover to it); its writer
+    then commits and a reader takes a lease, before the deleter claims: the deleter must
+    not delete what is now a committed checkpoint being read (the uncommitted path
+    publishes no delete claim for the reader to see)."""
+    url = str(tmp_path / "root")
+    writer = Store(url)
+    begin_tag(writer, TAG, rank=0, overwrite=False)
+    items = [write_item(writer, TAG, "model", {"w": torch.full((4,), 5.0)}, rank=0)]
+    with contextlib.ExitStack() as reading:
+
+        def commit_and_read(n: int) -> None:
+            if n == 1:  # the deleter has listed the folder
+                commit_rank(writer, TAG, rank=0, world_size=1, items=items, created_at="t")
+                assert reading.enter_context(read_lease(writer, TAG))
+
+        assert delete_checkpoint(HookedStore(url, after_list=commit_and_read), TAG) is False
+        assert read_committed(writer, TAG) is not None  # manifest and item, whole
+        # The deleter left no claim of its own: only the reader's lease and the rank marker.
+        hidden = sorted(p.name for p in (tmp_path / "root" / TAG).iterdir() if p.name[0] == ".")
+        assert [name.split("-")[0] for name in hidden] == [".lease", ".rank"], hidden
+    assert delete_checkpoint(Store(url), TAG) is True
 
 
 def test_a_reader_waits_out_a_deleter_that_backs_off(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 import nebulaml as nm
 from nebula_cli.app import app
 from nebulaml.format.names import ROOT_ID_FILE
+from nebulaml.protocol.leases import read_lease
 from nebulaml.protocol.memory_tier import memory_root_for
 from nebulaml.protocol.tiers import open_tiers
 from nebulaml.storage.store import Store
@@ -154,6 +155,90 @@ def test_a_clean_exit_gives_the_memory_tier_back(root: Path, memory_tier: Path) 
     assert not folder.exists()
     assert [t for t in nm.list_memory_tiers() if t.root == str(root)] == []
     assert committed_tags(Store(str(root)))[-1] == "global_step2"
+
+
+# Another process reads the tier's copy of global_step1 and waits for a line on stdin.
+READS_AND_WAITS = {
+    "a read": """
+import sys
+from nebulaml.protocol.leases import read_lease
+from nebulaml.storage.store import Store
+with read_lease(Store(sys.argv[1]), "global_step1") as readable:
+    print(readable, flush=True)
+    sys.stdin.readline()
+""",
+    "a handle": """
+import sys, nebulaml as nm
+handle = nm.get_checkpoint("global_step1", sys.argv[2])
+print(handle is not None, flush=True)
+sys.stdin.readline()
+print(handle.load("model")["w"].sum().item(), flush=True)
+""",
+}
+
+
+@pytest.mark.parametrize("reader", sorted(READS_AND_WAITS))
+def test_a_clean_exit_keeps_what_another_process_is_reading(root: Path, reader: str) -> None:
+    # The concurrency campaign caught it: a job's exit removed its whole memory tier while
+    # another process held a read lease on a tag there (the tag's only copy by then).
+    nm.init(str(root), persistent_time_interval=0)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.full((4,), 2.0)})
+    nm.flush_persistence()
+    folder = Path(nm.memory_tier_path())
+    child = subprocess.Popen(
+        [sys.executable, "-c", READS_AND_WAITS[reader], str(folder), str(root)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "True"
+        nm.shutdown()
+        # The tag it reads stays, whole, in RAM; the tier is not in use any more.
+        assert committed_tags(Store(str(folder))) == ["global_step1"]
+        assert [t.tags for t in nm.list_memory_tiers() if t.path == str(folder)] == [
+            ("global_step1",)
+        ]
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        out, _ = child.communicate(timeout=TIMEOUT_S)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 0
+    if reader == "a handle":
+        assert out.strip() == "8.0"
+    # Once read, `nebula gc` gives it back (the job ended, its newest is persisted).
+    gc = CliRunner().invoke(app, ["gc", "--yes"])
+    assert gc.exit_code == 0, gc.output
+    assert not folder.exists()
+
+
+def test_a_clean_exit_is_not_kept_by_this_process_own_handles(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.full((4,), 3.0)})
+    nm.flush_persistence()
+    folder = Path(nm.memory_tier_path())
+    handle = nm.get_latest_checkpoint()
+    assert nm.list_checkpoints()[0]["tiers"] == ["memory", "persistent"]  # a listing's hold
+    nm.shutdown()
+    assert not folder.exists()
+    assert torch.equal(handle.load("model")["w"], torch.full((4,), 3.0))  # the root's copy
+
+
+def test_gc_keeps_a_tag_being_read(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0, keep_memory_tier=True)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
+    nm.shutdown()
+    folder = Path(nm.memory_tier_path(str(root)))
+    with read_lease(Store(str(folder)), "global_step1") as readable:
+        assert readable
+        gc = CliRunner().invoke(app, ["gc", "--yes"])
+        assert gc.exit_code == 0, gc.output
+        assert "being read by another process: global_step1" in gc.output
+        assert committed_tags(Store(str(folder))) == ["global_step1"]
+    gc = CliRunner().invoke(app, ["gc", "--yes"])
+    assert gc.exit_code == 0, gc.output
+    assert not folder.exists()
 
 
 @pytest.mark.parametrize("how", ["argument", "environment"])

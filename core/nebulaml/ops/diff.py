@@ -55,8 +55,10 @@ def diff_checkpoints(
     Example:
         >>> import nebulaml as nm, tempfile, torch
         >>> root = tempfile.mkdtemp()
-        >>> nm.init(root)
+        >>> nm.init(root, persistent_time_interval=0)
         >>> nm.Checkpoint("global_step1").save("model", {"w": torch.zeros(3), "b": torch.ones(1)})
+        >>> nm.flush_persistence()  # on the root before step 2 supersedes it in RAM
+        True
         >>> nm.Checkpoint("global_step2").save("model", {"w": torch.tensor([0., 0., 2.]),
         ...                                              "b": torch.ones(1)})
         >>> doc = nm.diff_checkpoints(root, "global_step1", "global_step2")

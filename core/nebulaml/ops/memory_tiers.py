@@ -254,13 +254,17 @@ def execute_gc(actions: Iterable[GcAction]) -> list[GcResult]:
             continue
         memory = Store(path, durable=False, private=True)
         try:
-            tags, size = release_memory_tier(memory)
+            done = release_memory_tier(memory)
         except (NebulaError, OSError) as exc:
             results.append(GcResult(path, False, (), 0, f"cannot release it: {exc}"))
             continue
         gone = not os.path.lexists(path)
-        reason = None if gone else "a live job took hold of it; not released"
-        results.append(GcResult(path, gone, tuple(tags), size, reason))
+        reason = None
+        if done.kept:
+            reason = f"being read by another process: {', '.join(done.kept)} (the rest released)"
+        elif not gone:
+            reason = "a live job took hold of it; not released"
+        results.append(GcResult(path, gone, tuple(done.tags), done.size, reason))
     return results
 
 

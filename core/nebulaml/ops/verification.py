@@ -82,8 +82,10 @@ def verify_checkpoints(
         >>> root = tempfile.mkdtemp()
         >>> nm.init(root)
         >>> nm.Checkpoint("global_step1").save("model", {"lr": 0.5})
+        >>> nm.flush_persistence()  # on both tiers now
+        True
         >>> [(r["tier"], r["item"], r["status"]) for r in nm.verify_checkpoints(root)]
-        [('memory', 'model', 'ok')]
+        [('memory', 'model', 'ok'), ('persistent', 'model', 'ok')]
     """
     if tag is not None:
         validate_name("tag", tag)

@@ -32,6 +32,7 @@ def delete_checkpoint(
     *,
     discard: Callable[[str, str], object] | None = None,
     replacing: bool = False,
+    own_holds: bool = True,
 ) -> bool:
     """Delete a tag: the manifest first (so it is invisible at once), then the data.
 
@@ -45,7 +46,8 @@ def delete_checkpoint(
     dead writer's, not files nobody claims. `discard(tag, name)`, when given, disposes of
     each data file instead of removing it (the memory tier recycles them: slots.py).
     `replacing`: the tag is about to be written again by its writer (`overwrite=True`),
-    which waits for readers but not for handles' holds (leases.py).
+    which waits for readers but not for handles' holds; `own_holds=False`: this process's
+    holds do not keep the tag, only its reads (leases.py's `delete_claim`).
     """
     validate_name("tag", tag)
     files = store.list_files(tag)
@@ -63,9 +65,15 @@ def delete_checkpoint(
             _claim(store, tag, 0)
         except MissingFileError:
             return True  # another deleter was quicker
+        if store.exists(tag, MANIFEST_NAME):
+            # Its writer committed it after the listing (and then removed its marker): not
+            # a leftover, and a reader may hold it already; a deleter of committed tags
+            # (retention, prune) judges it again.
+            store.remove(tag, writer_marker_name(0))
+            return False
         _remove_checkpoint(store, tag, files, discard)
         return True
-    with delete_claim(store, tag, replacing=replacing) as readers:
+    with delete_claim(store, tag, replacing=replacing, own_holds=own_holds) as readers:
         if readers:
             return False
         try:
@@ -84,6 +92,7 @@ def delete_part(
     keep_folder: bool = False,
     discard: Callable[[str, str], object] | None = None,
     replacing: bool = False,
+    own_holds: bool = True,
 ) -> bool:
     """Remove one rank's part of a shared tag folder: the manifest first (the tag is then
     invisible on this tier), then the items this rank's marker lists, then its markers,
@@ -93,7 +102,7 @@ def delete_part(
     Returns False, and changes nothing, while a live reader holds a lease on the
     committed tag (leases.py); True once the part is gone. `discard(tag, name)`, when
     given, disposes of each item file instead (the memory tier recycles them: slots.py).
-    `replacing` is `delete_checkpoint`'s.
+    `replacing` and `own_holds` are `delete_checkpoint`'s.
     """
     files = store.list_files(tag)
     if not files:
@@ -103,7 +112,7 @@ def delete_part(
         # a failed write's leftovers from going for want of room for a claim.
         _remove_part(store, tag, rank, files, keep_folder, discard)
         return True
-    with delete_claim(store, tag, replacing=replacing) as readers:
+    with delete_claim(store, tag, replacing=replacing, own_holds=own_holds) as readers:
         if readers:
             return False
         _remove_part(store, tag, rank, files, keep_folder, discard)

@@ -183,11 +183,18 @@ def read_lease(store: Store, tag: str, *, wait_s: float = CLAIM_WAIT_S) -> Itera
 
 @contextlib.contextmanager
 def delete_claim(
-    store: Store, tag: str, *, ttl_s: float = LEASE_TTL_S, replacing: bool = False
+    store: Store,
+    tag: str,
+    *,
+    ttl_s: float = LEASE_TTL_S,
+    replacing: bool = False,
+    own_holds: bool = True,
 ) -> Iterator[list[Lease]]:
     """Publish this thread's delete claim on `tag`, then yield the live read leases and
-    handles' holds (`replacing`: the read leases only; a tag written again by its own
-    writer, `overwrite=True`, does not wait for handles).
+    holds (`replacing`: the read leases only; a tag written again by its own writer,
+    `overwrite=True`, does not wait for handles). `own_holds=False`: this process's own
+    holds (its handles', its listings') do not count, only its reads; a session that
+    releases its memory tier at its end does so, as its handles read another tier then.
 
     Empty: no reader holds the tag, and none can start reading before the claim goes;
     remove the manifest first, then the data, inside the block. Not empty: leave the tag
@@ -197,7 +204,11 @@ def delete_claim(
     kinds = (READ,) if replacing else (READ, HOLD, LIST)
     try:
         files = store.list_files(tag)
-        yield _live(store, tag, files, kinds, ttl_s) if MANIFEST_NAME in files else []
+        live = _live(store, tag, files, kinds, ttl_s) if MANIFEST_NAME in files else []
+        if not own_holds:
+            me = (_host(), os.getpid())
+            live = [lease for lease in live if lease.kind == READ or (lease.host, lease.pid) != me]
+        yield live
     finally:
         if name is not None:
             store.remove(tag, name)

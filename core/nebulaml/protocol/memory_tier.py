@@ -16,11 +16,13 @@ and one job's lifetime:
   (`UnsafeMemoryTierError`) and never written or deleted through.
 - **One job's lifetime.** Each live session holds a shared lock on the tier's `HOLD_FILE`
   (`TierHold`), so anyone can tell whether a writer is alive; a session that ends with its
-  checkpoints persisted releases the tier (`release_memory_tier`).
+  checkpoints persisted releases the tier (`release_memory_tier`), all but what another
+  process is reading (a read lease or hold, leases.py), which `nebula gc` or the root's
+  next `init` releases later.
 
 The file names are spelled in format/names.py.
 
-May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: the
+May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage` and delete.py. Not for: the
 tiers of a job together (tiers.py), moving checkpoints between tiers (persister.py),
 reading them (catalog.py), or listing every tier of this user (ops/memory_tiers.py).
 """
@@ -45,13 +47,15 @@ from typing import Any
 from nebulaml.config import memory_tier_base
 from nebulaml.errors import (
     CommitConflictError,
+    InvalidNameError,
     NebulaError,
     StorageFullError,
     UnsafeMemoryTierError,
 )
 from nebulaml.format.jsonbounds import JsonBoundsError, load_json
 from nebulaml.format.manifest import utc_now
-from nebulaml.format.names import HOLD_FILE, ROOT_ID_FILE, ROOT_INFO_FILE
+from nebulaml.format.names import HOLD_FILE, ROOT_ID_FILE, ROOT_INFO_FILE, validate_name
+from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.storage.store import MissingFileError, Store
 
 _RECORD_MAX_BYTES = 64 << 10  # a record is a few hundred bytes; more is not ours
@@ -315,13 +319,33 @@ def in_use(memory: Store) -> bool:
     return False
 
 
-def release_memory_tier(memory: Store, hold: TierHold | None = None) -> tuple[list[str], int]:
+@dataclass(frozen=True, slots=True)
+class Released:
+    """What `release_memory_tier` gave back: the tags and bytes removed, and the tags it
+    kept because a reader held them (the folder stays with those, for `nebula gc` or the
+    root's next `init`)."""
+
+    tags: list[str]
+    size: int
+    kept: list[str]
+
+
+def release_memory_tier(
+    memory: Store, hold: TierHold | None = None, *, reads_only: bool = False
+) -> Released:
     """Remove a memory tier folder and everything in it, unless a live session other than
-    `hold`'s holds it; returns (tags, bytes) released, or ([], 0) if it was kept or
-    absent. Symbolic links inside are removed as names, never followed."""
+    `hold`'s holds it (nothing is released then).
+
+    A checkpoint being read is never deleted (leases.py): each tag goes through the
+    delete protocol, and one that another process reads or holds (a handle, a listing)
+    stays, and the folder with it. This process's own holds do not count: its session is
+    ending, and its handles read the persistent copy. `reads_only`: only reads in progress
+    count (the tier of a deleted root, which nobody lists or opens any more). Symbolic
+    links inside are removed as names, never followed.
+    """
     folder = memory.root
     if not check_private_dir(folder):
-        return [], 0
+        return Released([], 0, [])
     own = hold
     if own is None:
         try:
@@ -332,13 +356,29 @@ def release_memory_tier(memory: Store, hold: TierHold | None = None) -> tuple[li
             raise
     try:
         if not own.try_exclusive():
-            return [], 0
+            return Released([], 0, [])
         tags, size = tier_contents(memory)
+        kept = [tag for tag in tags if not _release_tag(memory, tag, reads_only)]
+        if kept:
+            _tags, left = tier_contents(memory)
+            return Released([t for t in tags if t not in kept], size - left, kept)
         shutil.rmtree(folder, ignore_errors=True)  # rmtree never follows links (Linux)
-        return tags, size
+        return Released(tags, size, [])
     finally:
         if hold is None:
             own.close()
+
+
+def _release_tag(memory: Store, name: str, reads_only: bool) -> bool:
+    """Delete one folder of a tier being released; False if a reader keeps it."""
+    try:
+        validate_name("tag", name)
+    except InvalidNameError:
+        return True  # not a checkpoint: nobody reads it (the folder's removal takes it)
+    try:
+        return delete_checkpoint(memory, name, replacing=reads_only, own_holds=False)
+    except (NebulaError, OSError):
+        return True  # not one of ours as it should be (a link, a file): removed as a name
 
 
 def describe_release(root: str, tags: list[str], size: int) -> str:

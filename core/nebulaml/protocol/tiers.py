@@ -115,16 +115,17 @@ def claim_tiers(
         known = record.root_id if record is not None else None
         if persistent is not None and root_id is not None and known not in (None, root_id):
             shown = (record.persistent if record else None) or persistent.url
-            tags, size = release_memory_tier(memory, hold)
-            if not tags and not size and check_private_dir(memory.root):
+            done = release_memory_tier(memory, hold, reads_only=True)
+            if done.kept or (not done.tags and not done.size and check_private_dir(memory.root)):
+                reading = f" reading {', '.join(done.kept)}" if done.kept else ""
                 raise NebulaError(
                     f"{memory.url}: the memory tier of an earlier root at {shown} (deleted "
-                    f"or created again since) is still held by a live process; end it, "
-                    f"or wait for it"
+                    f"or created again since) is still held by a live process{reading}; end "
+                    f"it, or wait for it"
                 )
             log.warning(
                 "%s; its root was deleted or created again since, so they were not used",
-                describe_release(shown, tags, size),
+                describe_release(shown, done.tags, done.size),
             )
             hold.close()
             ensure_private_dir(memory.root)

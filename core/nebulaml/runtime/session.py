@@ -246,10 +246,15 @@ class Session:
         self.pool.close()
         try:
             if left is None and self._releasable():
-                tags, size = release_memory_tier(self.tiers.memory, self.hold)
-                if tags or size:
+                done = release_memory_tier(self.tiers.memory, self.hold)
+                if done.tags or done.size:
                     log.info("released the memory tier %s (%s: %d bytes, all persisted)",
-                             self.tiers.memory.url, ", ".join(tags) or "empty", size)  # fmt: skip
+                             self.tiers.memory.url, ", ".join(done.tags) or "empty",
+                             done.size)  # fmt: skip
+                if done.kept:
+                    log.info("kept %s in the memory tier %s: another process is reading it "
+                             "(`nebula gc` releases it later)", ", ".join(done.kept),
+                             self.tiers.memory.url)  # fmt: skip
         except (NebulaError, OSError) as exc:
             log.warning("could not release the memory tier %s: %s", self.tiers.memory.url, exc)
         finally:
@@ -278,7 +283,7 @@ class Session:
                 if tag not in durable and (newest is None or order_key(tag, created) >= newest):
                     return False
             for tag, _created in mine:
-                delete_part(memory, tag, ranks.rank)
+                delete_part(memory, tag, ranks.rank, own_holds=False)  # as release_memory_tier
             return not any(True for _ in memory.list_dirs())
         for info in list_committed(memory):
             same = durable.get(info.tag) == info.manifest.items
