@@ -1,6 +1,6 @@
-"""Isolation for every test and doctest: a private memory tier, a private temporary
-folder (`tempfile`, and TMPDIR for children), no inherited NEBULA_* settings, and no
-nebula session left behind; the suite leaves nothing new in /dev/shm or the temporary
+"""Isolation for every test and doctest: a private memory tier, a temporary folder of
+the session's (`tempfile`, and TMPDIR for children), no inherited NEBULA_* settings, and
+no nebula session left behind; the suite leaves nothing new in /dev/shm or the temporary
 folder (pytest's own `pytest-of-<user>` aside)."""
 
 from __future__ import annotations
@@ -51,13 +51,31 @@ def _entries(folder: str) -> set[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def leaves_nothing_behind() -> Iterator[None]:
-    """The suite's teardown: nothing new left in /dev/shm (a memory tier is RAM) or in
-    the temporary folder (pytest keeps its own basetemp under `pytest-of-<user>`)."""
+def leaves_nothing_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The suite's temporary folder, and its teardown: nothing new left in /dev/shm (a
+    memory tier is RAM) or in the temporary folder.
+
+    Doctests' `tempfile.mkdtemp()` and children's temporary files (TMPDIR: torchrun's
+    `torchelastic_*`, say) go to one folder for the session, removed at its end; one per
+    test would pull the folder from under what a library made once per process
+    (multiprocessing's, a compiler's cache). pytest keeps its own under `pytest-of-<user>`.
+    """
     before = {SHM: _entries(SHM), TMP: _entries(TMP)}
-    yield
-    for folder, was in before.items():
-        left = sorted(n for n in _entries(folder) - was if not n.startswith("pytest-of-"))
+    tmp_path_factory.getbasetemp()  # pytest's own, where it always is
+    scratch = tempfile.mkdtemp(prefix="nebula-tests-")
+    was = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = scratch
+    try:
+        yield
+    finally:
+        tempfile.tempdir = was[0]
+        if was[1] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = was[1]
+        shutil.rmtree(scratch, ignore_errors=True)
+    for folder, names in before.items():
+        left = sorted(n for n in _entries(folder) - names if not n.startswith("pytest-of-"))
         if left:
             pytest.fail(f"the test suite (or another process of this user, meanwhile) left "
                         f"{left} in {folder}", pytrace=False)  # fmt: skip
@@ -71,11 +89,6 @@ def memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
 
     base = tmp_path / "memory-tier"
     monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(base))
-    # Doctests' `tempfile.mkdtemp()` and children's temporary files go here, and with
-    # it; short, so that a Unix socket's path under it still fits.
-    scratch = tempfile.mkdtemp(prefix="nbt-")
-    monkeypatch.setattr(tempfile, "tempdir", scratch)
-    monkeypatch.setenv("TMPDIR", scratch)
     for var in (
         "NEBULA_PERSISTENT_STORAGE_PATH",
         "NEBULA_PERSISTENT_TIME_INTERVAL",
@@ -95,4 +108,3 @@ def memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     # A test that provoked a background failure has already asserted on it.
     with contextlib.suppress(nm.NebulaError):
         _session.stop(timeout_s=30)
-    shutil.rmtree(scratch, ignore_errors=True)

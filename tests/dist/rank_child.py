@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -25,21 +26,28 @@ def shard(rank: int, step: int) -> dict[str, torch.Tensor]:
     }
 
 
-def save_step(rank: int, step: int) -> None:
-    ckpt = nm.Checkpoint(f"global_step{step}", -2)
+def save_step(rank: int, step: int, *, tag: str | None = None, overwrite: bool = False) -> None:
+    ckpt = nm.Checkpoint(tag or f"global_step{step}", -2, overwrite=overwrite)
     ckpt.save(f"shard_rank{rank}", shard(rank, step))
     if rank == 0:
         ckpt.save("meta", {"step": step})
     ckpt.commit()
 
 
-def check_every_rank(world_size: int, step: int) -> None:
-    latest = nm.get_latest_checkpoint()
-    assert latest is not None and latest.tag == f"global_step{step}", latest
+def check_loaded(latest: nm.Checkpoint | None, world_size: int, step: int) -> None:
+    assert latest is not None, "no checkpoint"
     for other in range(world_size):  # any rank loads any rank's item (elastic loads)
         loaded = latest.load(f"shard_rank{other}")
         expected = shard(other, step)
-        assert all(torch.equal(loaded[k], expected[k]) for k in expected), other
+        same = all(torch.equal(loaded[k], expected[k]) for k in expected)
+        assert same, f"shard_rank{other} of {latest.tag} is of step {int(loaded['step'])}"
+    assert latest.load("meta") == {"step": step}
+
+
+def check_every_rank(world_size: int, step: int) -> None:
+    latest = nm.get_latest_checkpoint()
+    assert latest is not None and latest.tag == f"global_step{step}", latest
+    check_loaded(latest, world_size, step)
 
 
 def main() -> int:
@@ -61,6 +69,28 @@ def main() -> int:
         nm.flush_persistence()
         dist.barrier()
         check_every_rank(world_size, 3)
+        nm.shutdown()
+        dist.barrier()
+        dist.destroy_process_group()
+    elif scenario == "overwrite":
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        nm.init(root, persistent_time_interval=0, rank_timeout_s=60)
+        save_step(rank, 1, tag="global_step1")
+        nm.flush_persistence()
+        dist.barrier()
+        # The same tag again (DeepSpeed's save_checkpoint with a tag it saved before), the
+        # last rank late: the first ranks' new parts must wait for its new part, not be
+        # committed with its old one, which is still in the tag folder.
+        if rank == world_size - 1:
+            time.sleep(2)
+        save_step(rank, 2, tag="global_step1", overwrite=True)
+        check_loaded(nm.get_checkpoint("global_step1"), world_size, 2)
+        nm.flush_persistence()
+        dist.barrier()
         nm.shutdown()
         dist.barrier()
         dist.destroy_process_group()

@@ -71,6 +71,24 @@ def test_ranks_on_separate_nodes_persist_what_rank_0_persists(
         assert {i["name"] for i in manifest["items"]} == {"shard_rank0", "shard_rank1", "meta"}
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_tag_saved_again_commits_only_parts_of_the_new_save(
+    tmp_path: Path, memory_tier: Path, world_size: int
+) -> None:
+    # Each rank replaces only its own part: on 7616aa9 the first rank's new part was
+    # committed at once with the late rank's old part (same job, same generation), and
+    # every rank loaded that mix of two saves.
+    root = tmp_path / "persistent"
+    results = _run_job("overwrite", root, memory_tier, world_size)
+    for rank, (code, out) in enumerate(results):
+        assert code == 0 and f"OK rank {rank}" in out, out
+    saved = nm.get_checkpoint("global_step1", str(root))
+    assert saved is not None
+    for rank in range(world_size):
+        assert int(saved.load(f"shard_rank{rank}")["step"]) == 2, rank
+    assert saved.load("meta") == {"step": 2}
+
+
 def test_a_killed_rank_leaves_the_tag_uncommitted_and_others_time_out(
     tmp_path: Path, memory_tier: Path
 ) -> None:

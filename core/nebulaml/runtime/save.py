@@ -174,9 +174,10 @@ class SaveJob:
         if not self.overwrite and persistent and read_committed(persistent, self.tag):
             raise CheckpointExistsError(persistent.url, self.tag)
         self._started_at, self._t0 = utc_now(), t0
-        # The job's generation (agreed with the other ranks at the first save): this
-        # part is committed only with parts of the same run and restart of the job.
-        self._generation = session.save_generation()
+        # The job's generation (agreed with the other ranks at the first save), and which
+        # save of this tag: this part is committed only with parts of the same run and
+        # restart of the job, and of the same save of the tag.
+        self._generation = session.part_generation(self.tag)
         if self.overwrite:
             session.persister.release(self.tag)  # never rewrite what is being copied
         try:

@@ -64,6 +64,7 @@ class Session:
         # the first save (save_generation). Every part this process writes carries it.
         self.generation: str | None = elastic_generation()
         self._generation_known = self.generation is not None
+        self._saves_of: dict[str, int] = {}  # how often this process began a save of a tag
         # The persistent root with its identity; this root's memory tier, checked private,
         # held while this session lives, and released first if an earlier root left it.
         self.tiers: TierSet
@@ -168,6 +169,27 @@ class Session:
                 if self._recovery_due:
                     self._recover_once()
         return self.generation
+
+    def part_generation(self, tag: str) -> str | None:
+        """The generation of this process's part of a save of `tag` beginning now: the
+        job's (`save_generation`), and from the second save of one tag by this process on
+        (`overwrite=True`) that with "/<n>". Every rank of a job saves a tag as often as
+        the others, so a part of the second save is never committed with a slower rank's
+        part of the first (its marker, still there, carries the plain generation).
+
+        Example:
+            >>> import nebulaml as nm, tempfile
+            >>> nm.init(tempfile.mkdtemp())
+            >>> from nebulaml.runtime import session
+            >>> live = session.current("example")
+            >>> first, again = live.part_generation("t"), live.part_generation("t")
+            >>> again == f"{first}/2"
+            True
+        """
+        generation = self.save_generation()
+        with self._bind_lock:
+            n = self._saves_of[tag] = self._saves_of.get(tag, 0) + 1
+        return generation if n == 1 else f"{generation or ''}/{n}"
 
     def _recover_once(self) -> None:
         """Discard this rank's parts of earlier generations, then queue what the memory
