@@ -208,8 +208,10 @@ def test_latest_path_falls_back_to_memory_tier_and_names_missing_items(root: Pat
         nm.get_latest_checkpoint().load("optimizer")
 
 
-def test_memory_only_when_no_persistent_path(tmp_path: Path) -> None:
-    os.chdir(tmp_path)
+def test_memory_only_when_no_persistent_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the memory-only tier is named after the folder
     nm.init()
     nm.Checkpoint("global_step1").save("m", {"v": 1})
     assert nm.flush_persistence() is True
