@@ -9,6 +9,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,6 +63,11 @@ def leaves_nothing_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     """
     before = {SHM: _entries(SHM), TMP: _entries(TMP)}
     tmp_path_factory.getbasetemp()  # pytest's own, where it always is
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started in the background by a shell (`make test &`, nohup): children would
+        # inherit the ignored SIGINT, and the tests of Ctrl-C could not send one. A handler
+        # of Python's is not inherited: they start with the default, as from a terminal.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     scratch = tempfile.mkdtemp(prefix="nebula-tests-")
     was = tempfile.tempdir, os.environ.get("TMPDIR")
     tempfile.tempdir = os.environ["TMPDIR"] = scratch
