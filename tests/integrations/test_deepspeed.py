@@ -339,5 +339,8 @@ def test_zero_to_fp32_reads_the_save_dir_once_materialized(
             expected = torch.load(root / f"expected-{key}.pt", weights_only=True)
             assert sorted(fp32) == sorted(expected) and expected
             for name, tensor in expected.items():
-                assert fp32[name].dtype == torch.float32
-                assert torch.equal(fp32[name], tensor), f"zero{stage} {key} {name}"
+                assert fp32[name].dtype == tensor.dtype == torch.float32
+                # The same bits: a NaN the gathered weights hold (ZeRO-3's, once in a CI
+                # run) is NaN on both sides, which torch.equal calls different.
+                same = torch.equal(fp32[name].view(torch.int32), tensor.view(torch.int32))
+                assert same, f"zero{stage} {key} {name}"
