@@ -57,3 +57,9 @@ def run_ranks(
                 proc.kill()
                 proc.communicate()
     return results
+
+
+def assert_every_rank_ok(results: list[tuple[int, str]]) -> None:
+    """Each rank of `run_ranks` exited 0 and printed "OK rank <r>" (its child's last word)."""
+    for rank, (code, out) in enumerate(results):
+        assert code == 0 and f"OK rank {rank}" in out, out

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_launch import run_ranks
+from dist_launch import assert_every_rank_ok, run_ranks
 
 import nebulaml as nm
 
@@ -27,8 +27,7 @@ def test_every_rank_saves_its_part_and_the_tag_commits_once(
 ) -> None:
     root = tmp_path / "persistent"
     results = _run_job("train", root, memory_tier, world_size)
-    for rank, (code, out) in enumerate(results):
-        assert code == 0 and f"OK rank {rank}" in out, out
+    assert_every_rank_ok(results)
     manifest = json.loads((root / "global_step3" / "manifest.json").read_text())
     assert manifest["world_size"] == world_size
     items = {(i["name"], i["rank"]) for i in manifest["items"]}
@@ -54,8 +53,7 @@ def test_ranks_on_separate_nodes_persist_what_rank_0_persists(
 ) -> None:
     root = tmp_path / "persistent"
     results = _run_job("nodes", root, memory_tier, 2, one_node=False)
-    for rank, (code, out) in enumerate(results):
-        assert code == 0 and f"OK rank {rank}" in out, out
+    assert_every_rank_ok(results)
     # Each node held only its own rank's part in memory; the persistent tier got both.
     for rank in (0, 1):
         node = memory_tier / f"node{rank}"
@@ -80,8 +78,7 @@ def test_a_tag_saved_again_commits_only_parts_of_the_new_save(
     # every rank loaded that mix of two saves.
     root = tmp_path / "persistent"
     results = _run_job("overwrite", root, memory_tier, world_size)
-    for rank, (code, out) in enumerate(results):
-        assert code == 0 and f"OK rank {rank}" in out, out
+    assert_every_rank_ok(results)
     saved = nm.get_checkpoint("global_step1", str(root))
     assert saved is not None
     for rank in range(world_size):

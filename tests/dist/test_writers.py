@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from dist_launch import run_ranks
+from dist_launch import assert_every_rank_ok, run_ranks
 
 import nebulaml as nm
 
@@ -21,11 +21,6 @@ def _run(scenario: str, root: Path, memory: Path, *, nodes: int = 1) -> list[tup
     return run_ranks(CHILD, scenario, root, memory, 2, nodes=nodes)
 
 
-def _ok(results: list[tuple[int, str]]) -> None:
-    for rank, (code, out) in enumerate(results):
-        assert code == 0 and f"OK rank {rank}" in out, out
-
-
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_a_checkpoint_that_rank_0_alone_writes_commits_and_loads_everywhere(
     tmp_path: Path, memory_tier: Path, nodes: int
@@ -35,7 +30,7 @@ def test_a_checkpoint_that_rank_0_alone_writes_commits_and_loads_everywhere(
     RankTimeoutError, the checkpoint never committed (main has no `ranks=`)."""
     root = tmp_path / "persistent"
     results = _run("rank0", root, memory_tier, nodes=nodes)
-    _ok(results)
+    assert_every_rank_ok(results)
     assert "REFUSED" in results[1][1] and "rank(s) 0 write" in results[1][1]
     manifest = json.loads((root / "global_step2" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["ranks"] == [0]
@@ -57,7 +52,7 @@ def test_a_second_rank_saving_an_item_name_gets_a_clear_error_from_save(
     every reader ignored the checkpoint (rank 1 got CommitConflictError, rank 0 OK)."""
     root = tmp_path / "persistent"
     results = _run("collide", root, memory_tier)
-    _ok(results)
+    assert_every_rank_ok(results)
     rank1 = results[1][1]
     assert "COLLISION" in rank1, rank1
     assert "item 'model'" in rank1 and "rank 0 and by rank 1" in rank1, rank1
@@ -73,7 +68,7 @@ def test_ranks_on_two_nodes_saving_one_item_name_never_commit_it_twice(
     copy overwrote the first) and readers ignored the checkpoint."""
     root = tmp_path / "persistent"
     results = _run("collide_nodes", root, memory_tier, nodes=2)
-    _ok(results)
+    assert_every_rank_ok(results)
     outs = results[0][1] + results[1][1]
     assert "PERSIST ItemCollisionError" in outs, outs
     # Whichever rank's part reaches the persistent tier second is refused.

@@ -10,9 +10,9 @@ leftover (recovery.py), whose writer markers tell a live writer from a dead one.
 are spelled in format/names.py (`marker_name`, `writer_marker_name`); this module reads
 and writes what is in them.
 
-May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage` and leases.py. Not
-for: the order in which markers are written (commit.py, transfer.py, delete.py) or the
-leases of readers and deleters (leases.py).
+May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, catalog.py and
+leases.py. Not for: the order in which markers are written (commit.py, transfer.py,
+delete.py) or the leases of readers and deleters (leases.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 from nebulaml.errors import NebulaError
 from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES, load_json
 from nebulaml.format.manifest import parse_marker, utc_now
-from nebulaml.format.names import RANK_PREFIX, WRITER_PREFIX, marker_name, validate_name
+from nebulaml.format.names import RANK_PREFIX, WRITER_PREFIX, marker_name
+from nebulaml.protocol.catalog import tag_folders
 from nebulaml.protocol.leases import process_alive
 from nebulaml.storage.store import Store
 
@@ -110,11 +111,7 @@ def describe_writer(writer: dict[str, Any]) -> str:
 def own_parts(store: Store, rank: int) -> list[tuple[str, str]]:
     """(tag, created_at) of every tag on `store` that holds this rank's marker."""
     out = []
-    for tag in store.list_dirs():
-        try:
-            validate_name("tag", tag)
-        except NebulaError:
-            continue
+    for tag in tag_folders(store):
         if marker_name(rank) not in store.list_files(tag):
             continue
         try:

@@ -22,9 +22,10 @@ and one job's lifetime:
 
 The file names are spelled in format/names.py.
 
-May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage` and delete.py. Not for: the
-tiers of a job together (tiers.py), moving checkpoints between tiers (persister.py),
-reading them (catalog.py), or listing every tier of this user (ops/memory_tiers.py).
+May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, catalog.py and
+delete.py. Not for: the tiers of a job together (tiers.py), moving checkpoints between
+tiers (persister.py), reading them (catalog.py), or listing every tier of this user
+(ops/memory_tiers.py).
 """
 
 from __future__ import annotations
@@ -47,14 +48,14 @@ from typing import Any
 from nebulaml.config import memory_tier_base
 from nebulaml.errors import (
     CommitConflictError,
-    InvalidNameError,
     NebulaError,
     StorageFullError,
     UnsafeMemoryTierError,
 )
 from nebulaml.format.jsonbounds import JsonBoundsError, load_json
 from nebulaml.format.manifest import utc_now
-from nebulaml.format.names import HOLD_FILE, ROOT_ID_FILE, ROOT_INFO_FILE, validate_name
+from nebulaml.format.names import HOLD_FILE, ROOT_ID_FILE, ROOT_INFO_FILE
+from nebulaml.protocol.catalog import tag_folders
 from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.storage.store import MissingFileError, Store
 
@@ -358,7 +359,7 @@ def release_memory_tier(
         if not own.try_exclusive():
             return Released([], 0, [])
         tags, size = tier_contents(memory)
-        kept = [tag for tag in tags if not _release_tag(memory, tag, reads_only)]
+        kept = [tag for tag in tag_folders(memory) if not _release_tag(memory, tag, reads_only)]
         if kept:
             _tags, left = tier_contents(memory)
             return Released([t for t in tags if t not in kept], size - left, kept)
@@ -369,14 +370,11 @@ def release_memory_tier(
             own.close()
 
 
-def _release_tag(memory: Store, name: str, reads_only: bool) -> bool:
-    """Delete one folder of a tier being released; False if a reader keeps it."""
+def _release_tag(memory: Store, tag: str, reads_only: bool) -> bool:
+    """Delete one tag of a tier being released; False if a reader keeps it. (Folders that
+    are not tags are nobody's checkpoints: the folder's removal takes them.)"""
     try:
-        validate_name("tag", name)
-    except InvalidNameError:
-        return True  # not a checkpoint: nobody reads it (the folder's removal takes it)
-    try:
-        return delete_checkpoint(memory, name, replacing=reads_only, own_holds=False)
+        return delete_checkpoint(memory, tag, replacing=reads_only, own_holds=False)
     except (NebulaError, OSError):
         return True  # not one of ours as it should be (a link, a file): removed as a name
 
