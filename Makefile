@@ -8,7 +8,15 @@ STAMP   := $(VENV)/.nebula-installed
 AZURITE_VERSION := 3.35.0
 AZURITE := .azurite/node_modules/.bin/azurite-blob
 
-.PHONY: venv test lint demo scale reliability clean azurite bench bench-azure test-integrations
+.PHONY: venv test check lint demo scale reliability clean azurite bench bench-azure test-integrations
+
+# The suite runs in parallel workers (pytest-xdist): each starts with an even share of the
+# tests, in the order they are collected, and a worker that runs out takes half of the
+# longest queue. 4 workers on 2 cores: many tests wait on child processes, a store or a
+# signal. What several tests share (a built wheel, a DeepSpeed job) is made once for the
+# run: tests/shared_setup.py.
+WORKERS ?= 4
+PYTEST  := $(PY) -m pytest -n $(WORKERS) --dist worksteal
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,8 +41,20 @@ $(AZURITE):
 
 azurite: $(AZURITE)
 
-test: lint $(AZURITE)
-	$(PY) -m pytest
+# Everything: lint, types, every test (unit, doctests, multi-rank, frameworks, Azurite,
+# the wheel, the demo). Each step says how long it took.
+test: venv $(AZURITE)
+	@start=$$(date +%s); $(MAKE) --no-print-directory lint && \
+		echo "lint and types: $$(( $$(date +%s) - start )) s"
+	@start=$$(date +%s); $(PYTEST); rc=$$?; \
+		echo "pytest: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# The fast loop for developers (about 2 minutes on 2 cores): ruff and the tests not marked
+# slow. make test and CI run everything.
+check: venv $(AZURITE)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PYTEST) -m "not slow"
 
 demo: venv
 	$(PY) examples/train.py --demo
@@ -58,7 +78,7 @@ bench-azure: venv $(AZURITE)
 	$(PY) benchmarks/azure_persist.py
 
 test-integrations: venv
-	$(PY) -m pytest tests/integrations
+	$(PYTEST) tests/integrations
 
 reliability: venv
 	$(PY) tests/reliability/run.py

@@ -1,12 +1,14 @@
 """Isolation for every test and doctest: a private memory tier, a temporary folder of
-the session's (`tempfile`, and TMPDIR for children), no inherited NEBULA_* settings, and
-no nebula session left behind; the suite leaves nothing new in /dev/shm or the temporary
-folder (pytest's own `pytest-of-<user>` aside)."""
+the worker's (`tempfile`, and TMPDIR for children), no inherited NEBULA_* settings, and
+no nebula session left behind; the leak guard: the suite leaves nothing of its own in
+/dev/shm or the temporary folder, and says which test left what it finds (pytest-xdist
+runs the suite in several workers: the controller judges once every worker is done)."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -35,44 +37,114 @@ if any(importlib.util.find_spec(name) is None for name in ("transformers", "acce
 
 
 TMP = tempfile.gettempdir()
+# What the suite itself can leave in /dev/shm and the temporary folder: memory tiers (the
+# default base is nebula-<user>), the suite's own scratch folders (nebula-tests-*),
+# torchrun's torchelastic_* folders, torch's and DeepSpeed's shared memory, Azurite's data.
+# Another process's files (an editor's, a shell's, a compiler's) never fail a run.
+SUITE_PREFIXES = ("nebula-", "torchelastic_", "torch_", "deepspeed", "azurite", "__azurite")
+_SEEN = "nebula_leaks_seen"  # xdist: each worker's first sightings, sent to the controller
+_seen_key = pytest.StashKey[dict[str, str]]()
+_before_key = pytest.StashKey[set[str]]()
 
 
 def _entries(folder: str) -> set[str]:
-    """The names in `folder` this user owns (another user's are not this suite's)."""
+    """The names in `folder` with a suite prefix that this user owns (another user's are
+    not this suite's)."""
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
         return set()
     mine = set()
     for name in names:
+        if not name.startswith(SUITE_PREFIXES):
+            continue
         with contextlib.suppress(OSError):
             if os.lstat(os.path.join(folder, name)).st_uid == os.getuid():
-                mine.add(name)
+                mine.add(os.path.join(folder, name))
     return mine
 
 
-@pytest.fixture(scope="session", autouse=True)
-def leaves_nothing_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The suite's temporary folder, and its teardown: nothing new left in /dev/shm (a
-    memory tier is RAM) or in the temporary folder.
+def _snapshot() -> set[str]:
+    return _entries(SHM) | _entries(TMP)
 
-    Doctests' `tempfile.mkdtemp()` and children's temporary files (TMPDIR: torchrun's
-    `torchelastic_*`, say) go to one folder for the session, removed at its end; one per
-    test would pull the folder from under what a library made once per process
-    (multiprocessing's, a compiler's cache). pytest keeps its own under `pytest-of-<user>`.
-    """
-    before = {SHM: _entries(SHM), TMP: _entries(TMP)}
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_seen_key] = {}  # path -> the test after which it was first seen
+    if not _is_worker(config):
+        config.stash[_before_key] = _snapshot()
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown without it
+def pytest_testnodedown(node: object, error: object) -> None:
+    """xdist's controller: a worker's first sightings of the suite's files."""
+    seen = getattr(node, "workeroutput", {}).get(_SEEN)
+    config = getattr(node, "config", None)
+    if seen and config is not None:
+        for path, test in json.loads(seen).items():
+            config.stash[_seen_key].setdefault(path, test)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The leak guard: nothing with a suite prefix is new in /dev/shm or the temporary
+    folder when every worker is done; what is names the test after which it appeared."""
+    config = session.config
+    seen: dict[str, str] = config.stash[_seen_key]
+    if _is_worker(config):
+        config.workeroutput[_SEEN] = json.dumps(seen)  # type: ignore[attr-defined]
+        return
+    # The set-up the workers shared (tests/shared_setup.py: an installed wheel is ~900 MB).
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is not None:
+        with contextlib.suppress(ValueError, OSError):
+            shutil.rmtree(factory.getbasetemp() / "shared", ignore_errors=True)
+    left = sorted(_snapshot() - config.stash[_before_key])
+    if not left:
+        return
+    lines = [f"  {path} (first seen after {seen.get(path, 'the session set-up')})" for path in left]
+    message = "the test suite left these behind:\n" + "\n".join(lines)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(message, red=True, bold=True)
+    else:
+        print(message)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def _watch_for_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Notes what appears in /dev/shm and the temporary folder during each test, so that
+    the leak guard can say which test left it (another worker's test may have, too)."""
+    before = _snapshot()
+    yield
+    seen = request.config.stash[_seen_key]
+    for path in _snapshot() - before:
+        seen.setdefault(path, request.node.nodeid)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def scratch_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The suite's temporary folder, one per worker: doctests' `tempfile.mkdtemp()` and
+    children's temporary files (TMPDIR: torchrun's `torchelastic_*`, say) go there, and it
+    is removed at the worker's end. One per test would pull the folder from under what a
+    library made once per process (multiprocessing's, a compiler's cache). pytest keeps
+    its own under `pytest-of-<user>`."""
     tmp_path_factory.getbasetemp()  # pytest's own, where it always is
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         # Started in the background by a shell (`make test &`, nohup): children would
         # inherit the ignored SIGINT, and the tests of Ctrl-C could not send one. A handler
         # of Python's is not inherited: they start with the default, as from a terminal.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    scratch = tempfile.mkdtemp(prefix="nebula-tests-")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    scratch = tempfile.mkdtemp(prefix=f"nebula-tests-{worker}-")
     was = tempfile.tempdir, os.environ.get("TMPDIR")
     tempfile.tempdir = os.environ["TMPDIR"] = scratch
     try:
-        yield
+        yield scratch
     finally:
         tempfile.tempdir = was[0]
         if was[1] is None:
@@ -80,11 +152,6 @@ def leaves_nothing_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         else:
             os.environ["TMPDIR"] = was[1]
         shutil.rmtree(scratch, ignore_errors=True)
-    for folder, names in before.items():
-        left = sorted(n for n in _entries(folder) - names if not n.startswith("pytest-of-"))
-        if left:
-            pytest.fail(f"the test suite (or another process of this user, meanwhile) left "
-                        f"{left} in {folder}", pytrace=False)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

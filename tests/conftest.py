@@ -9,6 +9,7 @@ from pathlib import Path
 
 import azurite as azurite_server
 import pytest
+import shared_setup
 from azurite import Azurite
 
 
@@ -16,6 +17,12 @@ from azurite import Azurite
 def root(tmp_path: Path) -> Path:
     """A persistent root on the local filesystem (not created: nebula creates it)."""
     return tmp_path / "persistent"
+
+
+@pytest.fixture(scope="session")
+def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the set-up the run's workers share (tests/shared_setup.py)."""
+    return shared_setup.shared_root(tmp_path_factory.getbasetemp())
 
 
 # Azure Blob Storage: one real Azurite per test session, started on first use -------------

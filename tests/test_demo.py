@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 
 
+@pytest.mark.slow
 def test_demo_kills_resumes_and_proves_identical_state(tmp_path: Path, memory_tier: Path) -> None:
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier), COLUMNS="120")
     root = tmp_path / "demo-checkpoints"

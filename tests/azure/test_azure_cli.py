@@ -56,6 +56,7 @@ def run(*args: str, opts: list[str]) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
+@pytest.mark.slow
 def test_every_command_on_an_azure_root(no_azure_env: Azurite, tmp_path: Path) -> None:
     # Catches: a command that does not accept --storage-option, or accepts it and does not
     # pass it on to the roots it opens (it then finds no credentials and exits 1).

@@ -26,6 +26,7 @@ TIMEOUT_S = 120
 CASES = [("return", 0), ("raise", 1), ("sigterm", 128 + signal.SIGTERM), ("sigint", -signal.SIGINT)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("how", "status"), CASES, ids=[c[0] for c in CASES])
 def test_exit_persists_the_last_checkpoint_to_azure(
     az_url: str, memory_tier: Path, how: str, status: int

@@ -47,6 +47,7 @@ def _wait(predicate: Callable[[], bool], what: str, proc: subprocess.Popen[bytes
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["upload", "verify"])
 def test_ctrl_c_during_a_copy_to_azure_is_one_line_and_130(
     azure_env: Azurite, az_url: str, local_root: Path, memory_tier: Path, phase: str

@@ -68,6 +68,7 @@ class _Lines:
         raise TimeoutError(f"no {prefix!r} from the child within {TIMEOUT_S} s")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_azurite_killed_mid_persist_and_restarted(
     azurite: Azurite, tmp_path: Path, memory_tier: Path, capsys: pytest.CaptureFixture[str]

@@ -68,6 +68,7 @@ def blobs(connection_string: str) -> list[str]:
         return [b.name for b in client.get_container_client("ckpt").list_blobs()]
 
 
+@pytest.mark.slow
 def test_two_accounts_never_share_a_memory_tier(
     two_accounts: dict[str, str], memory_tier: Path
 ) -> None:

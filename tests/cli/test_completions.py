@@ -146,6 +146,7 @@ def _shell_complete(shell: str, words: str) -> list[str]:
     return [line.split("\t")[0] for line in out.stdout.splitlines() if line]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shell", sorted(SCRIPT_FILES))
 def test_tags_and_items_complete_for_a_root(populated: Path, shell: str) -> None:
     # main: neither tags nor item names completed.

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -52,6 +53,7 @@ def expected_w(step: int) -> torch.Tensor:
     return torch.randn(200, 200, generator=torch.Generator().manual_seed(step))
 
 
+@pytest.mark.slow
 def test_flush_persists_what_the_crashed_job_left(root: Path, memory_tier: Path) -> None:
     # catches: flush persisting nothing, or the wrong (older) tag, or starting a session
     crash_a_job(root, memory_tier)
@@ -73,6 +75,7 @@ def test_flush_persists_what_the_crashed_job_left(root: Path, memory_tier: Path)
     assert (root / HISTORY_FILE).read_text().splitlines() == rows  # a no-op writes nothing
 
 
+@pytest.mark.slow
 def test_flush_as_a_real_command(root: Path, memory_tier: Path) -> None:
     crash_a_job(root, memory_tier)
     run = [EXE, "flush", str(root)]

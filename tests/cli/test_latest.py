@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -84,6 +85,7 @@ def test_missing_root_and_missing_item_are_exit_3(root: Path, tmp_path: Path) ->
     )
 
 
+@pytest.mark.slow
 def test_a_real_shell_substitution_loads_the_latest_item(root: Path, memory_tier: Path) -> None:
     # Catches: anything on stdout besides the path (colour codes, a trailing table).
     _populate(root, memory_only_newest=False)

@@ -315,6 +315,7 @@ def test_a_link_where_a_tier_goes_is_unsafe_and_never_followed(
     assert (memory_tier / "run-0123456789ab").is_symlink()
 
 
+@pytest.mark.slow
 def test_a_tier_that_changed_after_the_plan_is_kept(root: Path, killed_job: Callable) -> None:
     # catches: releasing on a plan made before a job wrote to the tier (the plan may be
     # minutes old after the prompt): here a newer, unpersisted checkpoint would be lost

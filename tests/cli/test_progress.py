@@ -81,6 +81,7 @@ def test_a_quick_operation_in_a_pipe_prints_no_progress(big: Path) -> None:
     assert json.loads(run.stdout)["ok"] is True
 
 
+@pytest.mark.slow
 def test_flush_reports_progress(root: Path, memory_tier: Path, every_report: None) -> None:
     # main: `flush` said nothing until it was done.
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier))
@@ -110,6 +111,7 @@ UNREACHABLE = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["ls", "verify"])
 def test_each_retry_is_a_line_and_quiet_hides_them(command: str) -> None:
     # main: an unreachable endpoint waited through every retry without a word.

@@ -128,12 +128,17 @@ def test_history_in_a_pipe_is_whole(populated: Path) -> None:
     assert "MiB/s" in run.stdout
 
 
+@pytest.mark.slow
 def test_a_real_terminal_80_columns(populated: Path, memory_tier: Path) -> None:
     # Catches: what only a real terminal shows (rich's own width detection).
     run = on_a_terminal(["ls", str(populated)], memory_tier)
     assert run.code == 0, run.stdout
     assert "…" not in run.stdout and whole_on_a_line(run.stdout, *TAGS) == []
-    assert max(len(line) for line in run.stdout.splitlines()) <= 80
+    # The root's path is printed whole on its own line, however long (pytest-xdist's
+    # folders make it over 80 columns); every other line fits the terminal.
+    lines = run.stdout.splitlines()
+    assert str(populated) in lines
+    assert max(len(line) for line in lines if line != str(populated)) <= 80
     run = on_a_terminal(["inspect", str(populated), TAGS[3]], memory_tier)
     manifest = json.loads((populated / TAGS[3] / "manifest.json").read_text())
     sums = [f"xxh3_64_tree_1m:{i['checksum']['value']}" for i in manifest["items"]]

@@ -76,6 +76,7 @@ def test_the_persister_waits_for_an_operators_copy_of_the_same_tag(
     assert_files_hold_known(root, 2)
 
 
+@pytest.mark.slow
 def test_an_operators_copy_waits_for_the_trainers_persist_of_the_same_tag(
     start_child: Callable[..., crashkit.Child], tmp_path: Path
 ) -> None:

@@ -28,6 +28,7 @@ from nebulaml.storage.store import Store
 TIMEOUT_S = 60  # generous bound on any wait for a child; a healthy run needs a few seconds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("how", "exit_code"), [("return", 0), ("raise", 1)])
 def test_exit_persists_the_checkpoint_the_interval_held_back(
     start_child: Callable[..., crashkit.Child], root: Path, how: str, exit_code: int
@@ -44,6 +45,7 @@ def test_exit_persists_the_checkpoint_the_interval_held_back(
     assert "was not persisted" not in child.stderr
 
 
+@pytest.mark.slow
 def test_exit_waits_at_most_exit_timeout_then_names_the_unpersisted_checkpoint(
     start_child: Callable[..., crashkit.Child], tmp_path: Path
 ) -> None:
@@ -85,6 +87,7 @@ def test_exit_reports_a_background_failure_that_no_call_raised(
     assert [(r["tag"], r["status"]) for r in rows] == [("global_step1", "failed")]
 
 
+@pytest.mark.slow
 def test_exit_persists_to_a_memory_root(
     start_child: Callable[..., crashkit.Child], tmp_path: Path
 ) -> None:
@@ -100,6 +103,7 @@ def test_exit_persists_to_a_memory_root(
     assert "not persisted" not in child.stderr and "error" not in child.stderr
 
 
+@pytest.mark.slow
 def test_exit_waits_for_a_non_daemon_thread_that_still_saves(
     start_child: Callable[..., crashkit.Child], root: Path
 ) -> None:
@@ -137,6 +141,7 @@ def _signal_status(signum: int) -> int:
     return -signal.SIGINT if signum == signal.SIGINT else 128 + signum
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("first", "second"),
     [
@@ -168,6 +173,7 @@ def test_a_second_signal_during_the_exit_persist_lets_it_finish(
     assert_files_hold_known(folder, 2)
 
 
+@pytest.mark.slow
 def test_a_second_signal_and_a_persist_longer_than_exit_timeout_name_the_checkpoint(
     start_child: Callable[..., crashkit.Child], tmp_path: Path
 ) -> None:
@@ -196,6 +202,7 @@ def test_a_second_signal_and_a_persist_longer_than_exit_timeout_name_the_checkpo
     assert read_committed(Store(folder), "global_step2") is None
 
 
+@pytest.mark.slow
 def test_a_third_signal_abandons_the_exit_persist_and_names_the_checkpoint(
     start_child: Callable[..., crashkit.Child], tmp_path: Path
 ) -> None:

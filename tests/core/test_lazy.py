@@ -91,6 +91,7 @@ def test_a_background_failure_is_raised_by_the_next_call_not_by_step(
     assert nm.get_latest_checkpoint() is None
 
 
+@pytest.mark.slow
 def test_lazy_saves_queued_at_exit_are_committed_and_persisted(tmp_path: Path) -> None:
     root = tmp_path / "persistent"
     script = textwrap.dedent(

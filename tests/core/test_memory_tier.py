@@ -45,6 +45,7 @@ def crash_leaving_step3(start_child: Callable[..., crashkit.Child], root: Path) 
     return folder
 
 
+@pytest.mark.slow
 def test_a_deleted_root_starts_fresh_and_never_sees_the_old_data(
     start_child: Callable[..., crashkit.Child], root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -95,6 +96,7 @@ def test_a_root_created_again_has_another_identity(root: Path) -> None:
     nm.shutdown()
 
 
+@pytest.mark.slow
 def test_a_root_reached_through_a_link_is_the_same_root(
     start_child: Callable[..., crashkit.Child], tmp_path: Path
 ) -> None:
@@ -121,6 +123,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+@pytest.mark.slow
 def test_verify_fails_when_two_tiers_hold_other_bytes_under_one_tag(
     root: Path, memory_tier: Path
 ) -> None:
@@ -177,6 +180,7 @@ print(handle.load("model")["w"].sum().item(), flush=True)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reader", sorted(READS_AND_WAITS))
 def test_a_clean_exit_keeps_what_another_process_is_reading(root: Path, reader: str) -> None:
     # The concurrency campaign caught it: a job's exit removed its whole memory tier while
@@ -254,6 +258,7 @@ def test_keep_memory_tier_keeps_it(root: Path, how: str, monkeypatch: pytest.Mon
     assert nm.list_checkpoints(str(root))[0]["tiers"] == ["memory", "persistent"]
 
 
+@pytest.mark.slow
 def test_after_a_crash_the_tier_stays_until_the_next_init_persisted_it(
     start_child: Callable[..., crashkit.Child], root: Path
 ) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from children.crashkit import committed_tags, save_step
 from jobkit import JobChild, job_env
+from rendezvous import rendezvous
 
 import nebulaml as nm
 from nebulaml.format.names import JOB_PREFIX
@@ -54,6 +55,7 @@ def hold_files(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith(JOB_PREFIX))
 
 
+@pytest.mark.slow
 def test_a_second_job_is_refused_naming_the_holders_host_and_pid(
     root: Path, start_job: Start
 ) -> None:
@@ -66,6 +68,7 @@ def test_a_second_job_is_refused_naming_the_holders_host_and_pid(
     assert "SAVED" not in second.stdout
 
 
+@pytest.mark.slow
 def test_a_refused_job_never_evicts_the_live_jobs_unpersisted_checkpoints(
     root: Path, start_job: Start, memory_tier: Path
 ) -> None:
@@ -81,20 +84,26 @@ def test_a_refused_job_never_evicts_the_live_jobs_unpersisted_checkpoints(
     assert "SAVED" not in second.stdout, second.stdout
 
 
+@pytest.mark.slow
 def test_the_ranks_of_one_job_share_the_root(root: Path, start_job: Start) -> None:
     # What tells one launch from another: torchrun's run id, the rendezvous, or ours.
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "WORLD_SIZE": "2"}
-    for first_env, second_env in (
-        ({"TORCHELASTIC_RUN_ID": "run-7"}, {"TORCHELASTIC_RUN_ID": "run-7"}),
-        ({**rendezvous, "RANK": "0"}, {**rendezvous, "RANK": "1"}),
-        ({"NEBULA_JOB_ID": "my-job"}, {"NEBULA_JOB_ID": "my-job"}),
-    ):
-        first = start_job("hold", root, 0, 3600, **first_env)
-        first.wait_for("READY", 60)
-        other = start_job("hold", root, 0, 3600, **second_env)
-        other.wait_for("READY", 60)  # joined, not refused
-        other.kill()
-        first.kill()
+    with rendezvous(2) as meeting:  # a port of this test's own, bound while it runs
+        served = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": meeting["MASTER_PORT"]}
+        served["WORLD_SIZE"] = "2"
+        for first_env, second_env in (
+            ({"TORCHELASTIC_RUN_ID": "run-7"}, {"TORCHELASTIC_RUN_ID": "run-7"}),
+            (
+                {**served, "WORLD_SIZE": "2", "RANK": "0"},
+                {**served, "WORLD_SIZE": "2", "RANK": "1"},
+            ),
+            ({"NEBULA_JOB_ID": "my-job"}, {"NEBULA_JOB_ID": "my-job"}),
+        ):
+            first = start_job("hold", root, 0, 3600, **first_env)
+            first.wait_for("READY", 60)
+            other = start_job("hold", root, 0, 3600, **second_env)
+            other.wait_for("READY", 60)  # joined, not refused
+            other.kill()
+            first.kill()
 
 
 def test_another_launch_with_another_id_is_refused(root: Path, start_job: Start) -> None:
@@ -105,6 +114,7 @@ def test_another_launch_with_another_id_is_refused(root: Path, start_job: Start)
     assert "job torchelastic:run-a" in second.stdout
 
 
+@pytest.mark.slow
 def test_a_crashed_jobs_hold_is_taken_over_and_its_checkpoints_recovered(
     root: Path, start_job: Start
 ) -> None:
@@ -166,6 +176,7 @@ def test_the_holder_renews_its_hold_and_says_when_it_lost_it(
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_memory_only_jobs_in_one_folder_are_one_at_a_time(start_job: Start) -> None:
     first = start_job("hold", "-", 1, 0)  # "-": no persistent root, the memory tier alone
     first.wait_for("READY", 60)

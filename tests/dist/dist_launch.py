@@ -4,19 +4,14 @@ of the multi-rank tests (test_multirank.py, test_writers.py)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from rendezvous import rendezvous
+
 TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(
@@ -24,12 +19,28 @@ def run_ranks(
 ) -> list[tuple[int, str]]:
     """`world_size` ranks of `child scenario root port`, spread over `nodes` simulated nodes
     (each with a memory tier of its own); each rank's exit code and output, in rank order.
-    Every rank is killed if they are not all done within TIMEOUT_S."""
-    port = free_port()
+    Every rank is killed if they are not all done within TIMEOUT_S. The ranks meet at a
+    store this process serves (tests/rendezvous.py)."""
+    with rendezvous(world_size) as meeting:
+        return _run(child, scenario, root, memory, world_size, nodes, meeting)
+
+
+def _run(
+    child: Path,
+    scenario: str,
+    root: Path,
+    memory: Path,
+    world_size: int,
+    nodes: int,
+    meeting: dict[str, str],
+) -> list[tuple[int, str]]:
+    port = meeting["MASTER_PORT"]
     procs = []
     for rank in range(world_size):
         env = dict(
             os.environ,
+            # The children meet at tcp://127.0.0.1:<port> (their argument), as clients.
+            TORCHELASTIC_USE_AGENT_STORE=meeting["TORCHELASTIC_USE_AGENT_STORE"],
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
             LOCAL_WORLD_SIZE=str(world_size // nodes),

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -50,6 +51,15 @@ def check_every_rank(world_size: int, step: int) -> None:
     check_loaded(latest, world_size, step)
 
 
+def wait_until_persisted(root: str, tag: str, timeout_s: float = 120) -> None:
+    """Until `tag` is committed on the persistent tier (the persister's own doing)."""
+    deadline = time.monotonic() + timeout_s
+    while not (Path(root) / tag / "manifest.json").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{tag} was not persisted within {timeout_s} s")
+        time.sleep(0.05)
+
+
 def main() -> int:
     scenario, root, port = sys.argv[1], sys.argv[2], sys.argv[3]
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -66,6 +76,11 @@ def main() -> int:
         for step in (1, 2, 3):
             save_step(rank, step)
             dist.barrier()
+            if step == 1 and scenario == "nodes":
+                # The persister takes the newest committed checkpoint when it wakes: on a
+                # busy machine global_step2 could come first. Its own persist of 1 first.
+                wait_until_persisted(root, "global_step1")
+                dist.barrier()
         nm.flush_persistence()
         dist.barrier()
         check_every_rank(world_size, 3)

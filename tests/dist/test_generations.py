@@ -41,6 +41,7 @@ def _restarts(tag_dir: Path) -> set[int]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_a_restart_never_commits_a_checkpoint_from_two_generations(
     tmp_path: Path, nodes: int

@@ -21,6 +21,7 @@ def _run_job(
     return run_ranks(CHILD, scenario, root, memory, world_size, nodes=1 if one_node else world_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_rank_saves_its_part_and_the_tag_commits_once(
     tmp_path: Path, memory_tier: Path, world_size: int
@@ -48,6 +49,7 @@ def test_every_rank_saves_its_part_and_the_tag_commits_once(
     assert "persistent" in listed[0]["tiers"]
 
 
+@pytest.mark.slow
 def test_ranks_on_separate_nodes_persist_what_rank_0_persists(
     tmp_path: Path, memory_tier: Path
 ) -> None:
@@ -69,6 +71,7 @@ def test_ranks_on_separate_nodes_persist_what_rank_0_persists(
         assert {i["name"] for i in manifest["items"]} == {"shard_rank0", "shard_rank1", "meta"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_tag_saved_again_commits_only_parts_of_the_new_save(
     tmp_path: Path, memory_tier: Path, world_size: int
@@ -86,6 +89,7 @@ def test_a_tag_saved_again_commits_only_parts_of_the_new_save(
     assert saved.load("meta") == {"step": 2}
 
 
+@pytest.mark.slow
 def test_a_killed_rank_leaves_the_tag_uncommitted_and_others_time_out(
     tmp_path: Path, memory_tier: Path
 ) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from benchmarks.scale import run
+import pytest
 
 
+@pytest.mark.slow
 def test_commit_latency_grows_at_most_linearly() -> None:
     small, large = run([16, 128], repeats=3)
     growth = large["commit_latency_s"] / small["commit_latency_s"]

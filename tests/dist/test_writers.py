@@ -21,6 +21,7 @@ def _run(scenario: str, root: Path, memory: Path, *, nodes: int = 1) -> list[tup
     return run_ranks(CHILD, scenario, root, memory, 2, nodes=nodes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_a_checkpoint_that_rank_0_alone_writes_commits_and_loads_everywhere(
     tmp_path: Path, memory_tier: Path, nodes: int
@@ -44,6 +45,7 @@ def test_a_checkpoint_that_rank_0_alone_writes_commits_and_loads_everywhere(
     assert not list(memory_tier.rglob(".rank-1.json"))
 
 
+@pytest.mark.slow
 def test_a_second_rank_saving_an_item_name_gets_a_clear_error_from_save(
     tmp_path: Path, memory_tier: Path
 ) -> None:
@@ -60,6 +62,7 @@ def test_a_second_rank_saving_an_item_name_gets_a_clear_error_from_save(
     assert not list(root.rglob("manifest.json")) and not list(memory_tier.rglob("manifest.json"))
 
 
+@pytest.mark.slow
 def test_ranks_on_two_nodes_saving_one_item_name_never_commit_it_twice(
     tmp_path: Path, memory_tier: Path
 ) -> None:

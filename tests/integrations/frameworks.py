@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from rendezvous import rendezvous
 
 REPO = Path(__file__).resolve().parents[2]
 EXTRAS = {
@@ -44,12 +44,6 @@ def require(package: str) -> None:
     if in_ci():
         pytest.fail(reason, pytrace=False)
     pytest.skip(reason)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +74,15 @@ def run_ranks(
     argv: list[str], world_size: int, env: dict[str, str], *, timeout_s: float = 240
 ) -> list[Finished]:
     """Run `argv` as `world_size` ranks on this node, as torchrun would set them up; every
-    rank is waited for (and all are killed when one runs past the timeout)."""
-    port = str(free_port())
+    rank is waited for (and all are killed when one runs past the timeout). The ranks meet
+    at a store this process serves (tests/rendezvous.py)."""
+    with rendezvous(world_size) as meeting:
+        return _run_ranks(argv, world_size, dict(env, **meeting), timeout_s)
+
+
+def _run_ranks(
+    argv: list[str], world_size: int, env: dict[str, str], timeout_s: float
+) -> list[Finished]:
     procs = []
     for rank in range(world_size):
         rank_env = dict(
@@ -90,8 +91,6 @@ def run_ranks(
             LOCAL_RANK=str(rank),
             WORLD_SIZE=str(world_size),
             LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
         )
         procs.append(
             subprocess.Popen(

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from frameworks import child_env, require, run_ranks, run_script
+from frameworks import Finished, child_env, require, run_ranks, run_script
+from shared_setup import once
 
 import nebulaml as nm
 import nebulaml.dcp
@@ -91,11 +92,7 @@ def _emptied(obj: Any) -> Any:
 
 
 # two ranks: FSDP2 -------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def fsdp2_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Run the save job on 2 gloo ranks, then the load job on 2 ranks (one run for the
-    module's tests: each job starts 2 Python processes with torch.distributed)."""
-    base = tmp_path_factory.mktemp("fsdp2")
+def _fsdp2(base: Path) -> dict[str, Any]:
     root, out, memory = base / "persistent", base / "out", base / "memory-tier"
     out.mkdir()
     env = child_env(memory)
@@ -103,9 +100,29 @@ def fsdp2_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     loaded = []
     if all(done.returncode == 0 for done in saved):
         loaded = run_ranks([sys.executable, str(CHILD), "load", str(root), str(out)], 2, env)
-    return {"root": root, "out": out, "saved": saved, "loaded": loaded}
+    return {
+        "root": str(root),
+        "out": str(out),
+        "saved": [[done.returncode, done.output] for done in saved],
+        "loaded": [[done.returncode, done.output] for done in loaded],
+    }
 
 
+@pytest.fixture(scope="module")
+def fsdp2_job(shared_root: Path) -> dict[str, Any]:
+    """Run the save job on 2 gloo ranks, then the load job on 2 ranks (once for the whole
+    run, by whichever worker needs it first: each job starts 2 Python processes with
+    torch.distributed)."""
+    done = once(shared_root, "fsdp2", _fsdp2)
+    return {
+        "root": Path(done["root"]),
+        "out": Path(done["out"]),
+        "saved": [Finished(code, output) for code, output in done["saved"]],
+        "loaded": [Finished(code, output) for code, output in done["loaded"]],
+    }
+
+
+@pytest.mark.slow
 def test_fsdp2_saves_one_nebula_checkpoint_through_dcp(fsdp2_job: dict[str, Any]) -> None:
     """dcp.save and dcp.async_save of an FSDP2 state on 2 ranks commit one nebula checkpoint
     each: every rank's shards an item, DCP's metadata an item, one manifest, persisted and
@@ -327,6 +344,7 @@ def test_a_dtensor_in_checkpoint_save_is_refused_clearly(root: Path) -> None:
 
 
 # Lightning ---------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
 def test_lightning_model_parallel_strategy_is_refused_not_skipped(
     tmp_path: Path, memory_tier: Path, package: str

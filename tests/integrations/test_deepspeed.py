@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from frameworks import child_env, require, run_ranks, run_script
+from shared_setup import once
 from typer.testing import CliRunner
 
 import nebulaml as nm
@@ -114,21 +115,24 @@ Job = Callable[..., tuple[Path, dict]]
 
 
 @pytest.fixture(scope="module")
-def ds_jobs(tmp_path_factory: pytest.TempPathFactory) -> Job:
-    """The job of a world size (run once per module), every ZeRO stage in it: DeepSpeed's
-    import alone costs seconds per process. `lazy`: with NEBULA_LAZY_SNAPSHOT=1."""
-    jobs: dict[tuple[int, bool], tuple[Path, dict]] = {}
+def ds_jobs(shared_root: Path) -> Job:
+    """The job of a world size (run once for the whole run, by whichever worker needs it
+    first), every ZeRO stage in it: DeepSpeed's import alone costs seconds per process.
+    `lazy`: with NEBULA_LAZY_SNAPSHOT=1."""
 
     def get(world_size: int, lazy: bool = False) -> tuple[Path, dict]:
-        if (world_size, lazy) not in jobs:
-            base = tmp_path_factory.mktemp(f"ds-world{world_size}{'-lazy' if lazy else ''}")
-            results = _job(base, base / "memory-tier", world_size, STAGES, lazy)
-            jobs[world_size, lazy] = (base, results)
-        return jobs[world_size, lazy]
+        key = f"ds-world{world_size}{'-lazy' if lazy else ''}"
+        results = once(
+            shared_root,
+            key,
+            lambda base: _job(base, base / "memory-tier", world_size, STAGES, lazy),
+        )
+        return shared_root / key, results
 
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world_size", "lazy"), [(1, False), (2, False), (2, True)], ids=["1", "2", "2-lazy"]
 )
@@ -190,6 +194,7 @@ def test_nebula_ls_shows_deepspeeds_checkpoints(
         assert tags == ["global_step4", "global_step2"]
 
 
+@pytest.mark.slow
 def test_outside_deepspeed_its_classes_are_still_refused(
     ds_jobs: Job, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -242,11 +247,8 @@ def test_the_engines_resave_of_a_tag_replaces_it(
     assert torch_nebula.get_checkpoint(tag="best", persist_path=str(root)) is None
 
 
-@pytest.fixture(scope="module")
-def resave_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """ds_child's "resave" then "reload" phases, 2 ranks, RESAVE_STAGES: the per-rank JSON."""
+def _resave(workdir: Path) -> dict[str, list[dict]]:
     require("deepspeed")
-    workdir = tmp_path_factory.mktemp("ds-resave")
     env = child_env(workdir / "memory-tier")
     results: dict[str, list[dict]] = {}
     for phase in ("resave", "reload"):
@@ -257,9 +259,17 @@ def resave_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         results[phase] = [
             json.loads((workdir / f"{phase}-rank{rank}.json").read_text()) for rank in range(2)
         ]
-    return workdir, results
+    return results
 
 
+@pytest.fixture(scope="module")
+def resave_job(shared_root: Path) -> tuple[Path, dict]:
+    """ds_child's "resave" then "reload" phases, 2 ranks, RESAVE_STAGES: the per-rank JSON
+    (run once for the whole run)."""
+    return shared_root / "ds-resave", once(shared_root, "ds-resave", _resave)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", RESAVE_STAGES)
 def test_deepspeed_saving_a_tag_again_replaces_it(
     resave_job: tuple[Path, dict], stage: int, monkeypatch: pytest.MonkeyPatch
@@ -301,6 +311,7 @@ def test_deepspeed_saving_a_tag_again_replaces_it(
         assert items == results["resave"][0][str(stage)]["final_items"]
 
 
+@pytest.mark.slow
 def test_zero_to_fp32_reads_the_save_dir_once_materialized(
     resave_job: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,6 +13,7 @@ from frameworks import REPO, child_env, require, run_script
 EXAMPLES = REPO / "examples"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
 def test_lightning_example(package: str, tmp_path: Path, memory_tier: Path) -> None:
     """Bugs caught: nm.NebulaCheckpointIO / nm.NebulaCallback not resolving to the package
@@ -30,6 +31,7 @@ def test_lightning_example(package: str, tmp_path: Path, memory_tier: Path) -> N
     assert f"lightning example ({package}) passed" in done.output
 
 
+@pytest.mark.slow
 def test_deepspeed_example(tmp_path: Path, memory_tier: Path) -> None:
     """Bugs caught: DeepSpeed's Nebula engine not engaged by the seed's config block, a
     resumed state that differs, checkpoints `nebula ls` does not show."""

@@ -318,6 +318,7 @@ def test_remove_checkpoint_deletes_on_every_tier_but_keeps_labelled_and_newest(
         io.load_checkpoint(tmp_path / "a.ckpt")
 
 
+@pytest.mark.slow
 def test_saving_a_path_again_replaces_its_checkpoint(kit: Kit, tmp_path: Path) -> None:
     """last.ckpt is saved again and again. Bug caught: CheckpointExistsError on the second
     save, or the persister losing the tag while it is replaced (PersistError)."""

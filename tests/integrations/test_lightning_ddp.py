@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from frameworks import REPO, require
+from rendezvous import rendezvous
 
 import nebulaml as nm
 
@@ -32,8 +33,15 @@ def _run(how: str, phase: str, work: Path, memory_tier: Path) -> subprocess.Comp
         PYTHONUNBUFFERED="1",
     )
     argv = [str(CHILD), phase, str(work)]
-    if how == "torchrun":
+    if how == "torchrun":  # --standalone: torchrun binds its own store on a free port
         argv = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", *argv]
+        return _launch(argv, env)
+    # Lightning's launcher takes MASTER_PORT when it is set (else it probes for a port)
+    with rendezvous(2) as meeting:
+        return _launch(argv, dict(env, **meeting))
+
+
+def _launch(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *argv],
         env=env,
@@ -45,6 +53,7 @@ def _run(how: str, phase: str, work: Path, memory_tier: Path) -> subprocess.Comp
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["torchrun", "lightning"])
 def test_ddp_saves_on_rank_0_and_every_rank_resumes_bit_for_bit(
     how: str, tmp_path: Path, memory_tier: Path

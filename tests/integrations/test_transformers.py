@@ -130,6 +130,7 @@ def _crash_and_resume(
 
 
 # the Trainer ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_trainer_resumes_after_sigkill_as_if_never_interrupted(
     tmp_path: Path, memory_tier: Path
 ) -> None:
@@ -178,6 +179,7 @@ def _trainer(tmp_path: Path, callback: Any, **kwargs: Any) -> Any:
     )
 
 
+@pytest.mark.slow
 def test_save_total_limit_is_the_retention_and_a_path_resumes(tmp_path: Path) -> None:
     """Bugs caught: save_total_limit not reaching nebula's retention, a checkpoint path
     (`output/checkpoint-5`, which does not exist) not naming its nebula tag, saving a step
@@ -299,6 +301,7 @@ def test_a_trainer_without_the_callback_is_left_alone(tmp_path: Path) -> None:
 
 
 # DDP ------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # two launches of two ranks: slow only on a crowded machine
 def test_ddp_trainer_saves_through_rank_0_and_resumes_on_both_ranks(
     tmp_path: Path, memory_tier: Path
@@ -341,6 +344,7 @@ def test_ddp_trainer_saves_through_rank_0_and_resumes_on_both_ranks(
 
 
 # Accelerate -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_accelerate_save_state_resumes_after_sigkill(tmp_path: Path, memory_tier: Path) -> None:
     """`nebulaml.accelerate.save_state` every 2 steps, SIGKILL after step 6, `load_state`
     in a fresh process. Bugs caught: any state not restored (model, optimizer, scheduler,

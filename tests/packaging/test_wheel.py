@@ -11,8 +11,9 @@ that library wrote, and the shipped bash completion script.
 About 1 minute on 2 cores (2 minutes when others keep them busy): the build ~8 s; the venv,
 torch (the local wheel pip's config finds) and the wheel's dependencies ~30 s; the commands
 ~15 s; deleting it all ~2 s.
-Everything is written under pytest's tmp_path (TMPDIR too; never in the checkout: the build
-runs in a copy of it) and deleted at the end: the venv alone is ~900 MB.
+Built and installed once for the whole run, by whichever worker needs it first, in the
+run's shared folder (tests/shared_setup.py; TMPDIR too; never in the checkout: the build
+runs in a copy of it), deleted at the run's end: the venv alone is ~900 MB.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import subprocess
 import sys
 import tarfile
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from email.parser import Parser
 from pathlib import Path
 from typing import Any
 
 import pytest
+from shared_setup import once
 
 from nebula_cli.completions import SCRIPT_FILES
 
@@ -145,48 +147,61 @@ def _package_files(src: Path) -> dict[str, str]:
     return files
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    base = tmp_path_factory.mktemp("packaging")
-    assert not base.is_relative_to(CHECKOUT)
+def _build_and_install(base: Path) -> dict[str, str]:
+    """The sdist, the wheel built from that sdist (what `python -m build` does), and a new
+    venv (no system site-packages) with torch==2.13.0, then the wheel and its
+    dependencies, as a user installs them: the paths, as JSON for tests/shared_setup.py."""
     (base / "tmp").mkdir()
-    yield base
-    shutil.rmtree(base, ignore_errors=True)  # pytest keeps 3 runs' folders: not ~900 MB each
-
-
-@pytest.fixture(scope="module")
-def built(work: Path) -> Built:
-    """The sdist, and the wheel built from that sdist (what `python -m build` does)."""
-    src = work / "src"
+    src = base / "src"
     _copy_checkout(src)
-    out = work / "dist"
+    out = base / "dist"
     _run([sys.executable, "-m", "build", "--outdir", out, src],
-         env=_clean_env(work), cwd=work, timeout=300)  # fmt: skip
+         env=_clean_env(base), cwd=base, timeout=300)  # fmt: skip
     [sdist] = out.glob("*.tar.gz")
     [wheel] = out.glob("*.whl")
-    version = wheel.name.split("-")[1]
-    return Built(src=src, sdist=sdist, wheel=wheel, version=version)
-
-
-@pytest.fixture(scope="module")
-def installed(work: Path, built: Built) -> Installed:
-    """A new venv (no system site-packages): torch==2.13.0, then the wheel and its
-    dependencies, as a user installs them."""
-    venv = work / "venv"
-    env = _clean_env(work, venv)
-    _run([sys.executable, "-m", "venv", venv], env=env, cwd=work, timeout=120)
+    venv = base / "venv"
+    env = _clean_env(base, venv)
+    _run([sys.executable, "-m", "venv", venv], env=env, cwd=base, timeout=120)
     # --no-compile: Python compiles what it imports anyway; compiling all of torch, pandas
     # and numpy at install time would double the time this takes (~40 s more on 2 cores).
     pip = [venv / "bin" / "python", "-m", "pip", "install", "--no-compile"]
-    _run([*pip, TORCH], env=env, cwd=work, timeout=300)
-    _run([*pip, built.wheel], env=env, cwd=work, timeout=300)
-    (work / "user").mkdir()
-    return Installed(venv=venv, work=work / "user", env=env, version=built.version)
+    _run([*pip, TORCH], env=env, cwd=base, timeout=300)
+    _run([*pip, wheel], env=env, cwd=base, timeout=300)
+    (base / "user").mkdir()
+    return {"base": str(base), "src": str(src), "sdist": str(sdist), "wheel": str(wheel),
+            "venv": str(venv), "version": wheel.name.split("-")[1]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def packaged(shared_root: Path) -> dict[str, str]:
+    """Built and installed once for the whole run, whichever worker comes first (about
+    a minute of two cores); the run's end deletes it (the venv alone is ~900 MB)."""
+    assert not shared_root.is_relative_to(CHECKOUT)
+    return once(shared_root, "packaging", _build_and_install)
+
+
+@pytest.fixture(scope="module")
+def built(packaged: dict[str, str]) -> Built:
+    return Built(
+        src=Path(packaged["src"]),
+        sdist=Path(packaged["sdist"]),
+        wheel=Path(packaged["wheel"]),
+        version=packaged["version"],
+    )
+
+
+@pytest.fixture(scope="module")
+def installed(packaged: dict[str, str]) -> Installed:
+    base, venv = Path(packaged["base"]), Path(packaged["venv"])
+    return Installed(
+        venv=venv, work=base / "user", env=_clean_env(base, venv), version=packaged["version"]
+    )
 
 
 # The build ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_wheel_holds_every_module_the_completions_license_and_markers(built: Built) -> None:
     # Catches: a subpackage (nebula_cli/commands, a new nebulaml/storage/) missing from the
     # wheel, completions or py.typed not shipped, tests or examples leaking in.
@@ -263,7 +278,7 @@ nm.init(root, persistent_time_interval=0)
 for step in (1, 2):
     ckpt = nm.Checkpoint(f"global_step{step}")
     ckpt.save("model", {"weight": torch.arange(6.0).reshape(2, 3) * step, "step": step})
-nm.flush_persistence()
+    nm.flush_persistence()  # both persisted (else the persister may take the newer alone)
 state = nm.get_latest_checkpoint(root).load("model")
 assert torch.equal(state["weight"], torch.arange(6.0).reshape(2, 3) * 2), state
 assert state["step"] == 2, state
@@ -275,19 +290,25 @@ print(json.dumps({
     "nebula_cli": importlib.util.find_spec("nebula_cli").origin,
     "pytest": importlib.util.find_spec("pytest") is not None,
     "isolated": sys.prefix != sys.base_prefix,
-    "tags": [c["tag"] for c in nm.list_checkpoints()],
+    "tags": [c["tag"] for c in nm.list_checkpoints(hold=False)],  # prune may take one
 }))
 """
 
 
-@pytest.fixture(scope="module")
-def seeded(installed: Installed) -> dict[str, Any]:
-    """The installed library's save, flush and load into a root outside the checkout."""
+def _seed(installed: Installed, folder: Path) -> dict[str, Any]:
     root = installed.work / "run1"
-    script = installed.work / "seed.py"
+    script = folder / "seed.py"
     script.write_text(SEED, encoding="utf-8")
     out = installed.run(installed.python, script, root, timeout=180)
-    return {"root": root, "report": json.loads(out.stdout.strip().splitlines()[-1])}
+    return {"root": str(root), "report": json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+@pytest.fixture(scope="module")
+def seeded(installed: Installed, shared_root: Path) -> dict[str, Any]:
+    """The installed library's save, flush and load into a root outside the checkout
+    (once for the run, as the install)."""
+    done = once(shared_root, "packaging-seed", lambda folder: _seed(installed, folder))
+    return {"root": Path(done["root"]), "report": done["report"]}
 
 
 def test_the_installed_library_saves_and_loads(installed: Installed, seeded: dict) -> None:
@@ -359,6 +380,7 @@ COMMANDS: dict[str, tuple[tuple[str, ...], Callable[[dict, Path], None]]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_each_installed_command_works_on_what_the_library_wrote(
     installed: Installed, seeded: dict, command: str
@@ -372,6 +394,7 @@ def test_each_installed_command_works_on_what_the_library_wrote(
     assert table.stdout.strip(), table.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_the_installed_bash_completion_is_found_and_completes(installed: Installed) -> None:
     # Catches: completions not shipped, or not findable from the installed package.

@@ -26,6 +26,7 @@ def test_corruption_is_always_detected_and_never_loads_wrong_data(tmp_path: Path
         assert figures.counts.get(kind, 0) > 0, kind
 
 
+@pytest.mark.slow
 def test_hostile_pickles_never_run(tmp_path: Path) -> None:
     figures = hostile_pickle_campaign(tmp_path)
     assert figures.failures == []
@@ -34,6 +35,7 @@ def test_hostile_pickles_never_run(tmp_path: Path) -> None:
     assert figures.counts["executed"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lazy", [False, True], ids=["sync", "lazy"])
 def test_sigkill_never_loses_an_acknowledged_checkpoint(tmp_path: Path, lazy: bool) -> None:
     # Random times and named points: after an item, before and after the manifest, after
@@ -49,6 +51,7 @@ def test_sigkill_never_loses_an_acknowledged_checkpoint(tmp_path: Path, lazy: bo
     assert figures.counts.get("recoveries checked", 0) >= 3
 
 
+@pytest.mark.slow
 def test_prune_retention_save_and_load_interleaved_lose_nothing(tmp_path: Path) -> None:
     # A training child saves 60 steps (retention 2); a second child and threads here load
     # random committed tags, some under a held read lease, and prune to the newest.
@@ -67,6 +70,7 @@ def test_prune_retention_save_and_load_interleaved_lose_nothing(tmp_path: Path) 
     assert figures.counts["newest checks"] > 100
 
 
+@pytest.mark.slow
 def test_a_deleted_root_never_sees_its_predecessors_memory_tier(tmp_path: Path) -> None:
     from stale_roots import stale_root_campaign
 
@@ -80,6 +84,7 @@ def test_a_deleted_root_never_sees_its_predecessors_memory_tier(tmp_path: Path) 
     assert figures.counts["tiers left after a clean exit"] == 0
 
 
+@pytest.mark.slow
 def test_signals_during_the_exit_persist_never_lose_a_checkpoint_silently(tmp_path: Path) -> None:
     # SIGTERM or SIGINT, then more during the exit persist (issue #16): persisted with the
     # first signal's status, or named on stderr with status EXIT_NOT_PERSISTED.
@@ -94,6 +99,7 @@ def test_signals_during_the_exit_persist_never_lose_a_checkpoint_silently(tmp_pa
     assert figures.counts["reported not persisted"] == 2
 
 
+@pytest.mark.slow
 def test_clock_steps_never_reorder_latest_or_retention(tmp_path: Path) -> None:
     from clock_steps import clock_steps_campaign
 
@@ -110,6 +116,7 @@ def test_clock_steps_never_reorder_latest_or_retention(tmp_path: Path) -> None:
     assert figures.counts["roots: no step"] >= 1 and figures.counts["roots: same step"] >= 1
 
 
+@pytest.mark.slow
 def test_two_jobs_on_one_root_run_one_at_a_time(tmp_path: Path) -> None:
     from two_jobs import two_jobs_campaign
 
@@ -125,6 +132,7 @@ def test_two_jobs_on_one_root_run_one_at_a_time(tmp_path: Path) -> None:
     assert figures.counts["errors in the trainer"] == 0
 
 
+@pytest.mark.slow
 def test_operators_never_fail_a_running_trainer(tmp_path: Path) -> None:
     from operators import operators_campaign
 

@@ -41,6 +41,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("how", "signum", "status"), CASES, ids=[c[0] for c in CASES])
 def test_pending_checkpoint_is_persisted_on_every_kind_of_exit(
     tmp_path: Path, memory_tier: Path, how: str, signum: int | None, status: int
@@ -89,6 +90,7 @@ def test_an_application_sigterm_handler_is_left_alone(tmp_path: Path, memory_tie
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
 def test_a_second_signal_during_the_exit_persist_does_not_lose_the_checkpoint(
     tmp_path: Path, memory_tier: Path, second: int
