@@ -14,6 +14,7 @@ Example:
 
 from nebulaml._version import __version__
 from nebulaml.api import (
+    PersistenceStatus,
     check_root,
     flush_persistence,
     get_checkpoint,
@@ -23,6 +24,7 @@ from nebulaml.api import (
     list_checkpoints,
     list_incomplete,
     memory_tier_path,
+    persistence_status,
     shutdown,
     wait_for_snapshot,
 )
@@ -118,6 +120,8 @@ __all__ = [
     "execute_prune",
     "export_checkpoint",
     "flush_persistence",
+    "persistence_status",
+    "PersistenceStatus",
     "get_checkpoint",
     "get_latest_checkpoint",
     "get_latest_checkpoint_path",

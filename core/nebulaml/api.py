@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from nebulaml.checkpoint import Checkpoint
@@ -22,6 +23,7 @@ from nebulaml.errors import (
     CheckpointNotFoundError,
     ItemNotFoundError,
     ManifestError,
+    NebulaError,
     PersistTimeoutError,
 )
 from nebulaml.format.manifest import Manifest
@@ -56,8 +58,15 @@ def init(
     is how many checkpoints the persistent tier keeps (default
     `NEBULA_NUM_OF_VERSION_IN_RETENTION`, else 2). Options: `storage_options` (a dict
     for fsspec), `exit_timeout_s` (how long exit waits for a pending persist,
-    default `NEBULA_EXIT_TIMEOUT_S`, else 600) and `lazy_snapshot` (default
-    `NEBULA_LAZY_SNAPSHOT`, else False).
+    default `NEBULA_EXIT_TIMEOUT_S`, else 600), `lazy_snapshot` (default
+    `NEBULA_LAZY_SNAPSHOT`, else False) and `on_persist_error` (default
+    `NEBULA_ON_PERSIST_ERROR`, else "retry").
+
+    The persistent tier never stops training by default: a persist that fails (the store
+    down, the disk full) keeps its checkpoint in the memory tier and is tried again until
+    it is durable, with one warning per outage; `persistence_status()` and
+    `flush_persistence()` tell what is durable. With `on_persist_error="raise"` the
+    failure is raised by the next call into nebula instead, for a job that must stop.
 
     With `lazy_snapshot=True`, `Checkpoint.save` returns at once and the snapshot is
     copied in the background while the next forward and backward run; the next
@@ -297,11 +306,17 @@ def memory_tier_path(persist_path: PathLike | None = None) -> str:
     return tiers_for(persist_path, "memory_tier_path").memory.display()
 
 
-def flush_persistence(tag: str | None = None, timeout_s: float | None = None) -> bool:
+def flush_persistence(
+    tag: str | None = None, timeout_s: float | None = None, *, raise_on_error: bool = True
+) -> bool:
     """Persist `tag` (default: the newest unpersisted checkpoint) now, and wait.
 
     Returns True once it is committed on the persistent tier (or when there was nothing
-    to persist). Raises the persist's error, or `PersistTimeoutError` after `timeout_s`.
+    to persist): never while the newest acknowledged checkpoint is only in memory. While
+    the persistent tier fails, the persist is tried again until `timeout_s` (default: the
+    session's `exit_timeout_s` into the outage); then the last failure is raised, or False
+    is returned with `raise_on_error=False`. Also raises `PersistTimeoutError` after
+    `timeout_s`.
 
     Example:
         >>> import nebulaml as nm, tempfile
@@ -313,15 +328,68 @@ def flush_persistence(tag: str | None = None, timeout_s: float | None = None) ->
         validate_name("tag", tag)
     session = _session.current("flush_persistence")
     persistent = session.tiers.persistent
-    if tag is not None and persistent is not None:
-        durable = read_committed(persistent, tag)
-        in_memory = read_committed(session.tiers.memory, tag)
-        # Already durable, unless the memory tier holds a different (re-saved) version.
-        if durable and (in_memory is None or in_memory.manifest.items == durable.manifest.items):
-            session.persister.raise_pending_error()
-            return True
-    session.persister.flush(tag, timeout_s)
+    try:
+        if tag is not None and persistent is not None:
+            durable = read_committed(persistent, tag) if session.persister.holds(tag) else None
+            in_memory = read_committed(session.tiers.memory, tag)
+            # Already durable, unless the memory tier holds a different (re-saved) version.
+            if durable and (
+                in_memory is None or in_memory.manifest.items == durable.manifest.items
+            ):
+                session.persister.raise_pending_error()
+                return True
+        session.persister.flush(tag, timeout_s)
+    except NebulaError as exc:
+        if raise_on_error:
+            raise
+        log.warning("flush_persistence: %s", exc)
+        return False
     return True
+
+
+@dataclass(frozen=True, slots=True)
+class PersistenceStatus:
+    """What this process's checkpoints have reached (`persistence_status()`).
+
+    `durable`: the newest checkpoint this process made durable (None: none yet);
+    `pending`: acknowledged checkpoints not durable yet (newest last), in the memory tier;
+    `last_error`: why the persistent tier fails, while it does (else None);
+    `failing_since`: since when (UTC, ISO 8601), while it does.
+    """
+
+    durable: str | None
+    pending: tuple[str, ...]
+    last_error: str | None
+    failing_since: str | None
+
+    @property
+    def ok(self) -> bool:
+        """Nothing waiting and nothing failing."""
+        return not self.pending and self.last_error is None
+
+
+def persistence_status() -> PersistenceStatus:
+    """Where this process's checkpoints stand: the newest durable one, those waiting in
+    the memory tier, and whether (and since when) the persistent tier fails. Asks no
+    store: it reports what the background persister knows.
+
+    Example:
+        >>> import nebulaml as nm, tempfile, torch
+        >>> nm.init(tempfile.mkdtemp(), persistent_time_interval=0)
+        >>> nm.Checkpoint("global_step1").save("w", torch.ones(2))
+        >>> nm.flush_persistence()
+        True
+        >>> status = nm.persistence_status()
+        >>> status.durable, status.pending, status.ok
+        ('global_step1', (), True)
+    """
+    state = _session.current("persistence_status", raise_pending=False).persister.status()
+    return PersistenceStatus(
+        durable=state["durable"],  # type: ignore[arg-type]
+        pending=tuple(state["pending"]),  # type: ignore[arg-type]
+        last_error=state["last_error"],  # type: ignore[arg-type]
+        failing_since=state["failing_since"],  # type: ignore[arg-type]
+    )
 
 
 def shutdown(timeout_s: float | None = None) -> None:

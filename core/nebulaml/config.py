@@ -7,6 +7,7 @@
     NEBULA_RANK_TIMEOUT_S               init()'s rank_timeout_s (default 300)
     NEBULA_LAZY_SNAPSHOT                init()'s lazy_snapshot (1/true/yes/on; default off)
     NEBULA_KEEP_MEMORY_TIER             init()'s keep_memory_tier (1/true/yes/on; default off)
+    NEBULA_ON_PERSIST_ERROR             init()'s on_persist_error: "retry" (default) or "raise"
     NEBULA_MEMORY_BUFFER_SIZE           the node's memory budget in bytes (half for checkpoints)
     NEBULA_MEMORY_TIER_PATH             the base folder of this user's memory tiers
     NEBULA_STORAGE_RETRIES              retries of a transient storage error (default 5)
@@ -41,6 +42,7 @@ ENV_EXIT_TIMEOUT = "NEBULA_EXIT_TIMEOUT_S"
 ENV_RANK_TIMEOUT = "NEBULA_RANK_TIMEOUT_S"
 ENV_LAZY = "NEBULA_LAZY_SNAPSHOT"
 ENV_KEEP_MEMORY_TIER = "NEBULA_KEEP_MEMORY_TIER"
+ENV_ON_PERSIST_ERROR = "NEBULA_ON_PERSIST_ERROR"
 ENV_MEMORY_BUFFER = "NEBULA_MEMORY_BUFFER_SIZE"
 ENV_MEMORY_TIER_PATH = "NEBULA_MEMORY_TIER_PATH"
 ENV_STORAGE_RETRIES = "NEBULA_STORAGE_RETRIES"
@@ -67,7 +69,12 @@ KNOWN_OPTIONS = (
     "rank_timeout_s",
     "lazy_snapshot",
     "keep_memory_tier",
+    "on_persist_error",
 )
+# What a failed persist does: "retry" (the default: the memory tier keeps the checkpoint and
+# the persister tries again until it is durable; training is never stopped) or "raise" (the
+# next call into nebula raises the failure, as a job that must stop on it wants).
+PERSIST_ERROR_MODES = ("retry", "raise")
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -83,6 +90,7 @@ class Config:
     storage_options: tuple[tuple[str, Any], ...] = ()
     lazy_snapshot: bool = False
     keep_memory_tier: bool = False
+    on_persist_error: str = "retry"
 
 
 def _number(value: object, source: str, kind: type, minimum: float) -> Any:
@@ -157,6 +165,13 @@ def resolve_config(
         keep = os.environ.get(ENV_KEEP_MEMORY_TIER, "0").strip().lower() in _TRUE
     if not isinstance(keep, bool):
         raise InvalidArgumentError(f"keep_memory_tier must be True or False, not {keep!r}")
+    on_error = options.get("on_persist_error")
+    if on_error is None:
+        on_error = os.environ.get(ENV_ON_PERSIST_ERROR, "").strip().lower() or "retry"
+    if on_error not in PERSIST_ERROR_MODES:
+        raise InvalidArgumentError(
+            f"on_persist_error must be one of {', '.join(PERSIST_ERROR_MODES)}, not {on_error!r}"
+        )
     storage_options = options.get("storage_options") or {}
     if not isinstance(storage_options, dict):
         raise InvalidArgumentError("storage_options must be a dict")
@@ -169,6 +184,7 @@ def resolve_config(
         storage_options=tuple(sorted(storage_options.items())),
         lazy_snapshot=lazy,
         keep_memory_tier=keep,
+        on_persist_error=on_error,
     )
 
 

@@ -104,7 +104,11 @@ def test_retries_are_bounded_then_the_caller_gets_a_storage_error(
 ) -> None:
     # Catches: retrying forever (training hangs), a raw azure exception escaping the
     # boundary, a half-committed tag, and a persist failure that kills training.
-    nm.init(az_url, persistent_time_interval=3600, storage_options=options)
+    # The storage boundary's bound, seen through the opt-in contract (by default the
+    # persister tries again after it: test_azure_outage.py).
+    nm.init(
+        az_url, persistent_time_interval=3600, storage_options=options, on_persist_error="raise"
+    )
     _save(1)
     nm.flush_persistence()
     proxy.inject(Fault("status", 1000, "PUT", "global_step2/manifest.json", status=503))

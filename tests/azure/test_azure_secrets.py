@@ -32,6 +32,7 @@ def _sig(sas: str) -> str:
     return dict(urllib.parse.parse_qsl(sas))["sig"]
 
 
+@pytest.mark.slow
 def test_no_secret_anywhere(
     azurite: Azurite,
     tmp_path: Path,
@@ -78,6 +79,7 @@ def test_no_secret_anywhere(
     nm.init(
         f"{root}-denied",
         persistent_time_interval=3600,
+        on_persist_error="raise",  # raised once, then shut down quietly
         storage_options={
             "account_name": ACCOUNT,
             "sas_token": read_only_sas,

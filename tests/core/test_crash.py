@@ -50,6 +50,7 @@ def assert_loads_known(ckpt: nm.Checkpoint | None, step: int) -> None:
 
 
 # a crash before the manifest ---------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("n_items", [1, 2], ids=["between-items", "before-manifest"])
 def test_sigkill_before_the_manifest_leaves_the_previous_checkpoint_latest(
     start_child: Callable[..., crashkit.Child], root: Path, n_items: int
@@ -81,6 +82,7 @@ def test_sigkill_before_the_manifest_leaves_the_previous_checkpoint_latest(
 
 
 # a crash in the middle of the persist -------------------------------------------------------
+@pytest.mark.slow
 def test_sigkill_during_the_persist_leaves_it_uncommitted_and_the_next_init_finishes_it(
     start_child: Callable[..., crashkit.Child], tmp_path: Path
 ) -> None:
@@ -117,6 +119,7 @@ def test_sigkill_during_the_persist_leaves_it_uncommitted_and_the_next_init_fini
 
 
 # recovery after a crash ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_after_a_crash_the_next_init_persists_the_newest_memory_checkpoint(
     start_child: Callable[..., crashkit.Child], root: Path
 ) -> None:
@@ -139,6 +142,7 @@ def test_after_a_crash_the_next_init_persists_the_newest_memory_checkpoint(
     assert "global_step2" not in {tag for tag, status in persists if status != "skipped"}
 
 
+@pytest.mark.slow
 def test_flush_waits_for_the_checkpoint_that_init_recovered(
     start_child: Callable[..., crashkit.Child], root: Path
 ) -> None:
@@ -172,7 +176,8 @@ def test_a_failed_persist_is_raised_once_by_the_next_flush(
     crashkit.register(
         protocol, mode="fail", fail_errno=fail_errno, fault_tags=frozenset({"global_step1"})
     )
-    nm.init(f"{protocol}://{folder}", persistent_time_interval=0)
+    # The opt-in contract: a job that must stop when a persist fails.
+    nm.init(f"{protocol}://{folder}", persistent_time_interval=0, on_persist_error="raise")
     save_step(1)
 
     with pytest.raises(nm.PersistError) as caught:
@@ -197,7 +202,8 @@ def test_a_failed_persist_is_raised_by_the_next_save_and_training_goes_on(tmp_pa
     fs = crashkit.register(
         protocol, mode="fail", fail_errno=errno.EIO, fault_tags=frozenset({"global_step1"})
     )
-    nm.init(f"{protocol}://{folder}", persistent_time_interval=0)
+    # The opt-in contract: a job that must stop when a persist fails.
+    nm.init(f"{protocol}://{folder}", persistent_time_interval=0, on_persist_error="raise")
     save_step(1)
     # The persister writes the failed row only after it has kept the error for the next call.
     crashkit.wait_for_history(fs, str(folder / HISTORY_FILE), lambda t: ",failed," in t, TIMEOUT_S)
@@ -213,6 +219,7 @@ def test_a_failed_persist_is_raised_by_the_next_save_and_training_goes_on(tmp_pa
     assert_files_hold_known(folder, 2)
 
 
+@pytest.mark.slow
 def test_a_labelled_checkpoint_a_crash_left_unpersisted_is_persisted_on_restart(
     start_child: Callable[..., crashkit.Child], tmp_path: Path
 ) -> None:

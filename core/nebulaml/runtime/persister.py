@@ -19,12 +19,24 @@ Not for: the commit protocol itself (commit.py) or process-wide state (session.p
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
-from nebulaml.errors import NebulaError, PersistError, PersistTimeoutError
+from nebulaml.errors import (
+    CheckpointStateError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    ManifestError,
+    NebulaError,
+    PersistError,
+    PersistTimeoutError,
+    RankTimeoutError,
+    StorageFullError,
+)
 from nebulaml.format.manifest import parse_marker, utc_now
 from nebulaml.format.names import marker_name, order_key, step_of
 from nebulaml.protocol.catalog import highest_sequence, list_committed, read_committed
@@ -37,11 +49,64 @@ from nebulaml.protocol.tiers import TierSet
 from nebulaml.protocol.transfer import copy_part
 from nebulaml.runtime.ranks import RankInfo
 from nebulaml.runtime.slots import SlotPool
+from nebulaml.storage.retry import is_transient
 from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
 
 FOLLOW_POLL_S = 0.2  # how often a follower looks for rank 0's persisted markers
+RETRY_FIRST_S = 0.5  # the first wait after a failed persist ("retry"), doubling
+RETRY_MAX_S = 30.0  # the longest wait between two tries
+HISTORY_KEPT = 10_000  # history rows kept while their store fails
+
+
+@dataclass(slots=True)
+class Outage:
+    """The persistent tier failing: since when (monotonic, and UTC for people), and the
+    last failure."""
+
+    started: float
+    since_utc: str
+    error: PersistError
+    # No retry can fix the last failure (a permission refused, a corrupt memory copy, a
+    # rank's part that never comes): flush() raises it at once, and exit gives up.
+    hopeless: bool = False
+
+
+# What a store or a disk gets over by itself: a full disk freed or grown, an I/O error of a
+# network filesystem, a store that does not answer (refused or reset, timeouts, 5xx).
+_PASSING_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN,
+     errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH}
+)  # fmt: skip
+
+
+def may_pass(error: BaseException) -> bool:
+    """Whether trying again later may succeed: what the persistent tier's failure is made
+    of, down its chain of causes.
+
+    Example:
+        >>> import errno
+        >>> from nebulaml.errors import StorageFullError, RankTimeoutError
+        >>> may_pass(StorageFullError("disk full")), may_pass(PermissionError(13, "denied"))
+        (True, False)
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, StorageFullError):
+            return True
+        if isinstance(current, (RankTimeoutError, CheckpointStateError, CorruptCheckpointError,
+                                ManifestError, CommitConflictError)):  # fmt: skip
+            return False
+        if not isinstance(current, NebulaError):
+            if isinstance(current, OSError) and current.errno in _PASSING_ERRNOS:
+                return True
+            if is_transient(current):
+                return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class Persister:
@@ -65,8 +130,15 @@ class Persister:
         ranks: RankInfo | None = None,
         rank_timeout_s: float = 300.0,
         pool: SlotPool | None = None,
+        on_error: str = "retry",
+        give_up_s: float = 600.0,
     ) -> None:
         self.tiers = tiers
+        # "retry": a failed persist keeps its checkpoint queued (the memory tier keeps it)
+        # and is tried again with a capped backoff until it is durable; "raise": it is
+        # reported once, on the next call into the library, and dropped.
+        self.on_error = on_error
+        self.give_up_s = give_up_s  # how long flush() waits out an outage by default
         self.pool = pool  # evicted memory-tier files go back to it for reuse
         self.interval_s = interval_s
         self.retention = retention
@@ -87,7 +159,17 @@ class Persister:
         self._last_start: float | None = None
         self._done: dict[str, BaseException | None] = {}
         self._error: PersistError | None = None
+        # The persistent tier failing ("retry"): since when, the last error, when to try
+        # again, and the next backoff. Warned once per outage, and once when it ends.
+        self._outage: Outage | None = None
+        self._retry_at: float | None = None
+        self._backoff_s = RETRY_FIRST_S
+        self._failed_once: set[str] = set()  # tags with a `failed` row in this outage
+        self._gave_up = False  # exiting, and the last try failed: what is left stays
+        self._inflight_forced = False
+        self._durable: str | None = None  # the newest tag this process made durable
         self._rows: list[HistoryRow] = []
+        self._history_retry_at: float | None = None  # the history's store failed: not before
         self._retention_lock = threading.Lock()  # the thread and a streamed commit apply it
         self._stopping = False
         self._history_lock = threading.Lock()  # flush() and the thread both append
@@ -95,7 +177,11 @@ class Persister:
         # then each persist's and retention's): a memory-tier commit takes a higher one,
         # so that "newest" is one order on both tiers (`sequence_floor`).
         persistent = tiers.persistent
-        self._sequence = highest_sequence(persistent) if persistent is not None else 0
+        committed = list_committed(persistent) if persistent is not None else []
+        self._sequence = max((c.sequence for c in committed), default=0)
+        # What the persistent tier holds, as this job knows it (its start's listing, then
+        # each persist and retention): a save asks this, never the store (`holds`).
+        self._durable_tags: set[str] = {c.tag for c in committed}
         self._thread = threading.Thread(target=self._run, name="nebula-persister", daemon=True)
         self._thread.start()
 
@@ -144,6 +230,7 @@ class Persister:
         with self._cond:
             self._rows.append(row)
             self._leaders[tag] = leader
+            self._durable_tags.add(tag)
             # The streamed commit is the later one: it supersedes a pending tag of a step
             # no higher (a tag-only key orders by step; tags without one compare equal).
             if self._pending is not None and order_key(self._pending)[0] <= order_key(tag)[0]:
@@ -188,11 +275,32 @@ class Persister:
         if error is not None:
             raise error
 
+    def holds(self, tag: str) -> bool:
+        """Whether the persistent tier holds `tag` committed, as this job knows it: no
+        request to the store (a save asks this on the training thread)."""
+        with self._cond:
+            return tag in self._durable_tags
+
+    def status(self) -> dict[str, object]:
+        """What is durable and what is not (`nm.persistence_status()`)."""
+        with self._cond:
+            outage = self._outage
+            waiting = [t for t in (self._inflight, *self._forced, self._pending) if t]
+            waiting += [t for t in self._candidates if t not in waiting]
+            return {
+                "durable": self._durable,
+                "pending": list(dict.fromkeys(waiting)),
+                "last_error": str(outage.error) if outage is not None else None,
+                "failing_since": outage.since_utc if outage is not None else None,
+            }
+
     def flush(self, tag: str | None = None, timeout_s: float | None = None) -> str | None:
         """Persist `tag` (default: the newest unpersisted one) now and wait for it.
 
         Returns the tag persisted, or None when there was nothing to persist. Raises the
-        persist's `PersistError`, or `PersistTimeoutError` after `timeout_s`.
+        persist's `PersistError`, or `PersistTimeoutError` after `timeout_s`. While the
+        persistent tier fails, the persist is tried again until it lands; the last failure
+        is raised once `timeout_s` (None: `give_up_s` into the outage) has passed.
         """
         self.raise_pending_error()
         with self._cond:
@@ -216,13 +324,20 @@ class Persister:
                 while target not in self._done:
                     if not self._thread.is_alive():
                         raise PersistTimeoutError(f"the persister stopped before {target!r}")
+                    outage = self._outage
+                    if outage is not None and (outage.hopeless or self._gave_up):
+                        raise outage.error  # no retry can fix it: said now
+                    if deadline is None and outage is not None:
+                        deadline = outage.started + self.give_up_s
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
+                        if outage is not None:
+                            raise outage.error  # still failing: not durable
                         raise PersistTimeoutError(
                             f"persisting {target!r} to {self.tiers.display} did not finish "
                             f"within {timeout_s} s"
                         )
-                    self._cond.wait(timeout=left if left is not None else 1.0)
+                    self._cond.wait(timeout=min(left, 1.0) if left is not None else 1.0)
                 result = self._done[target]
                 if isinstance(result, PersistError) and result is self._error:
                     self._error = None  # reported here, not again on the next call
@@ -320,9 +435,9 @@ class Persister:
                 self._pending = None
             self._cond.notify_all()
         self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            with self._cond:
-                return self._inflight or (self._forced[0] if self._forced else None)
+        with self._cond:
+            if self._thread.is_alive() or self._gave_up:
+                return self._inflight or (self._forced[0] if self._forced else self._pending)
         return None
 
     @property
@@ -377,6 +492,9 @@ class Persister:
 
     def _next_tag(self) -> str | None:
         """Under the lock: the tag to persist now, or None to keep waiting."""
+        if self._retry_at is not None and time.monotonic() < self._retry_at:
+            return None  # the persistent tier failed: not before the backoff is over
+        self._inflight_forced = bool(self._forced)
         if self._forced:
             tag = self._forced.pop(0)
             if tag in self._candidates:
@@ -384,7 +502,12 @@ class Persister:
             return tag
         if self._pending is None or self._follows(self._pending):
             return None
-        due = self._last_start is None or (time.monotonic() - self._last_start >= self.interval_s)
+        # During an outage the backoff paces the tries, not the interval.
+        due = (
+            self._last_start is None
+            or self._outage is not None
+            or time.monotonic() - self._last_start >= self.interval_s
+        )
         if due or self._stopping:
             tag, self._pending = self._pending, None
             return tag
@@ -397,19 +520,16 @@ class Persister:
             with self._cond:
                 while True:
                     tag = self._next_tag()
-                    if tag is not None or self._rows or self._finished():
+                    if tag is not None or self._rows_due() or self._finished():
                         break
                     if self._candidates and self.tiers.persistent is not None:
                         probe = list(self._candidates)
                         break
-                    wait = None
-                    if self._pending is not None and self._last_start is not None:
-                        wait = max(0.0, self._last_start + self.interval_s - time.monotonic())
-                    self._cond.wait(timeout=wait)
+                    self._cond.wait(timeout=self._wait_s())
                 if tag is not None:
                     self._inflight = tag
                     self._last_start = time.monotonic()
-                wrote = bool(self._rows)
+                wrote = self._rows_due()
                 finished = tag is None and not wrote and not probe and self._finished()
             self._write_history()
             if finished:
@@ -422,17 +542,86 @@ class Persister:
             error = self._persist(tag)
             with self._cond:
                 self._inflight = None
-                self._done[tag] = error
-                if tag != self._pending and tag not in self._forced + self._candidates:
-                    self._leaders.pop(tag, None)
-                if error is not None:
-                    self._error = error
+                if error is not None and self.on_error == "retry":
+                    self._retry_later(tag, error)
+                else:
+                    self._done[tag] = error
+                    if tag != self._pending and tag not in self._forced + self._candidates:
+                        self._leaders.pop(tag, None)
+                    if error is not None:
+                        self._error = error
+                    else:
+                        self._landed(tag)
                 self._cond.notify_all()
             if error is None:
                 try:
                     self.evict_memory()
                 except NebulaError as exc:
                     log.warning("could not evict old memory-tier copies: %s", exc)
+
+    def _wait_s(self) -> float | None:
+        """Under the lock: how long the thread may sleep before something is due (None:
+        until notified)."""
+        now = time.monotonic()
+        due: list[float] = []
+        if self._pending is not None and self._last_start is not None:
+            due.append(self._last_start + self.interval_s)
+        if self._retry_at is not None and (self._pending or self._forced):
+            due.append(self._retry_at)
+        if self._rows and self._history_retry_at is not None:
+            due.append(self._history_retry_at)
+        return max(0.0, min(due) - now) if due else None
+
+    def _rows_due(self) -> bool:
+        """Under the lock: history rows to append, and the history's store not in its
+        backoff after a failure."""
+        retry = self._history_retry_at
+        return bool(self._rows) and (retry is None or time.monotonic() >= retry)
+
+    def _retry_later(self, tag: str, error: PersistError) -> None:
+        """Under the lock: the persist of `tag` failed ("retry"): it stays queued where it
+        was (a newer commit still supersedes an unlabelled one), and the thread tries again
+        after a capped backoff. The first failure of an outage is warned about."""
+        now = time.monotonic()
+        hopeless = not may_pass(error)
+        if self._outage is None:
+            self._outage = Outage(started=now, since_utc=utc_now(), error=error)
+            self._outage.hopeless = hopeless
+            log.warning(
+                "could not persist %r to %s: %s. The memory tier keeps it and nebula tries "
+                "again (every %.0f s at most) until it is durable; training goes on",
+                tag, self.tiers.display, error.__cause__ or error, RETRY_MAX_S,
+            )  # fmt: skip
+        else:
+            self._outage.error, self._outage.hopeless = error, hopeless
+            log.debug("persist of %r failed again: %s", tag, error)
+        if self._stopping:
+            # Exiting: this was the last try. The memory tier keeps the checkpoint for the
+            # next init on this node; the exit names it and the failure.
+            self._error = error
+            self._gave_up = True
+        self._retry_at = now + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, RETRY_MAX_S)
+        if self._inflight_forced:
+            if tag not in self._forced:
+                self._forced.insert(0, tag)
+        elif self._pending is None:
+            self._pending = tag
+        # else: a newer commit came meanwhile and is persisted instead (this one skipped)
+
+    def _landed(self, tag: str) -> None:
+        """Under the lock: `tag` is durable; an outage, if any, is over."""
+        self._durable_tags.add(tag)
+        if self._durable is None or order_key(tag, "") >= order_key(self._durable, ""):
+            self._durable = tag
+        outage, self._outage = self._outage, None
+        self._retry_at, self._backoff_s = None, RETRY_FIRST_S
+        self._failed_once.clear()
+        if outage is not None:
+            log.warning(
+                "the persistent tier %s works again after %.0f s: %r is durable",
+                self.tiers.display, time.monotonic() - outage.started, tag,
+            )  # fmt: skip
 
     def _follow_leader(self, candidates: list[str]) -> None:
         """Queue the candidates their leader has started to persist; drop older ones it
@@ -478,6 +667,8 @@ class Persister:
                 self._cond.wait(timeout=FOLLOW_POLL_S)
 
     def _finished(self) -> bool:
+        if self._stopping and self._gave_up:
+            return True
         return (
             self._stopping and self._pending is None and not self._forced and not self._candidates
         )
@@ -530,8 +721,14 @@ class Persister:
             error = PersistError(tag, persistent.url, exc)
             error.__cause__ = exc
         if error is not None:
-            log.error("%s", error)
+            if self.on_error == "raise":
+                log.error("%s", error)
             self._discard_partial(tag)
+            with self._cond:
+                repeated = self.on_error == "retry" and tag in self._failed_once
+                self._failed_once.add(tag)
+            if repeated:
+                return error  # its `failed` row is written; the `ok` row comes when it lands
         row = make_row(
             tag=tag,
             step=step_of(tag),
@@ -571,9 +768,13 @@ class Persister:
                 Version(c.tag, c.committed_at, c.manifest.labels, c.sequence) for c in committed
             ]
             self._note_sequence(max((v.sequence for v in versions), default=0))
+            with self._cond:
+                self._durable_tags = {v.tag for v in versions}
             for tag in plan_retention(versions, self.retention, {just_persisted}):
                 try:
                     delete_checkpoint(persistent, tag)
+                    with self._cond:
+                        self._durable_tags.discard(tag)
                 except NebulaError as exc:
                     # Tidying, after the persist: an older checkpoint that could not go now
                     # (a prune deleting it too, say) goes at the next persist's retention.
@@ -602,11 +803,22 @@ class Persister:
             try:
                 append_rows(self.tiers.history_store, rows)
             except NebulaError as exc:
-                # The history is a report, not a checkpoint: losing rows must not fail
-                # training, but it is said.
-                log.warning(
-                    "could not append %d row(s) to the checkpoint history: %s", len(rows), exc
-                )
+                # The history is a report, not a checkpoint: it must not fail training. Its
+                # rows wait for the store (at most HISTORY_KEPT of them), and it is said.
+                with self._cond:
+                    first = self._history_retry_at is None
+                    self._rows[:0] = rows
+                    del self._rows[:-HISTORY_KEPT]
+                    self._history_retry_at = time.monotonic() + RETRY_MAX_S
+                if first:
+                    log.warning(
+                        "could not append %d row(s) to the checkpoint history (kept, and "
+                        "tried again): %s", len(rows), exc,
+                    )  # fmt: skip
+            else:
+                if self._history_retry_at is not None:
+                    with self._cond:
+                        self._history_retry_at = None
 
 
 PERSIST_NICE = 10

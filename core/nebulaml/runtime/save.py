@@ -32,7 +32,6 @@ from nebulaml.errors import (
 from nebulaml.format.manifest import ItemEntry, Manifest, utc_now
 from nebulaml.format.names import step_of, writer_marker_name
 from nebulaml.format.serialization import estimate_bytes, to_saveable
-from nebulaml.protocol.catalog import read_committed
 from nebulaml.protocol.commit import (
     await_commit,
     begin_tag,
@@ -171,7 +170,9 @@ class SaveJob:
     def _begin(self, session: Session, t0: float) -> None:
         tiers = session.tiers
         persistent = tiers.persistent
-        if not self.overwrite and persistent and read_committed(persistent, self.tag):
+        # What the persistent tier holds, as the session knows it: never a request to the
+        # store on the training thread (it may be down, or slow).
+        if not self.overwrite and persistent and session.persister.holds(self.tag):
             raise CheckpointExistsError(persistent.url, self.tag)
         self._started_at, self._t0 = utc_now(), t0
         # The job's generation (agreed with the other ranks at the first save), and which

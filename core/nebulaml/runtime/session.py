@@ -94,6 +94,8 @@ class Session:
             ranks=self._ranks,
             rank_timeout_s=config.rank_timeout_s,
             pool=self.pool,
+            on_error=config.on_persist_error,
+            give_up_s=config.exit_timeout_s,
         )
         self.budget = MemoryBudget(
             limit, pool=self.pool, persister=self.persister, wait_s=config.exit_timeout_s

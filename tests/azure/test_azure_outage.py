@@ -1,0 +1,105 @@
+"""Azure Blob Storage goes away in the middle of training (issue #27), on a real Azurite
+of this test's own: stopped cleanly (its data survives) and started again on the same
+port, or suspended with SIGSTOP (requests hang instead of failing) and resumed. Every save
+during the outage returns within 3x a healthy save (or 2 s) and none raises;
+`flush_persistence()` does not report success while the newest is only in RAM; once the
+store is back the newest acknowledged checkpoint lands by itself and loads bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import azurite as azurite_server
+import pytest
+import torch
+from azurite import Azurite
+
+import nebulaml as nm
+
+MB = 1 << 20
+CONTAINER = "outage"
+
+
+@pytest.fixture
+def own_azurite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Azurite]:
+    """An Azurite for this test alone (the test stops it), and its credentials."""
+    if azurite_server.binary() is None:
+        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
+            pytest.fail(azurite_server.MISSING, pytrace=False)
+        pytest.skip(azurite_server.MISSING)
+    server = Azurite(tmp_path / "azurite", log_path=tmp_path / "azurite.log").start()
+    server.create_container(CONTAINER)
+    for var in ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY",
+                "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_ANON"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", server.connection_string)
+    monkeypatch.setenv("NEBULA_STORAGE_RETRIES", "2")
+    monkeypatch.setenv("NEBULA_STORAGE_RETRY_BASE_S", "0.05")
+    monkeypatch.setenv("NEBULA_STORAGE_RETRY_MAX_S", "0.2")
+    yield server
+    if server.proc is not None and server.proc.poll() is None:
+        os.killpg(server.proc.pid, signal.SIGCONT)
+    server.stop()
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((MB // 4,), float(step)), "step": torch.tensor(step)}
+
+
+def _save(step: int) -> float:
+    t0 = time.perf_counter()
+    nm.Checkpoint(f"global_step{step}").save("model", _state(step))
+    return time.perf_counter() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["stopped", "suspended"])
+def test_an_outage_never_stops_training_and_the_newest_lands_when_the_store_is_back(
+    own_azurite: Azurite, how: str
+) -> None:
+    """Bugs caught (main): every save during the outage blocking 10-14 s and then raising
+    StorageError (the save asked the store whether its tag was committed); a failed
+    persist dropped, so the newest acknowledged checkpoint never reached the store."""
+    url = f"az://{CONTAINER}/{uuid.uuid4().hex[:12]}"
+    nm.init(url, persistent_time_interval=0, exit_timeout_s=60)
+    healthy = [_save(step) for step in (1, 2, 3)]
+    assert nm.flush_persistence(timeout_s=60) is True
+    proc = own_azurite.proc
+    assert proc is not None
+    if how == "stopped":
+        own_azurite.stop()
+    else:
+        os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        during = []
+        for step in range(4, 10):
+            during.append(_save(step))
+            time.sleep(0.1)
+        assert max(during) < max(3 * max(healthy), 2.0), (healthy, during)
+        assert nm.flush_persistence(timeout_s=1, raise_on_error=False) is False
+        status = nm.persistence_status()
+        assert status.pending and status.pending[-1] == "global_step9", status
+        assert status.durable == "global_step3", status
+    finally:
+        if how == "stopped":
+            own_azurite.restart()
+        else:
+            os.killpg(proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 90
+    while nm.persistence_status().durable != "global_step9":  # no call but the status
+        assert time.monotonic() < deadline, nm.persistence_status()
+        time.sleep(0.1)
+    assert nm.persistence_status().ok
+    nm.shutdown(timeout_s=60)  # all durable: the memory tier is released
+    listed = nm.list_checkpoints(url, hold=False)
+    assert listed[0]["tag"] == "global_step9" and listed[0]["tiers"] == ["persistent"], listed
+    latest = nm.get_latest_checkpoint(url)
+    assert latest is not None and latest.tag == "global_step9"
+    loaded = latest.load("model")
+    assert torch.equal(loaded["w"], _state(9)["w"]) and int(loaded["step"]) == 9
