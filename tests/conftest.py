@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import azurite as azurite_server
@@ -47,17 +47,27 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
 
 
 @pytest.fixture
-def azure_env(azurite: Azurite, monkeypatch: pytest.MonkeyPatch) -> Azurite:
-    """Credentials for Azurite in the environment (AZURE_STORAGE_CONNECTION_STRING), and
-    short retries, as a job on Azure would have them."""
-    for var in ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY",
-                "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_ANON"):  # fmt: skip
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string)
-    monkeypatch.setenv("NEBULA_STORAGE_RETRIES", "3")
-    monkeypatch.setenv("NEBULA_STORAGE_RETRY_BASE_S", "0.05")
-    monkeypatch.setenv("NEBULA_STORAGE_RETRY_MAX_S", "0.2")
-    return azurite
+def point_at_azurite(monkeypatch: pytest.MonkeyPatch) -> Callable[[Azurite], Azurite]:
+    """Put an Azurite's credentials in the environment (AZURE_STORAGE_CONNECTION_STRING),
+    with short retries, as a job on Azure would have them (undone after the test)."""
+
+    def point(server: Azurite) -> Azurite:
+        for var in ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY",
+                    "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_ANON"):  # fmt: skip
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", server.connection_string)
+        monkeypatch.setenv("NEBULA_STORAGE_RETRIES", "3")
+        monkeypatch.setenv("NEBULA_STORAGE_RETRY_BASE_S", "0.05")
+        monkeypatch.setenv("NEBULA_STORAGE_RETRY_MAX_S", "0.2")
+        return server
+
+    return point
+
+
+@pytest.fixture
+def azure_env(azurite: Azurite, point_at_azurite: Callable[[Azurite], Azurite]) -> Azurite:
+    """The session's Azurite, its credentials in the environment (`point_at_azurite`)."""
+    return point_at_azurite(azurite)
 
 
 @pytest.fixture

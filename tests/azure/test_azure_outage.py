@@ -12,50 +12,36 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import azurite as azurite_server
 import pytest
 import torch
 from azurite import Azurite
+from outage_kit import state, timed_save, wait_durable
 
 import nebulaml as nm
 
-MB = 1 << 20
 CONTAINER = "outage"
 
 
 @pytest.fixture
-def own_azurite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Azurite]:
-    """An Azurite for this test alone (the test stops it), and its credentials."""
+def own_azurite(
+    tmp_path: Path, point_at_azurite: Callable[[Azurite], Azurite]
+) -> Iterator[Azurite]:
+    """An Azurite for this test alone (the test stops it), its credentials in the
+    environment."""
     if azurite_server.binary() is None:
         if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
             pytest.fail(azurite_server.MISSING, pytrace=False)
         pytest.skip(azurite_server.MISSING)
     server = Azurite(tmp_path / "azurite", log_path=tmp_path / "azurite.log").start()
     server.create_container(CONTAINER)
-    for var in ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY",
-                "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_ANON"):  # fmt: skip
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", server.connection_string)
-    monkeypatch.setenv("NEBULA_STORAGE_RETRIES", "2")
-    monkeypatch.setenv("NEBULA_STORAGE_RETRY_BASE_S", "0.05")
-    monkeypatch.setenv("NEBULA_STORAGE_RETRY_MAX_S", "0.2")
-    yield server
+    yield point_at_azurite(server)
     if server.proc is not None and server.proc.poll() is None:
         os.killpg(server.proc.pid, signal.SIGCONT)
     server.stop()
-
-
-def _state(step: int) -> dict[str, torch.Tensor]:
-    return {"w": torch.full((MB // 4,), float(step)), "step": torch.tensor(step)}
-
-
-def _save(step: int) -> float:
-    t0 = time.perf_counter()
-    nm.Checkpoint(f"global_step{step}").save("model", _state(step))
-    return time.perf_counter() - t0
 
 
 @pytest.mark.slow
@@ -68,7 +54,7 @@ def test_an_outage_never_stops_training_and_the_newest_lands_when_the_store_is_b
     persist dropped, so the newest acknowledged checkpoint never reached the store."""
     url = f"az://{CONTAINER}/{uuid.uuid4().hex[:12]}"
     nm.init(url, persistent_time_interval=0, exit_timeout_s=60)
-    healthy = [_save(step) for step in (1, 2, 3)]
+    healthy = [timed_save(step) for step in (1, 2, 3)]
     assert nm.flush_persistence(timeout_s=60) is True
     proc = own_azurite.proc
     assert proc is not None
@@ -79,7 +65,7 @@ def test_an_outage_never_stops_training_and_the_newest_lands_when_the_store_is_b
     try:
         during = []
         for step in range(4, 10):
-            during.append(_save(step))
+            during.append(timed_save(step))
             time.sleep(0.1)
         assert max(during) < max(3 * max(healthy), 2.0), (healthy, during)
         assert nm.flush_persistence(timeout_s=1, raise_on_error=False) is False
@@ -91,10 +77,7 @@ def test_an_outage_never_stops_training_and_the_newest_lands_when_the_store_is_b
             own_azurite.restart()
         else:
             os.killpg(proc.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 90
-    while nm.persistence_status().durable != "global_step9":  # no call but the status
-        assert time.monotonic() < deadline, nm.persistence_status()
-        time.sleep(0.1)
+    wait_durable("global_step9")  # no call but the status
     assert nm.persistence_status().ok
     nm.shutdown(timeout_s=60)  # all durable: the memory tier is released
     listed = nm.list_checkpoints(url, hold=False)
@@ -102,4 +85,4 @@ def test_an_outage_never_stops_training_and_the_newest_lands_when_the_store_is_b
     latest = nm.get_latest_checkpoint(url)
     assert latest is not None and latest.tag == "global_step9"
     loaded = latest.load("model")
-    assert torch.equal(loaded["w"], _state(9)["w"]) and int(loaded["step"]) == 9
+    assert torch.equal(loaded["w"], state(9)["w"]) and int(loaded["step"]) == 9

@@ -11,16 +11,14 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from outage_kit import MB, state, timed_save, wait_durable
 
 import nebulaml as nm
-
-MB = 1 << 20
 
 
 def _cannot(what: str, stderr: str) -> None:
@@ -44,23 +42,6 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def _state(step: int) -> dict[str, torch.Tensor]:
-    return {"w": torch.full((MB // 4,), float(step)), "step": torch.tensor(step)}
-
-
-def _save(step: int) -> float:
-    t0 = time.perf_counter()
-    nm.Checkpoint(f"global_step{step}").save("model", _state(step))
-    return time.perf_counter() - t0
-
-
-def _wait_durable(tag: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while nm.persistence_status().durable != tag:
-        assert time.monotonic() < deadline, nm.persistence_status()
-        time.sleep(0.05)
-
-
 def _history(root: Path) -> list[dict[str, str]]:
     with open(root / "checkpointHistories.csv", newline="") as f:
         return [r for r in csv.DictReader(f) if r["tier"] == "persistent"]
@@ -74,12 +55,12 @@ def test_a_full_disk_never_stops_training_and_the_newest_lands_once_it_grows(
     the old error instead of trying again, and the acknowledged newest never persisted."""
     root = small_disk / "root"
     nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=2)
-    healthy = [_save(step) for step in (1, 2)]
+    healthy = [timed_save(step) for step in (1, 2)]
     assert nm.flush_persistence() is True
     filler = small_disk / "filler"
     free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
     filler.write_bytes(b"\0" * max(0, free - MB // 2))  # room for no checkpoint
-    during = [_save(step) for step in range(3, 9)]  # none raises
+    during = [timed_save(step) for step in range(3, 9)]  # none raises
     assert max(during) < max(3 * max(healthy), 2.0), (healthy, during)
     assert nm.flush_persistence(timeout_s=1, raise_on_error=False) is False
     with pytest.raises(nm.PersistError, match="global_step8"):
@@ -89,9 +70,9 @@ def test_a_full_disk_never_stops_training_and_the_newest_lands_once_it_grows(
     assert status.last_error and status.failing_since and not status.ok
     assert not (root / "global_step8" / "manifest.json").exists()
     _mount(["-o", f"remount,size={40 * MB}", str(small_disk)])  # grown, nothing else said
-    _wait_durable("global_step8")
+    wait_durable("global_step8")
     loaded = torch.load(root / "global_step8" / "model", weights_only=True)
-    assert torch.equal(loaded["w"], _state(8)["w"]) and int(loaded["step"]) == 8
+    assert torch.equal(loaded["w"], state(8)["w"]) and int(loaded["step"]) == 8
     assert nm.persistence_status().ok
     assert nm.flush_persistence(timeout_s=30) is True
     nm.shutdown(timeout_s=30)
@@ -106,12 +87,12 @@ def test_on_persist_error_raise_stops_the_loop_as_asked(small_disk: Path) -> Non
     #27, for a job that must stop rather than train on unpersisted)."""
     root = small_disk / "root"
     nm.init(str(root), persistent_time_interval=0, on_persist_error="raise")
-    _save(1)
+    timed_save(1)
     assert nm.flush_persistence() is True
     free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
     (small_disk / "filler").write_bytes(b"\0" * max(0, free - MB // 2))
     with pytest.raises(nm.PersistError, match="global_step2"):
-        _save(2)
+        timed_save(2)
         nm.flush_persistence(timeout_s=30)
 
 

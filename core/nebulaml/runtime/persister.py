@@ -605,9 +605,13 @@ class Persister:
         if self._inflight_forced:
             if tag not in self._forced:
                 self._forced.insert(0, tag)
-        elif self._pending is None:
+            return
+        # An unlabelled one waits again, unless a newer commit came meanwhile (pending, or
+        # taken by a flush): that one is persisted instead, this one skipped.
+        key = order_key(tag, "")
+        newer = [t for t in (self._pending, *self._forced) if t and order_key(t, "") > key]
+        if not newer and self._pending is None:
             self._pending = tag
-        # else: a newer commit came meanwhile and is persisted instead (this one skipped)
 
     def _landed(self, tag: str) -> None:
         """Under the lock: `tag` is durable; an outage, if any, is over."""
