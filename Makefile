@@ -12,10 +12,11 @@ AZURITE := .azurite/node_modules/.bin/azurite-blob
 
 # The suite runs in parallel workers (pytest-xdist): each starts with an even share of the
 # tests, in the order they are collected, and a worker that runs out takes half of the
-# longest queue. 4 workers on 2 cores: many tests wait on child processes, a store or a
-# signal. What several tests share (a built wheel, a DeepSpeed job) is made once for the
-# run: tests/shared_setup.py.
-WORKERS ?= 4
+# longest queue. 2 workers on 2 cores: the suite is bound by CPU (child processes that
+# import torch and the frameworks), and more workers only add contention (rank timeouts
+# under load). What several tests share (a built wheel, a DeepSpeed job) is made once for
+# the run: tests/shared_setup.py.
+WORKERS ?= 2
 PYTEST  := $(PY) -m pytest -n $(WORKERS) --dist worksteal
 
 $(STAMP): pyproject.toml

@@ -53,7 +53,7 @@ def test_an_outage_never_stops_training_and_the_newest_lands_when_the_store_is_b
     StorageError (the save asked the store whether its tag was committed); a failed
     persist dropped, so the newest acknowledged checkpoint never reached the store."""
     url = f"az://{CONTAINER}/{uuid.uuid4().hex[:12]}"
-    nm.init(url, persistent_time_interval=0, exit_timeout_s=60)
+    nm.init(url, persistent_time_interval=0, exit_timeout_s=60, on_persist_error="retry")
     healthy = [timed_save(step) for step in (1, 2, 3)]
     assert nm.flush_persistence(timeout_s=60) is True
     proc = own_azurite.proc

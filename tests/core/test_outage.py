@@ -54,7 +54,12 @@ def test_a_full_disk_never_stops_training_and_the_newest_lands_once_it_grows(
     reporting success with the newest only in RAM; after the disk grew, flush raising
     the old error instead of trying again, and the acknowledged newest never persisted."""
     root = small_disk / "root"
-    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=2)
+    nm.init(
+        str(root),
+        persistent_time_interval=0,
+        num_of_version_in_retention=2,
+        on_persist_error="retry",
+    )
     healthy = [timed_save(step) for step in (1, 2)]
     assert nm.flush_persistence() is True
     filler = small_disk / "filler"
@@ -83,8 +88,8 @@ def test_a_full_disk_never_stops_training_and_the_newest_lands_once_it_grows(
 
 
 def test_on_persist_error_raise_stops_the_loop_as_asked(small_disk: Path) -> None:
-    """The opt-in: the next call into nebula raises the failure (the contract before
-    #27, for a job that must stop rather than train on unpersisted)."""
+    """The other mode: the next call into nebula raises the failure (for a job that
+    must stop rather than train on unpersisted checkpoints)."""
     root = small_disk / "root"
     nm.init(str(root), persistent_time_interval=0, on_persist_error="raise")
     timed_save(1)

@@ -130,7 +130,7 @@ class Persister:
         ranks: RankInfo | None = None,
         rank_timeout_s: float = 300.0,
         pool: SlotPool | None = None,
-        on_error: str = "retry",
+        on_error: str = "raise",
         give_up_s: float = 600.0,
     ) -> None:
         self.tiers = tiers
