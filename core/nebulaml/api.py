@@ -60,13 +60,13 @@ def init(
     for fsspec), `exit_timeout_s` (how long exit waits for a pending persist,
     default `NEBULA_EXIT_TIMEOUT_S`, else 600), `lazy_snapshot` (default
     `NEBULA_LAZY_SNAPSHOT`, else False) and `on_persist_error` (default
-    `NEBULA_ON_PERSIST_ERROR`, else "retry").
+    `NEBULA_ON_PERSIST_ERROR`, else "raise").
 
-    The persistent tier never stops training by default: a persist that fails (the store
-    down, the disk full) keeps its checkpoint in the memory tier and is tried again until
-    it is durable, with one warning per outage; `persistence_status()` and
-    `flush_persistence()` tell what is durable. With `on_persist_error="raise"` the
-    failure is raised by the next call into nebula instead, for a job that must stop.
+    A persist that fails (the store down, the disk full) is raised by the next call into
+    nebula (`on_persist_error="raise"`, the default). With `on_persist_error="retry"` the
+    persistent tier never stops training: the checkpoint stays in the memory tier and is
+    tried again until it is durable, with one warning per outage; `persistence_status()`
+    and `flush_persistence()` tell what is durable.
 
     With `lazy_snapshot=True`, `Checkpoint.save` returns at once and the snapshot is
     copied in the background while the next forward and backward run; the next
