@@ -51,6 +51,17 @@ def check_every_rank(world_size: int, step: int) -> None:
     check_loaded(latest, world_size, step)
 
 
+def meet(folder: Path, rank: int, world_size: int, timeout_s: float = 120) -> None:
+    """A barrier through files: every rank's file in `folder`, or TimeoutError."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / str(rank)).touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(folder.iterdir())) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank started within {timeout_s} s")
+        time.sleep(0.02)
+
+
 def wait_until_persisted(root: str, tag: str, timeout_s: float = 120) -> None:
     """Until `tag` is committed on the persistent tier (the persister's own doing)."""
     deadline = time.monotonic() + timeout_s
@@ -111,6 +122,9 @@ def main() -> int:
         dist.destroy_process_group()
     elif scenario == "kill":
         nm.init(root, persistent_time_interval=0, rank_timeout_s=3)
+        # The ranks start together (no process group here): on a busy machine one that
+        # came up 3 s late would time the others out of global_step1.
+        meet(Path(root).parent / "started", rank, int(os.environ["WORLD_SIZE"]))
         save_step(rank, 1)
         nm.flush_persistence()
         if rank == 1:
