@@ -12,10 +12,11 @@ Not for: per-worker set-up (Azurite: one per worker, a session fixture).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +55,14 @@ def once(root: Path, key: str, make: Callable[[Path], Any]) -> Any:
             raise
         result.write_text(json.dumps({"value": value}), encoding="utf-8")
         return value
+
+
+@contextlib.contextmanager
+def one_at_a_time(root: Path, what: str) -> Iterator[None]:
+    """While the block runs, no other worker runs a block of the same `what`: for jobs that
+    must not overlap on one node (DeepSpeed's CPU all-reduce works through shared memory,
+    and two jobs at once starved a rank past its 60 s rank timeout)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{what}.serial.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

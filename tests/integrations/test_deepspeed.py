@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from frameworks import child_env, require, run_ranks, run_script
-from shared_setup import once
+from shared_setup import once, one_at_a_time
 from typer.testing import CliRunner
 
 import nebulaml as nm
@@ -122,11 +122,12 @@ def ds_jobs(shared_root: Path) -> Job:
 
     def get(world_size: int, lazy: bool = False) -> tuple[Path, dict]:
         key = f"ds-world{world_size}{'-lazy' if lazy else ''}"
-        results = once(
-            shared_root,
-            key,
-            lambda base: _job(base, base / "memory-tier", world_size, STAGES, lazy),
-        )
+
+        def make(base: Path) -> dict:
+            with one_at_a_time(shared_root, "deepspeed"):
+                return _job(base, base / "memory-tier", world_size, STAGES, lazy)
+
+        results = once(shared_root, key, make)
         return shared_root / key, results
 
     return get
@@ -249,6 +250,11 @@ def test_the_engines_resave_of_a_tag_replaces_it(
 
 def _resave(workdir: Path) -> dict[str, list[dict]]:
     require("deepspeed")
+    with one_at_a_time(workdir.parent, "deepspeed"):
+        return _resave_phases(workdir)
+
+
+def _resave_phases(workdir: Path) -> dict[str, list[dict]]:
     env = child_env(workdir / "memory-tier")
     results: dict[str, list[dict]] = {}
     for phase in ("resave", "reload"):

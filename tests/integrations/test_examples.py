@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from frameworks import REPO, child_env, require, run_script
+from shared_setup import one_at_a_time
 
 EXAMPLES = REPO / "examples"
 
@@ -32,14 +33,15 @@ def test_lightning_example(package: str, tmp_path: Path, memory_tier: Path) -> N
 
 
 @pytest.mark.slow
-def test_deepspeed_example(tmp_path: Path, memory_tier: Path) -> None:
+def test_deepspeed_example(tmp_path: Path, memory_tier: Path, shared_root: Path) -> None:
     """Bugs caught: DeepSpeed's Nebula engine not engaged by the seed's config block, a
     resumed state that differs, checkpoints `nebula ls` does not show."""
     require("deepspeed")
     root = tmp_path / "run"
-    done = run_script(
-        [str(EXAMPLES / "deepspeed_train.py"), "--root", str(root)], child_env(memory_tier)
-    )
+    with one_at_a_time(shared_root, "deepspeed"):  # never beside another DeepSpeed job
+        done = run_script(
+            [str(EXAMPLES / "deepspeed_train.py"), "--root", str(root)], child_env(memory_tier)
+        )
     assert done.returncode == 0, done.output[-5000:]
     assert "checkpoint engine NebulaCheckpointEngine" in done.output
     assert (
