@@ -50,7 +50,7 @@ test: venv $(AZURITE)
 	@start=$$(date +%s); $(PYTEST); rc=$$?; \
 		echo "pytest: $$(( $$(date +%s) - start )) s"; exit $$rc
 
-# The fast loop for developers (about 2 minutes on 2 cores): ruff and the tests not marked
+# The fast loop for developers (about 4 minutes on 2 cores): ruff and the tests not marked
 # slow. make test and CI run everything.
 check: venv $(AZURITE)
 	$(VENV)/bin/ruff check .
