@@ -43,7 +43,9 @@ TMP = tempfile.gettempdir()
 # Another process's files (an editor's, a shell's, a compiler's) never fail a run.
 SUITE_PREFIXES = ("nebula-", "torchelastic_", "torch_", "deepspeed", "azurite", "__azurite")
 _SEEN = "nebula_leaks_seen"  # xdist: each worker's first sightings, sent to the controller
-_seen_key = pytest.StashKey[dict[str, str]]()
+# path -> the tests during which it appeared: one per worker that saw it appear (several
+# workers' tests run at once, and each of them saw it; the one that left it is among them).
+_seen_key = pytest.StashKey[dict[str, list[str]]]()
 _before_key = pytest.StashKey[set[str]]()
 
 
@@ -73,7 +75,7 @@ def _is_worker(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_seen_key] = {}  # path -> the test after which it was first seen
+    config.stash[_seen_key] = {}
     if not _is_worker(config):
         config.stash[_before_key] = _snapshot()
 
@@ -84,15 +86,15 @@ def pytest_testnodedown(node: object, error: object) -> None:
     seen = getattr(node, "workeroutput", {}).get(_SEEN)
     config = getattr(node, "config", None)
     if seen and config is not None:
-        for path, test in json.loads(seen).items():
-            config.stash[_seen_key].setdefault(path, test)
+        for path, tests in json.loads(seen).items():
+            config.stash[_seen_key].setdefault(path, []).extend(tests)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The leak guard: nothing with a suite prefix is new in /dev/shm or the temporary
     folder when every worker is done; what is names the test after which it appeared."""
     config = session.config
-    seen: dict[str, str] = config.stash[_seen_key]
+    seen: dict[str, list[str]] = config.stash[_seen_key]
     if _is_worker(config):
         config.workeroutput[_SEEN] = json.dumps(seen)  # type: ignore[attr-defined]
         return
@@ -104,7 +106,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     left = sorted(_snapshot() - config.stash[_before_key])
     if not left:
         return
-    lines = [f"  {path} (first seen after {seen.get(path, 'the session set-up')})" for path in left]
+    lines = [f"  {path} ({_culprits(seen.get(path, []))})" for path in left]
     message = "the test suite left these behind:\n" + "\n".join(lines)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
@@ -115,6 +117,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def _culprits(tests: list[str]) -> str:
+    """Which test left a file: the one during which it appeared, or those that ran at
+    the same time in parallel workers (it is one of them)."""
+    if not tests:
+        return "appeared outside any test: a session's set-up or a process that outlived its test"
+    if len(tests) == 1:
+        return f"appeared during {tests[0]}"
+    return f"appeared during one of {', '.join(sorted(tests))}: they ran at the same time"
+
+
 @pytest.fixture(autouse=True)
 def _watch_for_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
     """Notes what appears in /dev/shm and the temporary folder during each test, so that
@@ -123,7 +135,7 @@ def _watch_for_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     seen = request.config.stash[_seen_key]
     for path in _snapshot() - before:
-        seen.setdefault(path, request.node.nodeid)
+        seen.setdefault(path, [request.node.nodeid])
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -175,6 +187,7 @@ def memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
         "NEBULA_STORAGE_RETRY_BASE_S",
         "NEBULA_STORAGE_RETRY_MAX_S",
         "NEBULA_JOB_ID",
+        "NEBULA_ON_PERSIST_ERROR",
     ):
         monkeypatch.delenv(var, raising=False)
     yield base

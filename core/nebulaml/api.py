@@ -60,13 +60,15 @@ def init(
     for fsspec), `exit_timeout_s` (how long exit waits for a pending persist,
     default `NEBULA_EXIT_TIMEOUT_S`, else 600), `lazy_snapshot` (default
     `NEBULA_LAZY_SNAPSHOT`, else False) and `on_persist_error` (default
-    `NEBULA_ON_PERSIST_ERROR`, else "raise").
+    `NEBULA_ON_PERSIST_ERROR`, else "retry").
 
-    A persist that fails (the store down, the disk full) is raised by the next call into
-    nebula (`on_persist_error="raise"`, the default). With `on_persist_error="retry"` the
-    persistent tier never stops training: the checkpoint stays in the memory tier and is
-    tried again until it is durable, with one warning per outage; `persistence_status()`
-    and `flush_persistence()` tell what is durable.
+    The persistent tier never stops training (`on_persist_error="retry"`, the default): a
+    persist that fails (the store down, the disk full) leaves the checkpoint in the memory
+    tier, and it is tried again until it is durable, with one warning per outage;
+    `persistence_status()` and `flush_persistence()` tell what is durable, and exit says
+    what is not. A store that does not answer at `init` is connected in the background
+    (the job checkpoints to the memory tier only until then). With
+    `on_persist_error="raise"` a failed persist is raised by the next call into nebula.
 
     With `lazy_snapshot=True`, `Checkpoint.save` returns at once and the snapshot is
     copied in the background while the next forward and backward run; the next

@@ -7,7 +7,7 @@
     NEBULA_RANK_TIMEOUT_S               init()'s rank_timeout_s (default 300)
     NEBULA_LAZY_SNAPSHOT                init()'s lazy_snapshot (1/true/yes/on; default off)
     NEBULA_KEEP_MEMORY_TIER             init()'s keep_memory_tier (1/true/yes/on; default off)
-    NEBULA_ON_PERSIST_ERROR             init()'s on_persist_error: "raise" (default) or "retry"
+    NEBULA_ON_PERSIST_ERROR             init()'s on_persist_error: "retry" (default) or "raise"
     NEBULA_MEMORY_BUFFER_SIZE           the node's memory budget in bytes (half for checkpoints)
     NEBULA_MEMORY_TIER_PATH             the base folder of this user's memory tiers
     NEBULA_STORAGE_RETRIES              retries of a transient storage error (default 5)
@@ -90,7 +90,7 @@ class Config:
     storage_options: tuple[tuple[str, Any], ...] = ()
     lazy_snapshot: bool = False
     keep_memory_tier: bool = False
-    on_persist_error: str = "raise"
+    on_persist_error: str = "retry"
 
 
 def _number(value: object, source: str, kind: type, minimum: float) -> Any:
@@ -167,7 +167,7 @@ def resolve_config(
         raise InvalidArgumentError(f"keep_memory_tier must be True or False, not {keep!r}")
     on_error = options.get("on_persist_error")
     if on_error is None:
-        on_error = os.environ.get(ENV_ON_PERSIST_ERROR, "").strip().lower() or "raise"
+        on_error = os.environ.get(ENV_ON_PERSIST_ERROR, "").strip().lower() or "retry"
     if on_error not in PERSIST_ERROR_MODES:
         raise InvalidArgumentError(
             f"on_persist_error must be one of {', '.join(PERSIST_ERROR_MODES)}, not {on_error!r}"

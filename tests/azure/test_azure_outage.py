@@ -86,3 +86,45 @@ def test_an_outage_never_stops_training_and_the_newest_lands_when_the_store_is_b
     assert latest is not None and latest.tag == "global_step9"
     loaded = latest.load("model")
     assert torch.equal(loaded["w"], state(9)["w"]) and int(loaded["step"]) == 9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["stopped", "suspended"])
+def test_a_store_down_at_init_starts_memory_only_and_persists_once_it_is_back(
+    own_azurite: Azurite, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bugs caught (main): init raising StorageError after its retries (stopped) or
+    hanging on them (suspended): the job could not even checkpoint to RAM."""
+    url = f"az://{CONTAINER}/{uuid.uuid4().hex[:12]}"
+    proc = own_azurite.proc
+    assert proc is not None
+    if how == "stopped":
+        own_azurite.stop()
+    else:
+        os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        nm.init(url, persistent_time_interval=0, exit_timeout_s=60)  # the default: retry
+        took = time.perf_counter() - t0
+        assert took < 10, took  # a bounded wait for the store, never its retries
+        during = [timed_save(step) for step in range(1, 5)]
+        assert max(during) < 2.0, during
+        said = [r.getMessage() for r in caplog.records if "memory tier only" in r.getMessage()]
+        assert len(said) == 1, said
+        assert nm.flush_persistence(timeout_s=1, raise_on_error=False) is False
+        status = nm.persistence_status()
+        assert status.pending[-1] == "global_step4" and status.durable is None, status
+        assert status.failing_since and status.last_error and not status.ok, status
+    finally:
+        if how == "stopped":
+            own_azurite.restart()
+        else:
+            os.killpg(proc.pid, signal.SIGCONT)
+    wait_durable("global_step4")
+    nm.shutdown(timeout_s=60)
+    listed = nm.list_checkpoints(url, hold=False)
+    assert listed[0]["tag"] == "global_step4" and listed[0]["tiers"] == ["persistent"], listed
+    latest = nm.get_latest_checkpoint(url)
+    assert latest is not None and latest.tag == "global_step4"
+    loaded = latest.load("model")
+    assert torch.equal(loaded["w"], state(4)["w"]) and int(loaded["step"]) == 4

@@ -41,10 +41,12 @@ def _populate(root: Path) -> None:
             # A file where the persist must create the tag's folder: a real storage fault.
             (root / "global_step400").write_text("in the way")
             with pytest.raises(nm.PersistError, match="global_step400"):
-                nm.flush_persistence(timeout_s=60)
+                nm.flush_persistence(timeout_s=60)  # no retry moves the file: said at once
         else:
             nm.flush_persistence(timeout_s=60)
-    nm.shutdown(timeout_s=60)  # every history row is written by now
+    with pytest.raises(nm.PersistError, match="global_step400"):
+        nm.shutdown(timeout_s=60)  # its last try failed too: not durable, said again
+    # Every history row is written by now: global_step400's `failed` row once.
 
 
 def _file_rows(root: Path) -> list[dict[str, str]]:

@@ -9,6 +9,7 @@ itself (no other call), bit for bit, and the history says `failed`, then `ok`.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -87,6 +88,31 @@ def test_a_full_disk_never_stops_training_and_the_newest_lands_once_it_grows(
     assert len([r for r in rows if r[1] == "failed"]) <= 6  # one per tag, not per try
 
 
+def test_a_disk_full_at_init_starts_memory_only_and_persists_once_it_grows(
+    small_disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bug caught (main): init raised StorageFullError (the root's identity could not be
+    written): the job could not start, not even to checkpoint into RAM. The default mode,
+    no option given."""
+    root = small_disk / "root"
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    (small_disk / "filler").write_bytes(b"\0" * free)  # not a byte left
+    nm.init(str(root), persistent_time_interval=0)
+    during = [timed_save(step) for step in (1, 2, 3)]
+    assert max(during) < 2.0, during
+    said = [r.getMessage() for r in caplog.records if "memory tier only" in r.getMessage()]
+    assert len(said) == 1, said
+    assert nm.flush_persistence(timeout_s=1, raise_on_error=False) is False
+    status = nm.persistence_status()
+    assert status.pending[-1] == "global_step3" and status.durable is None, status
+    _mount(["-o", f"remount,size={40 * MB}", str(small_disk)])
+    wait_durable("global_step3")
+    nm.shutdown(timeout_s=30)
+    loaded = torch.load(root / "global_step3" / "model", weights_only=True)
+    assert torch.equal(loaded["w"], state(3)["w"]) and int(loaded["step"]) == 3
+    assert (root / ".nebula-root-id.json").exists()
+
+
 def test_on_persist_error_raise_stops_the_loop_as_asked(small_disk: Path) -> None:
     """The other mode: the next call into nebula raises the failure (for a job that
     must stop rather than train on unpersisted checkpoints)."""
@@ -104,3 +130,28 @@ def test_on_persist_error_raise_stops_the_loop_as_asked(small_disk: Path) -> Non
 def test_a_bad_on_persist_error_is_refused(tmp_path: Path) -> None:
     with pytest.raises(nm.InvalidArgumentError, match="on_persist_error"):
         nm.init(str(tmp_path / "root"), on_persist_error="ignore")
+
+
+def test_a_root_identity_deleted_mid_run_is_given_back_and_the_jobs_copies_stay_its_own(
+    tmp_path: Path,
+) -> None:
+    """Bug caught (main): with the root's identity file gone (an emulator reset, an
+    operator), `nebula ls` called the job's own memory copies stale (their root "is
+    gone") and left them out; nothing gave the identity back."""
+    root = tmp_path / "root"
+    nm.init(str(root), persistent_time_interval=0)
+    timed_save(1)
+    assert nm.flush_persistence() is True
+    identity = root / ".nebula-root-id.json"
+    before = json.loads(identity.read_text())["id"]
+    identity.unlink()
+    timed_save(2)
+    assert nm.flush_persistence() is True
+    assert json.loads(identity.read_text())["id"] == before  # the same, not a new root
+    listed = nm.list_checkpoints(str(root), hold=False)
+    assert listed[0]["tag"] == "global_step2", listed
+    assert "memory" in listed[0]["tiers"], listed  # the job's own copy: not stale
+    nm.shutdown(timeout_s=30)
+    latest = nm.get_latest_checkpoint(str(root))
+    assert latest is not None and latest.tag == "global_step2"
+    assert torch.equal(latest.load("model")["w"], state(2)["w"])

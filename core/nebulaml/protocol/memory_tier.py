@@ -162,16 +162,19 @@ def _read_json(store: Store, name: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def root_identity(persistent: Store, *, create: bool = False) -> str | None:
+def root_identity(
+    persistent: Store, *, create: bool = False, new_id: str | None = None
+) -> str | None:
     """The identity of a persistent root; None when it has none (and `create` is False).
-    With `create`, a root without one gets one, create-only: of several ranks or jobs
-    opening a new root at once, all end up with the same."""
+    With `create`, a root without one gets one (`new_id`, else a new random one),
+    create-only: of several ranks or jobs opening a new root at once, all end up with the
+    same."""
     doc = _read_json(persistent, ROOT_ID_FILE)
     if doc is not None and isinstance(doc.get("id"), str):
         return str(doc["id"])
     if not create:
         return None
-    new = {"id": uuid.uuid4().hex, "created_at": utc_now()}
+    new = {"id": new_id or uuid.uuid4().hex, "created_at": utc_now()}
     try:
         persistent.publish((ROOT_ID_FILE,), json.dumps(new).encode(), create_only=True)
         return str(new["id"])

@@ -90,15 +90,19 @@ def open_tiers(
 def claim_tiers(
     persistent_path: str | os.PathLike[str] | None,
     storage_options: dict[str, Any] | None = None,
+    *,
+    identify: bool = True,
+    root_id: str | None = None,
 ) -> tuple[TierSet, TierHold]:
     """The tiers of a session that writes: the persistent root created with its identity,
     the memory tier checked private (`UnsafeMemoryTierError` otherwise) and held
     (`TierHold`). A stale memory tier (an earlier root's at this location) is released
     first, with one warning naming the root, its tags and bytes; one that a live session
-    of that earlier root still holds is refused."""
+    of that earlier root still holds is refused. Without `identify` the persistent tier
+    is not asked: `root_id` is its identity as the caller learned it (None: not known,
+    and the memory tier is not judged stale)."""
     persistent = None if persistent_path is None else Store(persistent_path, storage_options)
-    root_id = None
-    if persistent is not None:
+    if persistent is not None and identify:
         persistent.make_dir()
         try:
             root_id = root_identity(persistent, create=True)

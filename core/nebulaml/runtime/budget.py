@@ -26,6 +26,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nebulaml.errors import PersistError
+
 if TYPE_CHECKING:
     from nebulaml.runtime.persister import Persister
     from nebulaml.runtime.slots import SlotPool
@@ -114,8 +116,15 @@ class MemoryBudget:
         persister.evict_memory(superseded_newest=True)
         if (short := self._shortfall(name, size_bytes)) is None:
             return None
-        # Older copies go once they are persisted: persist the pending one now, and wait.
-        persister.flush(timeout_s=self.wait_s)
+        # Older copies go once they are persisted: persist the pending one now, and wait;
+        # never while the persistent tier fails (training does not wait on it: the item
+        # goes around the memory tier, or its save says why it cannot).
+        if not persister.failing():
+            try:
+                persister.flush(timeout_s=self.wait_s, wait_out=False)
+            except PersistError:
+                if persister.on_error == "raise":
+                    raise
         persister.evict_memory(superseded_newest=True)
         pool.trim(keep_name=name)
         if (short := self._shortfall(name, size_bytes)) is None:

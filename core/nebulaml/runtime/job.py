@@ -21,8 +21,9 @@ A job is identified, first that applies:
 On this host a process that the holder's process started joins the holder's job, whatever
 its own id (a launcher's first rank calls `init` before it knows it is one of several).
 
-May import: every layer below runtime, `nebulaml.config` and runtime.ranks. Not for: the
-hold's files and who counts as alive (protocol/holds.py), or the session (session.py).
+May import: every layer below runtime, `nebulaml.config`, runtime.outage and runtime.ranks.
+Not for: the hold's files and who counts as alive (protocol/holds.py), or the session
+(session.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from nebulaml.config import (
 from nebulaml.errors import NebulaError, RootInUseError
 from nebulaml.protocol.holds import RENEW_S, NodeClaim, RootLease
 from nebulaml.protocol.tiers import TierSet
+from nebulaml.runtime.outage import may_pass
 from nebulaml.runtime.ranks import RankInfo
 
 log = logging.getLogger("nebulaml")
@@ -123,12 +125,24 @@ class JobHold:
         self._on_lost = on_lost
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._renew_s = RENEW_S if renew_s is None else renew_s
+        self._start(lease)
+
+    def _start(self, lease: RootLease | None) -> None:
+        self.lease = lease
         if lease is not None and lease.owner:
-            every = RENEW_S if renew_s is None else renew_s
             self._thread = threading.Thread(
-                target=self._heartbeat, args=(every,), name="nebula-job-hold", daemon=True
+                target=self._heartbeat, args=(self._renew_s,), name="nebula-job-hold", daemon=True
             )
             self._thread.start()
+
+    def take_lease(self, tiers: TierSet, ranks: RankInfo) -> None:
+        """Hold the persistent root now (it did not answer when the job started: the
+        session reaches it later, in the background). Raises `RootInUseError` naming the
+        live job that holds it, and the store's error while it does not answer."""
+        if self.lease is not None or tiers.persistent is None or self._stop.is_set():
+            return
+        self._start(_lease(tiers, self.job, ranks))
 
     def _heartbeat(self, renew_s: float) -> None:
         lease = self.lease
@@ -170,23 +184,33 @@ def claim_job(
     *,
     job: str | None = None,
     on_lost: Callable[[str], object] | None = None,
+    reached: bool = True,
 ) -> JobHold:
     """Hold the root of `tiers` for this process's job (`job`, default `job_identity`):
-    first this node's memory tier, then the persistent root. Raises `RootInUseError`
-    naming the live job that holds either."""
+    first this node's memory tier, then the persistent root (unless it was not `reached`:
+    `JobHold.take_lease` once it is). Raises `RootInUseError` naming the live job that
+    holds either."""
     claim = NodeClaim.take(tiers.memory, job or job_identity(ranks), where=tiers.display)
-    lease = None
     try:
-        if tiers.persistent is not None:
-            try:
-                lease = RootLease.take(tiers.persistent, claim.job, leader=ranks.is_leader)
-            except RootInUseError:
-                raise
-            except NebulaError as exc:
-                # A root this job may not write (a read-only credential): its persists
-                # fail and say so; without a hold another job is not kept out.
-                log.warning("could not hold %s for this job: %s", tiers.persistent.url, exc)
+        lease = _lease(tiers, claim.job, ranks) if reached else None
         return JobHold(claim, lease, on_lost=on_lost)
     except BaseException:
         claim.close()
         raise
+
+
+def _lease(tiers: TierSet, job: str, ranks: RankInfo) -> RootLease | None:
+    persistent = tiers.persistent
+    if persistent is None:
+        return None
+    try:
+        return RootLease.take(persistent, job, leader=ranks.is_leader)
+    except RootInUseError:
+        raise
+    except NebulaError as exc:
+        if may_pass(exc):
+            raise  # the store does not answer: tried again later (take_lease)
+        # A root this job may not write (a read-only credential): its persists fail and
+        # say so; without a hold another job is not kept out.
+        log.warning("could not hold %s for this job: %s", persistent.url, exc)
+        return None

@@ -6,107 +6,67 @@ most once every `interval_s` seconds (a checkpoint superseded before its turn is
 that is what the interval means, and its history row says `skipped`), commits it there,
 applies retention on both tiers and appends the history rows. A labelled checkpoint is
 never superseded: it is persisted as soon as the thread is free, without waiting for the
-interval, and the memory tier keeps it until then. A failure is kept and raised once, on
-the next call into the library (`raise_pending_error`), and reported at exit; it is never
-swallowed.
+interval, and the memory tier keeps it until then.
 
-Longer than the layout's ~400 lines: the queue (pending, forced, labelled, followers'
-candidates), the thread loop and the one persist are one state machine under one lock;
-split, each half would reach into the other's state.
+A failed persist is tried again (`on_error="retry"`, the default): the memory tier keeps
+the checkpoint, the thread waits a capped backoff (outage.py) and tries the newest again,
+until it lands; warned once per outage and once when it ends. With `on_error="raise"` a
+failure is kept and raised once, on the next call into the library
+(`raise_pending_error`). Either way it is reported at exit; it is never swallowed.
+A session that could not reach its persistent tier at init hands the persister a
+`connect` to run before its first persist (session.py): until it succeeds, the job is an
+outage like any other.
 
-Not for: the commit protocol itself (commit.py) or process-wide state (session.py).
+This module holds the queue (pending, forced, labelled, followers' candidates) and the
+thread that works it, one state machine under one lock. May import: every layer below
+runtime, and runtime.connect, outage, persist_step, ranks, slots, upkeep. Not for: one persist's
+copy (persist_step.py), retention and the history (upkeep.py), the commit protocol itself
+(commit.py) or process-wide state (session.py).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
-from nebulaml.errors import (
-    CheckpointStateError,
-    CommitConflictError,
-    CorruptCheckpointError,
-    ManifestError,
-    NebulaError,
-    PersistError,
-    PersistTimeoutError,
-    RankTimeoutError,
-    StorageFullError,
-)
-from nebulaml.format.manifest import parse_marker, utc_now
+from nebulaml.errors import NebulaError, PersistError, PersistTimeoutError
+from nebulaml.format.manifest import utc_now
 from nebulaml.format.names import marker_name, order_key, step_of
-from nebulaml.protocol.catalog import highest_sequence, list_committed, read_committed
-from nebulaml.protocol.cowriters import copy_alongside
+from nebulaml.protocol.catalog import CheckpointInfo, highest_sequence, list_committed
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
-from nebulaml.protocol.history import HistoryRow, append_rows, make_row, skipped_row
+from nebulaml.protocol.history import HistoryRow, make_row, skipped_row
 from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.retention import Version, plan_retention
 from nebulaml.protocol.tiers import TierSet
-from nebulaml.protocol.transfer import copy_part
+from nebulaml.runtime.connect import keep_root
+from nebulaml.runtime.outage import (
+    RETRY_FIRST_S,
+    RETRY_MAX_S,
+    Outage,
+    is_broken,
+    may_pass,
+    next_backoff,
+)
+from nebulaml.runtime.persist_step import (
+    discard_partial,
+    leader_of,
+    persist_part,
+    persist_whole,
+)
 from nebulaml.runtime.ranks import RankInfo
 from nebulaml.runtime.slots import SlotPool
-from nebulaml.storage.retry import is_transient
-from nebulaml.storage.store import MissingFileError, Store
+from nebulaml.runtime.upkeep import HistoryQueue, retire
+from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
 
 FOLLOW_POLL_S = 0.2  # how often a follower looks for rank 0's persisted markers
-RETRY_FIRST_S = 0.5  # the first wait after a failed persist ("retry"), doubling
-RETRY_MAX_S = 30.0  # the longest wait between two tries
-HISTORY_KEPT = 10_000  # history rows kept while their store fails
-
-
-@dataclass(slots=True)
-class Outage:
-    """The persistent tier failing: since when (monotonic, and UTC for people), and the
-    last failure."""
-
-    started: float
-    since_utc: str
-    error: PersistError
-    # No retry can fix the last failure (a permission refused, a corrupt memory copy, a
-    # rank's part that never comes): flush() raises it at once, and exit gives up.
-    hopeless: bool = False
-
-
-# What a store or a disk gets over by itself: a full disk freed or grown, an I/O error of a
-# network filesystem, a store that does not answer (refused or reset, timeouts, 5xx).
-_PASSING_ERRNOS = frozenset(
-    {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN,
-     errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH}
-)  # fmt: skip
-
-
-def may_pass(error: BaseException) -> bool:
-    """Whether trying again later may succeed: what the persistent tier's failure is made
-    of, down its chain of causes.
-
-    Example:
-        >>> import errno
-        >>> from nebulaml.errors import StorageFullError, RankTimeoutError
-        >>> may_pass(StorageFullError("disk full")), may_pass(PermissionError(13, "denied"))
-        (True, False)
-    """
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, StorageFullError):
-            return True
-        if isinstance(current, (RankTimeoutError, CheckpointStateError, CorruptCheckpointError,
-                                ManifestError, CommitConflictError)):  # fmt: skip
-            return False
-        if not isinstance(current, NebulaError):
-            if isinstance(current, OSError) and current.errno in _PASSING_ERRNOS:
-                return True
-            if is_transient(current):
-                return True
-        current = current.__cause__ or current.__context__
-    return False
+# What a session that has not reached its persistent tier yet gives the persister: run
+# before the first persist, it reaches the root and lists what it holds committed.
+Connect = Callable[[], Sequence[CheckpointInfo]]
 
 
 class Persister:
@@ -130,8 +90,9 @@ class Persister:
         ranks: RankInfo | None = None,
         rank_timeout_s: float = 300.0,
         pool: SlotPool | None = None,
-        on_error: str = "raise",
+        on_error: str = "retry",
         give_up_s: float = 600.0,
+        connect: Connect | None = None,
     ) -> None:
         self.tiers = tiers
         # "retry": a failed persist keeps its checkpoint queued (the memory tier keeps it)
@@ -165,23 +126,25 @@ class Persister:
         self._retry_at: float | None = None
         self._backoff_s = RETRY_FIRST_S
         self._failed_once: set[str] = set()  # tags with a `failed` row in this outage
+        self._failures = 0  # failed persists so far: a flush waits for one of its own
         self._gave_up = False  # exiting, and the last try failed: what is left stays
         self._inflight_forced = False
         self._durable: str | None = None  # the newest tag this process made durable
-        self._rows: list[HistoryRow] = []
-        self._history_retry_at: float | None = None  # the history's store failed: not before
+        self.history = HistoryQueue(lambda: self.tiers.history_store)
         self._retention_lock = threading.Lock()  # the thread and a streamed commit apply it
         self._stopping = False
-        self._history_lock = threading.Lock()  # flush() and the thread both append
         # The highest commit sequence this job knows on its persistent tier (its start's,
         # then each persist's and retention's): a memory-tier commit takes a higher one,
         # so that "newest" is one order on both tiers (`sequence_floor`).
-        persistent = tiers.persistent
-        committed = list_committed(persistent) if persistent is not None else []
-        self._sequence = max((c.sequence for c in committed), default=0)
+        self._sequence = 0
         # What the persistent tier holds, as this job knows it (its start's listing, then
         # each persist and retention): a save asks this, never the store (`holds`).
-        self._durable_tags: set[str] = {c.tag for c in committed}
+        self._durable_tags: set[str] = set()
+        # Not reached yet (session.py): run before the first persist, as part of it.
+        self._connect = connect
+        self._unreached_since = utc_now()
+        if connect is None and tiers.persistent is not None:
+            self._learn(list_committed(tiers.persistent))
         self._thread = threading.Thread(target=self._run, name="nebula-persister", daemon=True)
         self._thread.start()
 
@@ -204,9 +167,9 @@ class Persister:
         superseding the pending one. A labelled tag (`labels`) is queued instead: it is
         persisted without waiting for the interval and is never superseded. `leader`:
         the lowest rank that writes the tag, which decides whether it is persisted."""
+        if row is not None:
+            self.history.add(row)
         with self._cond:
-            if row is not None:
-                self._rows.append(row)
             if self.tiers.persistent is not None:
                 self._done.pop(tag, None)
                 self._leaders[tag] = leader
@@ -227,8 +190,8 @@ class Persister:
     def notify_streamed(self, tag: str, row: HistoryRow, *, leader: int = 0) -> None:
         """A tag too large for the memory budget was committed straight to the persistent
         tier: older pending copies are superseded, and retention runs on the thread."""
+        self.history.add(row)
         with self._cond:
-            self._rows.append(row)
             self._leaders[tag] = leader
             self._durable_tags.add(tag)
             # The streamed commit is the later one: it supersedes a pending tag of a step
@@ -281,26 +244,53 @@ class Persister:
         with self._cond:
             return tag in self._durable_tags
 
+    @property
+    def connected(self) -> bool:
+        """Whether the persistent tier was reached (always, without one)."""
+        with self._cond:
+            return self._connect is None
+
+    def failing(self) -> bool:
+        """Whether the persistent tier is failing now, or was never reached."""
+        with self._cond:
+            return self._outage is not None or self._connect is not None
+
+    def _learn(self, committed: Sequence[CheckpointInfo]) -> None:
+        """What the persistent tier holds committed, as listed (at the start, or once it
+        is reached)."""
+        with self._cond:
+            self._sequence = max([self._sequence, *(c.sequence for c in committed)])
+            self._durable_tags |= {c.tag for c in committed}
+
     def status(self) -> dict[str, object]:
         """What is durable and what is not (`nm.persistence_status()`)."""
         with self._cond:
             outage = self._outage
             waiting = [t for t in (self._inflight, *self._forced, self._pending) if t]
             waiting += [t for t in self._candidates if t not in waiting]
+            error, since = None, None
+            if outage is not None:
+                error, since = str(outage.error), outage.since_utc
+            elif self._connect is not None:  # never reached: that is an outage too
+                since = self._unreached_since
+                error = f"{self.tiers.display} has not answered since the job started"
             return {
                 "durable": self._durable,
                 "pending": list(dict.fromkeys(waiting)),
-                "last_error": str(outage.error) if outage is not None else None,
-                "failing_since": outage.since_utc if outage is not None else None,
+                "last_error": error,
+                "failing_since": since,
             }
 
-    def flush(self, tag: str | None = None, timeout_s: float | None = None) -> str | None:
+    def flush(
+        self, tag: str | None = None, timeout_s: float | None = None, *, wait_out: bool = True
+    ) -> str | None:
         """Persist `tag` (default: the newest unpersisted one) now and wait for it.
 
         Returns the tag persisted, or None when there was nothing to persist. Raises the
         persist's `PersistError`, or `PersistTimeoutError` after `timeout_s`. While the
         persistent tier fails, the persist is tried again until it lands; the last failure
-        is raised once `timeout_s` (None: `give_up_s` into the outage) has passed.
+        is raised once `timeout_s` (None: `give_up_s` into the outage) has passed, or at
+        once without `wait_out` (the memory budget's flush: training must not wait).
         """
         self.raise_pending_error()
         with self._cond:
@@ -319,14 +309,21 @@ class Persister:
                         self._forced.append(target)
                     self._done.pop(target, None)
             if target is not None and self.tiers.persistent is not None:
+                # A flush is a request to try now: what was wrong may have been put right
+                # (the link removed, the disk grown), so an earlier failure is not the answer.
+                self._retry_at = None
+                tries = self._failures
                 self._cond.notify_all()
                 deadline = None if timeout_s is None else time.monotonic() + timeout_s
                 while target not in self._done:
                     if not self._thread.is_alive():
                         raise PersistTimeoutError(f"the persister stopped before {target!r}")
                     outage = self._outage
-                    if outage is not None and (outage.hopeless or self._gave_up):
-                        raise outage.error  # no retry can fix it: said now
+                    fresh = self._failures > tries  # this flush's own try failed
+                    if outage is not None and (
+                        self._gave_up or (fresh and (outage.hopeless or not wait_out))
+                    ):
+                        raise outage.error  # no retry can fix it (or not waited out)
                     if deadline is None and outage is not None:
                         deadline = outage.started + self.give_up_s
                     left = None if deadline is None else deadline - time.monotonic()
@@ -345,7 +342,7 @@ class Persister:
                     raise result
             else:
                 target = None
-        self._write_history()
+        self.history.write()
         return target
 
     def sequence_floor(self, store: Store) -> int:
@@ -411,17 +408,16 @@ class Persister:
                 delete_checkpoint(memory, tag, discard=recycle)
 
     def _superseded(self, tag: str) -> bool:
-        """Whether the persistent tier holds `tag`, or a newer checkpoint, committed."""
-        persistent = self.tiers.persistent
-        if persistent is None:
-            return False
-        if read_committed(persistent, tag) is not None:
-            return True
-        step = step_of(tag)
-        if step is None:
-            return False
-        steps = [step_of(c.tag) for c in list_committed(persistent)]
-        return any(s is not None and s > step for s in steps)
+        """Whether the persistent tier holds `tag`, or a newer checkpoint, committed, as
+        this job knows it (no request to the store: the training thread asks)."""
+        with self._cond:
+            if self.tiers.persistent is None:
+                return False
+            if tag in self._durable_tags:
+                return True
+            step = step_of(tag)
+            steps = [step_of(t) for t in self._durable_tags]
+        return step is not None and any(s is not None and s > step for s in steps)
 
     def close(self, timeout_s: float | None = None) -> str | None:
         """Persist what is pending, stop the thread, write the history.
@@ -457,7 +453,7 @@ class Persister:
             row = skipped_row(
                 tag=old, step=step_of(old), rank=self.rank, started_at=utc_now(), superseded_by=by
             )
-            self._rows.append(row)
+            self.history.add(row)
 
     # the thread ---------------------------------------------------------------------
     def _follows(self, tag: str) -> bool:
@@ -469,26 +465,11 @@ class Persister:
         )
 
     def _leader_of(self, tag: str) -> int | None:
-        """The leader of `tag` (the lowest rank that writes it), from its commit or else
-        from this rank's marker in the memory tier; None when this rank wrote no part of
-        it (a checkpoint of other ranks: nothing of it is this rank's to persist)."""
+        """The leader of `tag`, from its commit or else from this rank's marker in the
+        memory tier; None when this rank wrote no part of it."""
         with self._cond:
             leader = self._leaders.get(tag)
-        if leader is not None:
-            return leader
-        memory = self.tiers.memory
-        try:
-            where = memory.display(tag, marker_name(self.rank))
-            return min(parse_marker(memory.read_bytes(tag, marker_name(self.rank)), where).writers)
-        except MissingFileError:
-            # No part of this rank's here: a checkpoint other ranks write (committed on a
-            # shared tier without this rank, or on their nodes).
-            info = read_committed(memory, tag)
-            if info is None or self.rank not in info.manifest.writers:
-                return None
-        except NebulaError:
-            pass
-        return 0  # copy_part reports what is wrong with this rank's part
+        return leader if leader is not None else leader_of(self.tiers.memory, tag, self.rank)
 
     def _next_tag(self) -> str | None:
         """Under the lock: the tag to persist now, or None to keep waiting."""
@@ -520,7 +501,7 @@ class Persister:
             with self._cond:
                 while True:
                     tag = self._next_tag()
-                    if tag is not None or self._rows_due() or self._finished():
+                    if tag is not None or self.history.due() or self._finished():
                         break
                     if self._candidates and self.tiers.persistent is not None:
                         probe = list(self._candidates)
@@ -529,9 +510,9 @@ class Persister:
                 if tag is not None:
                     self._inflight = tag
                     self._last_start = time.monotonic()
-                wrote = self._rows_due()
+                wrote = self.history.due()
                 finished = tag is None and not wrote and not probe and self._finished()
-            self._write_history()
+            self.history.write()
             if finished:
                 return
             if probe:
@@ -542,7 +523,7 @@ class Persister:
             error = self._persist(tag)
             with self._cond:
                 self._inflight = None
-                if error is not None and self.on_error == "retry":
+                if error is not None and self.on_error == "retry" and not is_broken(error):
                     self._retry_later(tag, error)
                 else:
                     self._done[tag] = error
@@ -568,21 +549,17 @@ class Persister:
             due.append(self._last_start + self.interval_s)
         if self._retry_at is not None and (self._pending or self._forced):
             due.append(self._retry_at)
-        if self._rows and self._history_retry_at is not None:
-            due.append(self._history_retry_at)
+        history_retry = self.history.retry_at()
+        if history_retry is not None:
+            due.append(history_retry)
         return max(0.0, min(due) - now) if due else None
-
-    def _rows_due(self) -> bool:
-        """Under the lock: history rows to append, and the history's store not in its
-        backoff after a failure."""
-        retry = self._history_retry_at
-        return bool(self._rows) and (retry is None or time.monotonic() >= retry)
 
     def _retry_later(self, tag: str, error: PersistError) -> None:
         """Under the lock: the persist of `tag` failed ("retry"): it stays queued where it
         was (a newer commit still supersedes an unlabelled one), and the thread tries again
         after a capped backoff. The first failure of an outage is warned about."""
         now = time.monotonic()
+        self._failures += 1
         hopeless = not may_pass(error)
         if self._outage is None:
             self._outage = Outage(started=now, since_utc=utc_now(), error=error)
@@ -601,7 +578,7 @@ class Persister:
             self._error = error
             self._gave_up = True
         self._retry_at = now + self._backoff_s
-        self._backoff_s = min(self._backoff_s * 2, RETRY_MAX_S)
+        self._backoff_s = next_backoff(self._backoff_s)
         if self._inflight_forced:
             if tag not in self._forced:
                 self._forced.insert(0, tag)
@@ -685,104 +662,65 @@ class Persister:
         error: PersistError | None = None
         leader: int | None = 0
         try:
+            connect = self._connect
+            if connect is not None:  # the session has not reached the root yet
+                self._learn(connect())
+                with self._cond:
+                    self._connect = None
+                log.warning("reached the persistent tier %s: persisting", self.tiers.display)
+            if self.tiers.memory_usable:
+                keep_root(self.tiers.memory, persistent)
             if self.ranks.world_size > 1:
                 leader = self._leader_of(tag)
                 if leader is None:
                     log.debug("%r: rank %d wrote no part of it, nothing to persist", tag, self.rank)
                     return None
-                size = copy_part(
-                    self.tiers.memory,
-                    persistent,
-                    tag,
-                    rank=self.rank,
-                    world_size=self.ranks.world_size,
-                    timeout_s=self.rank_timeout_s,
-                    # The leader waits for the whole and reports a missing rank; the others
-                    # must not block (it may be waiting for one of their older parts).
-                    wait=leader == self.rank,
+                size = persist_part(
+                    self.tiers, tag, self.ranks, leader=leader, rank_timeout_s=self.rank_timeout_s
                 )
             else:
-                src = read_committed(self.tiers.memory, tag)
-                if src is None:
-                    raise PersistError(
-                        tag,
-                        persistent.url,
-                        FileNotFoundError("no committed copy in the memory tier"),
-                    )
-                size = src.manifest.total_bytes
-                # An operator's copy or flush of the same tag waits for this, or this
-                # for it, and a committed copy of the same items is this persist's.
-                copied = copy_alongside(src, persistent, overwrite=True, same_root=True)
-                self._note_sequence(copied.manifest.sequence)
+                size, sequence = persist_whole(self.tiers, tag)
+                self._note_sequence(sequence)
             if leader == self.rank:
                 self._apply_retention(tag)
         except PersistError as exc:
             error = exc
-        except NebulaError as exc:
-            error = PersistError(tag, persistent.url, exc)
-            error.__cause__ = exc
         except Exception as exc:  # noqa: BLE001 - reported as the persist's error, not dropped
             error = PersistError(tag, persistent.url, exc)
             error.__cause__ = exc
         if error is not None:
             if self.on_error == "raise":
                 log.error("%s", error)
-            self._discard_partial(tag)
+            if self.connected:
+                discard_partial(persistent, tag, self.ranks)
             with self._cond:
                 repeated = self.on_error == "retry" and tag in self._failed_once
                 self._failed_once.add(tag)
             if repeated:
                 return error  # its `failed` row is written; the `ok` row comes when it lands
-        row = make_row(
-            tag=tag,
-            step=step_of(tag),
-            tier="persistent",
-            rank=self.rank,
-            started_at=started_at,
-            duration_s=time.perf_counter() - t0,
-            blocking_s=0.0,
-            size_bytes=size,
-            error=error,
+        self.history.add(
+            make_row(
+                tag=tag,
+                step=step_of(tag),
+                tier="persistent",
+                rank=self.rank,
+                started_at=started_at,
+                duration_s=time.perf_counter() - t0,
+                blocking_s=0.0,
+                size_bytes=size,
+                error=error,
+            )
         )
-        with self._cond:
-            self._rows.append(row)
         return error
-
-    def _discard_partial(self, tag: str) -> None:
-        """Remove what a failed persist wrote: on a full disk its partial files would keep
-        the next persist from fitting. A committed copy (another writer's) is left alone."""
-        persistent = self.tiers.persistent
-        assert persistent is not None
-        try:
-            if read_committed(persistent, tag) is not None:
-                return
-            if self.ranks.world_size > 1:
-                delete_part(persistent, tag, self.rank)
-            else:
-                delete_checkpoint(persistent, tag)
-        except NebulaError as exc:
-            log.warning("could not remove what the failed persist of %r left: %s", tag, exc)
 
     def _apply_retention(self, just_persisted: str) -> None:
         persistent = self.tiers.persistent
         assert persistent is not None
         with self._retention_lock:
-            committed = list_committed(persistent)
-            versions = [
-                Version(c.tag, c.committed_at, c.manifest.labels, c.sequence) for c in committed
-            ]
-            self._note_sequence(max((v.sequence for v in versions), default=0))
+            held, sequence = retire(persistent, self.retention, just_persisted)
+            self._note_sequence(sequence)
             with self._cond:
-                self._durable_tags = {v.tag for v in versions}
-            for tag in plan_retention(versions, self.retention, {just_persisted}):
-                try:
-                    delete_checkpoint(persistent, tag)
-                    with self._cond:
-                        self._durable_tags.discard(tag)
-                except NebulaError as exc:
-                    # Tidying, after the persist: an older checkpoint that could not go now
-                    # (a prune deleting it too, say) goes at the next persist's retention.
-                    log.warning("retention could not delete %r yet: %s", tag, exc)
+                self._durable_tags = held
 
     def _retire_after_stream(self, tag: str) -> None:
         persistent = self.tiers.persistent
@@ -795,34 +733,6 @@ class Persister:
             log.error("%s", error)
             with self._cond:
                 self._error = error
-
-    def _write_history(self) -> None:
-        """Append the queued rows. Taking them and writing them happen under one lock, so
-        that a flush() returning after the thread took rows finds them written."""
-        with self._history_lock:
-            with self._cond:
-                rows, self._rows = self._rows, []
-            if not rows:
-                return
-            try:
-                append_rows(self.tiers.history_store, rows)
-            except NebulaError as exc:
-                # The history is a report, not a checkpoint: it must not fail training. Its
-                # rows wait for the store (at most HISTORY_KEPT of them), and it is said.
-                with self._cond:
-                    first = self._history_retry_at is None
-                    self._rows[:0] = rows
-                    del self._rows[:-HISTORY_KEPT]
-                    self._history_retry_at = time.monotonic() + RETRY_MAX_S
-                if first:
-                    log.warning(
-                        "could not append %d row(s) to the checkpoint history (kept, and "
-                        "tried again): %s", len(rows), exc,
-                    )  # fmt: skip
-            else:
-                if self._history_retry_at is not None:
-                    with self._cond:
-                        self._history_retry_at = None
 
 
 PERSIST_NICE = 10

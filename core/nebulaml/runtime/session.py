@@ -26,7 +26,7 @@ from nebulaml.config import Config, elastic_generation
 from nebulaml.errors import NebulaError, NotInitializedError, RootInUseError
 from nebulaml.format.manifest import RankMarker
 from nebulaml.format.names import order_key
-from nebulaml.protocol.catalog import list_committed, read_committed
+from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed
 from nebulaml.protocol.commit import read_markers
 from nebulaml.protocol.delete import delete_part
 from nebulaml.protocol.markers import own_parts
@@ -34,8 +34,10 @@ from nebulaml.protocol.memory_tier import TierHold, release_memory_tier
 from nebulaml.protocol.recovery import discard_stale_parts, remove_dead_writers
 from nebulaml.protocol.tiers import TierSet, claim_tiers
 from nebulaml.runtime.budget import MemoryBudget
+from nebulaml.runtime.connect import CONNECT_WAIT_S, adopt_root, identify, reach
 from nebulaml.runtime.fence import SnapshotWorker
 from nebulaml.runtime.job import JobHold, claim_job
+from nebulaml.runtime.outage import may_pass
 from nebulaml.runtime.persister import Persister
 from nebulaml.runtime.ranks import (
     RankInfo,
@@ -46,6 +48,7 @@ from nebulaml.runtime.ranks import (
 )
 from nebulaml.runtime.slots import SlotPool
 from nebulaml.runtime.snapshot import LayoutCache
+from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
 
@@ -69,19 +72,30 @@ class Session:
         # held while this session lives, and released first if an earlier root left it.
         self.tiers: TierSet
         self.hold: TierHold
-        self.tiers, self.hold = claim_tiers(
-            config.persistent_storage_path, dict(config.storage_options)
-        )
+        # The persistent tier, if it answers within CONNECT_WAIT_S; else the job starts
+        # with the memory tier alone and the persister connects later (connect.py).
+        path, options = config.persistent_storage_path, dict(config.storage_options)
+        reached, root_id, why = True, None, None
+        if path is not None:
+            reached, root_id, why = reach(Store(path, options), CONNECT_WAIT_S)
+        self.tiers, self.hold = claim_tiers(path, options, identify=False, root_id=root_id)
         # One job writes a root at a time (job.py): another live job's root is refused
         # before anything in it is touched; the ranks of this job share it.
         try:
-            self.job: JobHold = claim_job(self.tiers, self._ranks, on_lost=self._hold_lost)
+            self.job: JobHold
+            self.job, reached = self._claim_job(reached)
         except BaseException:
             self.hold.close()
             raise
         # Leftovers of this node's crashed saves and persists; other nodes' are theirs.
-        for _tier, store in self.tiers.stores:
+        for _tier, store in self.tiers.stores if reached else [("memory", self.tiers.memory)]:
             remove_dead_writers(store)
+        if not reached:
+            log.warning(
+                "the persistent tier %s does not answer (%s): checkpoints go to the memory "
+                "tier only until it does; nebula connects in the background and persists "
+                "them then", self.tiers.display, why or f"no answer within {CONNECT_WAIT_S:.0f} s",
+            )  # fmt: skip
         share = memory_budget_bytes(self._ranks)
         # The budget is per process, the memory tier shared by the node's processes.
         limit = None if share is None else share * self._ranks.local_world_size
@@ -96,6 +110,7 @@ class Session:
             pool=self.pool,
             on_error=config.on_persist_error,
             give_up_s=config.exit_timeout_s,
+            connect=None if reached else self._connect_later,
         )
         self.budget = MemoryBudget(
             limit, pool=self.pool, persister=self.persister, wait_s=config.exit_timeout_s
@@ -104,12 +119,37 @@ class Session:
         # the job (and, with several ranks, its generation), else at the first save.
         self.recovered: str | None = None
         self._recovery_due = True
-        if ranks_settled() and (self._ranks.world_size == 1 or self._generation_known):
+        if reached and ranks_settled() and (self._ranks.world_size == 1 or self._generation_known):
             self._recover_once()
         self.snapshots: SnapshotWorker | None = None
         if config.lazy_snapshot:
             self.snapshots = SnapshotWorker()
             self.snapshots.install_fence()
+
+    def _claim_job(self, reached: bool) -> tuple[JobHold, bool]:
+        """Hold the root for this job (job.py), and whether the persistent tier was
+        reached: one that stops answering now is held later, as one that did not answer."""
+        try:
+            job = claim_job(self.tiers, self._ranks, on_lost=self._hold_lost, reached=reached)
+            return job, reached
+        except RootInUseError:
+            raise
+        except NebulaError as exc:
+            if not may_pass(exc):
+                raise
+        job = claim_job(self.tiers, self._ranks, on_lost=self._hold_lost, reached=False)
+        return job, False
+
+    def _connect_later(self) -> list[CheckpointInfo]:
+        """What init could not do with the persistent tier, done once it answers (on the
+        persister's thread, before its first persist): the root's identity, the job's
+        hold, the dead writers' leftovers; what the root holds committed."""
+        persistent = self.tiers.persistent
+        assert persistent is not None
+        adopt_root(self.tiers.memory, persistent, identify(persistent))
+        self.job.take_lease(self.tiers, self._ranks)
+        remove_dead_writers(persistent)
+        return list_committed(persistent)
 
     def _hold_lost(self, why: str) -> None:
         """Another job took the root over (this one was judged gone): said by the next call."""
@@ -168,7 +208,7 @@ class Session:
                 if not self._generation_known:
                     self.generation = job_generation(ranks)
                     self._generation_known = True
-                if self._recovery_due:
+                if self._recovery_due and self.persister.connected:
                     self._recover_once()
         return self.generation
 
@@ -294,6 +334,8 @@ class Session:
         persistent = self.tiers.persistent
         if persistent is None or self.config.keep_memory_tier or self.persister.error:
             return False
+        if not self.persister.connected:
+            return False  # never reached: nothing in the memory tier is durable
         ranks = self.bind_ranks()
         if not self._bound:
             return False  # which rank this is is not known: no rank's parts are its to drop

@@ -1,0 +1,131 @@
+"""Reaching a session's persistent tier (issue #27): at init, for a bounded time; else
+later, in the background, before the persister's first persist.
+
+    CONNECT_WAIT_S  how long init waits for the persistent tier to answer
+    identify        make the root and read (or give) its identity
+    reach           `identify`, waited for at most a given time
+    adopt_root      the memory tier's record of its root, once the root is reached late
+    keep_root       before each persist: the root still carries the identity the memory
+                    tier records (given back if it was deleted, adopted if it changed)
+
+A store that does not answer at init (down, or hanging) does not keep the job from
+checkpointing: the session starts with the memory tier only, says so once, and hands the
+persister the rest of the connection (session.py), which it runs before its first
+persist, with its retries and backoff (persister.py, outage.py).
+
+May import: every layer below runtime, and runtime.outage. Not for: what the session does
+once connected (session.py), or the retries (persister.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from nebulaml.errors import StorageError
+from nebulaml.protocol.memory_tier import read_record, root_identity, write_record
+from nebulaml.runtime.outage import may_pass
+from nebulaml.storage.store import Store
+
+log = logging.getLogger("nebulaml")
+
+# A healthy store answers in well under a second (a first Azure request, with its
+# credential, in one or two); one that is down takes its retries (10-15 s) to say so, and
+# a hanging one may never: init goes on without it after this long.
+CONNECT_WAIT_S = 5.0
+
+
+def identify(persistent: Store) -> str | None:
+    """Make the root and read its identity, giving it one if it has none. A failure that
+    may pass (the store down, the disk full) is raised; another (a read-only credential)
+    is said once and the root goes without an identity (its persists then say why).
+
+    Example:
+        >>> import tempfile
+        >>> len(identify(Store(tempfile.mkdtemp())))
+        32
+    """
+    persistent.make_dir()
+    try:
+        return root_identity(persistent, create=True)
+    except StorageError as exc:
+        if may_pass(exc):
+            raise
+        log.warning("could not read or give %s an identity: %s", persistent.url, exc)
+        return None
+
+
+def reach(persistent: Store, wait_s: float) -> tuple[bool, str | None, BaseException | None]:
+    """`identify(persistent)`, waited for at most `wait_s` seconds: whether it answered,
+    the root's identity, and why not (a failure that may pass; None: no answer in time).
+    A failure that cannot pass is raised, as `identify` would.
+
+    Example:
+        >>> import tempfile
+        >>> reached, root_id, why = reach(Store(tempfile.mkdtemp()), 5)
+        >>> reached, len(root_id), why
+        (True, 32, None)
+    """
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["id"] = identify(persistent)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="nebula-connect", daemon=True)
+    worker.start()
+    worker.join(wait_s)
+    if worker.is_alive():
+        return False, None, None  # no answer: it may hang a long time (a suspended store)
+    error = box.get("error")
+    if isinstance(error, BaseException):
+        if may_pass(error):
+            return False, None, error
+        raise error
+    root_id = box.get("id")
+    return True, root_id if isinstance(root_id, str) else None, None
+
+
+def adopt_root(memory: Store, persistent: Store, root_id: str | None) -> None:
+    """Record the identity of the root reached late in its memory tier. The memory tier
+    now holds this job's checkpoints, whatever root it had recorded before: an earlier
+    one's (the root deleted or created again meanwhile) is said, and this job's stay."""
+    if root_id is None:
+        return
+    record = read_record(memory)
+    known = record.root_id if record is not None else None
+    if known == root_id:
+        return
+    if known is not None:
+        log.warning(
+            "the memory tier %s recorded another root at %s (deleted or created again "
+            "since); this job's checkpoints in it are persisted to the root there now",
+            memory.url, persistent.url,
+        )  # fmt: skip
+    write_record(memory, persistent, root_id)
+
+
+def keep_root(memory: Store, persistent: Store) -> None:
+    """Before each persist: the root carries the identity its memory tier records. One
+    deleted while the job runs (an emulator reset, a container created again, an
+    operator) is given back the same, so that the job's own memory copies are never
+    judged another root's; one changed (the root created again by someone else) is
+    adopted: this job's checkpoints are persisted to the root there now.
+
+    Example:
+        >>> import os, tempfile
+        >>> root, memory = Store(tempfile.mkdtemp()), Store(tempfile.mkdtemp())
+        >>> adopt_root(memory, root, identify(root))
+        >>> before = root_identity(root)
+        >>> os.remove(os.path.join(root.root, ".nebula-root-id.json"))
+        >>> keep_root(memory, root)
+        >>> root_identity(root) == before
+        True
+    """
+    record = read_record(memory)
+    known = record.root_id if record is not None else None
+    current = root_identity(persistent, create=True, new_id=known)
+    if current != known:
+        adopt_root(memory, persistent, current)

@@ -1,0 +1,115 @@
+"""What follows a persist: retention on the persistent tier, and the checkpoint history.
+
+    retire         apply retention after a persist: the tags left committed, and the
+                   highest commit sequence seen
+    HistoryQueue   the rows waiting to be appended to checkpointHistories.csv; while its
+                   store fails they wait (at most HISTORY_KEPT) and are tried again
+
+May import: every layer below runtime. Not for: when these run (persister.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from nebulaml.errors import NebulaError
+from nebulaml.protocol.catalog import list_committed
+from nebulaml.protocol.delete import delete_checkpoint
+from nebulaml.protocol.history import HistoryRow, append_rows
+from nebulaml.protocol.retention import Version, plan_retention
+from nebulaml.runtime.outage import RETRY_MAX_S
+from nebulaml.storage.store import Store
+
+log = logging.getLogger("nebulaml")
+
+HISTORY_KEPT = 10_000  # history rows kept while their store fails
+
+
+def retire(persistent: Store, retention: int, just_persisted: str) -> tuple[set[str], int]:
+    """Delete what retention retires on `persistent` now that `just_persisted` is there;
+    the tags left committed there, and the highest commit sequence listed. A tag that
+    cannot go now goes at the next persist's retention.
+
+    Example:
+        >>> import tempfile
+        >>> from nebulaml.storage.store import Store
+        >>> retire(Store(tempfile.mkdtemp()), 2, "global_step1")
+        (set(), 0)
+    """
+    committed = list_committed(persistent)
+    versions = [Version(c.tag, c.committed_at, c.manifest.labels, c.sequence) for c in committed]
+    held = {v.tag for v in versions}
+    for tag in plan_retention(versions, retention, {just_persisted}):
+        try:
+            delete_checkpoint(persistent, tag)
+            held.discard(tag)
+        except NebulaError as exc:
+            # Tidying, after the persist: an older checkpoint that could not go now (a
+            # prune deleting it too, say) goes at the next persist's retention.
+            log.warning("retention could not delete %r yet: %s", tag, exc)
+    return held, max((v.sequence for v in versions), default=0)
+
+
+class HistoryQueue:
+    """History rows on their way to `store`'s checkpointHistories.csv.
+
+    Example:
+        >>> import tempfile
+        >>> from nebulaml.storage.store import Store
+        >>> queue = HistoryQueue(lambda: Store(tempfile.mkdtemp()))
+        >>> queue.due(), queue.write()
+        (False, 0)
+    """
+
+    def __init__(self, store: Callable[[], Store]) -> None:
+        self._store = store
+        self._rows: list[HistoryRow] = []
+        self._lock = threading.Lock()  # the rows and the retry time
+        # Taking rows and writing them happen under one lock, so that a flush() returning
+        # after the thread took rows finds them written.
+        self._write_lock = threading.Lock()
+        self._retry_at: float | None = None  # the store failed: not before
+
+    def add(self, row: HistoryRow) -> None:
+        with self._lock:
+            self._rows.append(row)
+
+    def due(self) -> bool:
+        """Rows to append, and the store not in its backoff after a failure."""
+        with self._lock:
+            retry = self._retry_at
+            return bool(self._rows) and (retry is None or time.monotonic() >= retry)
+
+    def retry_at(self) -> float | None:
+        """When rows wait for a failed store: the time to try again."""
+        with self._lock:
+            return self._retry_at if self._rows else None
+
+    def write(self) -> int:
+        """Append the queued rows; how many. The history is a report, not a checkpoint: a
+        failure must not fail training. Its rows wait for the store, and it is said once."""
+        with self._write_lock:
+            with self._lock:
+                rows, self._rows = self._rows, []
+            if not rows:
+                return 0
+            try:
+                append_rows(self._store(), rows)
+            except NebulaError as exc:
+                with self._lock:
+                    first = self._retry_at is None
+                    self._rows[:0] = rows
+                    del self._rows[:-HISTORY_KEPT]
+                    self._retry_at = time.monotonic() + RETRY_MAX_S
+                if first:
+                    log.warning(
+                        "could not append %d row(s) to the checkpoint history (kept, and "
+                        "tried again): %s", len(rows), exc,
+                    )  # fmt: skip
+                return 0
+            with self._lock:
+                self._retry_at = None
+            return len(rows)
