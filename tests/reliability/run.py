@@ -25,6 +25,7 @@ from campaigns import Figures, corruption_campaign, crash_campaign, hostile_pick
 from clock_steps import clock_steps_campaign
 from concurrency import concurrency_campaign
 from operators import operators_campaign
+from outages import outage_campaign
 from signals import double_signal_campaign
 from stale_roots import stale_root_campaign
 from two_jobs import two_jobs_campaign
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             ("two jobs", lambda w: two_jobs_campaign(w, 3 if args.quick else 30)),
             ("operators", lambda w: operators_campaign(w, 2 if args.quick else 20)),
             ("clock steps", lambda w: clock_steps_campaign(w, 40 if args.quick else 600)),
+            ("outages", lambda w: outage_campaign(w, 3 if args.quick else 30)),
             *(
                 (name, lambda w, name=name, path=path: scenario_campaign(name, path, w))
                 for name, path in SCENARIO_FILES

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,23 @@ def test_operators_never_fail_a_running_trainer(tmp_path: Path) -> None:
     assert figures.counts["readers failed by retention"] == 0
     for kind in ("copies to the persistent tier", "flushes", "prunes", "verifies", "reads correct"):
         assert figures.counts.get(kind, 0) > 0, kind
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_outages_never_block_training_or_lose_an_acknowledged_checkpoint(tmp_path: Path) -> None:
+    from outages import outage_campaign
+
+    # Three rounds: the root's disk filled then freed, Azurite stopped then restarted,
+    # Azurite suspended then resumed; each while a trainer saves after every step.
+    figures = outage_campaign(tmp_path, rounds=3, seed=27)
+    if os.environ.get("CI"):
+        assert not any(k.startswith("rounds skipped") for k in figures.counts), figures.counts
+    assert figures.failures == []
+    ran = figures.counts.get("rounds", 0)
+    assert ran + sum(v for k, v in figures.counts.items() if k.startswith("rounds skipped")) == 3
+    assert ran >= 1, figures.counts
+    assert figures.counts["acknowledged checkpoints checked"] == ran
+    assert figures.counts["acknowledged checkpoints lost"] == 0
+    assert figures.counts["training steps blocked > 1 s"] == 0
+    assert figures.counts["saves during outages"] >= 5 * ran

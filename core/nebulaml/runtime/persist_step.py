@@ -6,8 +6,9 @@ the persistent tier and committed there, and what a failed one leaves removed.
     persist_part     this rank's part of a checkpoint several ranks write
     discard_partial  what a failed persist wrote, removed (a full disk needs the room)
 
-May import: every layer below runtime and runtime.ranks. Not for: when a persist runs, or
-what follows a failed one (persister.py), retention and the history (upkeep.py).
+May import: every layer below runtime, runtime.outage and runtime.ranks. Not for: when a
+persist runs, or what follows a failed one (persister.py), retention and the history
+(upkeep.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from nebulaml.protocol.cowriters import copy_alongside
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.protocol.transfer import copy_part
+from nebulaml.runtime.outage import may_pass
 from nebulaml.runtime.ranks import RankInfo
 from nebulaml.storage.store import MissingFileError, Store
 
@@ -93,4 +95,6 @@ def discard_partial(persistent: Store, tag: str, ranks: RankInfo) -> None:
         else:
             delete_checkpoint(persistent, tag)
     except NebulaError as exc:
-        log.warning("could not remove what the failed persist of %r left: %s", tag, exc)
+        # The store still down: the next try removes it (said once, by the outage).
+        say = log.debug if may_pass(exc) else log.warning
+        say("could not remove what the failed persist of %r left: %s", tag, exc)
