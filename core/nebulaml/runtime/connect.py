@@ -126,6 +126,9 @@ def keep_root(memory: Store, persistent: Store) -> None:
     """
     record = read_record(memory)
     known = record.root_id if record is not None else None
-    current = root_identity(persistent, create=True, new_id=known)
+    current = root_identity(persistent)  # one small read per persist
+    if current is None:
+        persistent.make_dir()  # the root itself may have gone too (an emulator reset)
+        current = root_identity(persistent, create=True, new_id=known)
     if current != known:
         adopt_root(memory, persistent, current)

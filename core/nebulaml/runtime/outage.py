@@ -7,14 +7,20 @@ persister keeps what it could not persist in the memory tier and tries again, ev
 (a permission refused, a corrupt memory copy, a rank's part that never came) is said at
 once instead.
 
-May import: `nebulaml.errors` and `nebulaml.storage`. Not for: what the persister does
-about an outage (persister.py).
+    OutageWatch  one persister's record of it: the outage, when to try next, the tags
+                 with a `failed` history row in it; warned once when it starts and once
+                 when it ends
+
+May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: what the
+persister queues and tries (persister.py).
 """
 
 from __future__ import annotations
 
 import errno
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, field
 
 from nebulaml.errors import (
     CheckpointStateError,
@@ -26,7 +32,10 @@ from nebulaml.errors import (
     RankTimeoutError,
     StorageFullError,
 )
+from nebulaml.format.manifest import utc_now
 from nebulaml.storage.retry import is_transient
+
+log = logging.getLogger("nebulaml")
 
 RETRY_FIRST_S = 0.5  # the first wait after a failed persist, doubling
 RETRY_MAX_S = 30.0  # the longest wait between two tries
@@ -113,3 +122,72 @@ def next_backoff(backoff_s: float) -> float:
         (1.0, 30.0)
     """
     return min(backoff_s * 2, RETRY_MAX_S)
+
+
+@dataclass(slots=True)
+class OutageWatch:
+    """One persister's record of its persistent tier (`where`) failing; used under the
+    persister's lock.
+
+    Example:
+        >>> from nebulaml.errors import PersistError, StorageFullError
+        >>> watch = OutageWatch("/mnt/ckpt")
+        >>> full = PersistError("global_step2", "/mnt/ckpt", StorageFullError("disk full"))
+        >>> watch.failed("global_step2", full)
+        >>> watch.outage is not None and watch.waiting()
+        True
+        >>> watch.landed("global_step2")
+        >>> watch.outage is None and not watch.waiting()
+        True
+    """
+
+    where: str
+    outage: Outage | None = None
+    retry_at: float | None = None  # not before (monotonic)
+    backoff_s: float = RETRY_FIRST_S
+    failed_rows: set[str] = field(default_factory=set)  # tags with a `failed` row in it
+    failures: int = 0  # failed persists so far: a flush waits for one of its own
+
+    def waiting(self) -> bool:
+        """Whether the backoff after a failure is not over yet."""
+        return self.retry_at is not None and time.monotonic() < self.retry_at
+
+    def try_now(self) -> None:
+        """The next try goes at once (a flush asked)."""
+        self.retry_at = None
+
+    def first_row(self, tag: str) -> bool:
+        """Whether `tag`'s failure is its first in this outage (it gets a `failed` row)."""
+        first = tag not in self.failed_rows
+        self.failed_rows.add(tag)
+        return first
+
+    def failed(self, tag: str, error: PersistError) -> None:
+        """The persist of `tag` failed: the outage starts (warned) or goes on, and the
+        next try waits the backoff, which doubles."""
+        now = time.monotonic()
+        self.failures += 1
+        hopeless = not may_pass(error)
+        if self.outage is None:
+            self.outage = Outage(started=now, since_utc=utc_now(), error=error, hopeless=hopeless)
+            log.warning(
+                "could not persist %r to %s: %s. The memory tier keeps it and nebula tries "
+                "again (every %.0f s at most) until it is durable; training goes on",
+                tag, self.where, error.__cause__ or error, RETRY_MAX_S,
+            )  # fmt: skip
+        else:
+            self.outage.error, self.outage.hopeless = error, hopeless
+            log.debug("persist of %r failed again: %s", tag, error)
+        self.retry_at = now + self.backoff_s
+        self.backoff_s = next_backoff(self.backoff_s)
+
+    def landed(self, tag: str) -> None:
+        """`tag` is durable: an outage, if any, is over (warned)."""
+        outage, self.outage = self.outage, None
+        self.retry_at, self.backoff_s = None, RETRY_FIRST_S
+        self.failed_rows.clear()
+        if outage is not None:
+            log.warning(
+                "the persistent tier %s works again after %.0f s: %r is durable",
+                self.where, time.monotonic() - outage.started, tag,
+            )  # fmt: skip
