@@ -12,6 +12,7 @@ import csv
 import json
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -155,3 +156,43 @@ def test_a_root_identity_deleted_mid_run_is_given_back_and_the_jobs_copies_stay_
     latest = nm.get_latest_checkpoint(str(root))
     assert latest is not None and latest.tag == "global_step2"
     assert torch.equal(latest.load("model")["w"], state(2)["w"])
+
+
+def test_a_long_outage_keeps_the_newest_and_the_labelled_within_the_budget(
+    small_disk: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Memory pressure during an outage: the budget holds about three checkpoints; older
+    unlabelled ones that never became durable are dropped (named in a warning and a
+    `skipped` history row), never the newest acknowledged or a labelled one, and no save
+    waits for the persistent tier. Bug caught (main): the budget waited for a flush of
+    the failing tier (up to exit_timeout_s) on the training thread, then raised."""
+    monkeypatch.setenv("NEBULA_MEMORY_BUFFER_SIZE", str(7 * MB))  # half: 3.5 MiB
+    root = small_disk / "root"
+    nm.init(str(root), persistent_time_interval=0, exit_timeout_s=600)
+    timed_save(1)
+    assert nm.flush_persistence() is True
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    (small_disk / "filler").write_bytes(b"\0" * max(0, free - MB // 2))
+    during = []
+    for step in range(2, 12):
+        t0 = time.perf_counter()
+        labels = ["best"] if step == 4 else []
+        nm.Checkpoint(f"global_step{step}", labels=labels).save("model", state(step))
+        during.append(time.perf_counter() - t0)
+        time.sleep(0.05)
+    assert max(during) < 2.0, during
+    status = nm.persistence_status()
+    assert "global_step4" in status.pending and status.pending[-1] == "global_step11", status
+    dropped = [r.getMessage() for r in caplog.records if "was never persisted" in r.getMessage()]
+    assert dropped and all("global_step4'" not in m.split(" was")[0] for m in dropped), dropped
+    (small_disk / "filler").unlink()
+    wait_durable("global_step11")
+    assert nm.flush_persistence("global_step4", timeout_s=30) is True
+    nm.shutdown(timeout_s=30)
+    for step in (4, 11):
+        loaded = torch.load(root / f"global_step{step}" / "model", weights_only=True)
+        assert torch.equal(loaded["w"], state(step)["w"])
+    rows = _history(root)
+    skipped = {r["tag"] for r in rows if r["status"] == "skipped"}
+    failed = {r["tag"] for r in rows if r["status"] == "failed"}
+    assert failed & skipped, rows  # a dropped one: its failed try, then its skip

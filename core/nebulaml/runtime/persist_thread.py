@@ -81,6 +81,9 @@ class PersistThread:
     _durable_tags: set[str]
     _connect: Connect | None
 
+    def _skip(self, old: str, by: str) -> None:  # persister.py
+        raise NotImplementedError
+
     @property
     def connected(self) -> bool:
         """Whether the persistent tier was reached (always, without one)."""
@@ -275,6 +278,8 @@ class PersistThread:
         newer = [t for t in (self._pending, *self._forced) if t and order_key(t, "") > key]
         if not newer and self._pending is None:
             self._pending = tag
+        elif newer:
+            self._skip(tag, max(newer, key=lambda t: order_key(t, "")))
 
     def _landed(self, tag: str) -> None:
         """Under the lock: `tag` is durable; an outage, if any, is over."""

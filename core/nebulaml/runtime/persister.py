@@ -346,7 +346,20 @@ class Persister(PersistThread):
         old, self._pending = self._pending, None
         if old is None or old == by or old == self._inflight or old in self._forced:
             return  # nothing pending, or it is persisted anyway
-        log.debug("%r superseded by %r before its persist: skipped", old, by)
+        self._skip(old, by)
+
+    def _skip(self, old: str, by: str) -> None:
+        """Under the lock: `old`'s persist is skipped for the newer `by` (its memory copy
+        goes at the next eviction). One that failed in this outage is warned about: it
+        was acknowledged and is dropped without ever being durable."""
+        if old in self.watch.failed_rows:
+            log.warning(
+                "%r was never persisted (the persistent tier fails) and the newer %r "
+                "supersedes it: dropped from the memory tier, which keeps %r until it is "
+                "durable", old, by, by,
+            )  # fmt: skip
+        else:
+            log.debug("%r superseded by %r before its persist: skipped", old, by)
         if self._leaders.get(old, 0) == self.rank:
             row = skipped_row(
                 tag=old, step=step_of(old), rank=self.rank, started_at=utc_now(), superseded_by=by

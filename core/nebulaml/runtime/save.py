@@ -256,6 +256,14 @@ class SaveJob:
             why = "there is no persistent tier"
         elif len(self.writers(session)) > 1:
             why = "streaming to the persistent tier needs a checkpoint that one rank writes"
+        elif session.persister.failing():
+            # The memory tier holds what is not durable yet (the newest acknowledged and
+            # the labelled checkpoints: never dropped); the save must not wait on the store.
+            status = session.persister.status()
+            why = (
+                f"the persistent tier fails ({status['last_error']}), and the memory tier "
+                f"keeps {', '.join(map(str, status['pending']))} until they are durable"  # type: ignore[call-overload]
+            )
         if why is not None:
             if short.limit_bytes is not None:
                 raise MemoryBudgetError(self.tag, short.size_bytes, short.limit_bytes, why)
