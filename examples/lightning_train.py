@@ -19,7 +19,8 @@
 Either Lightning package works; `--package` chooses which one this script imports, and
 `nm.NebulaCheckpointIO` / `nm.NebulaCallback` follow it.
 
-Not for: multi-process (DDP) training, which NebulaCheckpointIO does not support yet.
+Single process, for brevity: under DDP (torchrun, or Lightning's own launcher) the same
+code saves on rank 0 alone, and every rank resumes from it (docs/integrations.md).
 """
 
 from __future__ import annotations

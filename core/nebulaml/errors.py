@@ -228,22 +228,40 @@ class RankTimeoutError(NebulaError, TimeoutError):
     """Some ranks did not write their part of a checkpoint in time (one may have died)."""
 
     def __init__(
-        self, where: str, missing: list[int], timeout_s: float, stale: list[int] | None = None
+        self,
+        where: str,
+        missing: list[int],
+        timeout_s: float,
+        stale: list[int] | None = None,
+        wrote: list[int] | None = None,
+        tag: str | None = None,
     ) -> None:
-        ranks = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+        def listed(ranks: list[int]) -> str:
+            return ", ".join(map(str, ranks[:16])) + (" ..." if len(ranks) > 16 else "")
+
         older = ""
         if stale:
             older = (
-                f" (the part of rank(s) {', '.join(map(str, stale[:16]))} there is from "
-                f"another run or restart of the job: never committed with this one's)"
+                f" (the part of rank(s) {listed(stale)} there is from another run or restart "
+                f"of the job: never committed with this one's)"
+            )
+        did = f"; rank(s) {listed(wrote)} did" if wrote else ""
+        hint = "Raise NEBULA_RANK_TIMEOUT_S if ranks are just slow"
+        if wrote and not stale:
+            # Only some ranks saved: the common `if rank == 0: save` without saying so.
+            hint = (
+                f"If only rank(s) {listed(wrote)} save this checkpoint, say so: "
+                f"nm.Checkpoint({tag or 'tag'!r}, ranks=[{', '.join(map(str, wrote[:16]))}]). "
+                f"Raise NEBULA_RANK_TIMEOUT_S if ranks are just slow"
             )
         super().__init__(
-            f"{where}: rank(s) {ranks} did not commit their part within {timeout_s:g} s"
-            f"{older}; the checkpoint stays uncommitted (a rank may have died; the previous "
-            f"checkpoint still loads). Raise NEBULA_RANK_TIMEOUT_S if ranks are just slow"
+            f"{where}: rank(s) {listed(missing)} did not commit their part within "
+            f"{timeout_s:g} s{older}{did}; the checkpoint stays uncommitted (a rank may have "
+            f"died; the previous checkpoint still loads). {hint}"
         )
         self.where, self.missing, self.timeout_s = where, missing, timeout_s
         self.stale = stale or []
+        self.wrote = wrote or []
 
 
 class PersistTimeoutError(NebulaError, TimeoutError):

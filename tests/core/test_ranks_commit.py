@@ -175,3 +175,22 @@ def test_checkpoint_ranks_are_checked(tmp_path: Path, monkeypatch: pytest.Monkey
     nm.Checkpoint("global_step4", ranks=[0]).save("model", {"w": 1})
     latest = nm.get_latest_checkpoint()
     assert latest is not None and latest.tag == "global_step4"
+
+
+def test_a_rank_timeout_names_who_wrote_and_points_to_ranks_when_only_some_saved(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 of 2 saves alone, without `ranks=[0]` (the common `if rank == 0: save`).
+    Bug caught: the error said only to raise NEBULA_RANK_TIMEOUT_S, never how to say
+    that one rank saves."""
+    store = Store(tmp_path)
+    begin_tag(store, TAG, rank=0, overwrite=False, world_size=2)
+    item = write_item(store, TAG, "model", {"w": 1}, rank=0)
+    assert commit_rank(store, TAG, rank=0, world_size=2, items=[item], created_at="t") is None
+    with pytest.raises(nm.RankTimeoutError) as raised:
+        await_commit(store, TAG, world_size=2, timeout_s=0.2)
+    message = str(raised.value)
+    assert "rank(s) 1 did not commit their part" in message, message
+    assert "rank(s) 0 did" in message, message
+    assert f"nm.Checkpoint('{TAG}', ranks=[0])" in message, message
+    assert raised.value.missing == [1] and raised.value.wrote == [0]

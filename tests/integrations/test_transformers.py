@@ -12,6 +12,7 @@ The models have dropout, so that only a restored RNG gives the same losses.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -211,13 +212,22 @@ def test_save_total_limit_is_the_retention_and_a_path_resumes(tmp_path: Path) ->
     assert trainer.state.global_step == 6
 
 
-def test_resume_with_nothing_saved_says_where_it_looked(tmp_path: Path) -> None:
+def test_resume_with_nothing_saved_starts_fresh_and_says_where_it_looked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One script starts a job and resumes it (`resume_from_checkpoint=True`): its first
+    run has nothing to resume. Bug caught: it raised ValueError, as the Trainer alone
+    does, so the script needed a special case for its first run."""
     from nebulaml.transformers import NebulaCallback
 
     callback = NebulaCallback(persistent_storage_path=str(tmp_path / "root"))
     trainer = _trainer(tmp_path, callback, max_steps=2, save_steps=2)
-    with pytest.raises(ValueError, match="No valid checkpoint found in nebula"):
+    with caplog.at_level(logging.INFO, logger="nebulaml"):
         trainer.train(resume_from_checkpoint=True)
+    said = [r.getMessage() for r in caplog.records if "to resume from" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path / "root") in said[0], said
+    assert trainer.state.global_step == 2  # trained from the start
+    assert [c["tag"] for c in nm.list_checkpoints(str(tmp_path / "root"))] == ["global_step2"]
 
 
 def test_load_best_model_at_end_through_the_best_label(tmp_path: Path) -> None:

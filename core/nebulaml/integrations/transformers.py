@@ -350,7 +350,9 @@ class NebulaCallback(TrainerCallback):
         original = self._originals["train"]
         checkpoint = self._resolve(resume_from_checkpoint)
         if checkpoint is None:
-            return original(resume_from_checkpoint, *args, **kwargs)
+            # `True` with nothing saved yet (a job's first run): start fresh, as said.
+            fresh = None if resume_from_checkpoint is True else resume_from_checkpoint
+            return original(fresh, *args, **kwargs)
         if isinstance(checkpoint, str):  # a checkpoint folder on disk: the Trainer's own
             return original(checkpoint, *args, **kwargs)
         folder = tempfile.mkdtemp(prefix="nebula-resume-")
@@ -383,11 +385,13 @@ class NebulaCallback(TrainerCallback):
             output_dir = trainer.args.output_dir
             local = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
             if local is None:
+                # The same script starts a job and resumes it: its first run has nothing
+                # to resume from, and trains from the start (the Trainer alone raises).
                 where = _session.current("train").tiers.display
-                raise ValueError(
-                    f"No valid checkpoint found in nebula ({where}) or in output directory "
-                    f"({output_dir})"
-                )
+                log.info(
+                    "no checkpoint in nebula (%s) or in the output directory (%s) to resume "
+                    "from: training starts from the beginning", where, output_dir,
+                )  # fmt: skip
             return local
         path = os.fspath(resume)
         if os.path.isfile(os.path.join(path, TRAINER_STATE)):

@@ -265,7 +265,10 @@ def await_commit(
             files = store.list_files(tag)
             missing = [r for r in writers if marker_name(r) not in files]
             stale = [r for r in writers if r not in missing and _stale(store, tag, r, generation)]
-            raise RankTimeoutError(store.display(tag), missing + stale, timeout_s, stale)
+            wrote = [r for r in writers if r not in missing and r not in stale]
+            raise RankTimeoutError(
+                store.display(tag), missing + stale, timeout_s, stale, wrote=wrote, tag=tag
+            )
         time.sleep(poll_s)
         poll_s = min(max_poll_s, poll_s * 2)
 
