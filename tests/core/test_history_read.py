@@ -96,11 +96,13 @@ _GOOD = "global_step1,1,memory,0,2026-03-01T12:00:00.000000Z,0.5,0.25,10,0.1,ok,
          "line 2: started_at 'yesterday 12:00:00.000000Z' is not an ISO-8601 time"),
         (HEADER + _GOOD.replace(",0.5,", ",fast,") + "\n", "line 2: duration_s 'fast' is not"),
         (HEADER + _GOOD + "\n" + _GOOD + ",extra\n", "Expected 11 fields in line 3, saw 12"),
+        # pandas takes a first row with one field more for an index (a traceback, before)
+        (HEADER + _GOOD + ",extra\n" + _GOOD + "\n", "line 2: 12 fields where the header has 11"),
         (HEADER + _GOOD + "\nglobal_step2,2,memo", "line 3: tier 'memo' is not memory"),
         (HEADER + "\udcff", "not UTF-8 text"),
     ],
-    ids=["empty", "header", "step", "status", "tier", "time", "float", "fields", "torn",
-         "bytes"],
+    ids=["empty", "header", "step", "status", "tier", "time", "float", "fields",
+         "fields-first-row", "torn", "bytes"],
 )  # fmt: skip
 def test_a_malformed_file_raises_naming_the_file_and_line(
     tmp_path: Path, text: str, why: str

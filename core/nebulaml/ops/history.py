@@ -15,6 +15,7 @@ appends them), or rendering (tables, CSV on stdout, plots: the CLI's `history` c
 
 from __future__ import annotations
 
+import csv
 import io
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
@@ -102,13 +103,29 @@ def _cutoff(since: datetime | timedelta | None) -> datetime | None:
     return since.astimezone(timezone.utc)
 
 
+def _check_first_row(text: str, where: str) -> None:
+    """pandas takes a first row with one field more than the header for an index column
+    (and later rows' line numbers for labels): that row is refused here, as pandas refuses
+    any later row whose fields do not match."""
+    records = csv.reader(io.StringIO(text))
+    header = next(records, None)
+    first = next(records, None)
+    if header is not None and first is not None and len(first) != len(header):
+        raise HistoryFormatError(
+            where, f"line 2: {len(first)} fields where the header has {len(header)}"
+        )
+
+
 def _parse(data: bytes, where: str) -> pd.DataFrame:
     """Parse and type the file's bytes; anything that does not fit raises, naming the line."""
     import pandas as pd
 
     try:
         text = data.decode("utf-8")
-        raw = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False, na_filter=False)
+        _check_first_row(text, where)
+        raw = pd.read_csv(
+            io.StringIO(text), dtype=str, keep_default_na=False, na_filter=False, index_col=False
+        )
     except UnicodeDecodeError as exc:
         raise HistoryFormatError(where, f"not UTF-8 text ({exc.reason})") from exc
     except pd.errors.EmptyDataError as exc:
