@@ -78,7 +78,7 @@ def _state(step: int, size_bytes: int) -> dict[str, torch.Tensor]:
 
 
 def test_a_state_larger_than_the_budget_goes_to_the_persistent_tier(
-    root: Path, budget: int
+    root: Path, budget: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     nm.init(str(root), persistent_time_interval=3600, num_of_version_in_retention=2)
     memory = nm.memory_tier_path(str(root))
@@ -88,6 +88,8 @@ def test_a_state_larger_than_the_budget_goes_to_the_persistent_tier(
             ckpt.save("model", _state(step, MB // 2))  # fits alone
             ckpt.save("optimizer", _state(step, 2 * MB))  # the whole does not
     assert sampler.peak <= budget
+    said = [r for r in caplog.records if "does not fit the memory budget" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING", said  # once, not per save
     assert (root / "global_step3" / "manifest.json").exists()
     assert not os.path.exists(os.path.join(memory, "global_step3"))
     assert sorted(c["tag"] for c in nm.list_checkpoints()) == ["global_step2", "global_step3"]

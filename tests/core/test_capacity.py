@@ -139,8 +139,8 @@ def test_a_state_larger_than_a_64mib_tier_is_written_to_the_persistent_tier(
         assert latest is not None and latest.tag == f"global_step{step}"
         _assert_equal(latest.load("model"), state)
         warnings = _capacity_warnings(caplog)
-        assert len(warnings) == step, warnings  # one per checkpoint
-        _assert_names_sizes(warnings[-1], point, 200 * MB)
+        assert len(warnings) == 1, warnings  # once for the job, not once per checkpoint
+        _assert_names_sizes(warnings[0], point, 200 * MB)
     assert (root / "global_step2" / "manifest.json").exists()
 
 
@@ -203,7 +203,7 @@ def test_a_tier_filled_after_the_check_still_saves(
         assert latest is not None and latest.tag == f"global_step{step}"
         got = latest.load("model", weights_only=False)
         assert torch.equal(got["w" if step == 2 else "t0"], state["w" if step == 2 else "t0"])
-    assert len(_capacity_warnings(caplog)) == 2
+    assert len(_capacity_warnings(caplog)) == 1  # once for the job
     assert _free(point) > 0
 
 

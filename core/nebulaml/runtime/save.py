@@ -270,8 +270,13 @@ class SaveJob:
             free = short.free_bytes or 0
             raise MemoryTierFullError(self.tag, short.size_bytes, free, short.path, why)
         assert persistent is not None
+        # Said once per session and kind (the budget, the filesystem), then at debug: a
+        # job whose checkpoints do not fit streams every one of them.
+        kind = "budget" if short.limit_bytes is not None else "filesystem"
+        say = log.debug if kind in session.streamed else log.warning
+        session.streamed.add(kind)
         if short.limit_bytes is not None:
-            log.warning(
+            say(
                 "checkpoint %r does not fit the memory budget (%d bytes, "
                 "NEBULA_MEMORY_BUFFER_SIZE): %s needs %d bytes; writing it to %s directly",
                 self.tag,
@@ -282,7 +287,7 @@ class SaveJob:
             )
         else:
             total = sum(item.size_bytes for item in self.items) + short.size_bytes
-            log.warning(
+            say(
                 "checkpoint %r does not fit the memory tier: %s needs %d bytes (the "
                 "checkpoint %d so far), and %s has %d bytes free; writing the checkpoint to "
                 "%s directly, slower than into memory. To keep checkpoints in memory, %s",

@@ -68,6 +68,7 @@ class Session:
         self.generation: str | None = elastic_generation()
         self._generation_known = self.generation is not None
         self._saves_of: dict[str, int] = {}  # how often this process began a save of a tag
+        self.streamed: set[str] = set()  # why saves went around the memory tier, said once
         # The persistent root with its identity; this root's memory tier, checked private,
         # held while this session lives, and released first if an earlier root left it.
         self.tiers: TierSet
