@@ -139,3 +139,36 @@ def test_prune_never_fails_the_trainers_retention(root: Path) -> None:
         stop.set()
         thread.join(30)
     assert committed_tags(Store(str(root)))[-1] == "global_step15"
+
+
+def test_the_writers_lock_files_go_with_their_writers(memory_tier: Path, tmp_path: Path) -> None:
+    """Bug caught: every persist left its `.nebula-writing-<n>.lock` in the memory-tier
+    base folder (64 of them after a job and `gc`). And two writers of one tag still take
+    turns: the second waits while the first holds the lock, even with the file removed
+    and made again in between."""
+    root = tmp_path / "root"
+    nm.init(str(root), persistent_time_interval=0)
+    for step in (1, 2, 3):
+        nm.Checkpoint(f"global_step{step}").save("model", {"w": step})
+        assert nm.flush_persistence() is True
+    nm.shutdown()
+    assert not list(memory_tier.glob(".nebula-writing-*")), list(memory_tier.iterdir())
+
+    dst, inside, order = Store(tmp_path / "dst"), threading.Event(), []
+
+    def hold(name: str, seconds: float) -> None:
+        with cowriters.writing(dst, "global_step1", time.monotonic() + 30):
+            order.append(f"{name} in")
+            inside.set()
+            time.sleep(seconds)
+            order.append(f"{name} out")
+
+    first, _ = in_thread(lambda: hold("first", 0.3))
+    assert inside.wait(10)
+    second, _ = in_thread(lambda: hold("second", 0))
+    third, _ = in_thread(lambda: hold("third", 0))
+    for thread in (first, second, third):
+        thread.join(30)
+    assert order[:2] == ["first in", "first out"], order
+    assert order[2::2] == [x.replace("out", "in") for x in order[3::2]], order  # no overlap
+    assert not list(memory_tier.glob(".nebula-writing-*"))

@@ -18,7 +18,8 @@ writes its own, and two that look at once both go on (and clear each other's fil
 node's processes therefore take a lock first: one of `LOCK_STRIPES` files in this user's
 memory-tier base folder (`.nebula-writing-<n>.lock`), chosen by the destination and tag
 (two tags sharing a file only wait for each other a little longer); a lock dies with its
-process.
+process, and its file goes when the writer is done (a waiter checks that the file it
+locked is still the one at the path).
 
 May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, catalog.py,
 markers.py, memory_tier.py and transfer.py. Not for: the copy itself (transfer.py) or when to copy
@@ -125,31 +126,58 @@ def writing(
 ) -> Iterator[None]:
     """Be this node's only writer of `tag` at `dst` for the block: an exclusive flock on
     its stripe, waited for until `deadline` (then `CheckpointBusyError`). Where the
-    memory-tier base folder cannot be used, nothing is locked (the markers still are)."""
+    memory-tier base folder cannot be used, nothing is locked (the markers still are).
+
+    The stripe's file is removed when the block ends (a job leaves none behind): a lock
+    counts only while its file is still the one at the path, so a waiter that locked a
+    removed file opens the path again."""
     try:
         folder = memory_base()
         ensure_private_dir(folder)
         key = hashlib.sha256(f"{dst.location}\0{tag}".encode()).digest()
         stripe = int.from_bytes(key[:4], "big") % LOCK_STRIPES
         path = os.path.join(folder, f"{WRITING_PREFIX}{stripe}.lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = _lock_stripe(path, dst, tag, deadline, said, wait_s)
     except (OSError, NebulaError) as exc:
+        if isinstance(exc, CheckpointBusyError):
+            raise
         log.debug("copying %s unlocked: %s", dst.display(tag), exc)
         yield
         return
     try:
-        delay_s = 0.01
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                busy = CheckpointBusyError(dst.url, tag, "another process of this node")
-                if time.monotonic() >= deadline:
-                    raise busy from None
-                _waiting(busy, said if said is not None else [], wait_s)
-                time.sleep(delay_s)
-                delay_s = min(0.2, delay_s * 2)
         yield
     finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # under the lock: a waiter finds it gone, and makes a new one
         os.close(fd)
+
+
+def _lock_stripe(
+    path: str, dst: Store, tag: str, deadline: float, said: list[str] | None, wait_s: float
+) -> int:
+    """An open descriptor of the stripe file at `path`, exclusively locked, that is still
+    the file at `path` (not one a finished writer removed meanwhile)."""
+    delay_s = 0.01
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            busy = CheckpointBusyError(dst.url, tag, "another process of this node")
+            if time.monotonic() >= deadline:
+                raise busy from None
+            _waiting(busy, said if said is not None else [], wait_s)
+            time.sleep(delay_s)
+            delay_s = min(0.2, delay_s * 2)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            mine, there = os.fstat(fd), os.stat(path, follow_symlinks=False)
+            if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # removed or replaced by the writer before: lock the new one
