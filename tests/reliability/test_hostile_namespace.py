@@ -169,3 +169,29 @@ def test_a_symlinked_item_file_is_replaced_not_written_through(root: Path, senti
     loaded = nm.get_checkpoint("global_step1", str(root)).load("model")
     assert torch.equal(loaded["w"], torch.ones(3))
     nm.shutdown()
+
+
+def test_prune_skips_a_tag_swapped_for_a_link_and_prunes_the_rest(
+    root: Path, sentinel: Path
+) -> None:
+    """A planned tag folder replaced by a symbolic link before its turn (another user, a
+    script). Bug caught: prune stopped with rc 1 at that tag, the rest not pruned."""
+    from nebulaml.ops.pruning import execute_prune, list_prune_candidates, plan_prune
+
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=10)
+    for step in range(1, 6):
+        nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.ones(3) * step})
+        assert nm.flush_persistence() is True
+    nm.shutdown()
+    plan = plan_prune(list_prune_candidates(str(root)), 1)
+    assert [d.tag for d in plan.delete] == [f"global_step{s}" for s in (1, 2, 3, 4)]
+    before = tree_digest(sentinel)
+    os.rename(root / "global_step2", sentinel / "moved")  # the link points at a real one
+    (root / "global_step2").symlink_to(sentinel / "moved")
+    after_move = tree_digest(sentinel)
+    result = execute_prune(str(root), plan)
+    assert result.deleted == ("global_step1", "global_step3", "global_step4")
+    (skipped,) = result.skipped
+    assert skipped.tag == "global_step2" and "symbolic link" in skipped.reason, skipped
+    assert (root / "global_step2").is_symlink() and tree_digest(sentinel) == after_move
+    assert before != after_move  # the sentinel did change: by the test's move, not prune

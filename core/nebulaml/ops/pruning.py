@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from nebulaml.errors import InvalidArgumentError, RootNotFoundError
+from nebulaml.errors import InvalidArgumentError, RootNotFoundError, StorageError
 from nebulaml.format.manifest import parse_utc
 from nebulaml.format.names import MANIFEST_NAME, OrderKey, validate_name
 from nebulaml.protocol.catalog import list_committed, read_committed
@@ -221,7 +221,13 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
     skipped: list[PruneDecision] = []
     witness = plan.newest  # a committed tag newer than every tag in plan.delete
     for decision in plan.delete:
-        info = read_committed(store, decision.tag)
+        try:
+            info = read_committed(store, decision.tag)
+        except StorageError as exc:
+            # One tag that cannot be read safely (a symbolic link put in its place since
+            # the plan) is skipped and said; the others are still pruned.
+            skipped.append(PruneDecision(decision.tag, f"not deleted: {exc}"))
+            continue
         if info is None:
             skipped.append(PruneDecision(decision.tag, "no longer committed"))
             continue
@@ -235,7 +241,12 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
         # This thread asked for the deletion: what it merely listed does not hold the tag
         # against it (a handle it took still does, and another thread's listing).
         LISTINGS.release_tag(store, decision.tag)
-        if not delete_checkpoint(store, decision.tag):
+        try:
+            gone = delete_checkpoint(store, decision.tag)
+        except StorageError as exc:
+            skipped.append(PruneDecision(decision.tag, f"not deleted: {exc}"))
+            continue
+        if not gone:
             skipped.append(PruneDecision(decision.tag, BEING_READ))
             continue
         deleted.append(decision.tag)
