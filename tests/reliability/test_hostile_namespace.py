@@ -195,3 +195,34 @@ def test_prune_skips_a_tag_swapped_for_a_link_and_prunes_the_rest(
     assert skipped.tag == "global_step2" and "symbolic link" in skipped.reason, skipped
     assert (root / "global_step2").is_symlink() and tree_digest(sentinel) == after_move
     assert before != after_move  # the sentinel did change: by the test's move, not prune
+
+
+def test_names_with_non_ascii_digits_are_ignored_never_an_exception(root: Path) -> None:
+    """`str.isdigit()` accepts "²", `int()` refuses it. Bugs caught: a `.nebula-job-².json`
+    in a root made every init raise a bare ValueError; a lease `.lease-read-…-²-…` in a tag
+    folder made prune raise, a load raise and retention stop."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / ".nebula-job-\u00b2.json").write_text("{}")
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=2)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
+    assert nm.flush_persistence() is True
+    lease = ".lease-read-20260101T000000000000Z-\u00b2-ab12cd34-elsewhere.json"
+    (root / "global_step1" / lease).write_text("{}")
+    for step in (2, 3, 4):
+        nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.ones(3) * step})
+        assert nm.flush_persistence() is True
+    # Retention went on: global_step1 is gone (the odd lease holds nothing).
+    assert [c["tag"] for c in nm.list_checkpoints(str(root)) if "persistent" in c["tiers"]] == [
+        "global_step4",
+        "global_step3",
+    ]
+    nm.shutdown()
+    (root / "global_step3" / lease).write_text("{}")
+    ckpt = nm.get_checkpoint("global_step3", str(root))
+    assert ckpt is not None
+    with ckpt:
+        assert torch.equal(ckpt.load("model")["w"], torch.ones(3) * 3)
+    from nebulaml.ops.pruning import execute_prune, list_prune_candidates, plan_prune
+
+    result = execute_prune(str(root), plan_prune(list_prune_candidates(str(root)), 1))
+    assert result.deleted == ("global_step3",), result

@@ -119,6 +119,21 @@ def validate_name(kind: str, name: object) -> str:
     return name
 
 
+_NUMBER_RE = re.compile(r"[0-9]+")
+
+
+def name_number(text: str) -> int | None:
+    """The number `text` spells in ASCII digits, or None: the one rule for every number in
+    a reserved file name (a generation, a pid, a record key). `str.isdigit` accepts "²",
+    which `int` refuses; a name someone else wrote is ignored, never an exception.
+
+    Example:
+        >>> name_number("00000012"), name_number("²"), name_number("-1"), name_number("")
+        (12, None, None, None)
+    """
+    return int(text) if _NUMBER_RE.fullmatch(text) else None
+
+
 def step_of(tag: str) -> int | None:
     """The training step a tag names, in ASCII digits: the number after `global_step`
     (DeepSpeed's and nebula's tags), else after a Lightning `step=`; else None.

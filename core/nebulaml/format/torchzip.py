@@ -16,8 +16,8 @@ pickle of the object, whose tensors name their storages by key, and one member
 No file is opened and no thread started here: the caller hands in bytes or a stream. torch
 is imported inside the functions that need it, so importing this module does not.
 
-May import: `nebulaml.errors`. Not for: copying storages into buffers, hashing and CUDA
-(runtime/snapshot.py), unpickling an item (serialization.py, item_metadata.py), or which
+May import: `nebulaml.errors` and names.py. Not for: copying storages into buffers,
+hashing and CUDA (runtime/snapshot.py), unpickling an item (serialization.py, item_metadata.py), or which
 object is written for which (`to_saveable`, serialization.py).
 """
 
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from nebulaml.errors import CorruptCheckpointError
+from nebulaml.format.names import name_number
 
 _PLAIN = (str, bytes, int, float, bool, complex, type(None))
 #: The most bytes of `data.pkl` read; a state dict of a million tensors needs ~100 MB.
@@ -284,7 +285,8 @@ def data_records(segments: list[tuple[int, Any]], size: int) -> dict[int, tuple[
     with zipfile.ZipFile(reader) as archive:
         for info in archive.infolist():
             parts = info.filename.split("/")
-            if len(parts) != 3 or parts[1] != "data" or not parts[2].isdigit():
+            key = name_number(parts[2]) if len(parts) == 3 and parts[1] == "data" else None
+            if key is None:
                 continue
             if info.compress_type != zipfile.ZIP_STORED:
                 return {}
@@ -293,7 +295,7 @@ def data_records(segments: list[tuple[int, Any]], size: int) -> dict[int, tuple[
             name_len = int.from_bytes(header[26:28], "little")
             extra_len = int.from_bytes(header[28:30], "little")
             offset = info.header_offset + 30 + name_len + extra_len
-            records[int(parts[2])] = (offset, info.file_size)
+            records[key] = (offset, info.file_size)
     return records
 
 

@@ -44,7 +44,7 @@ from datetime import datetime, timezone
 
 from nebulaml.errors import CommitConflictError, NebulaError, RootInUseError, StorageError
 from nebulaml.format.manifest import parse_utc, utc_now
-from nebulaml.format.names import JOB_CLAIM_FILE, JOB_PREFIX
+from nebulaml.format.names import JOB_CLAIM_FILE, JOB_PREFIX, name_number
 from nebulaml.protocol.leases import process_alive
 from nebulaml.storage.store import MissingFileError, Store
 
@@ -195,7 +195,7 @@ def _generation(name: str) -> int | None:
     if not (name.startswith(JOB_PREFIX) and name.endswith(_LEASE_SUFFIX)):
         return None
     digits = name[len(JOB_PREFIX) : -len(_LEASE_SUFFIX)]
-    return int(digits) if digits.isdigit() else None
+    return name_number(digits)
 
 
 @dataclass(frozen=True, slots=True)

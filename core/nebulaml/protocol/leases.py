@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from nebulaml.errors import StorageError
-from nebulaml.format.names import LEASE_PREFIX, MANIFEST_NAME
+from nebulaml.format.names import LEASE_PREFIX, MANIFEST_NAME, name_number
 from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
@@ -112,14 +112,16 @@ def parse_lease(name: str) -> Lease | None:
     fields = name[len(LEASE_PREFIX) : -len(_SUFFIX)].split("-", 4)
     if len(fields) != 5:
         return None
-    kind, stamp, pid, _random, host = fields
-    if kind not in (READ, DELETE, HOLD, LIST) or not pid.isdigit() or not host:
+    kind, stamp, digits, _random, host = fields
+    pid = name_number(digits)
+    if kind not in (READ, DELETE, HOLD, LIST) or pid is None or not host:
+        log.debug("ignoring %r: not a lease nebula writes", name)
         return None
     try:
         taken_at = datetime.strptime(stamp, _STAMP).replace(tzinfo=timezone.utc)
     except ValueError:
         return None
-    return Lease(name, kind, host, int(pid), taken_at)
+    return Lease(name, kind, host, pid, taken_at)
 
 
 def lease_alive(lease: Lease, *, now: datetime | None = None, ttl_s: float = LEASE_TTL_S) -> bool:
