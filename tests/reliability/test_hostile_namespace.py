@@ -226,3 +226,21 @@ def test_names_with_non_ascii_digits_are_ignored_never_an_exception(root: Path) 
 
     result = execute_prune(str(root), plan_prune(list_prune_candidates(str(root)), 1))
     assert result.deleted == ("global_step3",), result
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_place_of_the_history_never_blocks_the_persister(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bug caught: a FIFO at checkpointHistories.csv (no reader) hung the persister's
+    append for ever: nothing was persisted after it, flush_persistence() never returned."""
+    root.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(root / "checkpointHistories.csv")
+    nm.init(str(root), persistent_time_interval=0)
+    for step in (1, 2):
+        nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.ones(3) * step})
+        assert nm.flush_persistence(timeout_s=20) is True
+    assert (root / "global_step2" / "manifest.json").exists()
+    said = [r.getMessage() for r in caplog.records if "checkpoint history" in r.getMessage()]
+    assert said and "not a regular file" in said[0], said
+    nm.shutdown(timeout_s=20)

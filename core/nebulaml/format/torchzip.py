@@ -17,8 +17,8 @@ No file is opened and no thread started here: the caller hands in bytes or a str
 is imported inside the functions that need it, so importing this module does not.
 
 May import: `nebulaml.errors` and names.py. Not for: copying storages into buffers,
-hashing and CUDA (runtime/snapshot.py), unpickling an item (serialization.py, item_metadata.py), or which
-object is written for which (`to_saveable`, serialization.py).
+hashing and CUDA (runtime/snapshot.py), unpickling an item (serialization.py,
+item_metadata.py), or which object is written for which (`to_saveable`, serialization.py).
 """
 
 from __future__ import annotations
