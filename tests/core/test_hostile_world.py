@@ -321,3 +321,24 @@ def test_7_steps_of_deepspeed_and_lightning_tags() -> None:
     assert step_of("epoch=2-step=300-val_loss=0.323") == 300
     assert step_of("global_step=7") == 7  # Lightning's {global_step}
     assert step_of("epoch=3") is None and step_of("laststep=4") is None
+
+
+def test_an_ignored_checkpoint_is_said_once_per_process(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bug caught: an altered manifest's "ignoring checkpoint" warning came 3 times per
+    `nebula ls` (a listing reads a tier up to three times), 3-6 times per command."""
+    root = tmp_path / "root"
+    nm.init(str(root), persistent_time_interval=0)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(2)})
+    nm.Checkpoint("global_step2").save("model", {"w": torch.ones(2)})
+    assert nm.flush_persistence("global_step1") is True
+    nm.shutdown()
+    manifest = root / "global_step1" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["labels"] = ["forged"]  # its checksum no longer matches
+    manifest.write_text(json.dumps(doc))
+    for _ in range(3):
+        nm.list_checkpoints(str(root), hold=False)
+    said = [r for r in caplog.records if "ignoring checkpoint 'global_step1'" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]

@@ -20,6 +20,22 @@ from nebulaml.format.names import MANIFEST_NAME, OrderKey, order_key, validate_n
 from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
+_said: set[str] = set()  # what this process has said it ignores (a listing reads 3 times)
+_SAID_MAX = 10_000
+
+
+def _ignoring(message: str, *args: object) -> None:
+    """Warn that a checkpoint is ignored, once per process for one message: a listing
+    reads a tier up to `_LIST_PASSES` times, and a command lists more than once."""
+    text = message % args
+    if text in _said:
+        log.debug("%s", text)
+        return
+    if len(_said) < _SAID_MAX:
+        _said.add(text)
+    log.warning("%s", text)
+
+
 # How many times `list_committed` lists the folders while newer ones are in flux.
 _LIST_PASSES = 3
 
@@ -63,10 +79,10 @@ def read_manifest(store: Store, tag: str) -> Manifest | None:
     except MissingFileError:
         return None
     except ManifestError as exc:
-        log.warning("ignoring checkpoint %r: %s", tag, exc)
+        _ignoring("ignoring checkpoint %r: %s", tag, exc)
         return None
     if manifest.tag != tag:
-        log.warning("ignoring %s: it names tag %r", where, manifest.tag)
+        _ignoring("ignoring %s: it names tag %r", where, manifest.tag)
         return None
     return manifest
 
@@ -83,15 +99,15 @@ def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
         return None
     if files[MANIFEST_NAME] > MAX_MANIFEST_BYTES:  # not read: too large to be one of ours
         where = store.display(tag, MANIFEST_NAME)
-        log.warning("ignoring checkpoint %r: %s is %d bytes, more than %d",
-                    tag, where, files[MANIFEST_NAME], MAX_MANIFEST_BYTES)  # fmt: skip
+        _ignoring("ignoring checkpoint %r: %s is %d bytes, more than %d",
+                  tag, where, files[MANIFEST_NAME], MAX_MANIFEST_BYTES)  # fmt: skip
         return None
     manifest = read_manifest(store, tag)
     if manifest is None:
         return None
     for item in manifest.items:
         if files.get(item.file) != item.size_bytes:
-            log.warning(
+            _ignoring(
                 "ignoring checkpoint %r at %s: item file %r is missing or has the wrong size",
                 tag,
                 store.url,
