@@ -23,6 +23,7 @@ import logging
 import sys
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -99,6 +100,26 @@ def stderr() -> Console:
     return Console(file=sys.stderr, soft_wrap=True)
 
 
+def printable(text: str) -> str:
+    """`text` with every control or format character escaped (`\\x1b`, `\\u202e`), line
+    breaks and tabs kept: what a file someone else wrote says (a label, a host, a tag)
+    never reaches the terminal as an escape sequence.
+
+    Example:
+        >>> printable("best\\x1b[2J") == "best\\\\x1b[2J"
+        True
+    """
+    if text.isprintable():
+        return text
+    out = []
+    for c in text:
+        if c in "\n\t" or unicodedata.category(c) not in ("Cc", "Cf"):
+            out.append(c)
+        else:
+            out.append(f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+    return "".join(out)
+
+
 def emit_json(doc: Any) -> None:
     """Write exactly one JSON document to stdout."""
     sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
@@ -106,13 +127,13 @@ def emit_json(doc: Any) -> None:
 
 def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
     """Print `nebula: error: message` on stderr and exit with `code`."""
-    sys.stderr.write(f"nebula: error: {message}\n")
+    sys.stderr.write(f"nebula: error: {printable(message)}\n")
     raise typer.Exit(code)
 
 
 def warn(message: str) -> None:
     """Print `nebula: warning: message` on stderr."""
-    sys.stderr.write(f"nebula: warning: {message}\n")
+    sys.stderr.write(f"nebula: warning: {printable(message)}\n")
 
 
 # Tables ------------------------------------------------------------------------------------
@@ -133,6 +154,9 @@ def print_table(
     own, the others as `header: value` below them, each whole).
     """
     out = console or stdout()
+    for each in (table, narrow):
+        if each is not None:
+            _printable_cells(each)
     if not out.is_terminal:
         out.file.write(plain_table(table))
         out.file.flush()
@@ -142,6 +166,19 @@ def print_table(
             out.print(layout)
             return
     out.print(_records(table, out.width, headline), soft_wrap=True)
+
+
+def _printable_cells(table: Table) -> None:
+    """Escape the control characters of every cell and the title (`printable`), in place."""
+    if isinstance(table.title, str):
+        table.title = printable(table.title)
+    for column in table.columns:
+        cells = column._cells  # rich keeps a column's cells here; none are added after
+        for i, cell in enumerate(cells):
+            if isinstance(cell, str) and not cell.isprintable():
+                cells[i] = printable(cell)
+            elif isinstance(cell, Text) and not cell.plain.isprintable():
+                cells[i] = Text(printable(cell.plain), style=cell.style)
 
 
 def _width(out: Console, table: Table) -> int:
@@ -365,9 +402,9 @@ class _LibraryLog(logging.Handler):
             message = str(record.msg)
         if record.funcName == "_log_retry":
             if not self.quiet:
-                sys.stderr.write(f"nebula: retrying: {message}\n")
+                sys.stderr.write(f"nebula: retrying: {printable(message)}\n")
         elif record.levelno >= logging.WARNING:
-            sys.stderr.write(f"nebula: warning: {message}\n")
+            sys.stderr.write(f"nebula: warning: {printable(message)}\n")
 
 
 @contextlib.contextmanager

@@ -89,3 +89,32 @@ def test_every_reading_command_maps_a_bad_name_to_a_usage_error(root: Path) -> N
         assert result.exit_code == 2, (args, result.output)
         assert result.stderr.startswith("nebula: error: invalid ")
         assert result.stdout == ""
+
+
+def test_strings_from_a_forged_manifest_never_reach_the_terminal_raw(tmp_path: Path) -> None:
+    """A manifest someone else wrote (re-sealed: its checksum matches) whose labels and
+    producer host carry escape sequences. Bug caught: `ls` and `inspect` printed them raw
+    (the terminal cleared, text turned red)."""
+    from nebulaml.format.manifest import seal
+
+    root = tmp_path / "root"
+    nm.init(str(root), persistent_time_interval=0)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(2)})
+    assert nm.flush_persistence() is True
+    nm.shutdown()
+    manifest = root / "global_step1" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc.pop("checksum")
+    doc["labels"] = ["\x1b[2J\x1b[31mPWNED"]
+    doc["producer"]["host"] = "evil\x1b]0;title\x07\u202e"
+    manifest.write_bytes(seal(doc))
+    runner = CliRunner()
+    for args in (["ls", str(root)], ["inspect", str(root), "global_step1"]):
+        done = runner.invoke(app, args, env={"COLUMNS": "200"})
+        out = done.stdout + done.stderr
+        assert done.exit_code == 0, out
+        assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out, repr(out)
+        assert "\\x1b[2J\\x1b[31mPWNED" in out or args[0] == "inspect", out
+    shown = runner.invoke(app, ["inspect", str(root), "global_step1"], env={"COLUMNS": "200"})
+    # (rich drops the bell itself; the escape and the bidi override are shown escaped)
+    assert "evil\\x1b]0;title" in shown.stdout and "\\u202e" in shown.stdout, shown.stdout
