@@ -244,3 +244,40 @@ def test_a_fifo_in_place_of_the_history_never_blocks_the_persister(
     said = [r.getMessage() for r in caplog.records if "checkpoint history" in r.getMessage()]
     assert said and "not a regular file" in said[0], said
     nm.shutdown(timeout_s=20)
+
+
+@pytest.mark.parametrize("planted", ["pid 1 here", "future elsewhere"])
+def test_a_hold_that_cannot_be_trusted_expires(root: Path, planted: str) -> None:
+    """Bugs caught: a root hold naming this host and pid 1 (always alive) without a
+    process start time, or one of another host renewed "9999-12-31", was honoured for
+    ever: RootInUseError at every start."""
+    import socket
+
+    root.mkdir(parents=True, exist_ok=True)
+    old = "2026-01-01T00:00:00.000000Z"
+    holder = {"job": "someone-else", "started_at": old, "renewed_at": old}
+    if planted == "pid 1 here":
+        holder.update(host=socket.gethostname(), pid=1)
+    else:
+        holder.update(host="elsewhere", pid=4242, renewed_at="9999-12-31T00:00:00.000000Z")
+    hold = root / ".nebula-job-00000001.json"
+    hold.write_text(json.dumps(holder))
+    hours_ago = os.stat(hold).st_mtime - 7200
+    os.utime(hold, (hours_ago, hours_ago))  # a leftover, as the store dates it
+    nm.init(str(root), persistent_time_interval=0)  # not RootInUseError
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
+    assert nm.flush_persistence() is True
+
+
+def test_a_lease_dated_in_the_future_does_not_keep_a_tag_for_ever(root: Path) -> None:
+    """Bug caught: a read lease of another host dated 9999-12-31 kept its tag "being read"
+    for ever: retention never deleted it, the disk filled."""
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=1)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
+    assert nm.flush_persistence() is True
+    lease = ".lease-read-99991231T000000000000Z-4242-ab12cd34-elsewhere.json"
+    (root / "global_step1" / lease).write_text("{}")
+    nm.Checkpoint("global_step2").save("model", {"w": torch.ones(3) * 2})
+    assert nm.flush_persistence() is True
+    assert not (root / "global_step1").exists()  # retention went on
+    nm.shutdown()

@@ -168,15 +168,21 @@ def lease_alive(
     now: datetime | None = None,
     ttl_s: float = HOLD_TTL_S,
 ) -> bool:
-    """Whether a root's hold still counts: its process is alive (this host), or it was
-    renewed within `ttl_s` (another host: by its own clock or the store's, the later).
-    An unreadable hold counts while the store says it was written within `ttl_s`."""
-    if holder is not None and holder.host == _host():
+    """Whether a root's hold still counts: its process is alive (this host, with the
+    process start time it recorded), or it was renewed within `ttl_s` (by its own clock
+    or the store's, the later). A hold of this host without a process start time counts
+    only while its pid is alive and it was renewed within `ttl_s` (pid 1 is always
+    alive); a time in the future (forged, or a clock that ran ahead) counts as old as it
+    is ahead. An unreadable hold counts while the store says it was written within
+    `ttl_s`."""
+    here = holder is not None and holder.host == _host()
+    if here and holder is not None and (holder.pid_start or not process_alive(holder.pid)):
         return holder_alive_here(holder)
     times = [t for t in (modified_at, parse_utc(holder.renewed_at if holder else "")) if t]
     if not times:
         return False
-    age_s = ((now or datetime.now(timezone.utc)) - max(times)).total_seconds()
+    now = now or datetime.now(timezone.utc)
+    age_s = min(abs((now - t).total_seconds()) for t in times)
     return age_s < ttl_s
 
 

@@ -125,17 +125,26 @@ def parse_lease(name: str) -> Lease | None:
 
 
 def lease_alive(lease: Lease, *, now: datetime | None = None, ttl_s: float = LEASE_TTL_S) -> bool:
-    """Whether `lease` still counts: its process is alive (this host), or it is younger
-    than `ttl_s` seconds (another host); a hold, besides, only for `HOLD_TTL_S` (a
-    listing's for `LIST_TTL_S`)."""
-    age_s = ((now or datetime.now(timezone.utc)) - lease.taken_at).total_seconds()
+    """Whether `lease` still counts: it is younger than `ttl_s` seconds and, on this host,
+    its process is alive; a hold, besides, only for `HOLD_TTL_S` (a listing's for
+    `LIST_TTL_S`). A lease names no process start time, so a live pid alone (pid 1, a
+    reused one) never keeps it for ever; a time in the future (a forged name, a clock
+    that ran ahead) counts as old as it is ahead.
+
+    Example:
+        >>> from datetime import datetime, timezone
+        >>> forged = parse_lease(".lease-read-99991231T000000000000Z-1-ab12cd34-x.json")
+        >>> lease_alive(forged)
+        False
+    """
+    age_s = abs(((now or datetime.now(timezone.utc)) - lease.taken_at).total_seconds())
     if lease.kind == HOLD and age_s >= HOLD_TTL_S:
         return False
     if lease.kind == LIST and age_s >= LIST_TTL_S:
         return False
-    if lease.host == _host():
-        return process_alive(lease.pid)
-    return age_s < ttl_s
+    if age_s >= ttl_s:
+        return False
+    return lease.host != _host() or process_alive(lease.pid)
 
 
 def live_leases(store: Store, tag: str, *, ttl_s: float = LEASE_TTL_S) -> list[Lease]:
