@@ -8,6 +8,7 @@ memory) instead of going to the persistent tier, and waiting forever for room.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -89,7 +90,8 @@ def test_a_state_larger_than_the_budget_goes_to_the_persistent_tier(
             ckpt.save("optimizer", _state(step, 2 * MB))  # the whole does not
     assert sampler.peak <= budget
     said = [r for r in caplog.records if "does not fit the memory budget" in r.getMessage()]
-    assert len(said) == 1 and said[0].levelname == "WARNING", said  # once, not per save
+    warned = [r for r in said if r.levelno >= logging.WARNING]
+    assert len(warned) == 1, said  # warned once, not per save (later ones at debug)
     assert (root / "global_step3" / "manifest.json").exists()
     assert not os.path.exists(os.path.join(memory, "global_step3"))
     assert sorted(c["tag"] for c in nm.list_checkpoints()) == ["global_step2", "global_step3"]
