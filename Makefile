@@ -56,8 +56,8 @@ test: venv $(AZURITE)
 		wait; cat $(TYPES_LOG); grep -q '^mypy exit 0 ' $(TYPES_LOG) || rc=1; \
 		echo "pytest and mypy: $$(( $$(date +%s) - start )) s"; exit $$rc
 
-# The fast loop for developers (about 4 minutes on 2 cores): ruff and the tests not marked
-# slow. make test and CI run everything.
+# The fast loop for developers (about 2 minutes on a quiet 2-core machine): ruff and the
+# tests not marked slow. make test and CI run everything.
 check: venv $(AZURITE)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
