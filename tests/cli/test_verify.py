@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -172,3 +173,24 @@ def test_progress_goes_to_a_terminal_stderr_never_to_stdout(root: Path, memory_t
     doc = json.loads(stdout)  # exactly one JSON document, no escape codes
     assert doc["ok"] is True and len(doc["results"]) == 2
     assert b"verifying" in terminal
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "link"])
+def test_a_manifest_replaced_by_what_is_not_a_file_fails_verify(root: Path, kind: str) -> None:
+    """Bug caught: a committed tag whose manifest.json became a folder, a FIFO or a
+    symbolic link was taken for a save that never committed: skipped, and exit 0."""
+    _populate(root)
+    manifest = root / "global_step100" / "manifest.json"
+    saved = manifest.read_bytes()
+    manifest.unlink()
+    if kind == "folder":
+        manifest.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(manifest)
+    else:
+        (root / "elsewhere.json").write_bytes(saved)
+        manifest.symlink_to(root / "elsewhere.json")
+    result = CliRunner().invoke(app, ["verify", str(root)], env={"COLUMNS": "200"})
+    assert result.exit_code == 1, result.stdout + result.stderr
+    said = [x for x in result.stderr.splitlines() if str(manifest) in x]
+    assert said and "not a regular file" in said[0], result.stderr

@@ -184,6 +184,12 @@ def _find_copies(root: PathLike, tag: str | None) -> list[_Copy]:
                 continue  # not a folder nebula writes
             files = store.list_files(name)
             if MANIFEST_NAME not in files:
+                if store.exists(name, MANIFEST_NAME):
+                    # A folder, FIFO or link in the manifest's place: not a save that never
+                    # committed, a checkpoint that cannot be checked (corrupt, exit 1).
+                    where = store.display(name, MANIFEST_NAME)
+                    bad = ManifestError(where, "not a regular file; nebula reads only its own")
+                    copies.append(_Copy(tier, store, name, files, None, bad))
                 continue  # never committed here: not a checkpoint (see `nebula ls --all`)
             try:
                 manifest, error = read_manifest_strict(store, name), None
