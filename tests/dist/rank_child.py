@@ -98,6 +98,21 @@ def main() -> int:
         nm.shutdown()
         dist.barrier()
         dist.destroy_process_group()
+    elif scenario == "exit":
+        import torch.distributed as dist
+
+        # A clean exit without a flush: each rank's exit persists its part of the newest,
+        # rank 0's commits it, and every rank releases its memory tier.
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        nm.init(root, persistent_time_interval=0, rank_timeout_s=60)
+        for step in (1, 2, 3):
+            save_step(rank, step)
+            dist.barrier()
+        nm.shutdown()
+        dist.barrier()
+        dist.destroy_process_group()
     elif scenario == "overwrite":
         import torch.distributed as dist
 

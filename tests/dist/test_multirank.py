@@ -22,6 +22,21 @@ def _run_job(
 
 
 @pytest.mark.slow
+def test_a_clean_exit_without_a_flush_releases_every_ranks_memory_tier(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Bug caught (timing-dependent: 4 of 9 bare-API runs): rank 1's exit found its part
+    of the newest persisted but not yet committed by rank 0, kept it in /dev/shm, and
+    nothing released it after the job."""
+    for run in range(3):
+        root = tmp_path / f"persistent{run}"
+        assert_every_rank_ok(_run_job("exit", root, memory_tier, 2))
+        assert (root / "global_step3" / "manifest.json").exists()
+        left = [p for p in memory_tier.rglob("global_step*")]
+        assert left == [], (run, left)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_rank_saves_its_part_and_the_tag_commits_once(
     tmp_path: Path, memory_tier: Path, world_size: int

@@ -28,12 +28,12 @@ from nebulaml.format.manifest import RankMarker
 from nebulaml.format.names import order_key
 from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed
 from nebulaml.protocol.commit import read_markers
-from nebulaml.protocol.delete import delete_part
 from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.memory_tier import TierHold, release_memory_tier
 from nebulaml.protocol.recovery import discard_stale_parts, remove_dead_writers
 from nebulaml.protocol.tiers import TierSet, claim_tiers
 from nebulaml.runtime.budget import MemoryBudget
+from nebulaml.runtime.closing import releasable
 from nebulaml.runtime.connect import CONNECT_WAIT_S, adopt_root, identify, reach
 from nebulaml.runtime.fence import SnapshotWorker
 from nebulaml.runtime.job import JobHold, claim_job
@@ -126,6 +126,11 @@ class Session:
         if config.lazy_snapshot:
             self.snapshots = SnapshotWorker()
             self.snapshots.install_fence()
+
+    def _known_ranks(self) -> RankInfo | None:
+        """This process's place in the job, if it can be told for certain (bind_ranks)."""
+        ranks = self.bind_ranks()
+        return ranks if self._bound else None
 
     def _claim_job(self, reached: bool) -> tuple[JobHold, bool]:
         """Hold the root for this job (job.py), and whether the persistent tier was
@@ -310,7 +315,16 @@ class Session:
         self.pool.trim()
         self.pool.close()
         try:
-            if left is None and self._releasable():
+            if (
+                left is None
+                and not self.config.keep_memory_tier
+                and releasable(
+                    self.tiers,
+                    self.persister,
+                    self._known_ranks(),
+                    rank_timeout_s=self.config.rank_timeout_s,
+                )
+            ):
                 done = release_memory_tier(self.tiers.memory, self.hold)
                 if done.tags or done.size:
                     log.info("released the memory tier %s (%s: %d bytes, all persisted)",
@@ -326,37 +340,6 @@ class Session:
             self.hold.close()
             self.job.close()
         return left
-
-    def _releasable(self) -> bool:
-        """Whether the memory tier may go at close: there is a persistent tier, it was not
-        asked to be kept, nothing failed, and every checkpoint of this rank's in the memory
-        tier is persisted (or older than one that is). With several ranks on the node,
-        this rank's parts go now, and the last rank out removes the folder."""
-        persistent = self.tiers.persistent
-        if persistent is None or self.config.keep_memory_tier or self.persister.error:
-            return False
-        if not self.persister.connected:
-            return False  # never reached: nothing in the memory tier is durable
-        ranks = self.bind_ranks()
-        if not self._bound:
-            return False  # which rank this is is not known: no rank's parts are its to drop
-        memory = self.tiers.memory
-        persisted = list_committed(persistent)
-        newest = persisted[-1].sort_key if persisted else None
-        durable = {info.tag: info.manifest.items for info in persisted}
-        if ranks.world_size > 1:
-            mine = own_parts(memory, ranks.rank)
-            for tag, created in mine:
-                if tag not in durable and (newest is None or order_key(tag, created) >= newest):
-                    return False
-            for tag, _created in mine:
-                delete_part(memory, tag, ranks.rank, own_holds=False)  # as release_memory_tier
-            return not any(True for _ in memory.list_dirs())
-        for info in list_committed(memory):
-            same = durable.get(info.tag) == info.manifest.items
-            if not same and (newest is None or info.sort_key >= newest):
-                return False
-        return True
 
 
 _lock = threading.RLock()

@@ -1,0 +1,90 @@
+"""Whether a closing session may release its memory tier (session.py's `close`).
+
+    releasable  the memory tier may go: a persistent tier, nothing failed, not asked to
+                be kept, and every checkpoint of this rank's in it persisted (or older
+                than one that is); with several ranks this rank's parts go now, and the
+                last rank out removes the folder
+
+A rank that persisted its part of the newest checkpoint waits (at most LEADER_WAIT_S, or
+the rank timeout) for its leader to commit it on the persistent tier: a follower done
+before the leader's commit kept its part, and nothing released it after the job.
+
+May import: every layer below runtime, and runtime.persister and ranks (their types). Not
+for: releasing itself (protocol/memory_tier.py) or closing the session (session.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from nebulaml.errors import NebulaError
+from nebulaml.format.names import marker_name, order_key
+from nebulaml.protocol.catalog import list_committed, read_committed
+from nebulaml.protocol.delete import delete_part
+from nebulaml.protocol.markers import own_parts
+
+if TYPE_CHECKING:
+    from nebulaml.protocol.tiers import TierSet
+    from nebulaml.runtime.persister import Persister
+    from nebulaml.runtime.ranks import RankInfo
+
+log = logging.getLogger("nebulaml")
+
+LEADER_WAIT_S = 30.0  # how long a closing rank waits for its leader's commit
+
+
+def releasable(
+    tiers: TierSet, persister: Persister, ranks: RankInfo | None, *, rank_timeout_s: float
+) -> bool:
+    """Whether the memory tier may go at close: there is a persistent tier, nothing
+    failed, and every checkpoint of this rank's in the memory tier is persisted (or older
+    than one that is). With several ranks on the node, this rank's parts go now, and the
+    last rank out removes the folder. `ranks`: who this process is, None when it cannot
+    be told (then no rank's parts are its to drop)."""
+    persistent = tiers.persistent
+    if persistent is None or persister.error or ranks is None:
+        return False
+    if not persister.connected:
+        return False  # never reached: nothing in the memory tier is durable
+    memory = tiers.memory
+    if ranks.world_size > 1:
+        _await_leaders(tiers, ranks.rank, own_parts(memory, ranks.rank), rank_timeout_s)
+    persisted = list_committed(persistent)
+    newest = persisted[-1].sort_key if persisted else None
+    durable = {info.tag: info.manifest.items for info in persisted}
+    if ranks.world_size > 1:
+        mine = own_parts(memory, ranks.rank)
+        for tag, created in mine:
+            if tag not in durable and (newest is None or order_key(tag, created) >= newest):
+                return False
+        for tag, _created in mine:
+            delete_part(memory, tag, ranks.rank, own_holds=False)  # as release_memory_tier
+        return not any(True for _ in memory.list_dirs())
+    for info in list_committed(memory):
+        same = durable.get(info.tag) == info.manifest.items
+        if not same and (newest is None or info.sort_key >= newest):
+            return False
+    return True
+
+
+def _await_leaders(
+    tiers: TierSet, rank: int, mine: list[tuple[str, str]], rank_timeout_s: float
+) -> None:
+    """At close, the newest checkpoint this rank persisted its part of: wait (at most
+    LEADER_WAIT_S, or the rank timeout) until its leader commits it on the persistent
+    tier, so that this rank's memory copy goes too. A follower done with its part
+    before the leader's commit kept it, and nothing released it after the job."""
+    persistent = tiers.persistent
+    if persistent is None or not mine:
+        return
+    tag = max(mine, key=lambda part: order_key(*part))[0]
+    try:
+        if not persistent.exists(tag, marker_name(rank)):
+            return  # this rank's part is not there: nothing of it will be committed
+        deadline = time.monotonic() + min(LEADER_WAIT_S, rank_timeout_s)
+        while read_committed(persistent, tag) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except NebulaError as exc:
+        log.debug("could not wait for the commit of %r: %s", tag, exc)
