@@ -9,6 +9,30 @@ Not for: logging or reporting; that is the caller's business.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then what caused it (`__cause__`, else `__context__`), down the chain, each
+    once: what a classifier or a scrubber of a wrapped failure walks.
+
+    Example:
+        >>> try:
+        ...     try:
+        ...         raise OSError("disk")
+        ...     except OSError as low:
+        ...         raise StorageError("root") from low
+        ... except StorageError as exc:
+        ...     [type(e).__name__ for e in exception_chain(exc)]
+        ['StorageError', 'OSError']
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
 
 class NebulaError(Exception):
     """Base class: `except NebulaError` catches every expected failure.

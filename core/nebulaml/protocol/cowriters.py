@@ -138,9 +138,9 @@ def writing(
         stripe = int.from_bytes(key[:4], "big") % LOCK_STRIPES
         path = os.path.join(folder, f"{WRITING_PREFIX}{stripe}.lock")
         fd = _lock_stripe(path, dst, tag, deadline, said, wait_s)
+    except CheckpointBusyError:
+        raise  # the other writer is still at it
     except (OSError, NebulaError) as exc:
-        if isinstance(exc, CheckpointBusyError):
-            raise
         log.debug("copying %s unlocked: %s", dst.display(tag), exc)
         yield
         return

@@ -1,7 +1,7 @@
 """The tiers of one job: a node-local memory tier and, optionally, a persistent tier.
 
     open_tiers   the tiers of a root, to read: a stale or unsafe memory tier left out
-    claim_tiers  the tiers of a session that writes: the root given its identity, the
+    claim_tiers  the tiers of a session that writes, for a root of a known identity: the
                  memory tier checked private and held, an earlier root's released first
     TierSet      the stores of one job, fastest first
 
@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from nebulaml.errors import NebulaError, StorageError, StorageFullError
+from nebulaml.errors import NebulaError, StorageFullError
 from nebulaml.protocol.memory_tier import (
     OK,
     TierHold,
@@ -30,7 +30,6 @@ from nebulaml.protocol.memory_tier import (
     memory_root_for,
     read_record,
     release_memory_tier,
-    root_identity,
     write_record,
 )
 from nebulaml.storage.store import Store
@@ -87,29 +86,14 @@ def open_tiers(
     return TierSet(memory=memory, persistent=persistent, memory_state=state, memory_note=note)
 
 
-def claim_tiers(
-    persistent_path: str | os.PathLike[str] | None,
-    storage_options: dict[str, Any] | None = None,
-    *,
-    identify: bool = True,
-    root_id: str | None = None,
-) -> tuple[TierSet, TierHold]:
-    """The tiers of a session that writes: the persistent root created with its identity,
-    the memory tier checked private (`UnsafeMemoryTierError` otherwise) and held
-    (`TierHold`). A stale memory tier (an earlier root's at this location) is released
-    first, with one warning naming the root, its tags and bytes; one that a live session
-    of that earlier root still holds is refused. Without `identify` the persistent tier
-    is not asked: `root_id` is its identity as the caller learned it (None: not known,
-    and the memory tier is not judged stale)."""
-    persistent = None if persistent_path is None else Store(persistent_path, storage_options)
-    if persistent is not None and identify:
-        persistent.make_dir()
-        try:
-            root_id = root_identity(persistent, create=True)
-        except StorageError as exc:
-            # A root this job may not write (a read-only credential): its persists fail
-            # and say so; without an identity its memory tier is never judged stale.
-            log.warning("could not read or give %s an identity: %s", persistent.url, exc)
+def claim_tiers(persistent: Store | None, root_id: str | None) -> tuple[TierSet, TierHold]:
+    """The tiers of a session that writes, for the persistent root `persistent` (None: the
+    memory tier alone) whose identity the caller learned (`root_id`: runtime/connect.py;
+    None: not known, and the memory tier is not judged stale): the memory tier checked
+    private (`UnsafeMemoryTierError` otherwise) and held (`TierHold`). A stale memory tier
+    (an earlier root's at this location) is released first, with one warning naming the
+    root, its tags and bytes; one that a live session of that earlier root still holds is
+    refused. The persistent tier itself is not asked anything."""
     memory = Store(memory_root_for(persistent), durable=False, private=True)
     ensure_private_dir(os.path.dirname(memory.root))
     ensure_private_dir(memory.root)

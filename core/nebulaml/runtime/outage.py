@@ -31,6 +31,7 @@ from nebulaml.errors import (
     PersistError,
     RankTimeoutError,
     StorageFullError,
+    exception_chain,
 )
 from nebulaml.format.manifest import utc_now
 from nebulaml.storage.retry import is_transient
@@ -59,10 +60,10 @@ _PASSING_ERRNOS = frozenset(
     {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN,
      errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH}
 )  # fmt: skip
-_HOPELESS = (
-    RankTimeoutError, CheckpointStateError, CorruptCheckpointError, ManifestError,
-    CommitConflictError,
-)  # fmt: skip
+# The checkpoint's own failures (`is_broken`): never retried. With a rank's part that
+# never came, they are what no retry can fix (`may_pass`).
+_BROKEN = (CheckpointStateError, CorruptCheckpointError, ManifestError, CommitConflictError)
+_HOPELESS = (RankTimeoutError, *_BROKEN)
 
 
 def may_pass(error: BaseException) -> bool:
@@ -74,10 +75,7 @@ def may_pass(error: BaseException) -> bool:
         >>> may_pass(StorageFullError("disk full")), may_pass(PermissionError(13, "denied"))
         (True, False)
     """
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in exception_chain(error):
         if isinstance(current, StorageFullError):
             return True
         if isinstance(current, _HOPELESS):
@@ -87,11 +85,7 @@ def may_pass(error: BaseException) -> bool:
                 return True
             if is_transient(current):
                 return True
-        current = current.__cause__ or current.__context__
     return False
-
-
-_BROKEN = (CheckpointStateError, CorruptCheckpointError, ManifestError, CommitConflictError)
 
 
 def is_broken(error: BaseException) -> bool:
@@ -104,14 +98,7 @@ def is_broken(error: BaseException) -> bool:
         >>> is_broken(StorageFullError("disk full"))
         False
     """
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, _BROKEN):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
+    return any(isinstance(current, _BROKEN) for current in exception_chain(error))
 
 
 def next_backoff(backoff_s: float) -> float:

@@ -75,11 +75,12 @@ class Session:
         self.hold: TierHold
         # The persistent tier, if it answers within CONNECT_WAIT_S; else the job starts
         # with the memory tier alone and the persister connects later (connect.py).
-        path, options = config.persistent_storage_path, dict(config.storage_options)
+        path = config.persistent_storage_path
+        persistent = None if path is None else Store(path, dict(config.storage_options))
         reached, root_id, why = True, None, None
-        if path is not None:
-            reached, root_id, why = reach(Store(path, options), CONNECT_WAIT_S)
-        self.tiers, self.hold = claim_tiers(path, options, identify=False, root_id=root_id)
+        if persistent is not None:
+            reached, root_id, why = reach(persistent, CONNECT_WAIT_S)
+        self.tiers, self.hold = claim_tiers(persistent, root_id)
         # One job writes a root at a time (job.py): another live job's root is refused
         # before anything in it is touched; the ranks of this job share it.
         try:

@@ -16,6 +16,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from nebulaml.errors import exception_chain
+
 MASK = "***"
 
 # Option names whose values are secrets, wherever they appear (storage options, kwargs).
@@ -96,12 +98,8 @@ def scrub_exception(exc: BaseException, secrets: Iterable[str] = ()) -> None:
     traceback is useful), so its own text must be clean too: a traceback prints it.
     """
     secrets = tuple(secrets)
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in exception_chain(exc):
         _scrub_one(current, secrets)
-        current = current.__cause__ or current.__context__
 
 
 def _scrub_one(exc: BaseException, secrets: tuple[str, ...]) -> None:

@@ -29,7 +29,7 @@ from nebulaml.config import (
     ENV_STORAGE_RETRY_BASE_S,
     ENV_STORAGE_RETRY_MAX_S,
 )
-from nebulaml.errors import InvalidArgumentError, NebulaError
+from nebulaml.errors import InvalidArgumentError, NebulaError, exception_chain
 
 log = logging.getLogger("nebulaml")
 
@@ -106,14 +106,10 @@ def is_transient(exc: BaseException) -> bool:
     """
     if isinstance(exc, (NebulaError, *_DEFINITIVE)):
         return False
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in exception_chain(exc):
         verdict = _classify(current)
         if verdict is not None:
             return verdict
-        current = current.__cause__ or current.__context__
     return False
 
 
