@@ -8,6 +8,7 @@ store is back the newest acknowledged checkpoint lands by itself and loads bit f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -44,6 +45,38 @@ def own_azurite(
     server.stop()
 
 
+@contextlib.contextmanager
+def _down(server: Azurite, how: str) -> Iterator[None]:
+    """The store away for the block: stopped cleanly (its data survives) and started
+    again on the same port, or suspended (SIGSTOP: requests hang) and resumed."""
+    proc = server.proc
+    assert proc is not None
+    if how == "stopped":
+        server.stop()
+    else:
+        os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        if how == "stopped":
+            server.restart()
+        else:
+            os.killpg(proc.pid, signal.SIGCONT)
+
+
+def _assert_durable_and_loads(url: str, step: int) -> None:
+    """`global_step<step>` is the newest, on the store alone (the memory tier released),
+    and loads bit for bit."""
+    tag = f"global_step{step}"
+    listed = nm.list_checkpoints(url, hold=False)
+    assert listed[0]["tag"] == tag and listed[0]["tiers"] == ["persistent"], listed
+    latest = nm.get_latest_checkpoint(url)
+    assert latest is not None and latest.tag == tag
+    with latest:  # its hold released before this test's Azurite goes
+        loaded = latest.load("model")
+    assert torch.equal(loaded["w"], state(step)["w"]) and int(loaded["step"]) == step
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["stopped", "suspended"])
 def test_an_outage_never_stops_training_and_the_newest_lands_when_the_store_is_back(
@@ -56,13 +89,7 @@ def test_an_outage_never_stops_training_and_the_newest_lands_when_the_store_is_b
     nm.init(url, persistent_time_interval=0, exit_timeout_s=60, on_persist_error="retry")
     healthy = [timed_save(step) for step in (1, 2, 3)]
     assert nm.flush_persistence(timeout_s=60) is True
-    proc = own_azurite.proc
-    assert proc is not None
-    if how == "stopped":
-        own_azurite.stop()
-    else:
-        os.killpg(proc.pid, signal.SIGSTOP)
-    try:
+    with _down(own_azurite, how):
         during = []
         for step in range(4, 10):
             during.append(timed_save(step))
@@ -72,21 +99,10 @@ def test_an_outage_never_stops_training_and_the_newest_lands_when_the_store_is_b
         status = nm.persistence_status()
         assert status.pending and status.pending[-1] == "global_step9", status
         assert status.durable == "global_step3", status
-    finally:
-        if how == "stopped":
-            own_azurite.restart()
-        else:
-            os.killpg(proc.pid, signal.SIGCONT)
     wait_durable("global_step9")  # no call but the status
     assert nm.persistence_status().ok
     nm.shutdown(timeout_s=60)  # all durable: the memory tier is released
-    listed = nm.list_checkpoints(url, hold=False)
-    assert listed[0]["tag"] == "global_step9" and listed[0]["tiers"] == ["persistent"], listed
-    latest = nm.get_latest_checkpoint(url)
-    assert latest is not None and latest.tag == "global_step9"
-    with latest:  # its hold released before this test's Azurite goes
-        loaded = latest.load("model")
-    assert torch.equal(loaded["w"], state(9)["w"]) and int(loaded["step"]) == 9
+    _assert_durable_and_loads(url, 9)
 
 
 @pytest.mark.slow
@@ -97,13 +113,7 @@ def test_a_store_down_at_init_starts_memory_only_and_persists_once_it_is_back(
     """Bugs caught (main): init raising StorageError after its retries (stopped) or
     hanging on them (suspended): the job could not even checkpoint to RAM."""
     url = f"az://{CONTAINER}/{uuid.uuid4().hex[:12]}"
-    proc = own_azurite.proc
-    assert proc is not None
-    if how == "stopped":
-        own_azurite.stop()
-    else:
-        os.killpg(proc.pid, signal.SIGSTOP)
-    try:
+    with _down(own_azurite, how):
         t0 = time.perf_counter()
         nm.init(url, persistent_time_interval=0, exit_timeout_s=60)  # the default: retry
         took = time.perf_counter() - t0
@@ -116,17 +126,6 @@ def test_a_store_down_at_init_starts_memory_only_and_persists_once_it_is_back(
         status = nm.persistence_status()
         assert status.pending[-1] == "global_step4" and status.durable is None, status
         assert status.failing_since and status.last_error and not status.ok, status
-    finally:
-        if how == "stopped":
-            own_azurite.restart()
-        else:
-            os.killpg(proc.pid, signal.SIGCONT)
     wait_durable("global_step4")
     nm.shutdown(timeout_s=60)
-    listed = nm.list_checkpoints(url, hold=False)
-    assert listed[0]["tag"] == "global_step4" and listed[0]["tiers"] == ["persistent"], listed
-    latest = nm.get_latest_checkpoint(url)
-    assert latest is not None and latest.tag == "global_step4"
-    with latest:  # its hold released before this test's Azurite goes
-        loaded = latest.load("model")
-    assert torch.equal(loaded["w"], state(4)["w"]) and int(loaded["step"]) == 4
+    _assert_durable_and_loads(url, 4)

@@ -330,9 +330,9 @@ def test_an_ignored_checkpoint_is_said_once_per_process(
     `nebula ls` (a listing reads a tier up to three times), 3-6 times per command."""
     root = tmp_path / "root"
     nm.init(str(root), persistent_time_interval=0)
-    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(2)})
-    nm.Checkpoint("global_step2").save("model", {"w": torch.ones(2)})
-    assert nm.flush_persistence("global_step1") is True
+    for step in (1, 2):
+        nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.ones(2)})
+        assert nm.flush_persistence() is True
     nm.shutdown()
     manifest = root / "global_step1" / "manifest.json"
     doc = json.loads(manifest.read_text())
