@@ -194,3 +194,86 @@ def test_a_rank_timeout_names_who_wrote_and_points_to_ranks_when_only_some_saved
     assert "rank(s) 0 did" in message, message
     assert f"nm.Checkpoint('{TAG}', ranks=[0])" in message, message
     assert raised.value.missing == [1] and raised.value.wrote == [0]
+
+
+def test_two_ranks_saving_a_committed_tag_again_at_once_keep_each_others_files(
+    tmp_path: Path,
+) -> None:
+    """Both ranks re-save a committed 2-rank tag at the same moment (DeepSpeed saving
+    global_step4 again after a rollback), many times over. Bug caught: the rank that
+    removed its old part last took the folder for empty of anything new (the other
+    rank's new writer marker and items bear the old names) and removed it with them:
+    the other rank's next write found no folder, or its commit an item missing."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = Store(tmp_path / "root")
+    _part(store, 0, ["r0"])
+    _part(store, 1, ["r1"])
+
+    def resave(rank: int, round_: int, start: threading.Barrier) -> None:
+        start.wait()
+        begin_tag(store, TAG, rank=rank, overwrite=True, world_size=2)
+        value = {"w": torch.full((4,), 100 * round_ + rank)}
+        items = [write_item(store, TAG, f"r{rank}", value, rank=rank)]
+        # Each save of the tag is a generation of its own (session.part_generation).
+        generation = f"save {round_}"
+        kept = commit_rank(
+            store, TAG, rank=rank, world_size=2, items=items, created_at="t", generation=generation
+        )
+        if kept is None:  # the other rank commits, or this one once the other's part is in
+            await_commit(store, TAG, world_size=2, timeout_s=10, generation=generation)
+
+    with ThreadPoolExecutor(2) as pool:
+        for round_ in range(60):
+            start = threading.Barrier(2)
+            for done in [pool.submit(resave, rank, round_, start) for rank in (0, 1)]:
+                done.result()  # raises a rank's error (the folder gone, an item missing)
+            info = read_committed(store, TAG)
+            assert info is not None, f"round {round_}: not committed"
+            for rank in (0, 1):
+                loaded = torch.load(store.local_path(TAG, f"r{rank}"), weights_only=True)
+                assert loaded["w"][0].item() == 100 * round_ + rank, f"round {round_}"
+
+
+def test_the_last_part_deleted_leaves_the_folder_to_a_rank_saving_the_tag_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 (another live process) saves a 2-rank tag again: its old part is gone, and
+    just as rank 1's delete of its own part (retention, a prune) finds the folder empty,
+    rank 0 writes its new writer marker, under the name of a deleter's claim. Bug caught:
+    the delete took it for one, and removed the folder with it (rank 0's next write found
+    no folder: DeepSpeed's re-save of global_step4 after a rollback, 1 run in 4)."""
+    import socket
+    import subprocess
+    import sys
+
+    import nebulaml.protocol.delete as delete
+
+    store = Store(tmp_path / "root")
+    _part(store, 0, ["r0"])
+    _part(store, 1, ["r1"])
+    store.remove(TAG, "manifest.json")  # rank 0's begin_tag(overwrite=True): its old part
+    assert delete.delete_part(store, TAG, 0, keep_folder=True)
+    saver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    remove_folder = delete._remove_folder
+
+    def rank_0_begins(*args: object, **kwargs: object) -> None:
+        marker = {"host": socket.gethostname(), "pid": saver.pid, "rank": 0, "started_at": "t"}
+        store.publish((TAG, ".writer-0.json"), json.dumps(marker).encode(), create_only=False)
+        remove_folder(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(delete, "_remove_folder", rank_0_begins)
+    try:
+        assert delete.delete_part(store, TAG, 1)
+        files = store.list_files(TAG)
+        assert "r1" not in files and ".rank-1.json" not in files
+        assert ".writer-0.json" in files
+        store.write_bytes((TAG, "r0"), b"rank 0's new item")  # the folder is there
+    finally:
+        saver.kill()
+        saver.wait()
+    monkeypatch.setattr(delete, "_remove_folder", remove_folder)
+    store.remove(TAG, "r0")
+    assert delete.delete_part(store, TAG, 0)  # rank 0's process is gone: a leftover
+    assert not store.exists(TAG)

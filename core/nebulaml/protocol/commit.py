@@ -103,10 +103,12 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
         if not overwrite:
             raise CheckpointExistsError(store.url, tag)
         # A handle's hold does not keep a tag from its own writer (leases.py): a read does.
+        # Of a shared folder, the part goes and the folder stays: the other ranks write
+        # their new parts into it meanwhile, under the names of their old ones.
         deleted = (
             delete_checkpoint(store, tag, replacing=True)
             if world_size == 1
-            else delete_part(store, tag, rank, replacing=True)
+            else delete_part(store, tag, rank, replacing=True, keep_folder=True)
         )
         if not deleted:
             readers = ", ".join(lease.describe() for lease in live_leases(store, tag))

@@ -156,7 +156,17 @@ def _claim(store: Store, tag: str, rank: int) -> None:
     """Write this process's writer marker into `tag` (before it changes what is there)."""
     # Written in place, not published: on a full disk a delete must still get its claim
     # in (a deleter's half-written claim only makes another deleter delete too).
-    store.write_bytes((tag, writer_marker_name(rank)), writer_record(rank))
+    store.write_bytes((tag, writer_marker_name(rank)), writer_record(rank, deleting=True))
+
+
+def _live_saver(store: Store, tag: str) -> bool:
+    """Whether another live process on this host is saving into `tag` (a writer marker
+    that is not a deleter's claim)."""
+    me = os.getpid()
+    return any(
+        w.get("pid") != me and not w.get("deleting") and writer_alive(w)
+        for w in read_writers(store, tag)
+    )
 
 
 def _live_writer(store: Store, tag: str) -> bool:
@@ -186,12 +196,17 @@ def _remove_folder(store: Store, tag: str, known: Iterable[str] = (), tries: int
     folder gone, or empties it too): the folder is not empty, so try again, a little later.
     Files that were not there when the delete listed the folder (`known`), other than
     leases and claims, are a new writer's (the tag saved again): the folder is theirs then.
+    So is it while another live process's writer marker (not a deleter's claim) is there:
+    a rank saving the tag again writes its marker and items under the names of its old
+    ones, which the listing knew.
     """
     delay_s = 0.001
     known = set(known) | {writer_marker_name(0)}
     for attempt in range(tries):
         present = store.list_files(tag)
         if any(name not in known and not is_lease_file(name) for name in present):
+            return
+        if _live_saver(store, tag):
             return
         try:
             store.remove_dir(tag)

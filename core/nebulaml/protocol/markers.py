@@ -48,10 +48,15 @@ def _host() -> str:
 
 
 def writer_record(
-    rank: int, items: list[str] | None = None, started_at: str | None = None
+    rank: int,
+    items: list[str] | None = None,
+    started_at: str | None = None,
+    *,
+    deleting: bool = False,
 ) -> bytes:
     """The content of this process's writer marker for `rank`: host, pid, rank, started_at,
-    and (a save of several ranks sharing a tier) the names of the items it claimed."""
+    and (a save of several ranks sharing a tier) the names of the items it claimed;
+    `deleting`: the marker is a deleter's claim (delete.py), not a save's."""
     doc: dict[str, Any] = {
         "host": _host(),
         "pid": os.getpid(),
@@ -60,6 +65,8 @@ def writer_record(
     }
     if items is not None:
         doc["items"] = items
+    if deleting:
+        doc["deleting"] = True
     return json.dumps(doc).encode()
 
 
@@ -74,8 +81,8 @@ def claimed_items(store: Store, tag: str, name: str) -> dict[str, Any] | None:
 
 
 def read_writers(store: Store, tag: str) -> list[dict[str, Any]]:
-    """The writer markers of an uncommitted tag: host, pid, rank, started_at (unreadable
-    markers are skipped: they only describe, they decide nothing here)."""
+    """The writer markers of an uncommitted tag: host, pid, rank, started_at, deleting
+    (unreadable markers are skipped: they only describe, they decide nothing here)."""
     writers = []
     files = store.list_files(tag)
     for name in sorted(files):
@@ -86,7 +93,8 @@ def read_writers(store: Store, tag: str) -> list[dict[str, Any]]:
         except (NebulaError, ValueError):
             continue
         if isinstance(doc, dict):
-            writers.append({k: doc.get(k) for k in ("host", "pid", "rank", "started_at")})
+            keys = ("host", "pid", "rank", "started_at", "deleting")
+            writers.append({k: doc.get(k) for k in keys})
     return writers
 
 
