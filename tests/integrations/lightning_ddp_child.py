@@ -11,12 +11,20 @@ rank writes WORKDIR/train-rank<r>.json: digests of its parameters and optimizer 
 the end. PHASE "resume": a model of another seed resumes with `ckpt_path` set to the
 step-4 checkpoint's path; each rank writes WORKDIR/resume-rank<r>.json: the same digests
 as training starts again, and the global step.
+
+PHASE "managed CKPT KILL_AT": ModelCheckpoint as users write it (monitor="train_loss",
+save_top_k=2, save_last=True: a checkpoint at each epoch's end), 6 epochs of 4 steps;
+`ckpt_path` CKPT ("none", "last", or a path), and rank 1 SIGKILLs itself as it starts
+global step KILL_AT (0: never). Each rank writes WORKDIR/managed-rank<r>.json at the end:
+the digests, the global step, and ModelCheckpoint's best_k_models and last_model_path.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -81,16 +89,70 @@ class Recorder(pl.Callback):
         path.write_text(json.dumps(record))
 
 
-def loader() -> torch.utils.data.DataLoader:
+def loader(samples: int = 64) -> torch.utils.data.DataLoader:
     gen = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(
-        torch.randn(64, 4, generator=gen), torch.randn(64, 1, generator=gen)
+        torch.randn(samples, 4, generator=gen), torch.randn(samples, 1, generator=gen)
     )
     return torch.utils.data.DataLoader(data, batch_size=4)
 
 
+class KillRank1(pl.Callback):
+    """Rank 1 SIGKILLs itself as it starts global step `at` (a node lost mid-epoch)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer: Any, *_args: Any) -> None:
+        if self.at and trainer.global_rank == 1 and trainer.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TrainLoss(TinyModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+
+def managed(work: Path, ckpt: str, kill_at: int) -> int:
+    callback = nm.NebulaCallback(
+        dirpath=str(work / "ckpts"),
+        monitor="train_loss",
+        save_top_k=2,
+        save_last=True,
+        config_params={
+            "persistent_storage_path": str(work / "root"),
+            "persistent_time_interval": 10,
+        },
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=6,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(work / "lightning"),
+        plugins=[nm.NebulaCheckpointIO()],
+        callbacks=[callback, KillRank1(kill_at)],
+    )
+    model = TrainLoss(seed=0 if ckpt == "none" else 1)
+    trainer.fit(model, loader(32), ckpt_path=None if ckpt == "none" else ckpt)
+    record = digests(model, trainer.optimizers[0])
+    record["global_step"] = trainer.global_step
+    record["best_k_models"] = sorted(Path(p).name for p in callback.best_k_models)
+    record["last_model_path"] = Path(callback.last_model_path).name
+    (work / f"managed-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    print(f"OK rank {trainer.global_rank} managed", flush=True)
+    return 0  # no flush: the exit persists what ModelCheckpoint keeps
+
+
 def main() -> int:
     phase, work = sys.argv[1], Path(sys.argv[2])
+    if phase == "managed":
+        return managed(work, sys.argv[3], int(sys.argv[4]))
     callback = nm.NebulaCallback(
         dirpath=str(work / "ckpts"),
         every_n_train_steps=2,

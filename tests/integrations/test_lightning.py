@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 import time
 import warnings
@@ -117,8 +118,10 @@ def _tags(root: Path) -> list[str]:
 # fit, callback, plugin ------------------------------------------------------------------
 def test_fit_checkpoints_through_nebula(kit: Kit, tmp_path: Path) -> None:
     """The seed's Trainer(plugins=[NebulaCheckpointIO()], callbacks=[NebulaCallback(...)]).
-    Bugs caught: the plugin not used (files written at the paths), a wrong tag or item
-    name, config_params not reaching nm.init, a checkpoint missing Lightning's state."""
+    Bugs caught: the plugin not used (checkpoints written at the paths), a wrong tag or
+    item name, config_params not reaching nm.init, a checkpoint missing Lightning's state,
+    one that ModelCheckpoint keeps dropped by nebula's retention (2 versions by default),
+    no pointer file for Lightning to find."""
     root = tmp_path / "tier3"
     ckpt_dir = tmp_path / "ckpts"
     callback = kit.ours.NebulaCallback(
@@ -134,9 +137,16 @@ def test_fit_checkpoints_through_nebula(kit: Kit, tmp_path: Path) -> None:
     trainer.fit(model, _loader())
     nm.flush_persistence()
 
-    assert not ckpt_dir.exists() or not list(ckpt_dir.rglob("*.ckpt"))  # nothing at paths
-    assert _tags(root)[0] == "epoch=0-step=6"  # the newest, now also on the persistent tier
-    assert "epoch=0-step=2" in _tags(root)  # persisted at once (the first of the interval)
+    kept = ["epoch=0-step=6", "epoch=0-step=4", "epoch=0-step=2"]  # save_top_k=-1: all
+    assert _tags(root) == kept
+    listed = {c["tag"]: c for c in nm.list_checkpoints(str(root))}
+    for tag in kept:  # none skipped for a newer one within the interval
+        assert "persistent" in listed[tag]["tiers"] and listed[tag]["labels"] == ["lightning"]
+    # At each path, a pointer to the checkpoint (never the checkpoint's data).
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == sorted(f"{t}.ckpt" for t in kept)
+    for tag in kept:
+        pointer = json.loads((ckpt_dir / f"{tag}.ckpt").read_text())
+        assert pointer["nebula_checkpoint"] == tag and pointer["item"] == "checkpoint"
     assert Path(callback.best_model_path).name == "epoch=0-step=6.ckpt"
     path = nm.get_latest_checkpoint_path("checkpoint", str(root))
     assert path is not None and path.startswith(str(root))
@@ -299,11 +309,13 @@ def test_load_checkpoint_passes_weights_only_on(kit: Kit, tmp_path: Path) -> Non
 
 
 # the plugin on its own -----------------------------------------------------------------
-def test_remove_checkpoint_deletes_on_every_tier_but_keeps_labelled_and_newest(
+def test_remove_checkpoint_deletes_from_every_tier_whatever_its_labels(
     kit: Kit, tmp_path: Path
 ) -> None:
-    """ModelCheckpoint removes what falls out of its top k. Bugs caught: nothing deleted
-    (storage grows), a labelled or the newest checkpoint deleted."""
+    """ModelCheckpoint removes what falls out of its top k, and its decisions are the
+    retention. Bugs caught: nothing deleted (storage grows), a labelled or the newest
+    checkpoint kept (the persistent tier's newest is often one ModelCheckpoint dropped:
+    it stayed for ever), a removed one persisted after all."""
     root = tmp_path / "tier3"
     nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=10)
     io = kit.ours.NebulaCheckpointIO()
@@ -312,10 +324,20 @@ def test_remove_checkpoint_deletes_on_every_tier_but_keeps_labelled_and_newest(
         nm.flush_persistence()
     for name in ("a", "b", "d"):
         io.remove_checkpoint(tmp_path / f"{name}.ckpt")
-    assert _tags(root) == ["d", "c", "b"]  # a gone from both tiers; b labelled; d newest
-    assert not (root / "a").exists()
+    nm.flush_persistence()  # the persister's thread deletes them
+    assert _tags(root) == ["c"]
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith((".", "check"))) == ["c"]
+    memory = Path(nm.memory_tier_path(str(root)))
+    assert not [p for p in memory.iterdir() if p.name in ("a", "b", "d")]
     with pytest.raises(nm.CheckpointNotFoundError):
         io.load_checkpoint(tmp_path / "a.ckpt")
+    # Removed before its persist: never persisted.
+    nm.init(str(root), persistent_time_interval=3600, num_of_version_in_retention=10)
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "e.ckpt")
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "f.ckpt")  # e waits: the interval
+    io.remove_checkpoint(tmp_path / "e.ckpt")
+    nm.flush_persistence()
+    assert _tags(root) == ["f", "c"]
 
 
 @pytest.mark.slow
@@ -393,3 +415,57 @@ def test_nm_names_pick_the_package_in_use() -> None:
         nm.NebulaCheckpointIO()
     assert "NebulaCallback" in dir(nm) and "NebulaCheckpointIO" not in nm.__all__
     assert sys.modules["nebulaml.lightning"].NebulaCheckpointIO.__module__ == "nebulaml.lightning"
+
+
+def test_ckpt_path_best_and_last_load_what_modelcheckpoint_names(kit: Kit, tmp_path: Path) -> None:
+    """After fit, trainer.validate(ckpt_path="best") and ckpt_path="last", as Lightning
+    supports them. Bugs caught: "last" not found (Lightning looks for a file in dirpath:
+    in fit a silent fresh start), "best" loading another checkpoint, or one that nebula's
+    retention (1 version here) dropped; the monitored best not labelled."""
+    loaded: list[dict[str, torch.Tensor]] = []
+
+    class WithValidation(kit.Module):  # type: ignore[misc,valid-type]
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", F.mse_loss(self.net(x), y))
+
+    class Seen(kit.pl.Callback):  # type: ignore[name-defined,misc]
+        def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+            loaded.append(_clone(pl_module.state_dict()))
+
+    root = tmp_path / "tier3"
+    callback = kit.ours.NebulaCallback(
+        dirpath=str(tmp_path / "ckpts"),
+        monitor="val_loss",
+        mode="max",  # the worst: "best" is then an early checkpoint, not the newest
+        save_top_k=2,
+        save_last=True,
+        config_params={
+            "persistent_storage_path": str(root),
+            "persistent_time_interval": 0,
+            "num_of_version_in_retention": 1,
+        },
+    )
+    trainer = kit.trainer(
+        tmp_path,
+        max_epochs=4,
+        num_sanity_val_steps=0,
+        plugins=[kit.ours.NebulaCheckpointIO()],
+        callbacks=[callback, Seen()],
+    )
+    trainer.fit(WithValidation(), _loader(), _loader())
+    nm.flush_persistence()
+    best = Path(callback.best_model_path).stem
+    kept = sorted(Path(p).stem for p in callback.best_k_models)
+    assert best in kept and sorted(t for t in _tags(root) if t != "last") == kept
+    labels = {c["tag"]: c["labels"] for c in nm.list_checkpoints(str(root))}
+    assert labels[best] == ["best", "lightning"] and labels["last"] == ["lightning"]
+
+    del loaded[:]
+    trainer.validate(WithValidation(), _loader(), ckpt_path="best")
+    trainer.validate(WithValidation(), _loader(), ckpt_path="last")
+    saved = {t: nm.get_checkpoint(t, str(root)).load("checkpoint") for t in (best, "last")}
+    assert saved[best]["global_step"] < saved["last"]["global_step"]
+    assert _same(loaded[0], saved[best]["state_dict"])
+    assert _same(loaded[1], saved["last"]["state_dict"])
+    assert not _same(loaded[0], loaded[1])

@@ -8,11 +8,21 @@ module of the package the program uses (`pick_module`).
 
 Mapping: Lightning names a checkpoint by a file path; nebula stores it as the item
 "checkpoint" of the tag named by the file name without `.ckpt` (`/ckpts/epoch=1-step=8.ckpt`
-is the tag `epoch=1-step=8`). Nothing is written at the path itself: the path is only a
-name, so a checkpoint loads by its path even where that folder does not exist. Saving a
-path again replaces its checkpoint, as writing a file again would. Under DDP Lightning
-saves on global rank 0 alone: the checkpoint is that rank's (`Checkpoint(ranks=[0])`), and
-every rank loads it.
+is the tag `epoch=1-step=8`). The checkpoint loads by its path, even where that folder
+does not exist. Saving a path again replaces its checkpoint, as writing a file again
+would. Under DDP Lightning saves on global rank 0 alone: the checkpoint is that rank's
+(`Checkpoint(ranks=[0])`), and every rank loads it.
+
+A ModelCheckpoint's checkpoints (those saved into its `dirpath`: the checkpoint's
+callback state says so) are managed by it, and its decisions are the retention: each
+carries the label `lightning` (and `best` when it is the monitored best as it is saved),
+so nebula's own count (`num_of_version_in_retention`) never drops one and the persister
+never skips one for a newer; what ModelCheckpoint removes (`remove_checkpoint`) is
+deleted from every tier by the persister's thread. At a local `dirpath` a small pointer
+file (JSON: the tag and the root) stands in for each, so that what Lightning reads of the
+folder is as with its own files: `ckpt_path="last"` finds `last.ckpt`, a new run in a
+used folder saves `last-v1`. Checkpoints saved by hand (`trainer.save_checkpoint`)
+elsewhere are nebula's, as any: its retention applies, `is_best` labels one to keep.
 
 Not for: the checkpoint format (a Lightning checkpoint dict, saved as one nebula item that
 plain `torch.load` reads) or nebula's own semantics (checkpoint.py, api.py).
@@ -20,6 +30,8 @@ plain `torch.load` reads) or nebula's own semantics (checkpoint.py, api.py).
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sys
 import warnings
@@ -28,17 +40,21 @@ from typing import Any
 
 from nebulaml.api import get_checkpoint, init
 from nebulaml.checkpoint import Checkpoint
-from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError
+from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError, NebulaError
 from nebulaml.format.names import validate_name
-from nebulaml.protocol.catalog import list_committed, read_committed
+from nebulaml.protocol.catalog import read_committed
 from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.runtime import session as _session
 from nebulaml.runtime.locate import tiers_for
+from nebulaml.storage.store import Store
+
+log = logging.getLogger("nebulaml")
 
 ITEM = "checkpoint"  # the seed loads it with nm.get_latest_checkpoint_path("checkpoint", ...)
 SUFFIX = ".ckpt"
 STORAGE_OPTIONS = ("is_best", "persist_path")
 BEST_LABEL = "best"
+MANAGED_LABEL = "lightning"  # ModelCheckpoint decides when it goes, not nebula's count
 
 
 def tag_for_path(path: str | os.PathLike[str]) -> str:
@@ -102,20 +118,21 @@ class CheckpointIOMixin:
         options = _storage_options(storage_options)
         tag = tag_for_path(path)
         session = _session_for(options.get("persist_path"))
-        if tag in session.persister.protected():
-            # The previous checkpoint of this path is still queued or being persisted;
-            # replacing its memory copy now would pull the files out from under the
-            # persister. Persist it first (see the report on the core's overwrite).
-            from nebulaml.api import flush_persistence
-
-            flush_persistence(tag)
-        labels = (BEST_LABEL,) if options.get("is_best") else ()
+        manager = _manager_state(checkpoint, path)  # ModelCheckpoint's, if it saves this
+        labels = [] if manager is None else [MANAGED_LABEL]
+        if options.get("is_best") or _monitored_best(manager, path):
+            labels.append(BEST_LABEL)
         # Lightning saves on global rank 0 only (its strategies call this there): the
-        # checkpoint is that rank's alone, and commits without the other ranks.
+        # checkpoint is that rank's alone, and commits without the other ranks. Saving a
+        # path again replaces its checkpoint (a persist of the old one in flight first
+        # finishes: Persister.release).
         writer = [session.rank]
-        Checkpoint(tag, 1, overwrite=True, labels=labels, ranks=writer).save(ITEM, checkpoint)
+        handle = Checkpoint(tag, 1, overwrite=True, labels=tuple(labels), ranks=writer)
+        handle.save(ITEM, checkpoint)
         persistent = session.tiers.persistent
         self._roots[tag] = None if persistent is None else persistent.url
+        if manager is not None:
+            _write_pointer(path, tag, session.tiers.display)
 
     def load_checkpoint(
         self, path: Any, map_location: Any = "cpu", weights_only: bool | None = None
@@ -135,24 +152,26 @@ class CheckpointIOMixin:
         )
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint of `path` on every tier (ModelCheckpoint drops it from its
-        top k). Kept: a labelled one, the newest, and one the persister still works on
-        (retention removes that later)."""
+        """Delete the checkpoint of `path` from every tier: ModelCheckpoint dropped it
+        from its top k (or replaced its `last`), and its decisions are the retention.
+        The pointer file goes now; the checkpoint is deleted by the persister's thread
+        (`Persister.forget`), so that training never waits on the persistent tier."""
         tag = tag_for_path(path)
+        _remove_pointer(path)
         session = _session.current_or_none()
         if session is None:
             return
-        if tag in session.persister.protected():
-            return
-        tiers = tiers_for(self._root_of(tag), "NebulaCheckpointIO.remove_checkpoint")
-        for _tier, store in tiers.stores:
-            info = read_committed(store, tag)
-            if info is None or info.manifest.labels:
-                continue
-            newest = max(list_committed(store), key=lambda c: c.sort_key)
-            if newest.tag != tag:
-                delete_checkpoint(store, tag)
+        root = self._root_of(tag)
         self._roots.pop(tag, None)
+        tiers = tiers_for(root, "NebulaCheckpointIO.remove_checkpoint")
+        if tiers is session.tiers:
+            session.persister.forget(tag)
+            return
+        # Saved to a root the session has moved on from (`persist_path`): no persister
+        # of that root; deleted here, except a checkpoint a reader holds.
+        for _tier, store in tiers.stores:
+            if read_committed(store, tag) is not None:
+                delete_checkpoint(store, tag)
 
     def teardown(self) -> None:
         """Nothing to wait for: persisting goes on in the background, and at exit."""
@@ -166,6 +185,82 @@ class CheckpointIOMixin:
             session = _session.current("NebulaCheckpointIO.load_checkpoint")
         persistent = session.tiers.persistent
         return None if persistent is None else persistent.url
+
+
+def _manager_state(checkpoint: dict[str, Any], path: Any) -> dict[str, Any] | None:
+    """The state of the ModelCheckpoint that saves `checkpoint` at `path` (the one whose
+    `dirpath` holds it), from the callback states Lightning puts in the checkpoint; None
+    for a checkpoint saved by hand elsewhere."""
+    callbacks = checkpoint.get("callbacks")
+    if not isinstance(callbacks, dict):
+        return None
+    folder = os.path.dirname(os.fspath(path))
+    for state in callbacks.values():
+        managed = isinstance(state, dict) and "best_k_models" in state
+        if managed and _same_path(state.get("dirpath"), folder):
+            return state
+    return None
+
+
+def _monitored_best(manager: dict[str, Any] | None, path: Any) -> bool:
+    """Whether a ModelCheckpoint that monitors a metric names `path` its best model (it
+    does so before it saves the new best)."""
+    if manager is None or manager.get("monitor") is None:
+        return False  # without a metric, every checkpoint is "the best" as it is saved
+    return _same_path(manager.get("best_model_path"), path)
+
+
+def _same_path(a: Any, b: Any) -> bool:
+    if not isinstance(a, (str, os.PathLike)) or not isinstance(b, (str, os.PathLike)):
+        return False
+    a, b = os.fspath(a), os.fspath(b)
+    return bool(a) and bool(b) and os.path.normpath(a) == os.path.normpath(b)
+
+
+def _pointer_store(path: Any) -> tuple[Store, str] | None:
+    """The store of a local checkpoint path's folder, and the file's name; None for a
+    URL (no pointer there: training would wait on that store)."""
+    text = os.fspath(path)
+    if "://" in text:
+        return None
+    folder, name = os.path.split(os.path.abspath(text))
+    return Store(folder, durable=False), name
+
+
+def _write_pointer(path: Any, tag: str, root: str) -> None:
+    """Write the pointer file that stands in for the checkpoint at `path` (module doc):
+    published whole, never through a symbolic link. A folder that cannot take it costs
+    only `ckpt_path="last"` (said once at debug level): the checkpoint is saved."""
+    where = _pointer_store(path)
+    if where is None:
+        return
+    store, name = where
+    doc = {
+        "nebula_checkpoint": tag,
+        "item": ITEM,
+        "persistent_path": root,
+        "note": (
+            "This file stands in for a checkpoint that nebula holds: Lightning loads it "
+            "through nm.NebulaCheckpointIO (ckpt_path=this file); elsewhere "
+            f"nm.get_checkpoint({tag!r}, persistent_path).load({ITEM!r})"
+        ),
+    }
+    try:
+        os.makedirs(store.root, exist_ok=True)
+        store.publish((name,), (json.dumps(doc, indent=1) + "\n").encode(), create_only=False)
+    except (OSError, NebulaError) as exc:
+        log.debug("could not write the pointer file %s: %s", os.fspath(path), exc)
+
+
+def _remove_pointer(path: Any) -> None:
+    where = _pointer_store(path)
+    if where is None:
+        return
+    store, name = where
+    try:
+        store.remove(name)
+    except (OSError, NebulaError) as exc:
+        log.debug("could not remove the pointer file %s: %s", os.fspath(path), exc)
 
 
 def _storage_options(storage_options: Any) -> dict[str, Any]:

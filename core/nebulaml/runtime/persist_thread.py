@@ -40,7 +40,7 @@ from nebulaml.runtime.persist_step import (
 )
 from nebulaml.runtime.ranks import RankInfo
 from nebulaml.runtime.slots import SlotPool
-from nebulaml.runtime.upkeep import HistoryQueue, retire
+from nebulaml.runtime.upkeep import HistoryQueue, RemovalQueue, retire
 
 log = logging.getLogger("nebulaml")
 
@@ -62,6 +62,8 @@ class PersistThread:
     rank_timeout_s: float
     pool: SlotPool | None
     history: HistoryQueue
+    removals: RemovalQueue
+    _removing: str | None
     watch: OutageWatch
     _cond: threading.Condition
     _retention_lock: threading.Lock
@@ -207,6 +209,8 @@ class PersistThread:
                     tag = self._next_tag()
                     if tag is not None or self.history.due() or self._finished():
                         break
+                    if self.removals.due() or (self._stopping and self.removals.pending()):
+                        break
                     if self._candidates and self.tiers.persistent is not None:
                         probe = list(self._candidates)
                         break
@@ -217,6 +221,8 @@ class PersistThread:
                 wrote = self.history.due()
                 finished = tag is None and not wrote and not probe and self._finished()
             self.history.write()
+            if tag is None and self.removals.pending():
+                self.removals.run(self._remove, last=self._stopping)
             if finished:
                 return
             if probe:
@@ -243,6 +249,8 @@ class PersistThread:
                     self.evict_memory()
                 except NebulaError as exc:
                     log.warning("could not evict old memory-tier copies: %s", exc)
+            if self.removals.due():  # not only when idle: persists may follow one another
+                self.removals.run(self._remove, last=self._stopping)
 
     def _wait_s(self) -> float | None:
         """Under the lock: how long the thread may sleep before something is due (None:
@@ -253,9 +261,9 @@ class PersistThread:
             due.append(self._last_start + self.interval_s)
         if self.watch.retry_at is not None and (self._pending or self._forced):
             due.append(self.watch.retry_at)
-        history_retry = self.history.retry_at()
-        if history_retry is not None:
-            due.append(history_retry)
+        for retry in (self.history.retry_at(), self.removals.retry_at()):
+            if retry is not None:
+                due.append(retry)
         return max(0.0, min(due) - now) if due else None
 
     def _retry_later(self, tag: str, error: PersistError) -> None:
@@ -335,8 +343,43 @@ class PersistThread:
         if self._stopping and self._gave_up:
             return True
         return (
-            self._stopping and self._pending is None and not self._forced and not self._candidates
+            self._stopping
+            and self._pending is None
+            and not self._forced
+            and not self._candidates
+            and not self.removals.pending()
         )
+
+    def _remove(self, tag: str) -> bool:
+        """Delete `tag`, which the framework removed (`Persister.forget`), from every tier:
+        this rank's part of the memory tier, and the persistent tier's copy when this rank
+        leads the tag. False while a reader holds it (tried again later)."""
+        with self._cond:
+            # The thread runs this between persists: a protected tag was saved again
+            # (`release` called the removal off; the new version is queued).
+            if tag not in self.removals.pending() or tag in self.protected():
+                return True
+            self._removing = tag
+            leads = self._leaders.get(tag, 0) == self.rank
+        try:
+            recycle = self.pool.recycle if self.pool is not None else None
+            memory, persistent = self.tiers.memory, self.tiers.persistent
+            if self.ranks.world_size > 1:
+                gone = delete_part(memory, tag, self.rank, discard=recycle)
+            else:
+                gone = delete_checkpoint(memory, tag, discard=recycle)
+            if persistent is not None and leads and self.connected:
+                gone = delete_checkpoint(persistent, tag) and gone
+                if gone:
+                    with self._cond:
+                        self._durable_tags.discard(tag)
+            elif persistent is not None and leads:
+                return False  # not reached yet: later
+            return gone
+        finally:
+            with self._cond:
+                self._removing = None
+                self._cond.notify_all()
 
     def _persist(self, tag: str) -> PersistError | None:
         persistent = self.tiers.persistent

@@ -41,7 +41,7 @@ from nebulaml.runtime.outage import OutageWatch
 from nebulaml.runtime.persist_thread import Connect, PersistThread
 from nebulaml.runtime.ranks import RankInfo
 from nebulaml.runtime.slots import SlotPool
-from nebulaml.runtime.upkeep import HistoryQueue
+from nebulaml.runtime.upkeep import HistoryQueue, RemovalQueue
 from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
@@ -105,6 +105,9 @@ class Persister(PersistThread):
         self._inflight_forced = False
         self._durable: str | None = None  # the newest tag this process made durable
         self.history = HistoryQueue(lambda: self.tiers.history_store)
+        # What a framework removed (Lightning's ModelCheckpoint): deleted on the thread.
+        self.removals = RemovalQueue()
+        self._removing: str | None = None  # the tag the thread is deleting now
         self._retention_lock = threading.Lock()  # the thread and a streamed commit apply it
         self._stopping = False
         # The highest commit sequence this job knows on its persistent tier (its start's,
@@ -189,16 +192,33 @@ class Persister(PersistThread):
     def release(self, tag: str) -> None:
         """Stop persisting `tag` before it is written again (a save with overwrite=True):
         drop it from the queue, and wait while a persist of it is in flight, so that the
-        copy never reads a tag being replaced."""
+        copy never reads a tag being replaced. A removal of it (`forget`) is called off:
+        the new version is not the one removed."""
         with self._cond:
-            if self._pending == tag:
-                self._pending = None
-            for queue in (self._forced, self._candidates):
-                while tag in queue:
-                    queue.remove(tag)
-            while self._inflight == tag:
+            self._unqueue(tag)
+            self.removals.discard(tag)
+            while tag in (self._inflight, self._removing):
                 self._cond.wait(timeout=1.0)
             self._done.pop(tag, None)
+
+    def forget(self, tag: str) -> None:
+        """The framework that manages this job's checkpoints removed `tag` (Lightning's
+        ModelCheckpoint dropped it from its top k): it is not persisted, and the thread
+        deletes it from every tier, whatever its labels, newest or not. Never waits: a
+        persist of it in flight finishes first, and a tier that fails is tried again."""
+        with self._cond:
+            self._unqueue(tag)
+            self._done.pop(tag, None)
+            self.removals.add(tag)
+            self._cond.notify_all()
+
+    def _unqueue(self, tag: str) -> None:
+        """Under the lock: `tag` is no longer to be persisted."""
+        if self._pending == tag:
+            self._pending = None
+        for queue in (self._forced, self._candidates):
+            while tag in queue:
+                queue.remove(tag)
 
     def fail(self, error: NebulaError) -> None:
         """A failure outside a persist (the root's hold lost): raised on the next call."""
@@ -303,8 +323,23 @@ class Persister(PersistThread):
                     raise result
             else:
                 target = None
+            self._await_removals(timeout_s)
         self.history.write()
         return target
+
+    def _await_removals(self, timeout_s: float | None) -> None:
+        """Under the lock: wait (within `timeout_s`) until the checkpoints the framework
+        removed (`forget`) are deleted, or their delete failed and waits for a retry (a
+        flush does not wait out an outage of removals: they are tidying)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._cond.notify_all()
+        while self.removals.due() or self._removing is not None:
+            if not self._thread.is_alive():
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            self._cond.wait(timeout=min(left, 0.1) if left is not None else 0.1)
 
     def sequence_floor(self, store: Store) -> int:
         """What a commit on `store`, one of this job's tiers, passes as its
