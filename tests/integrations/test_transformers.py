@@ -266,7 +266,52 @@ def test_load_best_model_at_end_through_the_best_label(tmp_path: Path) -> None:
     assert not _same(best, _item(root, "global_step8", "model"))
     listed = {c["tag"]: c for c in nm.list_checkpoints(root) if "persistent" in c["tiers"]}
     assert sorted(listed) == ["global_step4", "global_step8"]
-    assert listed["global_step4"]["labels"] == ["best"]
+    assert listed["global_step4"]["labels"] == ["best", "transformers"]
+
+
+@pytest.mark.slow
+def test_the_checkpoints_nebula_keeps_are_those_the_trainer_keeps(tmp_path: Path) -> None:
+    """The same Trainer (save_total_limit=2, the best model kept, a save every 2 steps,
+    the best at step 2 for good) runs on its own, writing checkpoint folders, then with
+    NebulaCallback, every save persisted. Bug caught: nebula's own count deciding (the
+    best kept beside the 2 newest: 3 where the Trainer keeps 2)."""
+    from hf_child import Tokens
+    from transformers import TrainerCallback
+
+    from nebulaml.transformers import NebulaCallback
+
+    def run(where: Path, callback: Any) -> Any:
+        scores = iter([0.9, 0.5, 0.2, 0.1, 0.3, 0.4])
+        trainer = _trainer(
+            where,
+            callback,
+            max_steps=12,
+            save_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            per_device_eval_batch_size=8,
+            load_best_model_at_end=True,
+            metric_for_best_model="score",
+            greater_is_better=True,
+            save_total_limit=2,
+            eval_dataset=Tokens(8, seed=1),
+            compute_metrics=lambda _prediction: {"score": next(scores)},
+        )
+        trainer.train()
+        return trainer
+
+    native = run(tmp_path / "native", TrainerCallback())
+    kept = sorted(p.name for p in (tmp_path / "native" / "output").glob("checkpoint-*"))
+    assert kept == ["checkpoint-12", "checkpoint-2"]  # the newest and the best
+
+    root = str(tmp_path / "root")
+    ours = run(tmp_path / "nebula", NebulaCallback(root, persistent_time_interval=0))
+    nm.flush_persistence()
+    listed = {c["tag"]: c for c in nm.list_checkpoints(root)}
+    assert sorted(listed) == ["global_step12", "global_step2"], listed
+    assert all("persistent" in c["tiers"] for c in listed.values())
+    assert ours.state.best_model_checkpoint.endswith("checkpoint-2")
+    assert native.state.best_model_checkpoint.endswith("checkpoint-2")
 
 
 def test_export_loads_with_from_pretrained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

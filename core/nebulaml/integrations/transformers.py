@@ -15,6 +15,11 @@ alone):
   `trainer_state` (the JSON `trainer_state.json` would hold) and `rng_state` (one per
   process under DDP: `rng_state_<i>`). Rank 0 saves the rest; every rank commits. A
   checkpoint that is the best so far (`metric_for_best_model`) is labelled `best`.
+  The Trainer's rotation is the retention: each checkpoint is labelled `transformers`
+  (nebula's count never drops one, the interval never skips one), and after each save
+  the Trainer's own `rotate_checkpoints` decides, over nebula's checkpoints, what goes
+  (`save_total_limit`, the best and the newest kept); every rank hands those to its
+  persister to delete (`Persister.forget`).
 - `train`: `resume_from_checkpoint=True` takes nebula's newest checkpoint (the memory tier
   after a crash, else the persistent tier); a path `.../checkpoint-<N>` (or a tag) takes
   that checkpoint. A real checkpoint folder on disk still resumes as the Trainer would.
@@ -60,9 +65,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_
 
 from nebulaml.api import get_checkpoint, init
 from nebulaml.checkpoint import Checkpoint
-from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError, NebulaError
+from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError
 from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES, load_json
-from nebulaml.format.names import validate_name
+from nebulaml.format.names import step_of, validate_name
 from nebulaml.integrations.accelerate import (
     BEST_LABEL,
     capture_rng,
@@ -74,15 +79,16 @@ from nebulaml.integrations.accelerate import (
     rng_item,
     write_checkpoint,
 )
-from nebulaml.protocol.catalog import CheckpointInfo, list_committed
-from nebulaml.protocol.delete import delete_checkpoint
+from nebulaml.protocol.catalog import list_committed
+from nebulaml.protocol.markers import own_parts
 from nebulaml.runtime import session as _session
-from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
 
 TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
-STEP_TAG = "global_step{}"
+TAG_PREFIX = "global_step"
+STEP_TAG = TAG_PREFIX + "{}"
+TRAINER_LABEL = "transformers"  # the Trainer's rotation decides when it goes
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 HOOKED = (
     "_save_checkpoint",
@@ -130,6 +136,30 @@ class _Resume:
     best_model_checkpoint: str | None
 
 
+def rotated_out(steps: dict[str, int | None], limit: int, best_step: int | None) -> list[str]:
+    """The tags (of `steps`: tag -> step) that the Trainer's `rotate_checkpoints` would
+    delete with `save_total_limit=limit` and the best checkpoint at `best_step`: it runs on
+    a scratch folder of empty `checkpoint-<N>` folders, so that the Trainer's own rule
+    decides, whatever its version.
+
+    Example:
+        >>> rotated_out({f"global_step{n}": n for n in (4, 8, 12, 16)}, 2, 8)
+        ['global_step4', 'global_step12']
+    """
+    from transformers.trainer_utils import rotate_checkpoints
+
+    by_step = {step: tag for tag, step in steps.items() if step is not None}
+    with tempfile.TemporaryDirectory(prefix="nebula-rotation-") as scratch:
+        for step in by_step:
+            os.mkdir(os.path.join(scratch, f"{PREFIX_CHECKPOINT_DIR}-{step}"))
+        best = None
+        if best_step in by_step:
+            best = os.path.join(scratch, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
+        rotate_checkpoints(scratch, limit, best, use_mtime=False)
+        left = set(os.listdir(scratch))
+    return [t for s, t in sorted(by_step.items()) if f"{PREFIX_CHECKPOINT_DIR}-{s}" not in left]
+
+
 class NebulaCallback(TrainerCallback):
     """Checkpoint a Hugging Face `Trainer` with nebula:
     `Trainer(..., callbacks=[NebulaCallback(persistent_storage_path=...)])`.
@@ -137,8 +167,10 @@ class NebulaCallback(TrainerCallback):
     Arguments are `nm.init`'s (`persistent_storage_path`, `persistent_time_interval`,
     `num_of_version_in_retention`, and its options, e.g. `lazy_snapshot=True`). With no
     path and a session already started (`nm.init` called), that session is used.
-    `num_of_version_in_retention` defaults to the Trainer's `save_total_limit` (when set),
-    else nebula's default. Passed in `callbacks=[...]` it hooks the Trainer as it is built;
+    The Trainer's rotation decides which checkpoints go (`save_total_limit`, or
+    `num_of_version_in_retention` when passed here; None keeps every one); nebula's count
+    applies to the session's other checkpoints. Passed in `callbacks=[...]` it hooks the
+    Trainer as it is built;
     added later (`trainer.add_callback`), call `callback.attach(trainer)` before `train()`
     for resuming to work.
     """
@@ -185,10 +217,6 @@ class NebulaCallback(TrainerCallback):
             stacklevel=2,
         )
         self.attach(trainer)
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trainer is not None:
-            self._prune_stale_bests()
 
     # attaching --------------------------------------------------------------------------
     def attach(self, trainer: Trainer) -> None:
@@ -270,7 +298,9 @@ class NebulaCallback(TrainerCallback):
             state.best_model_checkpoint = os.path.join(
                 run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}"
             )
-        labels = (BEST_LABEL,) if best_step == step and args.metric_for_best_model else ()
+        labels: tuple[str, ...] = (TRAINER_LABEL,)
+        if best_step == step and args.metric_for_best_model:
+            labels += (BEST_LABEL,)
         full = not args.save_only_model
 
         def shared() -> Iterator[tuple[str, Any]]:
@@ -295,53 +325,31 @@ class NebulaCallback(TrainerCallback):
         write_checkpoint(
             tag_for_step(step), shared, own, world_size=max(1, args.world_size), labels=labels
         )
-        if args.metric_for_best_model:
-            self._prune_stale_bests()
+        self._rotate()
 
-    def _prune_stale_bests(self) -> None:
-        """Delete checkpoints labelled `best` that no longer are, once retention would have
-        deleted them (they are not among the newest `num_of_version_in_retention`): the label
-        is written at the commit, when each was the best so far, and retention keeps every
-        labelled checkpoint. Rank 0 does it, on every tier. A single process first takes
-        the checkpoint off the persister's queue (a labelled one is queued until persisted;
-        one in flight is waited for); under several ranks one the persister still works
-        on waits for the next save, since the other ranks persist their parts of it."""
-        trainer = self.trainer
+    def _rotate(self) -> None:
+        """The Trainer's rotation, over nebula's checkpoints: what the Trainer's own
+        `rotate_checkpoints` would delete of `checkpoint-<N>` folders (the limit:
+        `num_of_version_in_retention` when passed, else `save_total_limit`; None keeps
+        every one, as the Trainer) goes from every tier. The checkpoints are those this
+        process knows: committed in its memory tier, and durable as its persister knows
+        (the training thread never lists the persistent tier). Every rank does it, for its
+        own parts; rank 0's persister deletes the persistent copies."""
+        trainer = self._attached()
+        limit = self.num_of_version_in_retention or trainer.args.save_total_limit
         session = _session.live()
-        if trainer is None or session is None or session.rank != 0:
+        if session is None or limit is None or limit <= 0:
             return
+        known = set(session.persister.durable_tags())
+        if session.world_size > 1:
+            known |= {tag for tag, _created in own_parts(session.tiers.memory, session.rank)}
+        else:
+            known |= {info.tag for info in list_committed(session.tiers.memory)}
+        steps = {tag: step_of(tag) for tag in known if tag.startswith(TAG_PREFIX)}
         best = trainer.state.best_model_checkpoint
-        current = tag_for_path(best) if best else None
-        tiers = session.tiers
-        keep = session.config.num_of_version_in_retention
-
-        def committed() -> list[tuple[Store, CheckpointInfo]]:
-            return [(store, info) for _, store in tiers.stores for info in list_committed(store)]
-
-        try:
-            found = committed()
-            window: set[str] = set()
-            for _, info in sorted(found, key=lambda copy: copy[1].sort_key, reverse=True):
-                if len(window) < keep:
-                    window.add(info.tag)
-            stale = {
-                info.tag
-                for _, info in found
-                if BEST_LABEL in info.manifest.labels and info.tag not in window
-            } - {current}
-            for tag in sorted(stale & session.persister.protected()):
-                if session.world_size > 1:
-                    stale.discard(tag)  # the other ranks persist their parts of it
-                else:
-                    session.persister.release(tag)  # off the queue; waits if in flight
-            for store, info in committed() if stale else []:
-                memory = store is tiers.memory
-                if info.tag not in stale or (memory and session.world_size > 1):
-                    continue  # a rank's memory part goes with its persister's eviction
-                discard = session.pool.recycle if memory else None
-                delete_checkpoint(store, info.tag, discard=discard)
-        except NebulaError as exc:
-            log.warning("could not remove a checkpoint that is no longer the best: %s", exc)
+        best_step = step_of(tag_for_path(best)) if best else None
+        for tag in rotated_out(steps, limit, best_step):
+            session.persister.forget(tag)
 
     # resuming ---------------------------------------------------------------------------
     def _hook_train(

@@ -238,6 +238,11 @@ class Persister(PersistThread):
         with self._cond:
             return tag in self._durable_tags
 
+    def durable_tags(self) -> set[str]:
+        """The tags the persistent tier holds committed, as this job knows it (`holds`)."""
+        with self._cond:
+            return set(self._durable_tags)
+
     def failing(self) -> bool:
         """Whether the persistent tier is failing now, or was never reached."""
         with self._cond:
