@@ -396,6 +396,8 @@ def test_ddp_trainer_saves_through_rank_0_and_resumes_on_both_ranks(
         _item(resumed["root"], "global_step8", "model"),
         _item(full["root"], "global_step8", "model"),
     )
+    # Three clean 2-rank exits (two runs in one launch, then one): nothing left behind.
+    assert [p for p in memory_tier.rglob("global_step*")] == []
 
 
 # Accelerate -----------------------------------------------------------------------------
@@ -413,6 +415,25 @@ def test_accelerate_save_state_resumes_after_sigkill(tmp_path: Path, memory_tier
     )
     items = set(nm.list_checkpoints(resumed["root"])[0]["items"])
     assert items == {"model", "optimizer", "scheduler", "accelerate_state", "rng_state_0"}
+
+
+@pytest.mark.slow
+def test_accelerate_clean_2_rank_exits_leave_nothing_in_the_memory_tier(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Two gloo processes save_state every 2 steps and exit without a flush, three runs
+    one after another (the leak depended on timing: 2 runs in 2). Bug caught: rank 1
+    finished first and kept its parts of the newest checkpoint in the memory tier, which
+    nothing released after the job."""
+    runs = [_spec(tmp_path, f"exit{n}", f"root{n}", max_steps=6, interval=0) for n in range(3)]
+    argv = [sys.executable, str(CHILD), "accelerate", json.dumps(runs)]
+    for done in run_ranks(argv, 2, child_env(memory_tier)):
+        assert done.returncode == 0, done.output[-3000:]
+    for spec in runs:
+        manifest = nm.inspect_checkpoint(spec["root"], "global_step6")["manifest"]
+        assert {item["rank"] for item in manifest["items"]} == {0, 1}
+        assert (Path(spec["root"]) / "global_step6" / "manifest.json").exists()  # durable
+    assert [p for p in memory_tier.rglob("global_step*")] == []
 
 
 def test_accelerate_helpers_in_process(tmp_path: Path) -> None:
