@@ -5,7 +5,8 @@ saved through one name is found and loaded through the other. One difference, fo
 DeepSpeed: `torch_nebula.Checkpoint` (nebulaml.integrations.deepspeed) is the subclass of
 `nebulaml.Checkpoint` whose save of a tag already committed replaces it, as DeepSpeed's own
 engine overwrites a tag saved again (`nebulaml.Checkpoint` refuses it unless
-`overwrite=True`).
+`overwrite=True`); `torch_nebula.get_checkpoint` warns when the tag is not there (the
+engine then loads the newest instead).
 
 Example:
     >>> import nebulaml, torch_nebula
@@ -17,4 +18,7 @@ Example:
 
 from nebulaml import *  # noqa: F403
 from nebulaml import __all__, __version__  # noqa: F401
-from nebulaml.integrations.deepspeed import Checkpoint  # noqa: F401 - replaces nebulaml's
+from nebulaml.integrations.deepspeed import (
+    Checkpoint,  # noqa: F401 - replaces nebulaml's
+    get_checkpoint,  # noqa: F401 - warns when missing
+)

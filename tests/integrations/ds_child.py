@@ -28,10 +28,16 @@ whose second version is left to the persister (and superseded by the later saves
 JSON has the items of that version (name and checksum, from the memory tier). The JSON
 has the state saved last under each tag (and the one it replaced); rank 0 writes the
 parameters of each, by name, to expected-<key>.pt.
-PHASE "reload": fresh processes load "best", then the latest tag. PHASE "fp32", one
-process without torch.distributed: DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`
-on save_dir for "best" and the latest tag (once the test has materialized them), written
-to zero_to_fp32-<tag>.pt.
+PHASE "reload": fresh processes load "best", then the latest tag.
+
+Killed and resumed against DeepSpeed's own checkpoints (WORKDIR/kill<stage>/): PHASE
+"kill" trains 4 steps and saves after steps 2 and 4 twice, from the same state: through
+nebula (save_dir ds/) and through DeepSpeed's own engine (save_dir native/); then every
+rank SIGKILLs itself, before anything is flushed. PHASE "revive": fresh processes load
+each save_dir's latest into an engine of another seed; nebula's then trains 2 more steps,
+saves global_step6, loads global_step4 again, trains other steps and saves global_step6
+again (a re-save). The JSON has the states after each load, and rank 0 writes the final
+parameters to expected-global_step6.pt.
 """
 
 from __future__ import annotations
@@ -187,6 +193,76 @@ def run_stage(phase: str, root: Path, stage: int, rank: int) -> dict[str, Any]:
     return out
 
 
+def _engine(root: Path, stage: int, seed: int, *, native: bool) -> Any:
+    import deepspeed
+
+    model = build_model(seed)
+    config = ds_config(root, stage, resume=False)
+    if native:
+        del config["nebula"]
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    return engine
+
+
+def _train(engine: Any, data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for x, y in data:
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+
+
+def run_kill(root: Path, stage: int, rank: int) -> None:
+    """PHASE "kill" (module doc)."""
+    import signal
+
+    import torch.distributed as dist
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
+        TorchCheckpointEngine,
+    )
+
+    engine = _engine(root, stage, 0, native=False)
+    nebula_engine = engine.checkpoint_engine
+    for step, (x, y) in enumerate(batches(rank), start=1):
+        _train(engine, [(x, y)])
+        if step in SAVE_AFTER:
+            client_state = {"epoch": step * 10}
+            engine.save_checkpoint(str(root / "ds"), client_state=client_state)
+            engine.checkpoint_engine = TorchCheckpointEngine(engine._config)  # DeepSpeed's
+            engine.save_checkpoint(str(root / "native"), client_state=client_state)
+            engine.checkpoint_engine = nebula_engine
+    dist.barrier()  # both ranks saved: now the node goes
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_revive(root: Path, stage: int, rank: int) -> dict[str, Any]:
+    """PHASE "revive" (module doc)."""
+    out: dict[str, Any] = {}
+    for native, save_dir in ((True, root / "native"), (False, root / "ds")):
+        engine = _engine(root, stage, 1, native=native)
+        key = "native" if native else "nebula"
+        _path, client_state = engine.load_checkpoint(str(save_dir))
+        _settle(engine)
+        out[f"{key}_loaded"] = state_of(engine, stage)
+        out[f"{key}_epoch"] = None if client_state is None else client_state.get("epoch")
+    import torch_nebula
+
+    # global_step4, recovered from the memory tier, is loaded again below: durable first
+    # (global_step6 would supersede it within the interval: DeepSpeed would load that).
+    torch_nebula.flush_persistence()
+    _train(engine, batches(rank + 20)[:2])
+    engine.save_checkpoint(str(save_dir), tag="global_step6")
+    engine.load_checkpoint(str(save_dir), tag="global_step4")
+    _settle(engine)
+    out["nebula_rolled_back"] = state_of(engine, stage)
+    _train(engine, batches(rank + 30)[:2])
+    engine.save_checkpoint(str(save_dir), tag="global_step6")  # the same tag again
+    params = full_params(engine, stage)
+    if rank == 0:
+        torch.save(params, root / "expected-global_step6.pt")
+    return out
+
+
 def full_params(engine: Any, stage: int) -> dict[str, torch.Tensor]:
     """The model's parameters by name, whole (gathered under ZeRO-3), in fp32."""
     import deepspeed
@@ -262,12 +338,14 @@ def run_resave(phase: str, root: Path, stage: int, rank: int) -> dict[str, Any]:
     return out
 
 
-def zero_to_fp32(root: Path) -> None:
+def zero_to_fp32(root: Path, tags: tuple[str | None, ...] = ("best", None)) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    for tag in ("best", None):
-        fp32 = get_fp32_state_dict_from_zero_checkpoint(str(root / "ds"), tag=tag)
-        torch.save(dict(fp32), root / f"zero_to_fp32-{tag or 'latest'}.pt")
+    for tag in tags:
+        for save_dir, name in (("ds", ""), ("native", "native-")):
+            if (root / save_dir / (tag or "")).exists():
+                fp32 = get_fp32_state_dict_from_zero_checkpoint(str(root / save_dir), tag=tag)
+                torch.save(dict(fp32), root / f"zero_to_fp32-{name}{tag or 'latest'}.pt")
 
 
 def main() -> int:
@@ -276,6 +354,11 @@ def main() -> int:
     if phase == "fp32":
         for stage in stages.split(","):
             zero_to_fp32(workdir / f"resave{stage}")
+        print("OK fp32", flush=True)
+        return 0
+    if phase == "fp32-kill":
+        for stage in stages.split(","):
+            zero_to_fp32(workdir / f"kill{stage}", ("global_step4", "global_step6"))
         print("OK fp32", flush=True)
         return 0
     import deepspeed  # here, not at the top: pytest collects this file for doctests
@@ -287,6 +370,10 @@ def main() -> int:
         t0 = time.perf_counter()
         if phase in ("resave", "reload"):
             results[str(stage)] = run_resave(phase, workdir / f"resave{stage}", stage, rank)
+        elif phase == "kill":
+            run_kill(workdir / f"kill{stage}", stage, rank)
+        elif phase == "revive":
+            results[str(stage)] = run_revive(workdir / f"kill{stage}", stage, rank)
         else:
             results[str(stage)] = run_stage(phase, workdir / f"zero{stage}", stage, rank)
         print(f"{phase} zero{stage} rank {rank}: {time.perf_counter() - t0:.1f} s", flush=True)

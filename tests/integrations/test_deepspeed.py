@@ -361,3 +361,51 @@ def test_zero_to_fp32_reads_the_save_dir_once_materialized(
                 # run) is NaN on both sides, which torch.equal calls different.
                 same = torch.equal(fp32[name].view(torch.int32), tensor.view(torch.int32))
                 assert same, f"zero{stage} {key} {name}"
+
+
+@pytest.mark.slow
+def test_zero3_killed_resumes_and_resaves_as_deepspeeds_own_checkpoints(
+    tmp_path: Path, memory_tier: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ZeRO-3 on 2 gloo ranks: each save made twice from the same state, through nebula
+    and through DeepSpeed's own engine; both ranks SIGKILLed after the last (nothing
+    flushed: nebula's copy is in the memory tier alone). Fresh processes load each; nebula's
+    then trains, saves global_step6, rolls back to global_step4 and saves global_step6
+    again; zero_to_fp32 reads both save_dirs (nebula's once materialized). Bugs caught: a
+    resume from the memory tier after the kill that differs from DeepSpeed's own by a bit
+    (parameters, Adam state, client state), a rollback that loads another version, a
+    re-save whose fp32 weights are the first global_step6's, fp32 weights of global_step4
+    that differ from those of DeepSpeed's own files."""
+    require("deepspeed")
+    from nebulaml.integrations.deepspeed import materialize
+
+    env = child_env(memory_tier)
+    with one_at_a_time(tmp_path.parent, "deepspeed"):
+        for phase in ("kill", "revive"):
+            argv = [sys.executable, str(CHILD), phase, str(tmp_path), "3"]
+            for rank, done in enumerate(run_ranks(argv, 2, env)):
+                expected = -9 if phase == "kill" else 0
+                assert done.returncode == expected, f"{phase} {rank}:\n{done.output[-6000:]}"
+    root = tmp_path / "kill3"
+    for rank in range(2):
+        revived = json.loads((tmp_path / f"revive-rank{rank}.json").read_text())["3"]
+        assert revived["nebula_loaded"] == revived["native_loaded"], f"rank {rank}"
+        assert revived["nebula_loaded"]["global_steps"] == 4
+        assert revived["nebula_epoch"] == revived["native_epoch"] == 40
+        assert revived["nebula_rolled_back"] == revived["nebula_loaded"], f"rank {rank}"
+
+    monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(memory_tier))
+    for tag in ("global_step4", "global_step6"):
+        materialize(root / "ds", tag, persist_path=root / "nebula")
+    done = run_script([str(CHILD), "fp32-kill", str(tmp_path), "3"], env)
+    assert done.returncode == 0, done.output[-6000:]
+
+    def fp32(name: str) -> dict[str, torch.Tensor]:
+        return torch.load(root / f"zero_to_fp32-{name}.pt", weights_only=True)
+
+    ours, theirs = fp32("global_step4"), fp32("native-global_step4")
+    assert ours.keys() == theirs.keys() and ours
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    final = torch.load(root / "expected-global_step6.pt", weights_only=True)
+    resaved = fp32("global_step6")
+    assert all(torch.equal(resaved[k], final[k]) for k in final)

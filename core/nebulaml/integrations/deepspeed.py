@@ -11,6 +11,10 @@ DeepSpeed's `NebulaCheckpointEngine` imports `torch_nebula` and calls
                   steps saved again after a rollback
     materialize   the real files of a saved tag in `save_dir`, over the placeholders, for
                   DeepSpeed's tools that read files (zero_to_fp32.py, a load without nebula)
+    get_checkpoint  `torch_nebula.get_checkpoint`: `nebulaml.get_checkpoint`, which warns
+                  when the tag is not there (DeepSpeed's engine then loads the newest
+                  checkpoint instead, silently: `load_checkpoint(tag="global_step4")`
+                  after global_step4 was superseded before its persist)
 
 May import: the public API and the layers below. DeepSpeed itself is not imported: its
 engine imports `torch_nebula`, and `materialize` runs without it.
@@ -29,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nebulaml.api import get_checkpoint as _get_checkpoint
 from nebulaml.checkpoint import Checkpoint as _Checkpoint
 from nebulaml.errors import CheckpointNotFoundError, NebulaError
 from nebulaml.format.names import validate_name
@@ -95,6 +100,30 @@ class Checkpoint(_Checkpoint):
                     _delete_persistent(session, self.tag)
                 dist.barrier()  # the persistent copy is gone: now the ranks commit
         return super().commit()
+
+
+def get_checkpoint(tag: str, persist_path: PathLike | None = None) -> _Checkpoint | None:
+    """`nebulaml.get_checkpoint`, as DeepSpeed's engine calls it: when `tag` is not
+    there, a warning says so, since DeepSpeed's engine then loads the newest checkpoint
+    instead and says nothing above its info level.
+
+    Example:
+        >>> import tempfile, nebulaml as nm
+        >>> nm.init(tempfile.mkdtemp())
+        >>> get_checkpoint("global_step4") is None
+        True
+        >>> nm.shutdown()
+    """
+    found = _get_checkpoint(tag, persist_path)
+    if found is None:
+        log.warning(
+            "checkpoint %r is not in %s: DeepSpeed's Nebula engine loads the newest "
+            "checkpoint instead. A checkpoint superseded within persistent_time_interval "
+            "is not persisted, and goes from the memory tier once a newer one is durable: "
+            "call torch_nebula.flush_persistence() after saving one you will load again",
+            tag, persist_path or "this job's root",
+        )  # fmt: skip
+    return found
 
 
 def _process_group(world_size: int) -> Any:
