@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from children import crashkit
 from children.crashkit import (
     ITEMS,
@@ -240,3 +241,28 @@ def test_a_labelled_checkpoint_a_crash_left_unpersisted_is_persisted_on_restart(
     assert committed_tags(persistent) == ["global_step1", "global_step2", "global_step3"]
     assert read_committed(persistent, "global_step2").manifest.labels == ("best",)
     assert_files_hold_known(folder, 2)
+
+
+@pytest.mark.slow
+def test_a_labelled_tag_saved_again_is_persisted_on_restart_over_its_old_version(
+    start_child: Callable[..., crashkit.Child], tmp_path: Path
+) -> None:
+    # catches: recovery taking a labelled tag for durable because the persistent tier holds
+    # the tag, in its older version (Lightning's `last`, saved again each epoch): the new
+    # version was evicted from the memory tier and the job resumed from the old one
+    protocol = unique_protocol()
+    folder = tmp_path / "persistent"
+    url = f"{protocol}://{folder}"
+    child = start_child("crash_with_a_resaved_label_unpersisted", protocol, folder)
+    child.wait_for("SAVED", TIMEOUT_S)
+    assert child.kill() == -signal.SIGKILL
+    # The blocked persist replaced step 1's version: none is committed there now, or
+    # step 1's still; the memory tier holds step 2's.
+    assert committed_tags(Store(folder)) in ([], ["last"])
+
+    crashkit.register(protocol)  # no faults here
+    nm.init(url)
+    nm.shutdown(timeout_s=TIMEOUT_S)
+    for item in crashkit.ITEMS:
+        loaded = torch.load(folder / "last" / item, weights_only=True)
+        crashkit.assert_same_state(loaded, crashkit.known_state(2, item))

@@ -442,6 +442,44 @@ def test_a_symbolic_link_is_never_followed(backend: Root, tmp_path: Path) -> Non
     assert (outside / "victim").read_bytes() == b"keep"
 
 
+def test_a_folder_swapped_for_a_link_during_a_delete_is_not_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Catches: a delete that checked each folder on the way (lstat) and then unlinked by
+    # path; another local user swapping the tag folder for a link to ~/project between the
+    # two made it delete ~/project's file of that name.
+    import nebulaml.storage.local as local
+
+    store = Store(tmp_path / "root")
+    store.make_dir("global_step9")
+    store.write_bytes(("global_step9", "model"), b"ours")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "model").write_bytes(b"keep")
+    folder = Path(store.root) / "global_step9"
+    real_lstat = os.lstat
+
+    def swap_after_the_check(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        result = real_lstat(path, *args, **kwargs)
+        if str(path) == str(folder) and not folder.is_symlink():
+            folder.rename(folder.with_name("moved"))
+            folder.symlink_to(outside)
+        return result
+
+    monkeypatch.setattr(local.os, "lstat", swap_after_the_check)
+    store.remove("global_step9", "model")  # walks open folders: no check to race
+    monkeypatch.undo()
+    assert (outside / "model").read_bytes() == b"keep"
+    assert not folder.is_symlink() and not (folder / "model").exists()
+    # Swapped before the delete: refused, the link named.
+    store.write_bytes(("global_step9", "model"), b"ours")
+    folder.rename(folder.with_name("moved"))
+    folder.symlink_to(outside)
+    with pytest.raises(nm.StorageError, match="global_step9: is a symbolic link"):
+        store.remove("global_step9", "model")
+    assert (outside / "model").read_bytes() == b"keep"
+
+
 def test_file_modes_follow_the_roots_privacy(backend: Root) -> None:
     # Catches: a memory-tier file or folder that another user could read (the tier holds
     # model weights in shared /dev/shm), whichever operation made it.

@@ -126,6 +126,9 @@ def get_checkpoint(tag: str, persist_path: PathLike | None = None) -> _Checkpoin
     return found
 
 
+get_checkpoint.__wrapped__ = _get_checkpoint  # type: ignore[attr-defined]
+
+
 def _process_group(world_size: int) -> Any:
     """torch.distributed, when this job of `world_size` > 1 ranks has its process group."""
     dist = sys.modules.get("torch.distributed")  # DeepSpeed imported it: never import it here

@@ -285,13 +285,14 @@ class Session:
                 committed = [c for c in committed if ranks.rank in c.manifest.writers]
             in_memory = [(c.tag, c.sort_key) for c in committed]
             # A labelled checkpoint is always persisted (persister.py), even one a crash
-            # left unpersisted behind a newer one.
-            if ranks.world_size == 1:
-                durable = {c.tag for c in list_committed(self.tiers.persistent)}
-                for c in committed[:-1]:
-                    if c.manifest.labels and c.tag not in durable:
-                        log.info("persisting %r (labelled), left in the memory tier", c.tag)
-                        self.persister.request(c.tag)
+            # left unpersisted behind a newer one; also a tag saved again whose new
+            # version the persistent tier lacks (it holds the old one: Lightning's
+            # `last`), on every rank that wrote a part of it.
+            durable = {c.tag: c.manifest.created_at for c in list_committed(self.tiers.persistent)}
+            for c in committed[:-1]:
+                if c.manifest.labels and durable.get(c.tag) != c.manifest.created_at:
+                    log.info("persisting %r (labelled), left in the memory tier", c.tag)
+                    self.persister.request(c.tag)
         else:  # the node holds only its ranks' parts, never a manifest of the whole
             parts = own_parts(self.tiers.memory, ranks.rank)
             in_memory = sorted((tag, order_key(tag, created)) for tag, created in parts)

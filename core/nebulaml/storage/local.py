@@ -304,13 +304,49 @@ class LocalBackend:
 
     def remove(self, parts: Parts) -> None:
         try:
-            os.unlink(self._local(parts, leaf_may_link=True))  # a link: the name alone
+            with self._parent(parts) as folder:
+                os.unlink(parts[-1], dir_fd=folder)  # a link: the name alone
+                if self.durable and parts[:-1]:
+                    os.fsync(folder)
         except FileNotFoundError:
             return
-        if self.durable and parts[:-1]:
-            with contextlib.suppress(FileNotFoundError):
-                fsync_dir(self.path(parts[:-1]))
 
     def remove_dir(self, parts: Parts) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.rmdir(self._local(parts))
+        if not parts:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(self.root)
+            return
+        with contextlib.suppress(FileNotFoundError), self._parent(parts) as folder:
+            os.rmdir(parts[-1], dir_fd=folder)  # a link is not a folder: ENOTDIR
+
+    @contextlib.contextmanager
+    def _parent(self, parts: Parts) -> Iterator[int]:
+        """The folder that holds `parts`, open (a file descriptor), reached one folder at
+        a time from the root with O_NOFOLLOW: a delete then names its file in that very
+        folder, so that no folder swapped for a symbolic link between a check and the
+        delete can send it elsewhere (`_local`'s check and the unlink were two steps).
+        Raises `StorageError` naming a link on the way; FileNotFoundError when a folder
+        is missing."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(self.root, flags)
+        try:
+            for i, part in enumerate(parts[:-1]):
+                try:
+                    child = os.open(part, flags | os.O_NOFOLLOW, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    if not stat.S_ISLNK(os.lstat(part, dir_fd=fd).st_mode):
+                        raise FileNotFoundError(exc.errno, exc.strerror) from exc
+                    raise StorageError(
+                        redact(
+                            f"{self.path(parts[: i + 1])}: is a symbolic link; nebula never "
+                            f"reads, writes or deletes through one (remove the link)",
+                            self._secrets,
+                        )
+                    ) from exc
+                os.close(fd)
+                fd = child
+            yield fd
+        finally:
+            os.close(fd)

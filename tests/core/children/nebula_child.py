@@ -70,6 +70,24 @@ def crash_with_best_unpersisted(protocol: str, folder: str) -> None:
     hang()
 
 
+def crash_with_a_resaved_label_unpersisted(protocol: str, folder: str) -> None:
+    """ "last" (labelled) persisted with step 1's state; saved again with step 2's, whose
+    persist blocks; then global_step3 is committed, and the test SIGKILLs us."""
+    fs = crashkit.register(protocol, fault_tags=frozenset({"last"}))
+    nm.init(f"{protocol}://{folder}", persistent_time_interval=3600)
+    for step in (1, 2):
+        if step == 2:
+            fs.mode = "block"  # the FaultFS prints PERSISTING once the persister is stuck
+        ckpt = nm.Checkpoint("last", len(crashkit.ITEMS), overwrite=True, labels=["kept"])
+        for item in crashkit.ITEMS:
+            ckpt.save(item, crashkit.known_state(step, item))
+        if step == 1:
+            nm.flush_persistence()
+    crashkit.save_step(3)
+    say("SAVED")
+    hang()
+
+
 def crash_after_commits(root: str) -> None:
     """global_step1 persisted; 2 and 3 committed but held back by the interval; SIGKILL."""
     nm.init(root, persistent_time_interval=3600)
@@ -225,6 +243,7 @@ SCENARIOS = {
         crash_in_persist,
         crash_after_commits,
         crash_with_best_unpersisted,
+        crash_with_a_resaved_label_unpersisted,
         init_and_exit,
         exit_with_pending,
         exit_while_blocked,
