@@ -78,14 +78,18 @@ class LocalBackend:
             except OSError:
                 break  # reported by the operation itself
             if stat.S_ISLNK(mode):
-                raise StorageError(
-                    redact(
-                        f"{self.path(parts[: i + 1])}: is a symbolic link; nebula never "
-                        f"reads, writes or deletes through one (remove the link)",
-                        self._secrets,
-                    )
-                )
+                raise self._link_error(parts[: i + 1])
         return self.path(parts)
+
+    def _link_error(self, parts: Parts) -> StorageError:
+        """The refusal of `parts`, a symbolic link on the way to what was asked."""
+        return StorageError(
+            redact(
+                f"{self.path(parts)}: is a symbolic link; nebula never reads, writes or "
+                f"deletes through one (remove the link)",
+                self._secrets,
+            )
+        )
 
     def _open(self, parts: Parts) -> BinaryIO:
         """The regular file `parts`, open for reading (see `open_regular`)."""
@@ -338,13 +342,7 @@ class LocalBackend:
                         raise
                     if not stat.S_ISLNK(os.lstat(part, dir_fd=fd).st_mode):
                         raise FileNotFoundError(exc.errno, exc.strerror) from exc
-                    raise StorageError(
-                        redact(
-                            f"{self.path(parts[: i + 1])}: is a symbolic link; nebula never "
-                            f"reads, writes or deletes through one (remove the link)",
-                            self._secrets,
-                        )
-                    ) from exc
+                    raise self._link_error(parts[: i + 1]) from exc
                 os.close(fd)
                 fd = child
             yield fd
