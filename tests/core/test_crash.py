@@ -266,3 +266,25 @@ def test_a_labelled_tag_saved_again_is_persisted_on_restart_over_its_old_version
     for item in crashkit.ITEMS:
         loaded = torch.load(folder / "last" / item, weights_only=True)
         crashkit.assert_same_state(loaded, crashkit.known_state(2, item))
+
+
+def test_a_removal_the_framework_asked_for_survives_a_kill(
+    start_child: Callable[..., crashkit.Child], tmp_path: Path
+) -> None:
+    # catches: the removal of a checkpoint the framework dropped (Lightning's top k) queued
+    # only in the killed process: the next session kept the checkpoint on the persistent
+    # tier for good (a Lightning DDP job killed mid-epoch and resumed, 1 run in 9)
+    protocol = unique_protocol()
+    folder = tmp_path / "persistent"
+    url = f"{protocol}://{folder}"
+    child = start_child("crash_with_a_removal_pending", protocol, folder)
+    child.wait_for("REMOVED", TIMEOUT_S)  # the thread persists global_step2 first: stuck
+    assert child.kill() == -signal.SIGKILL
+    persistent = Store(folder)
+    assert committed_tags(persistent) == ["global_step1"]
+
+    crashkit.register(protocol)  # no faults here
+    nm.init(url, num_of_version_in_retention=5)
+    nm.shutdown(timeout_s=TIMEOUT_S)
+    assert committed_tags(persistent) == ["global_step2"]
+    assert_files_hold_known(folder, 2)

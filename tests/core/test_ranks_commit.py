@@ -5,6 +5,7 @@ tests/dist/test_writers.py and test_generations.py)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -277,3 +278,64 @@ def test_the_last_part_deleted_leaves_the_folder_to_a_rank_saving_the_tag_again(
     store.remove(TAG, "r0")
     assert delete.delete_part(store, TAG, 0)  # rank 0's process is gone: a leftover
     assert not store.exists(TAG)
+
+
+def test_a_follower_exiting_before_its_leader_starts_still_persists_what_it_persists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks of one node commit global_step1..3 and exit without a flush; rank 0's
+    thread is slow to start global_step1 (a busy machine: it runs at a lower priority).
+    Bug caught (CI, 1 run in 9): rank 1's exit saw no marker of rank 0's yet, took every
+    older tag for skipped and dropped it; rank 0 then persisted global_step1 and waited
+    60 s for rank 1's part, and its exit failed."""
+    import threading
+
+    import nebulaml.runtime.persist_thread as persist_thread
+
+    tiers = [open_tiers(str(tmp_path / "root")) for _ in (0, 1)]
+    memory, persistent = tiers[0].memory, tiers[0].persistent
+    assert persistent is not None
+    part = persist_thread.persist_part
+    held = threading.Event()
+
+    def slow_leader(tiers_: object, tag: str, ranks: RankInfo, **kwargs: object) -> int:
+        if ranks.rank == 0 and tag == "global_step1":
+            held.wait(timeout=30)  # until rank 1 is exiting
+        return part(tiers_, tag, ranks, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(persist_thread, "persist_part", slow_leader)
+    persisters = [
+        Persister(t, interval_s=0, retention=5, ranks=RankInfo(r, 2, r, 2), rank_timeout_s=8)
+        for r, t in enumerate(tiers)
+    ]
+    try:
+        for step in (1, 2, 3):
+            tag = f"global_step{step}"
+            for rank in (0, 1):
+                begin_tag(memory, tag, rank=rank, overwrite=False, world_size=2)
+                item = write_item(memory, tag, f"r{rank}", {"w": step}, rank=rank)
+                commit_rank(memory, tag, rank=rank, world_size=2, items=[item], created_at="t")
+            for persister in persisters:
+                persister.notify_committed(tag)
+        left: list[str | None] = [None, None]
+
+        def close(rank: int) -> None:
+            left[rank] = persisters[rank].close(timeout_s=60)
+
+        closing = [threading.Thread(target=close, args=(r,)) for r in (1, 0)]
+        closing[0].start()
+        time.sleep(1.0)  # rank 1's exit has looked for rank 0's markers, and found none
+        held.set()
+        closing[1].start()
+        for thread in closing:
+            thread.join()
+        assert left == [None, None]
+        assert persisters[0].error is None, persisters[0].error
+        committed = {t for t in ("global_step1", "global_step3") if read_committed(persistent, t)}
+        assert committed == {"global_step1", "global_step3"}
+        assert read_committed(persistent, "global_step2") is None
+        assert "global_step2" not in persistent.list_dirs()  # rank 1 skipped it as rank 0 did
+    finally:
+        held.set()
+        for persister in persisters:
+            persister.close(timeout_s=10)

@@ -48,13 +48,20 @@ from typing import Any
 from nebulaml.config import memory_tier_base
 from nebulaml.errors import (
     CommitConflictError,
+    InvalidNameError,
     NebulaError,
     StorageFullError,
     UnsafeMemoryTierError,
 )
 from nebulaml.format.jsonbounds import JsonBoundsError, load_json
 from nebulaml.format.manifest import utc_now
-from nebulaml.format.names import HOLD_FILE, ROOT_ID_FILE, ROOT_INFO_FILE
+from nebulaml.format.names import (
+    HOLD_FILE,
+    REMOVALS_PREFIX,
+    ROOT_ID_FILE,
+    ROOT_INFO_FILE,
+    validate_name,
+)
 from nebulaml.protocol.catalog import tag_folders
 from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.storage.store import MissingFileError, Store
@@ -206,6 +213,39 @@ def write_record(memory: Store, persistent: Store | None, root_id: str | None) -
         "root_id": root_id,
     }
     memory.publish((ROOT_INFO_FILE,), json.dumps(doc).encode(), create_only=False)
+
+
+def read_removals(memory: Store, rank: int) -> list[str]:
+    """The checkpoints a framework removed that rank `rank`'s session had not yet deleted
+    from every tier when it ended (killed, or its store down): the next session of that
+    rank deletes them. Names that are not tag names are ignored.
+
+    Example:
+        >>> import tempfile
+        >>> memory = Store(tempfile.mkdtemp(), durable=False, private=True)
+        >>> write_removals(memory, 0, ["epoch=0-step=4"])
+        >>> read_removals(memory, 0), read_removals(memory, 1)
+        (['epoch=0-step=4'], [])
+    """
+    doc = _read_json(memory, f"{REMOVALS_PREFIX}{rank}.json")
+    tags = doc.get("tags") if doc is not None else None
+    if not isinstance(tags, list):
+        return []
+    valid = []
+    for tag in tags:
+        with contextlib.suppress(InvalidNameError):
+            valid.append(validate_name("tag", tag))
+    return valid
+
+
+def write_removals(memory: Store, rank: int, tags: list[str]) -> None:
+    """Record the removals rank `rank` has yet to finish (`read_removals`); none: the
+    record goes."""
+    name = f"{REMOVALS_PREFIX}{rank}.json"
+    if tags:
+        memory.publish((name,), json.dumps({"tags": tags}).encode(), create_only=False)
+    else:
+        memory.remove(name)
 
 
 def judge_memory_tier(memory: Store, persistent: Store | None) -> tuple[str, str | None]:

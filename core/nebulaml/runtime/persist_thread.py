@@ -70,6 +70,8 @@ class PersistThread:
     _pending: str | None
     _candidates: list[str]
     _leaders: dict[str, int]
+    _newest_followed: dict[int, str]
+    _follow_deadline: float | None
     _forced: list[str]
     _inflight: str | None
     _inflight_forced: bool
@@ -303,39 +305,61 @@ class PersistThread:
         A leader persists tags in order, one at a time, so once its marker of a tag is
         visible, the markers of every older tag it persisted are visible too. A skipped
         tag's history row is the leader's (it knows which commit superseded it); this rank
-        writes none.
+        writes none. Exiting, a follower waits for the leader's marker of the newest tag
+        (every leader persists its newest at exit) before it takes the older ones for
+        skipped: a leader slow to start must not find a part missing. It gives up after
+        `rank_timeout_s` without the leader's progress (the leader died, or gave up).
         """
         persistent = self.tiers.persistent
         assert persistent is not None
         with self._cond:
             leaders = {t: self._leaders.get(t, 0) for t in candidates}
+            # The newest tag of each leader (persisted by this rank at exit, no longer a
+            # candidate): its marker tells that every older candidate was skipped.
+            probe = {**leaders}
+            for leader, newest in self._newest_followed.items():
+                if leader in leaders.values():
+                    probe.setdefault(newest, leader)
         try:
-            led = [t for t in candidates if persistent.exists(t, marker_name(leaders[t]))]
+            led = [t for t in probe if persistent.exists(t, marker_name(probe[t]))]
         except NebulaError as exc:
             log.warning("could not look for the leaders' persisted checkpoints: %s", exc)
             led = []
         with self._cond:
-            if led:
-                newest: dict[int, str] = {}  # each leader's newest persisted candidate
-                for t in sorted(led, key=lambda t: order_key(t, "")):
-                    newest[leaders[t]] = t
-                for tag in candidates:
-                    last = newest.get(leaders[tag])
-                    if tag in self._candidates and (
-                        tag in led
-                        or (last is not None and order_key(tag, "") < order_key(last, ""))
-                    ):
-                        self._candidates.remove(tag)
-                        if tag in led and tag not in self._forced:
-                            self._forced.append(tag)
-                if self._pending in led:
-                    self._pending = None
+            progress = False
+            newest: dict[int, str] = {}  # each leader's newest persisted tag
+            for t in sorted(led, key=lambda t: order_key(t, "")):
+                newest[probe[t]] = t
+            for tag in candidates:
+                last = newest.get(leaders[tag])
+                if tag in self._candidates and (
+                    tag in led or (last is not None and order_key(tag, "") < order_key(last, ""))
+                ):
+                    progress = True
+                    self._candidates.remove(tag)
+                    if tag in led and tag not in self._forced:
+                        self._forced.append(tag)
+            if self._pending in led:
+                self._pending = None
+            if progress:
+                self._follow_deadline = None
                 self._cond.notify_all()
-            elif self._stopping:
-                # Exiting: what the leaders have not started by now, they skipped.
-                for tag in candidates:
-                    if tag in self._candidates:
-                        self._candidates.remove(tag)
+            elif not self._stopping:
+                self._cond.wait(timeout=FOLLOW_POLL_S)
+            elif self._follow_deadline is None:
+                self._follow_deadline = time.monotonic() + self.rank_timeout_s
+            elif time.monotonic() >= self._follow_deadline:
+                # Exiting, and the leaders showed no progress for rank_timeout_s: what
+                # they have not started by now, they will not.
+                log.warning(
+                    "rank %d exits without persisting %s: rank %s persisted none of them "
+                    "within %.0f s",
+                    self.rank,
+                    ", ".join(repr(t) for t in self._candidates),
+                    "/".join(str(r) for r in sorted(set(leaders.values()))),
+                    self.rank_timeout_s,
+                )
+                self._candidates.clear()
             else:
                 self._cond.wait(timeout=FOLLOW_POLL_S)
 

@@ -36,6 +36,7 @@ from nebulaml.format.manifest import utc_now
 from nebulaml.format.names import order_key, step_of
 from nebulaml.protocol.catalog import highest_sequence, list_committed
 from nebulaml.protocol.history import HistoryRow, skipped_row
+from nebulaml.protocol.memory_tier import write_removals
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.runtime.outage import OutageWatch
 from nebulaml.runtime.persist_thread import Connect, PersistThread
@@ -91,6 +92,8 @@ class Persister(PersistThread):
         # is the lowest rank that writes it (rank 0, unless the checkpoint names ranks).
         self._candidates: list[str] = []
         self._leaders: dict[str, int] = {}
+        self._newest_followed: dict[int, str] = {}  # each leader's newest commit
+        self._follow_deadline: float | None = None  # exiting: when a follower gives up
         # Flush requests and labelled checkpoints: persisted in order, the interval
         # ignored, never superseded.
         self._forced: list[str] = []
@@ -106,7 +109,7 @@ class Persister(PersistThread):
         self._durable: str | None = None  # the newest tag this process made durable
         self.history = HistoryQueue(lambda: self.tiers.history_store)
         # What a framework removed (Lightning's ModelCheckpoint): deleted on the thread.
-        self.removals = RemovalQueue()
+        self.removals = RemovalQueue(journal=self._journal_removals)
         self._removing: str | None = None  # the tag the thread is deleting now
         self._retention_lock = threading.Lock()  # the thread and a streamed commit apply it
         self._stopping = False
@@ -155,6 +158,9 @@ class Persister(PersistThread):
                     self._pending = tag
                     if tag not in self._candidates:
                         self._candidates.append(tag)
+                    newest = self._newest_followed.get(leader)
+                    if newest is None or order_key(tag, "") >= order_key(newest, ""):
+                        self._newest_followed[leader] = tag
                 else:
                     self._supersede_pending(tag)
                     if not labels:
@@ -200,6 +206,16 @@ class Persister(PersistThread):
             while tag in (self._inflight, self._removing):
                 self._cond.wait(timeout=1.0)
             self._done.pop(tag, None)
+
+    def _journal_removals(self, tags: list[str]) -> None:
+        """Record what is left to remove in the memory tier (a small local file): a
+        process killed before its thread ran a removal leaves it to the next session."""
+        if not self.tiers.memory_usable or self.tiers.persistent is None:
+            return
+        try:
+            write_removals(self.tiers.memory, self.rank, tags)
+        except (NebulaError, OSError) as exc:
+            log.warning("could not record the removal of %s: %s", ", ".join(tags), exc)
 
     def forget(self, tag: str) -> None:
         """The framework that manages this job's checkpoints removed `tag` (Lightning's

@@ -29,7 +29,7 @@ from nebulaml.format.names import order_key
 from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed
 from nebulaml.protocol.commit import read_markers
 from nebulaml.protocol.markers import own_parts
-from nebulaml.protocol.memory_tier import TierHold, release_memory_tier
+from nebulaml.protocol.memory_tier import TierHold, read_removals, release_memory_tier
 from nebulaml.protocol.recovery import discard_stale_parts, remove_dead_writers
 from nebulaml.protocol.tiers import TierSet, claim_tiers
 from nebulaml.runtime.budget import MemoryBudget
@@ -257,6 +257,12 @@ class Session:
                     ", ".join(stale),
                 )
         self.recovered = self._recover()
+        if self.tiers.persistent is not None and self.tiers.memory_usable:
+            # What the framework removed and an earlier process of this rank had not yet
+            # deleted from every tier (killed first): deleted now, on the thread.
+            for tag in read_removals(self.tiers.memory, ranks.rank):
+                log.info("deleting %r, which the framework removed before a restart", tag)
+                self.persister.forget(tag)
 
     def _completes(self, tag: str, marker: RankMarker) -> bool:
         """Whether this rank's part `marker` of `tag`, of an earlier generation, is all the

@@ -134,21 +134,31 @@ class RemovalQueue:
         (['epoch=0-step=4'], False)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, journal: Callable[[list[str]], None] | None = None) -> None:
         self._tags: list[str] = []
         self._lock = threading.Lock()
         self._retry_at: float | None = None
+        # Told, under the lock, each time what is left to remove changes: the persister
+        # records it in the memory tier, so that a process killed before its thread ran
+        # a removal leaves it to the next session (session.py's recovery).
+        self._journal = journal
 
     def add(self, tag: str) -> None:
         with self._lock:
             if tag not in self._tags:
                 self._tags.append(tag)
+                self._note(self._tags)
 
     def discard(self, tag: str) -> None:
         """`tag` is saved again: it is no longer to be removed."""
         with self._lock:
             if tag in self._tags:
                 self._tags.remove(tag)
+                self._note(self._tags)
+
+    def _note(self, tags: list[str]) -> None:
+        if self._journal is not None:
+            self._journal(list(tags))
 
     def pending(self) -> list[str]:
         with self._lock:
@@ -182,6 +192,9 @@ class RemovalQueue:
                 failed[tag] = str(exc)
         with self._lock:
             self._tags = [t for t in self._tags if t not in removed]
+            if removed:
+                # Given up at exit, a failed one stays recorded for the next session.
+                self._note(self._tags)
             if last:
                 self._tags = [t for t in self._tags if t not in failed]
             self._retry_at = time.monotonic() + RETRY_MAX_S if failed and not last else None

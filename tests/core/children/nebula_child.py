@@ -88,6 +88,25 @@ def crash_with_a_resaved_label_unpersisted(protocol: str, folder: str) -> None:
     hang()
 
 
+def crash_with_a_removal_pending(protocol: str, folder: str) -> None:
+    """global_step1 persisted; the persist of global_step2 blocks; the framework removes
+    global_step1 (Lightning's ModelCheckpoint through `Persister.forget`), and the test
+    SIGKILLs us before the thread got to the removal."""
+    from nebulaml.runtime import session
+
+    fs = crashkit.register(protocol, fault_tags=frozenset({"global_step2"}))
+    nm.init(f"{protocol}://{folder}", persistent_time_interval=0, num_of_version_in_retention=5)
+    crashkit.save_step(1)
+    nm.flush_persistence()
+    fs.mode = "block"  # the FaultFS prints PERSISTING once the persister is stuck
+    crashkit.save_step(2)
+    live = session.live()
+    assert live is not None
+    live.persister.forget("global_step1")
+    say("REMOVED")
+    hang()
+
+
 def crash_after_commits(root: str) -> None:
     """global_step1 persisted; 2 and 3 committed but held back by the interval; SIGKILL."""
     nm.init(root, persistent_time_interval=3600)
@@ -244,6 +263,7 @@ SCENARIOS = {
         crash_after_commits,
         crash_with_best_unpersisted,
         crash_with_a_resaved_label_unpersisted,
+        crash_with_a_removal_pending,
         init_and_exit,
         exit_with_pending,
         exit_while_blocked,
