@@ -288,6 +288,23 @@ class RankTimeoutError(NebulaError, TimeoutError):
         self.wrote = wrote or []
 
 
+class RankGoneError(RankTimeoutError):
+    """A rank that writes part of a checkpoint ended without writing it (its process on
+    this node is gone): the checkpoint cannot be committed, and nothing waits for it."""
+
+    def __init__(self, where: str, gone: list[int], tag: str | None = None) -> None:
+        NebulaError.__init__(
+            self,
+            f"{where}: rank(s) {', '.join(map(str, gone[:16]))} ended without their part "
+            f"there (the process is gone); the checkpoint stays uncommitted (the previous "
+            f"checkpoint still loads)",
+        )
+        self.where, self.missing, self.timeout_s = where, gone, 0.0
+        self.stale: list[int] = []
+        self.wrote: list[int] = []
+        self.tag = tag
+
+
 class PersistTimeoutError(NebulaError, TimeoutError):
     """A wait for the persister (flush, exit) ran past its limit."""
 

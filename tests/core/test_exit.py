@@ -222,3 +222,21 @@ def test_a_third_signal_abandons_the_exit_persist_and_names_the_checkpoint(
     assert len(named) == 1, child.stderr
     assert "'global_step2'" in named[0] and "abandoned" in named[0], named[0]
     assert read_committed(Store(folder), "global_step2") is None
+
+
+def test_sigterm_during_the_interpreters_exit_ends_it_without_a_traceback(
+    start_child: Callable[..., crashkit.Child], tmp_path: Path
+) -> None:
+    """torchrun SIGTERMs a rank whose script has returned, while an exit handler of its
+    own still runs. Bug caught: nebula's SIGTERM handler raised SystemExit into that
+    handler: "Exception ignored in atexit callback", a traceback, and the exit went on."""
+    root = tmp_path / "persistent"
+    child = start_child("exit_into_a_slow_atexit", root)
+    child.wait_for("SLOW", TIMEOUT_S)
+    started = time.monotonic()
+    child.proc.send_signal(signal.SIGTERM)
+    assert child.wait(TIMEOUT_S) == 128 + signal.SIGTERM, child.stderr
+    assert time.monotonic() - started < 10
+    said = child.stderr
+    assert "Traceback" not in said and "Exception ignored" not in said, said
+    assert committed_tags(Store(root)) == ["global_step1"]

@@ -296,10 +296,11 @@ def test_a_follower_exiting_before_its_leader_starts_still_persists_what_it_pers
     memory, persistent = tiers[0].memory, tiers[0].persistent
     assert persistent is not None
     part = persist_thread.persist_part
-    held = threading.Event()
+    held, entered = threading.Event(), threading.Event()
 
     def slow_leader(tiers_: object, tag: str, ranks: RankInfo, **kwargs: object) -> int:
         if ranks.rank == 0 and tag == "global_step1":
+            entered.set()
             held.wait(timeout=30)  # until rank 1 is exiting
         return part(tiers_, tag, ranks, **kwargs)  # type: ignore[arg-type]
 
@@ -317,6 +318,8 @@ def test_a_follower_exiting_before_its_leader_starts_still_persists_what_it_pers
                 commit_rank(memory, tag, rank=rank, world_size=2, items=[item], created_at="t")
             for persister in persisters:
                 persister.notify_committed(tag)
+            if step == 1:  # rank 0 has taken global_step1 up (not superseded by 2 or 3)
+                assert entered.wait(timeout=30)
         left: list[str | None] = [None, None]
 
         def close(rank: int) -> None:
@@ -339,3 +342,91 @@ def test_a_follower_exiting_before_its_leader_starts_still_persists_what_it_pers
         held.set()
         for persister in persisters:
             persister.close(timeout_s=10)
+
+
+def _commit_both(memory: Store, tag: str, step: int, generation: str | None = None) -> None:
+    for rank in (0, 1):
+        begin_tag(memory, tag, rank=rank, overwrite=False, world_size=2)
+        item = write_item(memory, tag, f"r{rank}", {"w": step}, rank=rank)
+        commit_rank(
+            memory, tag, rank=rank, world_size=2, items=[item], created_at="t",
+            generation=generation,
+        )  # fmt: skip
+
+
+def test_the_leader_commits_at_once_with_the_part_of_a_rank_whose_process_ended(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 of the node wrote its part of global_step1 to the memory tier and died
+    before persisting it (torchrun then SIGTERMs rank 0, whose exit persists the newest).
+    Bug caught: rank 0 waited rank_timeout_s for a part that could never come (torchrun
+    SIGKILLed it 30 s later: every elastic restart cost 30 s) and the checkpoint was
+    never committed. While rank 1 lives, rank 0 waits for it as before."""
+    from nebulaml.protocol.memory_tier import RankPresence
+
+    tiers = open_tiers(str(tmp_path / "root"))
+    memory, persistent = tiers.memory, tiers.persistent
+    assert persistent is not None
+    _commit_both(memory, TAG, 1)
+    rank_1 = RankPresence.take(memory, 1)  # alive: held
+    leader = Persister(tiers, interval_s=0, retention=5, ranks=RankInfo(0, 2, 0, 2),
+                       rank_timeout_s=2, on_error="raise")  # fmt: skip
+    try:
+        leader.notify_committed(TAG)
+        with pytest.raises(nm.PersistError, match=r"rank\(s\) 1 did not commit their part"):
+            leader.flush(TAG, timeout_s=30)
+        rank_1.close()  # its process ends
+        started = time.monotonic()
+        leader.rank_timeout_s = 60
+        leader.request(TAG)
+        assert leader.flush(TAG, timeout_s=30) == TAG
+        assert time.monotonic() - started < 10
+    finally:
+        leader.close(timeout_s=10)
+    info = read_committed(persistent, TAG)
+    assert info is not None and {i.rank for i in info.manifest.items} == {0, 1}
+    assert torch.load(persistent.local_path(TAG, "r1"), weights_only=True) == {"w": 1}
+
+
+def test_a_rank_gone_without_its_part_fails_the_commit_at_once(tmp_path: Path) -> None:
+    """Rank 1 ended with no part of the tag in the memory tier (killed before its marker):
+    the persist fails at once, naming it, instead of after rank_timeout_s."""
+    from nebulaml.protocol.memory_tier import RankPresence
+
+    tiers = open_tiers(str(tmp_path / "root"))
+    memory, persistent = tiers.memory, tiers.persistent
+    assert persistent is not None
+    begin_tag(memory, TAG, rank=0, overwrite=False, world_size=2)
+    item = write_item(memory, TAG, "r0", {"w": 1}, rank=0)
+    commit_rank(memory, TAG, rank=0, world_size=2, items=[item], created_at="t")
+    RankPresence.take(memory, 1).close()
+    started = time.monotonic()
+    with pytest.raises(nm.RankGoneError, match=r"rank\(s\) 1 ended without their part"):
+        copy_part(memory, persistent, TAG, rank=0, world_size=2, timeout_s=60,
+                  gone=lambda ranks: [r for r in ranks if r == 1])  # fmt: skip
+    assert time.monotonic() - started < 10
+    assert read_committed(persistent, TAG) is None
+
+
+def test_a_follower_whose_leader_ended_commits_the_newest_at_exit(tmp_path: Path) -> None:
+    """Rank 0 (the leader) died after committing global_step1 and 2 in the memory tier;
+    rank 1 exits. Bug caught: rank 1 waited for rank 0's lead, or persisted only its own
+    part, and the newest checkpoint both ranks had acknowledged was durable nowhere but
+    in RAM."""
+    from nebulaml.protocol.memory_tier import RankPresence
+
+    tiers = open_tiers(str(tmp_path / "root"))
+    memory, persistent = tiers.memory, tiers.persistent
+    assert persistent is not None
+    for step in (1, 2):
+        _commit_both(memory, f"global_step{step}", step)
+    RankPresence.take(memory, 0).close()  # rank 0's process has ended
+    follower = Persister(tiers, interval_s=0, retention=5, ranks=RankInfo(1, 2, 1, 2),
+                         rank_timeout_s=60)  # fmt: skip
+    for step in (1, 2):
+        follower.notify_committed(f"global_step{step}")
+    started = time.monotonic()
+    assert follower.close(timeout_s=30) is None
+    assert time.monotonic() - started < 10
+    assert read_committed(persistent, "global_step2") is not None
+    assert read_committed(persistent, "global_step1") is None

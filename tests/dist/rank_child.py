@@ -154,6 +154,28 @@ def main() -> int:
             print("NO TIMEOUT", flush=True)
             return 1
         check_every_rank(world_size, 1)
+    elif scenario == "survivor":
+        from nebulaml.protocol.memory_tier import rank_gone
+        from nebulaml.runtime import session
+
+        # Rank 1 dies once global_step2 is committed in the memory tier; rank 0's exit
+        # persists it (as torchrun's SIGTERM makes it), rank 1's part with its own.
+        nm.init(root, persistent_time_interval=3600, rank_timeout_s=60)
+        meet(Path(root).parent / "started", rank, world_size)
+        save_step(rank, 1)
+        save_step(rank, 2)
+        meet(Path(root).parent / "saved", rank, world_size)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        live = session.live()
+        assert live is not None
+        deadline = time.monotonic() + 60
+        while not rank_gone(live.tiers.memory, 1):
+            assert time.monotonic() < deadline, "rank 1 still alive"
+            time.sleep(0.05)
+        started = time.monotonic()
+        nm.shutdown()
+        print(f"EXIT {time.monotonic() - started:.1f} s", flush=True)
     print(f"OK rank {rank}", flush=True)
     return 0
 

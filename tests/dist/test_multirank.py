@@ -36,6 +36,28 @@ def test_a_clean_exit_without_a_flush_releases_every_ranks_memory_tier(
         assert left == [], (run, left)
 
 
+def test_a_survivors_exit_commits_the_part_of_a_rank_that_died_at_once(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Rank 1 is SIGKILLed after committing global_step2 in the memory tier; rank 0 exits
+    (under torchrun: its SIGTERM). Bug caught: rank 0's exit persist waited
+    rank_timeout_s (60 s here) for rank 1's part, and torchrun SIGKILLed it first (every
+    elastic restart cost 30 s); global_step2 was never durable."""
+    root = tmp_path / "persistent"
+    results = _run_job("survivor", root, memory_tier, 2)
+    assert results[1][0] == -9, results[1][1]
+    code, out = results[0]
+    assert code == 0 and "OK rank 0" in out, out
+    exit_s = float(out.split("EXIT ")[1].split(" s")[0])
+    assert exit_s < 15, out
+    manifest = json.loads((root / "global_step2" / "manifest.json").read_text())
+    assert {(i["name"], i["rank"]) for i in manifest["items"]} == {
+        ("shard_rank0", 0), ("shard_rank1", 1), ("meta", 0)
+    }  # fmt: skip
+    shard = torch.load(root / "global_step2" / "shard_rank1", weights_only=True)
+    assert int(shard["step"]) == 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_rank_saves_its_part_and_the_tag_commits_once(

@@ -39,6 +39,8 @@ LEASE_PREFIX = ".lease-"  # a reader's lease or a deleter's claim (protocol/leas
 ROOT_ID_FILE = ".nebula-root-id.json"  # in a persistent root: its identity (memory_tier.py)
 ROOT_INFO_FILE = ".nebula-root.json"  # in a memory tier: which root it belongs to
 HOLD_FILE = ".nebula-hold"  # in a memory tier: share-locked by every live session
+RANK_LOCK_PREFIX = ".nebula-rank-"  # in a memory tier: `<rank>.lock`, locked by the live
+# process of that rank on this node (protocol/memory_tier.py: `RankPresence`)
 REMOVALS_PREFIX = ".nebula-removals-"  # in a memory tier: `<rank>.json`, the checkpoints a
 # framework removed that are not yet deleted from every tier (protocol/memory_tier.py)
 SLOTS_DIR = ".slots"  # in a memory tier: the pool of reused item files (runtime/slots.py)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nebulaml.errors import (
@@ -39,6 +39,7 @@ from nebulaml.errors import (
     ItemCollisionError,
     ManifestError,
     NebulaError,
+    RankGoneError,
     RankTimeoutError,
 )
 from nebulaml.format.checksum import HashingWriter
@@ -74,6 +75,7 @@ from nebulaml.protocol.markers import (
 from nebulaml.storage.store import Store
 
 ANY_GENERATION: Any = object()  # read_markers: parts of any generation
+GONE_POLL_S = 0.5  # await_commit: how often it asks whether a missing rank has ended
 
 
 def producer() -> Producer:
@@ -242,16 +244,19 @@ def await_commit(
     ranks: Sequence[int] | None = None,
     generation: Any = ANY_GENERATION,
     sequence_floor: int = 0,
+    gone: Callable[[list[int]], list[int]] | None = None,
 ) -> Manifest:
     """Wait until `tag` is committed on `store`: its manifest appears, or the marker of
     every rank that writes it (`ranks`; None: all `world_size`) is there, of `generation`,
     and this call publishes the manifest itself.
 
     Raises `RankTimeoutError` naming the ranks whose part is missing (or is of another
-    generation) after `timeout_s`.
+    generation) after `timeout_s`; `RankGoneError` as soon as `gone(missing)`, asked
+    every `GONE_POLL_S`, names ranks among them whose process has ended.
     """
     writers = writer_ranks(some_ranks(ranks, world_size), world_size)
     deadline = time.monotonic() + timeout_s
+    next_gone = time.monotonic() + GONE_POLL_S
     while True:
         info = read_committed(store, tag)
         if info is not None:
@@ -271,6 +276,12 @@ def await_commit(
             raise RankTimeoutError(
                 store.display(tag), missing + stale, timeout_s, stale, wrote=wrote, tag=tag
             )
+        if gone is not None and time.monotonic() >= next_gone:
+            next_gone = time.monotonic() + GONE_POLL_S
+            files = store.list_files(tag)
+            ended = gone([r for r in writers if marker_name(r) not in files])
+            if ended:
+                raise RankGoneError(store.display(tag), ended, tag=tag)
         time.sleep(poll_s)
         poll_s = min(max_poll_s, poll_s * 2)
 

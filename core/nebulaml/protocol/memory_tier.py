@@ -36,6 +36,7 @@ import fcntl
 import getpass
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -57,6 +58,7 @@ from nebulaml.format.jsonbounds import JsonBoundsError, load_json
 from nebulaml.format.manifest import utc_now
 from nebulaml.format.names import (
     HOLD_FILE,
+    RANK_LOCK_PREFIX,
     REMOVALS_PREFIX,
     ROOT_ID_FILE,
     ROOT_INFO_FILE,
@@ -65,6 +67,8 @@ from nebulaml.format.names import (
 from nebulaml.protocol.catalog import tag_folders
 from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.storage.store import MissingFileError, Store
+
+log = logging.getLogger("nebulaml")
 
 _RECORD_MAX_BYTES = 64 << 10  # a record is a few hundred bytes; more is not ours
 
@@ -361,6 +365,72 @@ def in_use(memory: Store) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+class RankPresence:
+    """A live process's claim to be rank `rank` of the job on this node: an exclusive
+    flock on `.nebula-rank-<rank>.lock` in the memory tier, released when the session
+    closes or the process dies. The other ranks of the node so tell a rank that is gone
+    (`rank_gone`) from one that is slow: a commit need not wait `rank_timeout_s` for a
+    part that will never come.
+
+    Example:
+        >>> import tempfile
+        >>> store = Store(tempfile.mkdtemp(), durable=False, private=True)
+        >>> rank_gone(store, 1)  # never here: not known to be gone
+        False
+        >>> presence = RankPresence.take(store, 1)
+        >>> rank_gone(store, 1)
+        False
+        >>> presence.close(); rank_gone(store, 1)
+        True
+    """
+
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+
+    @classmethod
+    def take(cls, memory: Store, rank: int) -> RankPresence:
+        """Claim rank `rank` on this node; a claim another live process holds (an
+        earlier process of the rank, still exiting) is left to it: never waited for."""
+        path = os.path.join(memory.root, f"{RANK_LOCK_PREFIX}{rank}.lock")
+        try:
+            fd = _open_hold(path)
+        except OSError as exc:
+            log.debug("could not claim rank %d in %s: %s", rank, memory.url, exc)
+            return cls(None)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return cls(None)
+        return cls(fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def rank_gone(memory: Store, rank: int) -> bool:
+    """Whether rank `rank` of the job was on this node and its process has ended (died,
+    or closed its session): its claim (`RankPresence`) is there and nobody holds it.
+    False when it is alive, or was never on this node (a rank of another node is never
+    known to be gone)."""
+    path = os.path.join(memory.root, f"{RANK_LOCK_PREFIX}{rank}.lock")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 @dataclass(frozen=True, slots=True)

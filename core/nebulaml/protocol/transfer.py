@@ -17,8 +17,10 @@ delete after (retention.py).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +30,7 @@ from nebulaml.errors import (
     CorruptCheckpointError,
     ItemCollisionError,
     NebulaError,
+    RankGoneError,
 )
 from nebulaml.format.checksum import hash_stream, new_hasher
 from nebulaml.format.manifest import ItemEntry, Manifest, RankMarker, parse_marker
@@ -42,6 +45,8 @@ from nebulaml.protocol.catalog import CheckpointInfo, highest_sequence, read_com
 from nebulaml.protocol.commit import await_commit, begin_tag, publish_manifest, read_markers
 from nebulaml.protocol.markers import describe_writer, read_writers, writer_alive, writer_record
 from nebulaml.storage.store import MissingFileError, Store
+
+log = logging.getLogger("nebulaml")
 
 _COPY_CHUNK_BYTES = 8 << 20
 
@@ -280,6 +285,7 @@ def copy_part(
     world_size: int,
     timeout_s: float,
     wait: bool = True,
+    gone: Callable[[list[int]], list[int]] | None = None,
 ) -> int:
     """Copy one rank's part of `tag` (its marker and the items it lists) to another tier,
     verified; then, with `wait`, wait until the part of every rank that writes the tag is
@@ -293,6 +299,13 @@ def copy_part(
     must not block: the leader may be waiting for one of their older parts). Returns the
     bytes of this rank's items. An item another rank's part of this generation already
     holds under the same name is refused (`ItemCollisionError`), not overwritten.
+
+    `gone(ranks)` names the ranks among `ranks` whose process has ended (on this node:
+    memory_tier.rank_gone). The part of such a rank that `src` holds, of this generation,
+    is copied too (`adopt_parts`): the survivors of a node commit a checkpoint whose
+    writer died after writing it to the memory tier, at once, instead of waiting
+    `timeout_s` for a part that never comes. A gone rank without such a part raises
+    `RankGoneError` (with `wait`) at once.
     """
     where = src.display(tag, marker_name(rank))
     marker = parse_marker(src.read_bytes(tag, marker_name(rank)), where)
@@ -311,22 +324,56 @@ def copy_part(
     # this part is): with every part written but no manifest yet, a prune of leftovers
     # would otherwise take the tag for a dead job's and delete it under the commit.
     if wait:
-        await_commit(
-            dst,
-            tag,
-            world_size=marker.world_size,
-            ranks=marker.ranks,
-            generation=marker.generation,
-            timeout_s=timeout_s,
-            poll_s=0.05,
-            max_poll_s=0.5,
-        )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await_commit(
+                    dst,
+                    tag,
+                    world_size=marker.world_size,
+                    ranks=marker.ranks,
+                    generation=marker.generation,
+                    timeout_s=max(0.0, deadline - time.monotonic()),
+                    poll_s=0.05,
+                    max_poll_s=0.5,
+                    gone=gone,
+                )
+                break
+            except RankGoneError as exc:
+                if not adopt_parts(src, dst, tag, exc.missing, marker, world_size):
+                    raise
     else:
+        if gone is not None:
+            files = dst.list_files(tag)
+            missing = [r for r in marker.writers if marker_name(r) not in files]
+            adopt_parts(src, dst, tag, gone(missing), marker, world_size)
         markers = read_markers(dst, tag, marker.writers, marker.generation)
         if markers is not None and read_committed(dst, tag) is None:
             publish_manifest(dst, tag, marker.world_size, markers)
     dst.remove(tag, writer_marker_name(rank))
     return size
+
+
+def adopt_parts(
+    src: Store, dst: Store, tag: str, ranks: list[int], mine: RankMarker, world_size: int
+) -> bool:
+    """Copy to `dst` the parts of `ranks` (whose processes have ended) that `src` holds,
+    of the generation of `mine` (the copying rank's own part); False when one of them has
+    no such part there (it never wrote it, or wrote it in another run)."""
+    if not ranks:
+        return False
+    for rank in ranks:
+        try:
+            where = src.display(tag, marker_name(rank))
+            theirs = parse_marker(src.read_bytes(tag, marker_name(rank)), where)
+        except NebulaError:
+            return False
+        if theirs.generation != mine.generation:
+            return False
+    for rank in ranks:
+        log.info("copying rank %d's part of %r too: its process has ended", rank, tag)
+        copy_part(src, dst, tag, rank=rank, world_size=world_size, timeout_s=0, wait=False)
+    return True
 
 
 def _refuse_collisions(dst: Store, tag: str, marker: RankMarker) -> None:

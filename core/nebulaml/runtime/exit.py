@@ -202,18 +202,33 @@ def _other_threads_running() -> bool:
     )
 
 
+_shutting_down = False  # the interpreter's exit has begun (nebula's first hook ran)
+
+
 def _at_threading_exit() -> None:
+    global _shutting_down
+    _shutting_down = True
     if _session.live() is not None and not _other_threads_running():
         _exit_persist()
 
 
 def _at_exit() -> None:
+    global _shutting_down
+    _shutting_down = True
     _exit_persist()
 
 
 def _terminate(signum: int, _frame: object) -> None:
     # SIGTERM's default kills without running exit handlers; as an exit, the pending
-    # checkpoint is persisted (or the process says it was not).
+    # checkpoint is persisted (or the process says it was not). Once the interpreter is
+    # exiting (the exit persist done or not begun, other exit handlers running), a
+    # SystemExit raised into them would only print "Exception ignored in atexit
+    # callback" and a traceback: the process ends at once instead, as terminated.
+    if _shutting_down:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(128 + signum)
     raise SystemExit(128 + signum)
 
 

@@ -21,6 +21,7 @@ from nebulaml.format.names import marker_name
 from nebulaml.protocol.catalog import read_committed
 from nebulaml.protocol.cowriters import copy_alongside
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
+from nebulaml.protocol.memory_tier import rank_gone
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.protocol.transfer import copy_part
 from nebulaml.runtime.outage import may_pass
@@ -68,9 +69,17 @@ def persist_part(
     tiers: TierSet, tag: str, ranks: RankInfo, *, leader: int, rank_timeout_s: float
 ) -> int:
     """Copy this rank's part of `tag` to the persistent tier; the leader also waits for
-    the other ranks' parts and commits the whole. Its size in bytes."""
+    the other ranks' parts and commits the whole. Its size in bytes.
+
+    The part of a rank of this node whose process has ended (`rank_gone`) is copied from
+    the shared memory tier too, and the checkpoint committed without waiting for it."""
     persistent = tiers.persistent
     assert persistent is not None
+    memory = tiers.memory
+
+    def gone(missing: list[int]) -> list[int]:
+        return [r for r in missing if r != ranks.rank and rank_gone(memory, r)]
+
     return copy_part(
         tiers.memory,
         persistent,
@@ -81,6 +90,7 @@ def persist_part(
         # The leader waits for the whole and reports a missing rank; the others must not
         # block (it may be waiting for one of their older parts).
         wait=leader == ranks.rank,
+        gone=gone if tiers.memory_usable else None,
     )
 
 

@@ -28,6 +28,7 @@ from nebulaml.protocol.catalog import CheckpointInfo, list_committed
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.history import make_row
 from nebulaml.protocol.markers import own_parts
+from nebulaml.protocol.memory_tier import rank_gone
 from nebulaml.protocol.retention import Version, plan_retention
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.runtime.connect import keep_root
@@ -317,9 +318,9 @@ class PersistThread:
             # The newest tag of each leader (persisted by this rank at exit, no longer a
             # candidate): its marker tells that every older candidate was skipped.
             probe = {**leaders}
-            for leader, newest in self._newest_followed.items():
+            for leader, latest in self._newest_followed.items():
                 if leader in leaders.values():
-                    probe.setdefault(newest, leader)
+                    probe.setdefault(latest, leader)
         try:
             led = [t for t in probe if persistent.exists(t, marker_name(probe[t]))]
         except NebulaError as exc:
@@ -346,22 +347,30 @@ class PersistThread:
                 self._cond.notify_all()
             elif not self._stopping:
                 self._cond.wait(timeout=FOLLOW_POLL_S)
-            elif self._follow_deadline is None:
+            elif self._follow_deadline is None and not self._leaders_gone(leaders):
                 self._follow_deadline = time.monotonic() + self.rank_timeout_s
-            elif time.monotonic() >= self._follow_deadline:
-                # Exiting, and the leaders showed no progress for rank_timeout_s: what
-                # they have not started by now, they will not.
+            elif self._follow_deadline is None or time.monotonic() >= self._follow_deadline:
+                # Exiting, and the leaders are gone (their newest, persisted by this rank
+                # at exit, took their parts along) or showed no progress for
+                # rank_timeout_s: what they have not started by now, they will not.
                 log.warning(
-                    "rank %d exits without persisting %s: rank %s persisted none of them "
-                    "within %.0f s",
+                    "rank %d exits without persisting %s: rank %s %s",
                     self.rank,
                     ", ".join(repr(t) for t in self._candidates),
                     "/".join(str(r) for r in sorted(set(leaders.values()))),
-                    self.rank_timeout_s,
+                    "ended first"
+                    if self._follow_deadline is None
+                    else f"persisted none of them within {self.rank_timeout_s:.0f} s",
                 )
                 self._candidates.clear()
             else:
                 self._cond.wait(timeout=FOLLOW_POLL_S)
+
+    def _leaders_gone(self, leaders: dict[str, int]) -> bool:
+        """Whether every leader of `leaders` was a rank of this node whose process ended."""
+        if not self.tiers.memory_usable:
+            return False
+        return all(rank_gone(self.tiers.memory, r) for r in set(leaders.values()))
 
     def _finished(self) -> bool:
         if self._stopping and self._gave_up:

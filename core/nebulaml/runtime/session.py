@@ -29,7 +29,12 @@ from nebulaml.format.names import order_key
 from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed
 from nebulaml.protocol.commit import read_markers
 from nebulaml.protocol.markers import own_parts
-from nebulaml.protocol.memory_tier import TierHold, read_removals, release_memory_tier
+from nebulaml.protocol.memory_tier import (
+    RankPresence,
+    TierHold,
+    read_removals,
+    release_memory_tier,
+)
 from nebulaml.protocol.recovery import discard_stale_parts, remove_dead_writers
 from nebulaml.protocol.tiers import TierSet, claim_tiers
 from nebulaml.runtime.budget import MemoryBudget
@@ -62,6 +67,7 @@ class Session:
         # (bind_ranks), once torch.distributed is up.
         self._ranks: RankInfo = detect_ranks()
         self._bound = False
+        self.presence: RankPresence | None = None  # this rank, to the node's other ranks
         self._bind_lock = threading.RLock()
         # Which run and restart of the job: torchrun's is known now, another is agreed at
         # the first save (save_generation). Every part this process writes carries it.
@@ -202,6 +208,9 @@ class Session:
                     )
                     self._ranks = ranks
                     self.persister.set_ranks(ranks)
+                if ranks.world_size > 1 and self.tiers.memory_usable:
+                    # The other ranks of this node tell this one gone once it ends.
+                    self.presence = RankPresence.take(self.tiers.memory, ranks.rank)
                 self._bound = True
         return self._ranks
 
@@ -345,6 +354,8 @@ class Session:
         except (NebulaError, OSError) as exc:
             log.warning("could not release the memory tier %s: %s", self.tiers.memory.url, exc)
         finally:
+            if self.presence is not None:
+                self.presence.close()
             self.hold.close()
             self.job.close()
         return left

@@ -219,6 +219,22 @@ def exit_slowly(protocol: str, folder: str, exit_timeout_s: str, persist_s: str)
     hang()
 
 
+def exit_into_a_slow_atexit(root: str) -> None:
+    """global_step1 persisted; the script returns, and an exit handler of its own (run
+    after nebula's exit persist) takes a while: the test SIGTERMs us during it."""
+    import atexit
+
+    nm.init(root, persistent_time_interval=0)
+    crashkit.save_step(1)
+    nm.flush_persistence()
+
+    def slow() -> None:
+        say("SLOW")
+        time.sleep(30)
+
+    atexit.register(slow)
+
+
 def exit_memory_root(root: str) -> None:
     """A memory:// root (it lives as long as this process): global_step2 is held back by
     the interval; an atexit handler registered after init says what the root holds then."""
@@ -269,6 +285,7 @@ SCENARIOS = {
         exit_while_blocked,
         exit_after_failure,
         exit_slowly,
+        exit_into_a_slow_atexit,
         exit_memory_root,
         exit_while_a_thread_saves,
     )
