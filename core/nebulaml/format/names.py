@@ -38,6 +38,9 @@ WRITER_PREFIX = ".writer-"  # `writer_marker_name`: who writes a part (protocol/
 LEASE_PREFIX = ".lease-"  # a reader's lease or a deleter's claim (protocol/leases.py)
 ROOT_ID_FILE = ".nebula-root-id.json"  # in a persistent root: its identity (memory_tier.py)
 ROOT_INFO_FILE = ".nebula-root.json"  # in a memory tier: which root it belongs to
+SEQUENCE_FILE = ".nebula-sequence.json"  # in every tier: the highest commit sequence
+# reserved there (protocol/commit.py: `reserve_sequence`), so a commit never reads every
+# manifest
 HOLD_FILE = ".nebula-hold"  # in a memory tier: share-locked by every live session
 RANK_LOCK_PREFIX = ".nebula-rank-"  # in a memory tier: `<rank>.lock`, locked by the live
 # process of that rank on this node (protocol/memory_tier.py: `RankPresence`)

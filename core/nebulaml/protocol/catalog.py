@@ -13,10 +13,21 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from nebulaml.errors import InvalidNameError, ManifestError, UnsupportedSchemaError
-from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES
+from nebulaml.errors import (
+    InvalidNameError,
+    ManifestError,
+    NebulaError,
+    UnsupportedSchemaError,
+)
+from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES, JsonBoundsError, load_json
 from nebulaml.format.manifest import Manifest, parse_manifest
-from nebulaml.format.names import MANIFEST_NAME, OrderKey, order_key, validate_name
+from nebulaml.format.names import (
+    MANIFEST_NAME,
+    SEQUENCE_FILE,
+    OrderKey,
+    order_key,
+    validate_name,
+)
 from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
@@ -35,6 +46,8 @@ def _ignoring(message: str, *args: object) -> None:
         _said.add(text)
     log.warning("%s", text)
 
+
+_SEQUENCE_MAX_BYTES = 4096
 
 # How many times `list_committed` lists the folders while newer ones are in flux.
 _LIST_PASSES = 3
@@ -187,12 +200,38 @@ def list_committed(
 
 
 def highest_sequence(store: Store) -> int:
-    """The highest commit sequence of the checkpoints committed on `store` (0: none, or
-    only schema 1 manifests): a commit there takes the next one (commit.py).
+    """The highest commit sequence reserved on `store` (0: none): a commit there takes
+    the next one (commit.py's `reserve_sequence`).
 
-    One pass over the folders (not `list_committed`'s: a folder being committed is no
-    reason to list again), a manifest of a schema this version cannot read passed over.
+    Read from the tier's `SEQUENCE_FILE`, one small read however many checkpoints the
+    tier holds; only where it is missing or unreadable (a tier an older nebula wrote, or
+    an operator's hand) are the manifests read (`scan_sequence`).
     """
+    counted = read_sequence_file(store)
+    return counted if counted is not None else scan_sequence(store)
+
+
+def read_sequence_file(store: Store) -> int | None:
+    """The sequence `SEQUENCE_FILE` records on `store`; None when it is missing or not a
+    small JSON object with a non-negative integer `sequence`."""
+    try:
+        data = store.read_bytes(SEQUENCE_FILE)
+        doc = load_json(data, max_bytes=_SEQUENCE_MAX_BYTES)
+    except (MissingFileError, JsonBoundsError):
+        return None
+    except NebulaError as exc:  # not a regular file, a link: the scan answers
+        log.debug("reading %s: %s", store.display(SEQUENCE_FILE), exc)
+        return None
+    value = doc.get("sequence") if isinstance(doc, dict) else None
+    if type(value) is not int or value < 0:
+        return None
+    return value
+
+
+def scan_sequence(store: Store) -> int:
+    """The highest commit sequence of the checkpoints committed on `store`, from every
+    manifest (0: none, or only schema 1 manifests); a manifest of a schema this version
+    cannot read is passed over."""
     highest = 0
     for tag in store.list_dirs():
         try:

@@ -26,6 +26,7 @@ delete.py, leases.py and markers.py. Not for: deciding when to commit or persist
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -55,6 +56,7 @@ from nebulaml.format.manifest import (
 )
 from nebulaml.format.names import (
     MANIFEST_NAME,
+    SEQUENCE_FILE,
     WRITER_PREFIX,
     marker_name,
     step_of,
@@ -62,7 +64,12 @@ from nebulaml.format.names import (
     writer_marker_name,
 )
 from nebulaml.format.serialization import write_item as serialise
-from nebulaml.protocol.catalog import highest_sequence, read_committed
+from nebulaml.protocol.catalog import (
+    highest_sequence,
+    read_committed,
+    read_sequence_file,
+    scan_sequence,
+)
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.leases import live_leases
 from nebulaml.protocol.markers import (
@@ -343,7 +350,7 @@ def publish_manifest(
         producer=producer(),
         labels=tuple(sorted({label for m in markers for label in m.labels})),
         ranks=markers[0].ranks if markers else None,
-        sequence=1 + max(sequence_floor, highest_sequence(store)),
+        sequence=reserve_sequence(store, sequence_floor),
     )
     try:
         store.publish((tag, MANIFEST_NAME), manifest.to_bytes(), create_only=True)
@@ -355,6 +362,43 @@ def publish_manifest(
             raise
         return info.manifest
     return manifest
+
+
+def reserve_sequence(store: Store, floor: int = 0) -> int:
+    """The commit sequence of a manifest about to be published on `store`: 1 + the
+    highest reserved there (catalog.highest_sequence) or `floor`, whichever is higher,
+    recorded in the tier's `SEQUENCE_FILE` before the manifest is published (a commit
+    that dies between the two leaves a gap, never a number used twice by one writer).
+
+    Two commits on one tier at the same instant may take the same number, as they could
+    when the number came from reading every manifest; names.order_key then orders them
+    by commit time and tag.
+
+    Example:
+        >>> import tempfile
+        >>> store = Store(tempfile.mkdtemp())
+        >>> reserve_sequence(store), reserve_sequence(store), reserve_sequence(store, 10)
+        (1, 2, 11)
+    """
+    sequence = 1 + max(floor, highest_sequence(store))
+    _record_sequence(store, sequence)
+    return sequence
+
+
+def note_sequence(store: Store, sequence: int) -> None:
+    """Record that a manifest of `sequence` is about to be published on `store` (a copy
+    keeps its source's number): the tier's `SEQUENCE_FILE` never goes below it."""
+    recorded = read_sequence_file(store)
+    if recorded is None:
+        recorded = scan_sequence(store)  # once: the file is written below
+    elif recorded >= sequence:
+        return
+    _record_sequence(store, max(recorded, sequence))
+
+
+def _record_sequence(store: Store, sequence: int) -> None:
+    doc = {"sequence": sequence}
+    store.publish((SEQUENCE_FILE,), json.dumps(doc).encode(), create_only=False)
 
 
 def read_markers(

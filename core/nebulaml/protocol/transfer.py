@@ -42,7 +42,13 @@ from nebulaml.format.names import (
     writer_marker_name,
 )
 from nebulaml.protocol.catalog import CheckpointInfo, highest_sequence, read_committed
-from nebulaml.protocol.commit import await_commit, begin_tag, publish_manifest, read_markers
+from nebulaml.protocol.commit import (
+    await_commit,
+    begin_tag,
+    note_sequence,
+    publish_manifest,
+    read_markers,
+)
 from nebulaml.protocol.markers import describe_writer, read_writers, writer_alive, writer_record
 from nebulaml.storage.store import MissingFileError, Store
 
@@ -161,6 +167,7 @@ def copy_checkpoint(
         ranks=src.manifest.ranks,
         sequence=_sequence_at(src.manifest.sequence, dst, same_root),
     )
+    note_sequence(dst, manifest.sequence)
     dst.publish((tag, MANIFEST_NAME), manifest.to_bytes(), create_only=True)
     dst.remove(tag, writer_marker_name(0))
     return CopyResult(

@@ -68,6 +68,7 @@ class PersistThread:
     watch: OutageWatch
     _cond: threading.Condition
     _retention_lock: threading.Lock
+    _retained: dict[str, Version]
     _pending: str | None
     _candidates: list[str]
     _leaders: dict[str, int]
@@ -101,6 +102,11 @@ class PersistThread:
         with self._cond:
             self._sequence = max([self._sequence, *(c.sequence for c in committed)])
             self._durable_tags |= {c.tag for c in committed}
+        with self._retention_lock:
+            for c in committed:
+                self._retained[c.tag] = Version(
+                    c.tag, c.committed_at, c.manifest.labels, c.sequence
+                )
 
     def _note_sequence(self, sequence: int) -> None:
         with self._cond:
@@ -476,7 +482,7 @@ class PersistThread:
         persistent = self.tiers.persistent
         assert persistent is not None
         with self._retention_lock:
-            held, sequence = retire(persistent, self.retention, just_persisted)
+            held, sequence = retire(persistent, self.retention, just_persisted, self._retained)
             self._note_sequence(sequence)
             with self._cond:
                 self._durable_tags = held

@@ -37,6 +37,7 @@ from nebulaml.format.names import order_key, step_of
 from nebulaml.protocol.catalog import highest_sequence, list_committed
 from nebulaml.protocol.history import HistoryRow, skipped_row
 from nebulaml.protocol.memory_tier import write_removals
+from nebulaml.protocol.retention import Version
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.runtime.outage import OutageWatch
 from nebulaml.runtime.persist_thread import Connect, PersistThread
@@ -112,6 +113,9 @@ class Persister(PersistThread):
         self.removals = RemovalQueue(journal=self._journal_removals)
         self._removing: str | None = None  # the tag the thread is deleting now
         self._retention_lock = threading.Lock()  # the thread and a streamed commit apply it
+        # What the persistent tier holds committed, with each one's order and labels, as
+        # read once (upkeep.retire): retention reads only the manifests it has not read.
+        self._retained: dict[str, Version] = {}
         self._stopping = False
         # The highest commit sequence this job knows on its persistent tier (its start's,
         # then each persist's and retention's): a memory-tier commit takes a higher one,

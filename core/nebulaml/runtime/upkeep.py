@@ -18,8 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from nebulaml.errors import NebulaError
-from nebulaml.protocol.catalog import list_committed
+from nebulaml.errors import NebulaError, UnsupportedSchemaError
+from nebulaml.protocol.catalog import read_committed, tag_folders
 from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.history import HistoryRow, append_rows
 from nebulaml.protocol.retention import Version, plan_retention
@@ -31,10 +31,20 @@ log = logging.getLogger("nebulaml")
 HISTORY_KEPT = 10_000  # history rows kept while their store fails
 
 
-def retire(persistent: Store, retention: int, just_persisted: str) -> tuple[set[str], int]:
+def retire(
+    persistent: Store,
+    retention: int,
+    just_persisted: str,
+    known: dict[str, Version] | None = None,
+) -> tuple[set[str], int]:
     """Delete what retention retires on `persistent` now that `just_persisted` is there;
-    the tags left committed there, and the highest commit sequence listed. A tag that
+    the tags left committed there, and the highest commit sequence known. A tag that
     cannot go now goes at the next persist's retention.
+
+    `known`: what the caller knows is committed there (updated here), so that each
+    persist reads only the manifests it has not read yet (`just_persisted`'s, and any
+    new folder's), not every manifest of the root: one listing of the folders, and one
+    manifest per new tag.
 
     Example:
         >>> import tempfile
@@ -42,18 +52,30 @@ def retire(persistent: Store, retention: int, just_persisted: str) -> tuple[set[
         >>> retire(Store(tempfile.mkdtemp()), 2, "global_step1")
         (set(), 0)
     """
-    committed = list_committed(persistent)
-    versions = [Version(c.tag, c.committed_at, c.manifest.labels, c.sequence) for c in committed]
-    held = {v.tag for v in versions}
-    for tag in plan_retention(versions, retention, {just_persisted}):
+    known = {} if known is None else known
+    folders = set(tag_folders(persistent))
+    for tag in [t for t in known if t not in folders]:
+        del known[tag]  # deleted meanwhile (a prune)
+    for tag in folders:
+        if tag in known and tag != just_persisted:
+            continue
+        try:
+            info = read_committed(persistent, tag)
+        except UnsupportedSchemaError:
+            continue  # a newer nebula's: never this job's to retire
+        if info is None:
+            known.pop(tag, None)
+        else:
+            known[tag] = Version(tag, info.committed_at, info.manifest.labels, info.sequence)
+    for tag in plan_retention(list(known.values()), retention, {just_persisted}):
         try:
             delete_checkpoint(persistent, tag)
-            held.discard(tag)
+            del known[tag]
         except NebulaError as exc:
             # Tidying, after the persist: an older checkpoint that could not go now (a
             # prune deleting it too, say) goes at the next persist's retention.
             log.warning("retention could not delete %r yet: %s", tag, exc)
-    return held, max((v.sequence for v in versions), default=0)
+    return set(known), max((v.sequence for v in known.values()), default=0)
 
 
 class HistoryQueue:
