@@ -56,6 +56,7 @@ def _register() -> None:
         ls,
         memory,
         prune,
+        unlock,
         verify,
     )
 
@@ -72,6 +73,7 @@ def _register() -> None:
         ("history", history.history_command),
         ("memory", memory.memory_command),
         ("gc", gc.gc_command),
+        ("unlock", unlock.unlock_command),
     ):
         app.command(name, cls=NebulaCommand)(function)
 

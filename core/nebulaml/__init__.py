@@ -78,6 +78,7 @@ from nebulaml.ops.memory_tiers import (
     plan_gc,
 )
 from nebulaml.ops.pruning import PrunePlan, execute_prune, list_prune_candidates, plan_prune
+from nebulaml.ops.unlocking import UnlockPlan, execute_unlock, plan_unlock
 from nebulaml.ops.verification import verify_checkpoints
 from nebulaml.storage.store import using_storage_options
 
@@ -137,6 +138,9 @@ __all__ = [
     "persist_memory_tier",
     "list_memory_tiers",
     "plan_gc",
+    "plan_unlock",
+    "execute_unlock",
+    "UnlockPlan",
     "execute_gc",
     "MemoryTierInfo",
     "GcAction",

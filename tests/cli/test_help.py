@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 COMMANDS = ["", "ls", "inspect", "latest", "verify", "diff", "export", "copy", "flush",
-            "prune", "history", "memory", "gc"]  # fmt: skip
+            "prune", "history", "memory", "gc", "unlock"]  # fmt: skip
 
 
 def help_text(command: str) -> str:

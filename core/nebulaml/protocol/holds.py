@@ -237,6 +237,47 @@ def root_holder(store: Store) -> tuple[Holder | None, bool]:
     return top.holder, lease_alive(top.holder, top.modified_at)
 
 
+@dataclass(frozen=True, slots=True)
+class HoldState:
+    """The hold on a root as an operator sees it (`nebula unlock`): its file, its holder
+    (None: unreadable), whether it counts (`lease_alive`), and whether its process runs
+    on this host."""
+
+    name: str
+    holder: Holder | None
+    live: bool
+    running_here: bool
+
+
+def current_hold(store: Store) -> HoldState | None:
+    """The hold on the root of `store` (the highest generation), or None."""
+    holds = _holds(store)
+    if not holds:
+        return None
+    top = holds[-1]
+    holder = top.holder
+    here = holder is not None and holder.host == _host() and holder_alive_here(holder)
+    return HoldState(top.name, holder, lease_alive(holder, top.modified_at), here)
+
+
+def break_hold(store: Store, name: str) -> list[str]:
+    """Remove the hold `name` (the one shown to the operator) and any older one; the
+    names removed. A hold taken since (a higher generation) is not touched, and then
+    nothing is: `NebulaError` says the root changed hands meanwhile."""
+    holds = _holds(store)
+    if not holds or holds[-1].name != name:
+        raise NebulaError(
+            f"{store.url}: its hold changed since it was shown ({name} is not the hold any "
+            "more); nothing removed: look again"
+        )
+    removed = []
+    for found in holds:
+        with contextlib.suppress(MissingFileError):
+            store.remove(found.name)
+        removed.append(found.name)
+    return removed
+
+
 class RootLease:
     """A job's hold on a persistent root (see the module docstring). `owner`: this process
     created it, renews it and removes it at `release`; the job's other processes join it.
