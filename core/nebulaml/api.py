@@ -59,8 +59,11 @@ def init(
     `NEBULA_NUM_OF_VERSION_IN_RETENTION`, else 2). Options: `storage_options` (a dict
     for fsspec), `exit_timeout_s` (how long exit waits for a pending persist,
     default `NEBULA_EXIT_TIMEOUT_S`, else 600), `lazy_snapshot` (default
-    `NEBULA_LAZY_SNAPSHOT`, else False) and `on_persist_error` (default
-    `NEBULA_ON_PERSIST_ERROR`, else "retry").
+    `NEBULA_LAZY_SNAPSHOT`, else False), `on_persist_error` (default
+    `NEBULA_ON_PERSIST_ERROR`, else "retry") and `private` (default `NEBULA_PRIVATE`,
+    else False: a local persistent root is then this user's alone, its folder made 0700
+    and what nebula writes there 0600 and 0700; otherwise they follow the umask, as the
+    memory tier never does).
 
     The persistent tier never stops training (`on_persist_error="retry"`, the default): a
     persist that fails (the store down, the disk full) leaves the checkpoint in the memory

@@ -8,6 +8,8 @@
     NEBULA_LAZY_SNAPSHOT                init()'s lazy_snapshot (1/true/yes/on; default off)
     NEBULA_KEEP_MEMORY_TIER             init()'s keep_memory_tier (1/true/yes/on; default off)
     NEBULA_ON_PERSIST_ERROR             init()'s on_persist_error: "retry" (default) or "raise"
+    NEBULA_PRIVATE                      init()'s private, and what the CLI writes to a local
+                                        root (1/true/yes/on: files 0600, folders 0700)
     NEBULA_MEMORY_BUFFER_SIZE           the node's memory budget in bytes (half for checkpoints)
     NEBULA_MEMORY_TIER_PATH             the base folder of this user's memory tiers
     NEBULA_STORAGE_RETRIES              retries of a transient storage error (default 5)
@@ -43,6 +45,7 @@ ENV_RANK_TIMEOUT = "NEBULA_RANK_TIMEOUT_S"
 ENV_LAZY = "NEBULA_LAZY_SNAPSHOT"
 ENV_KEEP_MEMORY_TIER = "NEBULA_KEEP_MEMORY_TIER"
 ENV_ON_PERSIST_ERROR = "NEBULA_ON_PERSIST_ERROR"
+ENV_PRIVATE = "NEBULA_PRIVATE"
 ENV_MEMORY_BUFFER = "NEBULA_MEMORY_BUFFER_SIZE"
 ENV_MEMORY_TIER_PATH = "NEBULA_MEMORY_TIER_PATH"
 ENV_STORAGE_RETRIES = "NEBULA_STORAGE_RETRIES"
@@ -70,6 +73,7 @@ KNOWN_OPTIONS = (
     "lazy_snapshot",
     "keep_memory_tier",
     "on_persist_error",
+    "private",
 )
 # What a failed persist does: "raise" (the default, for now: the next call into nebula
 # raises the failure) or "retry" (the memory tier keeps the checkpoint and the persister
@@ -91,6 +95,7 @@ class Config:
     lazy_snapshot: bool = False
     keep_memory_tier: bool = False
     on_persist_error: str = "retry"
+    private: bool = False
 
 
 def _number(value: object, source: str, kind: type, minimum: float) -> Any:
@@ -172,6 +177,11 @@ def resolve_config(
         raise InvalidArgumentError(
             f"on_persist_error must be one of {', '.join(PERSIST_ERROR_MODES)}, not {on_error!r}"
         )
+    private = options.get("private")
+    if private is None:
+        private = private_default()
+    if not isinstance(private, bool):
+        raise InvalidArgumentError(f"private must be True or False, not {private!r}")
     storage_options = options.get("storage_options") or {}
     if not isinstance(storage_options, dict):
         raise InvalidArgumentError("storage_options must be a dict")
@@ -185,7 +195,21 @@ def resolve_config(
         lazy_snapshot=lazy,
         keep_memory_tier=keep,
         on_persist_error=on_error,
+        private=private,
     )
+
+
+def private_default() -> bool:
+    """Whether `NEBULA_PRIVATE` asks for a private persistent root (what init() does
+    without `private=`, and what the CLI writes to a local root).
+
+    Example:
+        >>> import os
+        >>> os.environ.pop("NEBULA_PRIVATE", None) and None
+        >>> private_default()
+        False
+    """
+    return os.environ.get(ENV_PRIVATE, "0").strip().lower() in _TRUE
 
 
 def env_count(name: str) -> int | None:

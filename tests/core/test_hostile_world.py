@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -346,3 +347,49 @@ def test_an_ignored_checkpoint_is_said_once_per_process(
         if "ignoring checkpoint 'global_step1'" in r.getMessage() and r.levelno >= logging.WARNING
     ]
     assert len(said) == 1, [r.getMessage() for r in said]
+
+
+def test_a_private_root_is_this_users_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug caught (#29): the persistent tier followed the umask (items 0644, folders 0755)
+    and nothing let a user ask otherwise: another local user copied a root's weights.
+    private=True (or NEBULA_PRIVATE=1): the root 0700, everything nebula writes in it
+    0600 and 0700, a root that existed with wider modes tightened."""
+    import stat as stat_
+
+    def modes(root: Path) -> set[tuple[str, int]]:
+        out = {("root", stat_.S_IMODE(root.stat().st_mode))}
+        for path in root.rglob("*"):
+            kind = "dir" if path.is_dir() else "file"
+            out.add((kind, stat_.S_IMODE(path.lstat().st_mode)))
+        return out
+
+    old = os.umask(0o022)
+    try:
+        for run, how in enumerate(("argument", "environment")):
+            root = tmp_path / f"root{run}"
+            root.mkdir(mode=0o755)
+            root.chmod(0o755)
+            if how == "environment":
+                monkeypatch.setenv("NEBULA_PRIVATE", "1")
+                nm.init(str(root), persistent_time_interval=0)
+            else:
+                nm.init(str(root), persistent_time_interval=0, private=True)
+            nm.Checkpoint("global_step1").save("model", {"w": torch.ones(4)})
+            nm.flush_persistence()
+            nm.shutdown()
+            assert (root / "global_step1" / "manifest.json").exists()
+            assert (root / "checkpointHistories.csv").exists()
+            assert modes(root) == {("root", 0o700), ("dir", 0o700), ("file", 0o600)}, how
+        monkeypatch.delenv("NEBULA_PRIVATE")
+        public = tmp_path / "public"
+        nm.init(str(public), persistent_time_interval=0)
+        nm.Checkpoint("global_step1").save("model", {"w": torch.ones(4)})
+        nm.flush_persistence()
+        nm.shutdown()
+        assert ("file", 0o644) in modes(public)  # the default follows the umask
+        with pytest.raises(nm.InvalidArgumentError, match="private must be True or False"):
+            nm.init(str(public), private="yes")
+    finally:
+        os.umask(old)

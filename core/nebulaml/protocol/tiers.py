@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
+from nebulaml.config import private_default
 from nebulaml.errors import NebulaError, StorageFullError
 from nebulaml.protocol.memory_tier import (
     OK,
@@ -72,13 +74,38 @@ class TierSet:
         return self.persistent.url if self.persistent is not None else self.memory.url
 
 
+def tighten_root(persistent: Store) -> None:
+    """A private local root (`init(private=True)`, `NEBULA_PRIVATE=1`) is this user's
+    alone: its folder, if it exists, is made 0700 (what nebula writes in it from now on
+    is 0600 and 0700 already: storage/local.py). A root folder another user owns keeps
+    its mode, with a warning. Files written before the root was made private keep theirs.
+    """
+    if not (persistent.private and persistent.is_local):
+        return
+    root = persistent.root
+    try:
+        st = os.lstat(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return  # made 0700 when it is created
+    if not stat.S_ISDIR(st.st_mode) or not stat.S_IMODE(st.st_mode) & 0o077:
+        return
+    if st.st_uid != os.geteuid():
+        log.warning("private=True: %s is owned by uid %d, not by you: its mode (%04o) stays",
+                    root, st.st_uid, stat.S_IMODE(st.st_mode))  # fmt: skip
+        return
+    os.chmod(root, 0o700, follow_symlinks=False)
+    log.info("private=True: %s made 0700 (it was %04o)", root, stat.S_IMODE(st.st_mode))
+
+
 def open_tiers(
     persistent_path: str | os.PathLike[str] | None,
     storage_options: dict[str, Any] | None = None,
 ) -> TierSet:
     """The tiers for a persistent root (None: the memory tier alone), to read: a memory
     tier that is stale or unsafe is left out (`TierSet.memory_state`), with a warning."""
-    persistent = None if persistent_path is None else Store(persistent_path, storage_options)
+    persistent = None
+    if persistent_path is not None:
+        persistent = Store(persistent_path, storage_options, private=private_default())
     memory = Store(memory_root_for(persistent), durable=False, private=True)
     state, note = judge_memory_tier(memory, persistent)
     if state != OK:

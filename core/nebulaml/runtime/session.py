@@ -36,7 +36,7 @@ from nebulaml.protocol.memory_tier import (
     release_memory_tier,
 )
 from nebulaml.protocol.recovery import discard_stale_parts, remove_dead_writers
-from nebulaml.protocol.tiers import TierSet, claim_tiers
+from nebulaml.protocol.tiers import TierSet, claim_tiers, tighten_root
 from nebulaml.runtime.budget import MemoryBudget
 from nebulaml.runtime.closing import releasable
 from nebulaml.runtime.connect import CONNECT_WAIT_S, adopt_root, identify, reach
@@ -82,7 +82,11 @@ class Session:
         # The persistent tier, if it answers within CONNECT_WAIT_S; else the job starts
         # with the memory tier alone and the persister connects later (connect.py).
         path = config.persistent_storage_path
-        persistent = None if path is None else Store(path, dict(config.storage_options))
+        persistent = None
+        if path is not None:
+            persistent = Store(path, dict(config.storage_options), private=config.private)
+            if persistent.private:
+                tighten_root(persistent)
         reached, root_id, why = True, None, None
         if persistent is not None:
             reached, root_id, why = reach(persistent, CONNECT_WAIT_S)
