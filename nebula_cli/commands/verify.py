@@ -32,7 +32,13 @@ TagArg = Annotated[
     ),
 ]
 
-_STYLE = {"ok": "green", "corrupt": "bold red", "missing": "bold red", "differs": "bold red"}
+_STYLE = {
+    "ok": "green",
+    "corrupt": "bold red",
+    "missing": "bold red",
+    "differs": "bold red",
+    "unchecked": "bold yellow",
+}
 
 
 @handles_errors
@@ -46,8 +52,9 @@ def verify_command(
     """Re-read every item on every tier and check its size and checksum.
 
     Also reports manifests that are present but unreadable, and items that are missing
-    or of the wrong size. Exit 1 on any failure, naming the file, the expected and the
-    actual value; exit 3 when TAG does not exist. With --json, `expected` and `actual`
+    or of the wrong size, and checkpoints it could not read (`unchecked`: a delete of it
+    is claimed and did not end). Exit 1 on any of these, naming the file, the expected
+    and the actual value; exit 3 when TAG does not exist. With --json, `expected` and `actual`
     are objects: {size_bytes, algo, checksum}.
 
     Example: nebula verify /mnt/checkpoints/run1 global_step500

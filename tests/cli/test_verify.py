@@ -194,3 +194,28 @@ def test_a_manifest_replaced_by_what_is_not_a_file_fails_verify(root: Path, kind
     assert result.exit_code == 1, result.stdout + result.stderr
     said = [x for x in result.stderr.splitlines() if str(manifest) in x]
     assert said and "not a regular file" in said[0], result.stderr
+
+
+def test_a_planted_delete_claim_never_hides_the_newest_from_verify(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug caught (#29): a delete claim planted in the newest tag's folder (another host's,
+    dated now: it counts for an hour) made verify skip that checkpoint and exit 0."""
+    import nebulaml.protocol.leases as leases
+
+    _populate(root)
+    nm.shutdown()
+    stamp = time.strftime("%Y%m%dT%H%M%S000000Z", time.gmtime())
+    claim = root / "global_step200" / f".lease-delete-{stamp}-4242-deadbeef-node-gone.json"
+    claim.write_text("{}")
+    # How long a reader waits for a live deleter to decide (10 s), shortened.
+    monkeypatch.setattr(leases.read_lease.__wrapped__, "__kwdefaults__", {"wait_s": 0.2})
+    result = CliRunner().invoke(app, ["verify", str(root), "--json"], env={"COLUMNS": "200"})
+    assert result.exit_code == 1, result.stdout + result.stderr
+    doc = json.loads(result.stdout)
+    unchecked = [r for r in doc["results"] if r["status"] == "unchecked"]
+    assert [(r["tag"], r["tier"]) for r in unchecked] == [("global_step200", "persistent")]
+    assert "pid 4242 on node-gone" in unchecked[0]["detail"]
+    assert "global_step200" in result.stderr and "not read" in result.stderr
+    # The other checkpoint was checked, item by item.
+    assert {r["status"] for r in doc["results"] if r["tag"] == "global_step100"} == {"ok"}

@@ -19,7 +19,7 @@ from nebulaml.format.checksum import KNOWN_CHECKSUM_ALGOS, hash_stream, unknown_
 from nebulaml.format.manifest import ItemEntry, Manifest
 from nebulaml.format.names import MANIFEST_NAME, OrderKey, order_key, validate_name
 from nebulaml.ops.inspection import read_manifest_strict
-from nebulaml.protocol.leases import read_lease
+from nebulaml.protocol.leases import delete_claims, read_lease
 from nebulaml.runtime.locate import check_root, tiers_for
 from nebulaml.storage.store import MissingFileError, Store
 
@@ -65,7 +65,8 @@ def verify_checkpoints(
 
     Returns one JSON-serialisable dict per item per tier, newest tag first: `tag`, `tier`,
     `item` (None for the manifest itself), `file` (where it is), `status` (`"ok"`,
-    `"corrupt"` or `"missing"`), `expected` and `actual` (e.g. `"1829 bytes with xxh3_64
+    `"corrupt"`, `"missing"`, or `"unchecked"`: committed, but a delete of it is claimed
+    and did not end, so it was not read), `expected` and `actual` (e.g. `"1829 bytes with xxh3_64
     9f3c..."`), and the same as objects, `expected_checksum` and `actual_checksum`:
     `{size_bytes, algo, checksum}` (a field None where it is not known; the object None for
     no file, or for a manifest). Where two tiers hold one tag with different bytes for an
@@ -225,9 +226,17 @@ def _verify_copy(copy: _Copy, advance: Callable[[int], None]) -> list[dict[str, 
         return [_result(copy, None, where, "corrupt", "a valid manifest", copy.error.why)]
     # Under a read lease: prune, retention and eviction leave the copy alone meanwhile.
     with read_lease(store, tag) as readable:
-        if not readable:
-            return []  # deleted (evicted) since it was listed
-        return _verify_items(copy, copy.manifest, advance)
+        if readable:
+            return _verify_items(copy, copy.manifest, advance)
+    if not store.exists(tag, MANIFEST_NAME):
+        return []  # deleted (evicted) since it was listed
+    # Still committed, but a delete of it is claimed and did not end: it was not read
+    # (never "ok" by omission: a planted claim would hide the newest checkpoint).
+    claims = delete_claims(store, tag)
+    who = ", ".join(c.describe() for c in claims) or "another process"
+    where = store.display(tag, MANIFEST_NAME)
+    return [_result(copy, None, where, "unchecked", "a checkpoint it may read",
+                    f"not read: a delete of it is claimed by {who}")]  # fmt: skip
 
 
 def _verify_items(

@@ -435,6 +435,11 @@ def _live(
     return live
 
 
+def delete_claims(store: Store, tag: str) -> list[Lease]:
+    """The live delete claims on `tag` (whose delete a reader waits for), for messages."""
+    return _live(store, tag, store.list_files(tag), (DELETE,), LEASE_TTL_S)
+
+
 def _await_no_claim(store: Store, tag: str, wait_s: float) -> bool:
     """With our lease published: True once the manifest is there and no live deleter
     claims the tag; False once the manifest is gone, or after `wait_s`."""
