@@ -68,6 +68,15 @@ QuietOpt = Annotated[
         help="No progress and no retry notices on stderr (warnings and errors still).",
     ),
 ]
+ROWS_SHOWN = 20  # rows of one kind a command shows without --verbose
+VerboseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help=f"Show every row and tag (else the first {ROWS_SHOWN} of a kind, and a count).",
+    ),
+]
 StorageOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -230,6 +239,8 @@ def plain_table(table: Table) -> str:
             pad = " " * (widths[i] - cell_len(cell))
             cells.append(pad + cell if column.justify == "right" else cell + pad)
         lines.append("  ".join(cells).rstrip())
+    if isinstance(table.caption, str) and table.caption:
+        lines.append(table.caption)
     return "".join(line + "\n" for line in lines)
 
 
@@ -243,6 +254,8 @@ def _compact(table: Table) -> Table:
         padding=(0, 1),
         show_header=table.show_header,
         header_style="bold underline",
+        caption=table.caption,
+        caption_justify="left",
     )
     for column in table.columns:
         compact.add_column(column.header, justify=column.justify, no_wrap=True)
@@ -275,6 +288,8 @@ def _records(table: Table, width: int, headline: int = 1) -> Text:
             line_len += (4 if line_len == 0 else 2) + part.cell_len
         if line_len:
             out.append("\n")
+    if isinstance(table.caption, str) and table.caption:
+        out.append(table.caption + "\n")
     out.rstrip()
     return out
 
@@ -420,6 +435,33 @@ def _library_log(quiet: bool) -> Iterator[None]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def shown(rows: list[Any], verbose: bool) -> tuple[list[Any], int]:
+    """(the rows to show, how many are left out): all with `verbose`, else the first
+    `ROWS_SHOWN`. A root of thousands of checkpoints prints a screen, not thousands of
+    lines; `--json` always has every one.
+
+    Example:
+        >>> shown(list(range(25)), False)[1], shown(list(range(25)), True)[1]
+        (5, 0)
+    """
+    if verbose or len(rows) <= ROWS_SHOWN:
+        return rows, 0
+    return rows[:ROWS_SHOWN], len(rows) - ROWS_SHOWN
+
+
+def summarise_tags(tags: list[str], verbose: bool) -> str:
+    """`tags` in one line: every one with `verbose` (or up to `ROWS_SHOWN`), else the
+    first ones and how many more.
+
+    Example:
+        >>> summarise_tags([f"t{i}" for i in range(30)], False)[-30:]
+        't19 and 10 more (--verbose: all)'
+    """
+    first, left = shown(tags, verbose)
+    text = ", ".join(first)
+    return f"{text} and {left} more (--verbose: all)" if left else text
 
 
 def confirm(question: str, refusal: str, declined: str) -> None:

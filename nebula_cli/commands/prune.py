@@ -12,12 +12,15 @@ from ..output import (
     JsonOpt,
     RootArg,
     StorageOpt,
+    VerboseOpt,
     confirm,
     emit_json,
     handles_errors,
     print_table,
+    shown,
     stderr,
     stdout,
+    summarise_tags,
 )
 
 if TYPE_CHECKING:
@@ -72,6 +75,7 @@ def prune_command(
         ),
     ] = 3600.0,
     as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
     """Delete old checkpoints from ROOT, keeping the newest N.
@@ -94,7 +98,7 @@ def prune_command(
     plan = nm.plan_prune(listing, keep, include_labelled=include_labelled, grace_s=grace)
     doc = _plan_json(plan, dry_run)
     if not as_json:
-        _show_plan(plan, dry_run)
+        _show_plan(plan, dry_run, verbose)
     count = len(plan.delete) + len(plan.incomplete)
     if dry_run or count == 0:
         if as_json:
@@ -112,9 +116,8 @@ def prune_command(
     if as_json:
         emit_json(doc)
     else:
-        stdout().print(
-            Text(f"Deleted {len(result.deleted)} of {count}: {', '.join(result.deleted)}")
-        )
+        deleted = summarise_tags(list(result.deleted), verbose)
+        stdout().print(Text(f"Deleted {len(result.deleted)} of {count}: {deleted}"))
 
 
 def _plan_json(plan: PrunePlan, dry_run: bool) -> dict[str, Any]:
@@ -157,18 +160,31 @@ def _confirm(plan: PrunePlan) -> None:
     )
 
 
-def _show_plan(plan: PrunePlan, dry_run: bool) -> None:
+def _show_plan(plan: PrunePlan, dry_run: bool, verbose: bool) -> None:
+    """The plan as a table: every row with `verbose`, else the first `ROWS_SHOWN` of each
+    action and a count of the rest."""
     title = f"{plan.root}: prune plan, keep {plan.keep_last}" + (" (dry run)" if dry_run else "")
     table = Table(title=title, title_justify="left")
     for column in ("tag", "action", "reason"):
         table.add_column(column, no_wrap=True)
-    for d in plan.delete:
+    more: list[str] = []
+
+    def some(decisions: Any, action: str) -> Any:
+        rows, left = shown(list(decisions), verbose)
+        if left:
+            more.append(f"{left} more to {action}")
+        return rows
+
+    for d in some(plan.delete, "delete"):
         table.add_row(Text(d.tag), Text("delete", style="red"), Text(d.reason))
-    for d in plan.incomplete:
+    for d in some(plan.incomplete, "remove"):
         table.add_row(Text(d.tag, style="yellow"), Text("remove", style="red"), Text(d.reason))
-    for d in plan.keep:
+    for d in some(plan.keep, "keep"):
         table.add_row(Text(d.tag), "keep", Text(d.reason))
-    for d in plan.protected:
+    for d in some(plan.protected, "protect"):
         tag = Text(d.tag, style="" if d.committed else "yellow")
         table.add_row(tag, Text("protected", style="green"), Text(d.reason))
+    if more:
+        table.caption = f"... and {', '.join(more)} (--verbose: all)"
+        table.caption_justify = "left"
     print_table(table)

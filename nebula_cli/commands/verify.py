@@ -16,10 +16,12 @@ from ..output import (
     QuietOpt,
     RootArg,
     StorageOpt,
+    VerboseOpt,
     emit_json,
     handles_errors,
     print_table,
     progress,
+    shown,
     stderr,
 )
 
@@ -47,6 +49,7 @@ def verify_command(
     tag: TagArg = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
     """Re-read every item on every tier and check its size and checksum.
@@ -68,10 +71,15 @@ def verify_command(
     if as_json:
         emit_json({"root": location, "ok": not failures, "results": [_json(r) for r in results]})
     else:
-        print_table(_table(location, results))
+        print_table(_table(location, results, verbose))
     for r in failures:
         sys.stderr.write(f"nebula: error: {r['file']}: expected {r['expected']}, "
                          f"found {r['actual']}\n")  # fmt: skip
+    if results and not as_json:
+        tags = {r["tag"] for r in results}
+        summary = f"verified {len(tags)} checkpoint(s), {len(results)} result(s): "
+        summary += f"{len(failures)} failed" if failures else "all ok"
+        stderr().print(summary, highlight=False)
     if not results:
         stderr().print("no committed checkpoints to verify", highlight=False)
     if failures:
@@ -95,11 +103,16 @@ def _json(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _table(location: str, results: list[dict[str, Any]]) -> Table:
-    table = Table(title=location, title_justify="left")
+def _table(location: str, results: list[dict[str, Any]], verbose: bool) -> Table:
+    """Every failure; the ok rows too, the first `ROWS_SHOWN` of them unless `verbose`."""
+    ok_rows, left = shown([r for r in results if r["status"] == "ok"], verbose)
+    kept = {id(r) for r in ok_rows}
+    rows = [r for r in results if r["status"] != "ok" or id(r) in kept]
+    caption = f"... and {left} more ok (--verbose: all)" if left else None
+    table = Table(title=location, title_justify="left", caption=caption, caption_justify="left")
     for column in ("tag", "tier", "item", "status", "checksum"):
         table.add_column(column, no_wrap=True)
-    for r in results:
+    for r in rows:
         # The checksum found (or the problem), shortened to what a human compares.
         found = r.get("actual_checksum") or {}
         detail = found.get("checksum") if r["status"] == "ok" else r["actual"]

@@ -120,7 +120,7 @@ def test_corrupt_manifest_and_missing_item_fail_naming_the_files(root: Path) -> 
     )
     assert lines[1].startswith(f"nebula: error: {manifest}: expected a valid manifest, found "
                                "manifest is not valid JSON")  # fmt: skip
-    assert len(lines) == 2
+    assert lines[2:] == ["verified 2 checkpoint(s), 5 result(s): 2 failed"]
     assert "missing" in result.stdout and "corrupt" in result.stdout  # the table
 
 
