@@ -115,17 +115,19 @@ def wait_for_snapshot() -> None:
 
 
 def list_checkpoints(
-    persist_path: PathLike | None = None, *, hold: bool = True
+    persist_path: PathLike | None = None, *, hold: bool = False
 ) -> list[dict[str, Any]]:
     """Committed checkpoints on every tier, newest first, as JSON-serialisable dicts.
 
     Each dict has `tag`, `step`, `tiers` (e.g. `["memory", "persistent"]`), `size_bytes`,
     `committed_at` (ISO-8601 UTC), `items` (names) and `labels`.
 
-    The checkpoints listed are held for 10 s (leases.py), so that the one the caller then
-    opens with `get_checkpoint` is there although retention or a prune ran between: the
-    persistent copy (else the memory tier's), the first time this process lists the tag.
-    `hold=False` lists without writing anything (what the CLI does).
+    A listing writes nothing, and reads one manifest per tag: retention and prune may
+    delete a listed checkpoint before the caller opens it (`get_checkpoint` then returns
+    None). What the caller opens is held: `get_checkpoint` and `get_latest_checkpoint`
+    return a handle that keeps its checkpoint until released. `hold=True` also holds each
+    checkpoint listed for 10 s (leases.py: one small file per tag, the first time this
+    process lists it), against a retention or prune between the listing and the open.
 
     Example:
         >>> import nebulaml as nm, tempfile
@@ -275,7 +277,8 @@ def get_latest_checkpoint_path(name: str, persist_path: PathLike | None = None) 
 
     The file is what plain `torch.load(path, weights_only=True)` reads. The persistent
     tier's copy is preferred (it outlives the node); else the memory tier's. The
-    checkpoint is held for 10 s, as `list_checkpoints` holds what it lists.
+    checkpoint is held for 10 s (leases.py), so that the file is there when the caller
+    opens the path although retention or a prune ran between.
 
     Example:
         >>> import nebulaml as nm, tempfile

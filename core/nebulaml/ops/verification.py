@@ -184,6 +184,8 @@ def _find_copies(root: PathLike, tag: str | None) -> list[_Copy]:
             except InvalidNameError:
                 continue  # not a folder nebula writes
             files = store.list_files(name)
+            if MANIFEST_NAME not in files and store.exists(name, MANIFEST_NAME):
+                files = store.list_files(name)  # committed just now, between the two looks?
             if MANIFEST_NAME not in files:
                 if store.exists(name, MANIFEST_NAME):
                     # A folder, FIFO or link in the manifest's place: not a save that never

@@ -29,9 +29,11 @@ it: retention, prune and eviction keep a held tag (a tag replaced by its own wri
 after it was taken, even while its process lives; each load renews it, and
 `Checkpoint.release()` ends it.
 
-A listing holds too (`ListingHolds`, `.lease-list-...`): the tags `nm.list_checkpoints()`
-names are held for `LIST_TTL_S`, so that the one the caller then opens is there (opening
-it, `get_checkpoint`, ends the listing's hold: the handle holds it then). A process holds a tag by
+A listing may hold too (`ListingHolds`, `.lease-list-...`): the path
+`nm.get_latest_checkpoint_path()` names, and what `nm.list_checkpoints(hold=True)` names
+(a listing holds nothing by default: it writes nothing), are held for `LIST_TTL_S`, so
+that the one the caller then opens is there (opening it, `get_checkpoint`, ends the
+listing's hold: the handle holds it then). A process holds a tag by
 listing once only: a job that lists in its training loop would otherwise hold every
 checkpoint for ever, and retention would never delete one. A prune by the thread that
 listed ends its listing holds on what it deletes (it asked for that; a handle still
@@ -352,9 +354,16 @@ class ListingHolds:
         return there
 
     def _expire(self) -> None:
+        # The holds are in the order they were taken (a dict keeps insertion order): only
+        # the expired ones at the front are looked at, not every hold at every call (a
+        # listing of N tags calls this N times).
         now = time.monotonic()
         with self._lock:
-            old = [key for key, (_s, _n, t) in self._held.items() if now - t >= LIST_TTL_S]
+            old = []
+            for key, (_s, _n, taken) in self._held.items():
+                if now - taken < LIST_TTL_S:
+                    break
+                old.append(key)
             gone = [(key[2], self._held.pop(key)) for key in old]
         for tag, (store, name, _t) in gone:
             with contextlib.suppress(StorageError):
