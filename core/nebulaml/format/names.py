@@ -12,6 +12,7 @@ Not for: paths or URLs of roots (storage.py owns those).
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 
@@ -141,6 +142,7 @@ def name_number(text: str) -> int | None:
     return int(text) if _NUMBER_RE.fullmatch(text) else None
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def step_of(tag: str) -> int | None:
     """The training step a tag names, in ASCII digits: the number after `global_step`
     (DeepSpeed's and nebula's tags), else after a Lightning `step=`; else None.

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -39,6 +41,7 @@ from nebulaml.storage.store import Store
 PathLike = str | os.PathLike[str]
 DEFAULT_GRACE_S = 3600.0
 BEING_READ = "being read"  # why execute_prune kept a tag a reader holds a lease on
+PRUNE_WORKERS = 8  # deletes a prune runs at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,39 +220,37 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
     for decision in (*plan.delete, *plan.incomplete):
         validate_name("tag", decision.tag)
     store = _store(root)
-    deleted: list[str] = []
-    skipped: list[PruneDecision] = []
-    witness = plan.newest  # a committed tag newer than every tag in plan.delete
-    for decision in plan.delete:
+    asker = threading.get_ident()
+
+    def one(decision: PruneDecision) -> PruneDecision | None:
+        """Delete one committed tag of the plan: None once deleted, else why it stays."""
         try:
             info = read_committed(store, decision.tag)
         except StorageError as exc:
             # One tag that cannot be read safely (a symbolic link put in its place since
             # the plan) is skipped and said; the others are still pruned.
-            skipped.append(PruneDecision(decision.tag, f"not deleted: {exc}"))
-            continue
+            return PruneDecision(decision.tag, f"not deleted: {exc}")
         if info is None:
-            skipped.append(PruneDecision(decision.tag, "no longer committed"))
-            continue
+            return PruneDecision(decision.tag, "no longer committed")
         if info.manifest.labels and not plan.include_labelled:
-            skipped.append(PruneDecision(decision.tag, "labelled since the plan was made"))
-            continue
-        witness = _newer_witness(store, witness, info.sort_key)
-        if witness is None:
-            skipped.append(PruneDecision(decision.tag, "it is now the newest committed"))
-            continue
-        # This thread asked for the deletion: what it merely listed does not hold the tag
-        # against it (a handle it took still does, and another thread's listing).
-        LISTINGS.release_tag(store, decision.tag)
+            return PruneDecision(decision.tag, "labelled since the plan was made")
+        if _newer_witness(store, plan.newest, info.sort_key) is None:
+            return PruneDecision(decision.tag, "it is now the newest committed")
+        # The caller asked for the deletion: what its thread merely listed does not hold
+        # the tag against it (a handle it took still does, and another thread's listing).
+        LISTINGS.release_tag(store, decision.tag, thread=asker)
         try:
             gone = delete_checkpoint(store, decision.tag)
         except StorageError as exc:
-            skipped.append(PruneDecision(decision.tag, f"not deleted: {exc}"))
-            continue
-        if not gone:
-            skipped.append(PruneDecision(decision.tag, BEING_READ))
-            continue
-        deleted.append(decision.tag)
+            return PruneDecision(decision.tag, f"not deleted: {exc}")
+        return None if gone else PruneDecision(decision.tag, BEING_READ)
+
+    # The deletes are independent: several at once (each waits on its store: fsyncs on
+    # a disk, requests to an object store), reported in the plan's order.
+    with ThreadPoolExecutor(max_workers=PRUNE_WORKERS, thread_name_prefix="nebula-prune") as pool:
+        outcomes = list(pool.map(one, plan.delete))
+    deleted = [d.tag for d, why in zip(plan.delete, outcomes, strict=True) if why is None]
+    skipped = [why for why in outcomes if why is not None]
     now = datetime.now(timezone.utc)
     for decision in plan.incomplete:
         leftover = _inspect_leftover(store, decision.tag, now)

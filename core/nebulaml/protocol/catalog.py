@@ -10,7 +10,9 @@ May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from dataclasses import dataclass
 
 from nebulaml.errors import (
@@ -100,13 +102,51 @@ def read_manifest(store: Store, tag: str) -> Manifest | None:
     return manifest
 
 
+# Manifests this process has read on local roots, by (root location, tag): the manifest
+# file's identity (inode, size, mtime) when read, and the manifest. A committed manifest
+# is never changed in place (a tag saved again is deleted and committed anew: another
+# file), so while its identity is the same it need not be read, parsed and checked again;
+# listing a root of 10,000 checkpoints then costs a few stats per tag.
+_MANIFESTS: dict[tuple[str, str], tuple[tuple[int, int, int], Manifest]] = {}
+_MANIFESTS_MAX = 200_000
+_manifests_lock = threading.Lock()
+
+
 def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
     """The committed checkpoint `tag` on `store`, or None if it is absent or incomplete
     (an item file missing or of the wrong size).
 
+    On a local root a manifest read before and not replaced since is not read again; its
+    items' sizes are checked all the same (one stat each).
+
     Raises `UnsupportedSchemaError` for a manifest this version cannot read.
     """
-    validate_name("tag", tag)
+    if not _is_tag(tag):
+        validate_name("tag", tag)  # raises, saying why
+    key = (store.location, tag)
+    identity = store.file_identity(tag, MANIFEST_NAME)
+    if identity is not None:
+        with _manifests_lock:
+            cached = _MANIFESTS.get(key)
+        if cached is not None and cached[0] == identity:
+            manifest = cached[1]
+            if all(_has_size(store, tag, item.file, item.size_bytes) for item in manifest.items):
+                return CheckpointInfo(store, manifest)
+    info = _read_committed(store, tag)
+    if info is not None and identity is not None:
+        with _manifests_lock:
+            if len(_MANIFESTS) >= _MANIFESTS_MAX:
+                _MANIFESTS.clear()
+            _MANIFESTS[key] = (identity, info.manifest)
+    return info
+
+
+def _has_size(store: Store, tag: str, file: str, size: int) -> bool:
+    identity = store.file_identity(tag, file)
+    return identity is not None and identity[1] == size
+
+
+def _read_committed(store: Store, tag: str) -> CheckpointInfo | None:
     files = store.list_files(tag)
     if MANIFEST_NAME not in files:
         return None
@@ -138,14 +178,18 @@ def tag_folders(store: Store) -> list[str]:
         >>> tag_folders(Store(tempfile.mkdtemp()))
         []
     """
-    out = []
-    for name in store.list_dirs():
-        try:
-            validate_name("tag", name)
-        except InvalidNameError:
-            continue
-        out.append(name)
-    return out
+    return [name for name in store.list_dirs() if _is_tag(name)]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _is_tag(name: str) -> bool:
+    """Whether a folder name is a tag name (remembered: a root of 10,000 checkpoints is
+    listed on every persist's retention)."""
+    try:
+        validate_name("tag", name)
+    except InvalidNameError:
+        return False
+    return True
 
 
 def list_committed(

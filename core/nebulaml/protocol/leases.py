@@ -369,10 +369,12 @@ class ListingHolds:
             with contextlib.suppress(StorageError):
                 store.remove(tag, name)
 
-    def release_tag(self, store: Store, tag: str) -> None:
-        """End this thread's listing hold on `store`'s `tag`, if it took one."""
+    def release_tag(self, store: Store, tag: str, *, thread: int | None = None) -> None:
+        """End this thread's (or `thread`'s) listing hold on `store`'s `tag`, if it took
+        one."""
+        who = threading.get_ident() if thread is None else thread
         with self._lock:
-            held = self._held.pop((threading.get_ident(), store.location, tag), None)
+            held = self._held.pop((who, store.location, tag), None)
         if held is not None:
             with contextlib.suppress(StorageError):
                 store.remove(tag, held[1])

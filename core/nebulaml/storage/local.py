@@ -127,6 +127,15 @@ class LocalBackend:
             return {}  # no such folder (a file of that name is not a tag folder)
         return out
 
+    def file_identity(self, parts: Parts) -> tuple[int, int, int] | None:
+        try:
+            st = os.lstat(self._local(parts, leaf_may_link=True))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
     def modified_at(self, parts: Parts) -> datetime | None:
         try:
             mtime = os.stat(self._local(parts, leaf_may_link=True), follow_symlinks=False).st_mtime

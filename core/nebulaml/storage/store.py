@@ -242,6 +242,17 @@ class Store:
         the folder is missing)."""
         return self._call(parts, lambda: self._backend.list_files(parts))
 
+    def file_identity(self, *parts: str) -> tuple[int, int, int] | None:
+        """(inode, size, modification time in ns) of the regular file `parts` on a local
+        root, without following a link; None when it is missing, not a regular file, or
+        the root is not local (an object store has no cheap identity: callers read).
+        A file replaced (written again, or removed and created) has another identity."""
+        if not self.is_local:
+            return None
+        backend = self._backend
+        assert isinstance(backend, LocalBackend)
+        return self._call(parts, lambda: backend.file_identity(parts))
+
     def modified_at(self, *parts: str) -> datetime | None:
         """A file's modification time (UTC), or None if the backend cannot tell or the
         file is gone."""
