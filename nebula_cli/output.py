@@ -110,9 +110,10 @@ def stderr() -> Console:
 
 
 def printable(text: str) -> str:
-    """`text` with every control or format character escaped (`\\x1b`, `\\u202e`), line
-    breaks and tabs kept: what a file someone else wrote says (a label, a host, a tag)
-    never reaches the terminal as an escape sequence.
+    """`text` with every control or format character escaped (`\\x1b`, `\\u202e`), and
+    each byte of a name that is not UTF-8 as `\\xff`, line breaks and tabs kept: what a
+    file someone else wrote says (a label, a host, a tag) never reaches the terminal as
+    an escape sequence or raw bytes.
 
     Example:
         >>> printable("best\\x1b[2J") == "best\\\\x1b[2J"
@@ -122,7 +123,10 @@ def printable(text: str) -> str:
         return text
     out = []
     for c in text:
-        if c in "\n\t" or unicodedata.category(c) not in ("Cc", "Cf"):
+        category = unicodedata.category(c)
+        if 0xDC80 <= ord(c) <= 0xDCFF:  # a byte of a name that is not UTF-8 (surrogateescape)
+            out.append(f"\\x{ord(c) - 0xDC00:02x}")
+        elif c in "\n\t" or category not in ("Cc", "Cf", "Cs"):
             out.append(c)
         else:
             out.append(f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")

@@ -112,3 +112,21 @@ def test_a_link_at_the_sequence_file_is_replaced_never_written_through(
     nm.shutdown()
     assert victim.read_text() == "keep me"
     assert [c.tag for c in list_committed(Store(str(root)))][-1] == "global_step2"
+
+
+def test_something_planted_at_the_sequence_file_never_fails_a_commit(root: Path) -> None:
+    """Found by the junk campaign: a folder (or a FIFO) planted at .nebula-sequence.json
+    made every commit fail; the file only saves reading the manifests."""
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=10)
+    _save(1)
+    nm.flush_persistence()
+    (root / SEQUENCE_FILE).unlink()
+    (root / SEQUENCE_FILE).mkdir()
+    for step in (2, 3):
+        _save(step)
+        nm.flush_persistence()
+    nm.shutdown()
+    store = Store(str(root))
+    newest = list_committed(store)
+    assert [c.tag for c in newest] == ["global_step1", "global_step2", "global_step3"]
+    assert newest[-1].sequence > newest[-2].sequence > newest[-3].sequence

@@ -216,3 +216,26 @@ def test_job_identity() -> None:
         assert job_identity(two) == "torchelastic:abc"
         mp.setenv("NEBULA_JOB_ID", "mine")
         assert job_identity(RankInfo()) == "nebula:mine"
+
+
+def test_a_planted_hold_above_a_live_jobs_takes_nothing_over(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug caught (#29, the junk campaign's reading): a hold planted above a running
+    job's (dated years ahead, unreadable, a FIFO) was taken, at the job's next renewal,
+    for another job's takeover: every later persist failed with RootInUseError."""
+    monkeypatch.setattr(job_module, "RENEW_S", 0.05)
+    nm.init(str(root), persistent_time_interval=0)
+    (name,) = hold_files(root)
+    write_hold(root, 97, host="node-elsewhere", age_s=-3 * 365 * 86400)  # years ahead
+    (root / lease_name(98)).write_bytes(b"\x00not json")
+    os.mkfifo(root / lease_name(99))
+    renewed = json.loads((root / name).read_text())["renewed_at"]
+    deadline = time.monotonic() + 10
+    while json.loads((root / name).read_text())["renewed_at"] == renewed:
+        assert time.monotonic() < deadline, "the hold was not renewed"
+        time.sleep(0.05)
+    for step in (1, 2):
+        save_step(step)  # never RootInUseError
+        assert nm.flush_persistence()
+    nm.shutdown()

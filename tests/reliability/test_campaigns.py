@@ -167,3 +167,21 @@ def test_outages_never_block_training_or_lose_an_acknowledged_checkpoint(tmp_pat
     assert figures.counts["acknowledged checkpoints lost"] == 0
     assert figures.counts["training steps blocked > 1 s"] == 0
     assert figures.counts["saves during outages"] >= 5 * ran
+
+
+@pytest.mark.slow
+def test_junk_planted_in_a_live_root_never_hangs_crashes_or_loses_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    from junk import junk_campaign
+
+    # One job saving and flushing each step while junk lands in its root: odd digits in
+    # reserved names, FIFOs, links and folders where nebula's files go, holds and leases
+    # dated years ahead or naming pid 1, names that are not UTF-8.
+    figures = junk_campaign(tmp_path, rounds=1, seed=29)
+    assert figures.failures == []
+    assert figures.counts["jobs"] == 1 and figures.counts["commands"] == 4
+    assert figures.counts["hangs"] == 0 and figures.counts["tracebacks"] == 0
+    assert figures.counts["acknowledged lost"] == 0 and figures.counts["acknowledged"] >= 6
+    planted = sum(v for k, v in figures.counts.items() if k.startswith("planted "))
+    assert planted - figures.counts.get("planted collided", 0) >= 20, figures.counts

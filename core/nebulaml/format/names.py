@@ -111,6 +111,8 @@ def validate_name(kind: str, name: object) -> str:
             category = unicodedata.category(c)
             if category == "Cc":
                 raise InvalidNameError(kind, name, "must not contain control characters")
+            if category == "Cs":  # a byte of a file name that is not UTF-8
+                raise InvalidNameError(kind, name, "must be valid UTF-8")
             if category in _INVISIBLE:
                 raise InvalidNameError(
                     kind,

@@ -26,7 +26,9 @@ delete.py, leases.py and markers.py. Not for: deciding when to commit or persist
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import socket
 import time
@@ -42,6 +44,7 @@ from nebulaml.errors import (
     NebulaError,
     RankGoneError,
     RankTimeoutError,
+    StorageError,
 )
 from nebulaml.format.checksum import HashingWriter
 from nebulaml.format.manifest import (
@@ -80,6 +83,8 @@ from nebulaml.protocol.markers import (
     writer_record,
 )
 from nebulaml.storage.store import Store
+
+log = logging.getLogger("nebulaml")
 
 ANY_GENERATION: Any = object()  # read_markers: parts of any generation
 GONE_POLL_S = 0.5  # await_commit: how often it asks whether a missing rank has ended
@@ -397,8 +402,17 @@ def note_sequence(store: Store, sequence: int) -> None:
 
 
 def _record_sequence(store: Store, sequence: int) -> None:
+    """Write `SEQUENCE_FILE`. The file only saves reading every manifest: one that cannot
+    be written (something else planted in its place, a folder, a FIFO) never fails the
+    commit; it is removed if it can be, and a reader that finds no readable file scans."""
     doc = {"sequence": sequence}
-    store.publish((SEQUENCE_FILE,), json.dumps(doc).encode(), create_only=False)
+    try:
+        store.publish((SEQUENCE_FILE,), json.dumps(doc).encode(), create_only=False)
+    except StorageError as exc:
+        log.warning("could not record the commit sequence in %s (reading every manifest "
+                    "instead): %s", store.display(SEQUENCE_FILE), exc)  # fmt: skip
+        with contextlib.suppress(StorageError):
+            store.remove(SEQUENCE_FILE)  # a stale regular file must not be believed
 
 
 def read_markers(

@@ -223,6 +223,10 @@ def _holds(store: Store) -> list[_Found]:
             holder = Holder.parse(store.read_bytes(name))
         except MissingFileError:
             continue  # released meanwhile
+        except StorageError as exc:  # not a regular file (a FIFO, a folder): not a hold
+            log.debug("ignoring %s: %s", store.display(name), exc)
+            found.append(_Found(generation, name, None, None))
+            continue
         modified = None if holder is not None else store.modified_at(name)
         found.append(_Found(generation, name, holder, modified))
     return sorted(found, key=lambda f: f.generation)
@@ -355,6 +359,17 @@ class RootLease:
         if not self.owner:
             return None
         holds = _holds(self.store)
+        # A hold planted above ours that does not count (dated years ahead, naming pid 1
+        # without a start time, unreadable and old) is nobody's: it takes nothing over.
+        # Nor does an unreadable one: another job's hold is always whole (written at once).
+        while (
+            holds
+            and holds[-1].name != self.name
+            and (
+                holds[-1].holder is None or not lease_alive(holds[-1].holder, holds[-1].modified_at)
+            )
+        ):
+            holds.pop()
         top = holds[-1] if holds else None
         other = top.holder if top is not None and top.name != self.name else None
         if other is not None and other.job != self.job:
