@@ -82,7 +82,7 @@ from nebulaml.protocol.markers import (
     writer_alive,
     writer_record,
 )
-from nebulaml.storage.store import Store
+from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
 
@@ -425,10 +425,13 @@ def read_markers(
     files = store.list_files(tag)
     if any(marker_name(r) not in files for r in ranks):
         return None
-    markers = [
-        parse_marker(store.read_bytes(tag, marker_name(r)), store.display(tag, marker_name(r)))
-        for r in ranks
-    ]
+    try:
+        markers = [
+            parse_marker(store.read_bytes(tag, marker_name(r)), store.display(tag, marker_name(r)))
+            for r in ranks
+        ]
+    except MissingFileError:
+        return None  # a rank replacing its part (a save of the tag again) removed it meanwhile
     if generation is not ANY_GENERATION and any(m.generation != generation for m in markers):
         return None
     return markers

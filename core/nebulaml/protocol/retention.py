@@ -45,6 +45,10 @@ def plan_retention(
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")
+    if sum(1 for v in versions if not v.labels and v.tag not in protected) < keep:
+        # Fewer than `keep` that count, the newest aside: nothing goes (a root kept whole,
+        # thousands of checkpoints, need not be sorted on every persist).
+        return []
     ordered = sorted(versions, key=lambda v: v.sort_key, reverse=True)
     if not ordered:
         return []

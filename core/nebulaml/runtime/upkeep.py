@@ -53,6 +53,20 @@ def retire(
         (set(), 0)
     """
     known = {} if known is None else known
+    if known:
+        # What was just persisted is read (one manifest). While fewer checkpoints than
+        # `retention` count, nothing can go: the root's folders need not be listed (one
+        # job writes a root; what an operator copies in is read at the next listing).
+        try:
+            info = read_committed(persistent, just_persisted)
+        except UnsupportedSchemaError:
+            info = None
+        if info is not None:
+            version = Version(just_persisted, info.committed_at, info.manifest.labels,
+                              info.sequence)  # fmt: skip
+            known[just_persisted] = version
+            if sum(1 for v in known.values() if not v.labels) < retention:
+                return set(known), max(v.sequence for v in known.values())
     folders = set(tag_folders(persistent))
     for tag in [t for t in known if t not in folders]:
         del known[tag]  # deleted meanwhile (a prune)
