@@ -82,6 +82,9 @@ def test_exit_reports_a_background_failure_that_no_call_raised(
     assert len(errors) == 1, child.stderr
     assert "persisting checkpoint 'global_step1'" in errors[0]
     assert "storage is full" in errors[0]
+    # It failed; it did not run out of time (the elastic campaign's survivor said so).
+    said = [line for line in child.stderr.splitlines() if "was not persisted" in line]
+    assert all("did not finish within" not in line for line in said), child.stderr
     assert read_committed(Store(folder), "global_step1") is None
     rows = [r for r in history_rows(folder) if r["tier"] == "persistent"]
     assert [(r["tag"], r["status"]) for r in rows] == [("global_step1", "failed")]

@@ -440,3 +440,22 @@ def test_a_lease_name_says_who_and_when() -> None:
     assert lease is not None
     assert (lease.kind, lease.pid, lease.host) == ("delete", 4242, "node-7.a")
     assert lease.taken_at == datetime(2025, 1, 2, 3, 4, 5, 6, tzinfo=timezone.utc)
+
+
+def test_a_zombie_is_not_a_live_process() -> None:
+    """Found by the elastic campaign: a SIGKILLed rank torchrun had not reaped yet still
+    counted as the live writer of its tag, and the survivor's exit persist was refused
+    ("being written by pid ...")."""
+    import subprocess
+    import time as time_
+
+    from nebulaml.protocol.leases import process_alive
+
+    child = subprocess.Popen(["sleep", "0.05"])
+    try:
+        deadline = time_.monotonic() + 10
+        while process_alive(child.pid):
+            assert time_.monotonic() < deadline, "a zombie counted as alive"
+            time_.sleep(0.02)
+    finally:
+        child.wait()

@@ -430,3 +430,26 @@ def test_a_follower_whose_leader_ended_commits_the_newest_at_exit(tmp_path: Path
     assert time.monotonic() - started < 10
     assert read_committed(persistent, "global_step2") is not None
     assert read_committed(persistent, "global_step1") is None
+
+
+def test_eviction_keeps_the_newest_committed_part_not_one_still_waiting_for_the_others(
+    tmp_path: Path,
+) -> None:
+    """Found by the elastic campaign (on the code before the survivor's takeover, 1
+    restart in 30): rank 1's part of global_step6 waited for rank 0's, rank 0 was
+    SIGKILLed, and rank 1's eviction took step 6 for its newest and deleted its part of
+    global_step5, committed and acknowledged by both: the restart resumed at step 4."""
+    tiers = open_tiers(str(tmp_path / "root"))
+    memory = tiers.memory
+    _commit_both(memory, "global_step5", 5)
+    begin_tag(memory, "global_step6", rank=1, overwrite=False, world_size=2)
+    item = write_item(memory, "global_step6", "r1", {"w": 6}, rank=1)
+    commit_rank(memory, "global_step6", rank=1, world_size=2, items=[item], created_at="t")
+    follower = Persister(tiers, interval_s=3600, retention=5, ranks=RankInfo(1, 2, 1, 2),
+                         rank_timeout_s=5)  # fmt: skip
+    try:
+        follower.evict_memory()
+    finally:
+        follower.close(timeout_s=10)
+    assert read_committed(memory, "global_step5") is not None
+    assert ".rank-1.json" in memory.list_files("global_step6")  # in progress: kept too

@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from campaigns import Figures, corruption_campaign, crash_campaign, hostile_pickle_campaign
 from clock_steps import clock_steps_campaign
 from concurrency import concurrency_campaign
+from elastic import elastic_campaign
+from junk import junk_campaign
 from operators import operators_campaign
 from outages import outage_campaign
 from signals import double_signal_campaign
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             ("operators", lambda w: operators_campaign(w, 2 if args.quick else 20)),
             ("clock steps", lambda w: clock_steps_campaign(w, 40 if args.quick else 600)),
             ("outages", lambda w: outage_campaign(w, 3 if args.quick else 30)),
+            ("elastic restarts", lambda w: elastic_campaign(w, 3 if args.quick else 30)),
+            ("junk", lambda w: junk_campaign(w, 2 if args.quick else 20)),
             *(
                 (name, lambda w, name=name, path=path: scenario_campaign(name, path, w))
                 for name, path in SCENARIO_FILES

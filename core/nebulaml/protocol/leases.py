@@ -398,7 +398,15 @@ def _host() -> str:
 
 
 def process_alive(pid: int) -> bool:
-    """Whether a process `pid` exists on this host (of any user)."""
+    """Whether a process `pid` runs on this host (of any user). A zombie (dead, not yet
+    reaped by its parent: torchrun reaps a killed rank only later) does not: it writes
+    nothing any more, and its markers are a dead writer's.
+
+    Example:
+        >>> import os
+        >>> process_alive(os.getpid()), process_alive(0)
+        (True, False)
+    """
     if pid <= 0:
         return False
     try:
@@ -406,8 +414,15 @@ def process_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # it exists; it belongs to another user
-    return True
+        pass  # it exists; it belongs to another user
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return True  # no /proc (not Linux), or gone just now: as os.kill said
+    # "pid (comm) state ...": comm may hold spaces and parentheses; the state follows the last ")"
+    state = stat_line[stat_line.rfind(b")") + 2 : stat_line.rfind(b")") + 3]
+    return state not in (b"Z", b"X")
 
 
 def _publish(store: Store, tag: str, kind: str) -> str | None:

@@ -168,6 +168,8 @@ def _exit_persist() -> None:
         signals.restore()
     if left is not None:
         why = f"its persist did not finish within {timeout_s:g} s (exit_timeout_s)"
+        if session.persister.gave_up:
+            why = "its persist failed at exit (the error follows)"
         _report_unpersisted(session, [left], why)
     error: BaseException | None = failure or session.persister.error
     if error is None and session.snapshots is not None:

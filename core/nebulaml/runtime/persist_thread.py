@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from nebulaml.errors import NebulaError, PersistError
 from nebulaml.format.manifest import utc_now
-from nebulaml.format.names import marker_name, order_key, step_of
+from nebulaml.format.names import MANIFEST_NAME, marker_name, order_key, step_of
 from nebulaml.protocol.catalog import CheckpointInfo, list_committed
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.history import make_row
@@ -131,8 +131,24 @@ class PersistThread:
         persistent tier holds it or a newer checkpoint.
         """
         memory = self.tiers.memory
+        in_progress: set[str] = set()
         if self.ranks.world_size > 1:
             versions = [Version(t, created, ()) for t, created in own_parts(memory, self.rank)]
+            # A part of a tag the other ranks have not committed yet (they are still saving
+            # it, or died) is not "the newest": keeping it and evicting the committed one
+            # before it lost a checkpoint both ranks had acknowledged (the elastic
+            # campaign: rank 0 killed while rank 1's part of the next step waited for it).
+            whole = {v.tag for v in versions if memory.exists(v.tag, MANIFEST_NAME)}
+            if whole:
+                newest_whole = max(
+                    (v for v in versions if v.tag in whole), key=lambda v: v.sort_key
+                )
+                in_progress = {
+                    v.tag
+                    for v in versions
+                    if v.tag not in whole and v.sort_key > newest_whole.sort_key
+                }
+                versions = [v for v in versions if v.tag not in in_progress]
         else:
             committed = list_committed(memory)
             versions = [

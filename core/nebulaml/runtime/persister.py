@@ -395,6 +395,13 @@ class Persister(PersistThread):
         return None
 
     @property
+    def gave_up(self) -> bool:
+        """Whether the exit's last try of a persist failed (what is left stays in the
+        memory tier), as opposed to a persist still running when the exit's time ran out."""
+        with self._cond:
+            return self._gave_up
+
+    @property
     def error(self) -> PersistError | None:
         with self._cond:
             return self._error
