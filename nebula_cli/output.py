@@ -460,7 +460,7 @@ def summarise_tags(tags: list[str], verbose: bool) -> str:
     first ones and how many more.
 
     Example:
-        >>> summarise_tags([f"t{i}" for i in range(30)], False)[-30:]
+        >>> summarise_tags([f"t{i}" for i in range(30)], False)[-32:]
         't19 and 10 more (--verbose: all)'
     """
     first, left = shown(tags, verbose)

@@ -27,6 +27,7 @@ delete.py, leases.py and markers.py. Not for: deciding when to commit or persist
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -409,10 +410,19 @@ def _record_sequence(store: Store, sequence: int) -> None:
     try:
         store.publish((SEQUENCE_FILE,), json.dumps(doc).encode(), create_only=False)
     except StorageError as exc:
+        cause = exc.__cause__
+        planted = isinstance(cause, OSError) and cause.errno in _NOT_A_FILE
+        if not planted:
+            raise  # a full disk, a store down: the commit fails as its manifest would
         log.warning("could not record the commit sequence in %s (reading every manifest "
                     "instead): %s", store.display(SEQUENCE_FILE), exc)  # fmt: skip
         with contextlib.suppress(StorageError):
             store.remove(SEQUENCE_FILE)  # a stale regular file must not be believed
+
+
+# What keeps SEQUENCE_FILE from being replaced by a rename: something else in its place.
+_NOT_A_FILE = frozenset({errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.ELOOP,
+                         errno.ENXIO})  # fmt: skip
 
 
 def read_markers(
