@@ -23,7 +23,13 @@ from collections.abc import Callable, Sequence
 
 from nebulaml.errors import NebulaError, PersistError
 from nebulaml.format.manifest import utc_now
-from nebulaml.format.names import MANIFEST_NAME, marker_name, order_key, step_of
+from nebulaml.format.names import (
+    MANIFEST_NAME,
+    marker_name,
+    order_key,
+    step_of,
+    writer_marker_name,
+)
 from nebulaml.protocol.catalog import CheckpointInfo, list_committed
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.history import make_row
@@ -138,7 +144,17 @@ class PersistThread:
             # it, or died) is not "the newest": keeping it and evicting the committed one
             # before it lost a checkpoint both ranks had acknowledged (the elastic
             # campaign: rank 0 killed while rank 1's part of the next step waited for it).
-            whole = {v.tag for v in versions if memory.exists(v.tag, MANIFEST_NAME)}
+            files = {v.tag: memory.list_files(v.tag) for v in versions}
+            whole = {t for t, names in files.items() if MANIFEST_NAME in names}
+            # Nor is a part still being written (its writer marker is there until the
+            # commit): Lightning's `last`, saved again each epoch, was evicted between
+            # its rank marker and its manifest, and the save failed (its folder gone).
+            writing = {
+                t
+                for t, names in files.items()
+                if t not in whole and writer_marker_name(self.rank) in names
+            }
+            versions = [v for v in versions if v.tag not in writing]
             if whole:
                 newest_whole = max(
                     (v for v in versions if v.tag in whole), key=lambda v: v.sort_key
