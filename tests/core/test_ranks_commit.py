@@ -478,3 +478,24 @@ def test_eviction_never_takes_a_part_this_process_is_still_committing(tmp_path: 
     finally:
         leader.close(timeout_s=10)
     assert ".rank-0.json" in memory.list_files("last") and "state" in memory.list_files("last")
+
+
+def test_eviction_leaves_a_tag_the_training_thread_is_saving_again(tmp_path: Path) -> None:
+    """Found by a CI run (Lightning DDP under load): rank 0 saving `last` again (its old
+    part persisted, so evictable) while its persister evicted that old part: the delete
+    took the new items (same names) and the folder, and the save failed."""
+    tiers = open_tiers(str(tmp_path / "root"))
+    memory = tiers.memory
+    for tag in ("last", "epoch=1-step=8"):
+        begin_tag(memory, tag, rank=0, overwrite=False, world_size=2)
+        item = write_item(memory, tag, "state", {"w": 1}, rank=0)
+        commit_rank(memory, tag, rank=0, world_size=2, items=[item], created_at="t", ranks=[0])
+    leader = Persister(tiers, interval_s=3600, retention=5, ranks=RankInfo(0, 2, 0, 2),
+                       rank_timeout_s=5)  # fmt: skip
+    try:
+        leader.release("last")  # the training thread begins saving `last` again
+        leader.evict_memory()  # `last` sorts first: the old part would be evicted
+        assert read_committed(memory, "last") is not None
+        leader.notify_committed("last")  # saved: evictable again once superseded
+    finally:
+        leader.close(timeout_s=10)

@@ -71,6 +71,8 @@ class PersistThread:
     history: HistoryQueue
     removals: RemovalQueue
     _removing: str | None
+    _saving: set[str]
+    _evicting: set[str]
     watch: OutageWatch
     _cond: threading.Condition
     _retention_lock: threading.Lock
@@ -182,14 +184,24 @@ class PersistThread:
                 keep = None
             doomed = [v.tag for v in versions if v.tag != keep and v.tag not in protected]
         for tag in doomed:
-            # Re-check under the lock: a flush may have asked for it meanwhile.
-            if tag in self.protected():
-                continue
-            recycle = self.pool.recycle if self.pool is not None else None
-            if self.ranks.world_size > 1:
-                delete_part(memory, tag, self.rank, discard=recycle)
-            else:
-                delete_checkpoint(memory, tag, discard=recycle)
+            # Re-check under the lock: a flush may have asked for it meanwhile, or the
+            # training thread begun saving it again (`release`), which waits for this
+            # delete: deleting the old part under the new one took the new items (same
+            # names) and the folder (Lightning's `last`, a CI run).
+            with self._cond:
+                if tag in self.protected() or tag in self._saving:
+                    continue
+                self._evicting.add(tag)
+            try:
+                recycle = self.pool.recycle if self.pool is not None else None
+                if self.ranks.world_size > 1:
+                    delete_part(memory, tag, self.rank, discard=recycle)
+                else:
+                    delete_checkpoint(memory, tag, discard=recycle)
+            finally:
+                with self._cond:
+                    self._evicting.discard(tag)
+                    self._cond.notify_all()
 
     def _superseded(self, tag: str) -> bool:
         """Whether the persistent tier holds `tag`, or a newer checkpoint, committed, as
@@ -430,6 +442,8 @@ class PersistThread:
             # (`release` called the removal off; the new version is queued).
             if tag not in self.removals.pending() or tag in self.protected():
                 return True
+            if tag in self._saving:
+                return False  # being saved again right now: looked at again later
             self._removing = tag
             leads = self._leaders.get(tag, 0) == self.rank
         try:

@@ -112,6 +112,10 @@ class Persister(PersistThread):
         # What a framework removed (Lightning's ModelCheckpoint): deleted on the thread.
         self.removals = RemovalQueue(journal=self._journal_removals)
         self._removing: str | None = None  # the tag the thread is deleting now
+        # Tags the training thread is saving again (`release`, until `notify_committed`)
+        # and those an eviction is deleting now: neither waits for nor deletes the other.
+        self._saving: set[str] = set()
+        self._evicting: set[str] = set()
         self._retention_lock = threading.Lock()  # the thread and a streamed commit apply it
         # What the persistent tier holds committed, with each one's order and labels, as
         # read once (upkeep.retire): retention reads only the manifests it has not read.
@@ -154,6 +158,7 @@ class Persister(PersistThread):
         if row is not None:
             self.history.add(row)
         with self._cond:
+            self._saving.discard(tag)
             if self.tiers.persistent is not None:
                 self._done.pop(tag, None)
                 self._leaders[tag] = leader
@@ -179,6 +184,7 @@ class Persister(PersistThread):
         tier: older pending copies are superseded, and retention runs on the thread."""
         self.history.add(row)
         with self._cond:
+            self._saving.discard(tag)
             self._leaders[tag] = leader
             self._durable_tags.add(tag)
             # The streamed commit is the later one: it supersedes a pending tag of a step
@@ -205,9 +211,10 @@ class Persister(PersistThread):
         copy never reads a tag being replaced. A removal of it (`forget`) is called off:
         the new version is not the one removed."""
         with self._cond:
+            self._saving.add(tag)
             self._unqueue(tag)
             self.removals.discard(tag)
-            while tag in (self._inflight, self._removing):
+            while tag in (self._inflight, self._removing) or tag in self._evicting:
                 self._cond.wait(timeout=1.0)
             self._done.pop(tag, None)
 
