@@ -455,6 +455,13 @@ def test_eviction_keeps_the_newest_committed_part_not_one_still_waiting_for_the_
     assert ".rank-1.json" in memory.list_files("global_step6")  # in progress: kept too
 
 
+def _commit_rank_0(memory: Store, tag: str) -> None:
+    """A checkpoint of a 2-rank job that rank 0 alone writes (Lightning DDP's saves)."""
+    begin_tag(memory, tag, rank=0, overwrite=False, world_size=2)
+    item = write_item(memory, tag, "state", {"w": 1}, rank=0)
+    commit_rank(memory, tag, rank=0, world_size=2, items=[item], created_at="t", ranks=[0])
+
+
 def test_eviction_never_takes_a_part_this_process_is_still_committing(tmp_path: Path) -> None:
     """Found by a CI run (Lightning DDP, 1 in 4 under load): rank 0 saving `last` again had
     published its rank marker, not yet the manifest, when its persister's eviction ran:
@@ -466,9 +473,7 @@ def test_eviction_never_takes_a_part_this_process_is_still_committing(tmp_path: 
     tiers = open_tiers(str(tmp_path / "root"))
     memory = tiers.memory
     for tag in ("epoch=0-step=4", "last"):
-        begin_tag(memory, tag, rank=0, overwrite=False, world_size=2)
-        item = write_item(memory, tag, "state", {"w": 1}, rank=0)
-        commit_rank(memory, tag, rank=0, world_size=2, items=[item], created_at="t", ranks=[0])
+        _commit_rank_0(memory, tag)
     memory.remove("last", "manifest.json")  # mid-commit: the marker there, not the manifest
     memory.publish(("last", writer_marker_name(0)), writer_record(0), create_only=False)
     leader = Persister(tiers, interval_s=3600, retention=5, ranks=RankInfo(0, 2, 0, 2),
@@ -487,9 +492,7 @@ def test_eviction_leaves_a_tag_the_training_thread_is_saving_again(tmp_path: Pat
     tiers = open_tiers(str(tmp_path / "root"))
     memory = tiers.memory
     for tag in ("last", "epoch=1-step=8"):
-        begin_tag(memory, tag, rank=0, overwrite=False, world_size=2)
-        item = write_item(memory, tag, "state", {"w": 1}, rank=0)
-        commit_rank(memory, tag, rank=0, world_size=2, items=[item], created_at="t", ranks=[0])
+        _commit_rank_0(memory, tag)
     leader = Persister(tiers, interval_s=3600, retention=5, ranks=RankInfo(0, 2, 0, 2),
                        rank_timeout_s=5)  # fmt: skip
     try:

@@ -53,34 +53,34 @@ def retire(
         (set(), 0)
     """
     known = {} if known is None else known
-    if known:
-        # What was just persisted is read (one manifest). While fewer checkpoints than
-        # `retention` count, nothing can go: the root's folders need not be listed (one
-        # job writes a root; what an operator copies in is read at the next listing).
-        try:
-            info = read_committed(persistent, just_persisted)
-        except UnsupportedSchemaError:
-            info = None
-        if info is not None:
-            version = Version(just_persisted, info.committed_at, info.manifest.labels,
-                              info.sequence)  # fmt: skip
-            known[just_persisted] = version
-            if sum(1 for v in known.values() if not v.labels) < retention:
-                return set(known), max(v.sequence for v in known.values())
-    folders = set(tag_folders(persistent))
-    for tag in [t for t in known if t not in folders]:
-        del known[tag]  # deleted meanwhile (a prune)
-    for tag in folders:
-        if tag in known and tag != just_persisted:
-            continue
+
+    def read(tag: str) -> None:
+        """Learn (or forget) `tag`'s version from its manifest; a newer nebula's schema is
+        never this job's to retire."""
         try:
             info = read_committed(persistent, tag)
         except UnsupportedSchemaError:
-            continue  # a newer nebula's: never this job's to retire
+            return
         if info is None:
             known.pop(tag, None)
         else:
             known[tag] = Version(tag, info.committed_at, info.manifest.labels, info.sequence)
+
+    read_now: set[str] = set()
+    if known:
+        # What was just persisted is read (one manifest). While fewer checkpoints than
+        # `retention` count, nothing can go: the root's folders need not be listed (one
+        # job writes a root; what an operator copies in is read at the next listing).
+        read(just_persisted)
+        read_now.add(just_persisted)
+        if just_persisted in known and sum(1 for v in known.values() if not v.labels) < retention:
+            return set(known), max(v.sequence for v in known.values())
+    folders = set(tag_folders(persistent))
+    for tag in [t for t in known if t not in folders]:
+        del known[tag]  # deleted meanwhile (a prune)
+    for tag in folders - read_now:
+        if tag not in known or tag == just_persisted:
+            read(tag)
     for tag in plan_retention(list(known.values()), retention, {just_persisted}):
         try:
             delete_checkpoint(persistent, tag)
