@@ -337,6 +337,7 @@ def flush_persistence(
     session = _session.current("flush_persistence")
     persistent = session.tiers.persistent
     try:
+        session.recover_if_due()  # what an earlier process left is flushed too
         if tag is not None and persistent is not None:
             durable = read_committed(persistent, tag) if session.persister.holds(tag) else None
             in_memory = read_committed(session.tiers.memory, tag)

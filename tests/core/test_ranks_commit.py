@@ -5,6 +5,7 @@ tests/dist/test_writers.py and test_generations.py)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from nebulaml.protocol.commit import (
     commit_rank,
     write_item,
 )
+from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.recovery import discard_stale_parts
 from nebulaml.protocol.tiers import open_tiers
 from nebulaml.protocol.transfer import copy_checkpoint, copy_part
@@ -502,3 +504,49 @@ def test_eviction_leaves_a_tag_the_training_thread_is_saving_again(tmp_path: Pat
         leader.notify_committed("last")  # saved: evictable again once superseded
     finally:
         leader.close(timeout_s=10)
+
+
+def test_a_followers_part_stays_in_the_memory_tier_until_its_leader_commits(
+    tmp_path: Path,
+) -> None:
+    """A restarted 2-rank job persists global_step1, which the crashed run left in the
+    memory tier (each rank its part), while global_step2 is newer. Bug caught (a CI run:
+    a DeepSpeed rollback loaded global_step2 for global_step1): rank 1, done with its
+    part first, evicted it from the memory tier (manifest first) while rank 0 was still
+    copying its own, so global_step1 was committed on no tier until rank 0's commit, and
+    rank 0's `get_checkpoint("global_step1")` found nothing. Its flush waits for the
+    commit, too: before, it reported the checkpoint durable with no manifest there."""
+    tiers = open_tiers(str(tmp_path / "root"))
+    memory, persistent = tiers.memory, tiers.persistent
+    assert persistent is not None
+    for step in (1, 2):
+        _commit_both(memory, f"global_step{step}", step)
+    follower = Persister(tiers, interval_s=3600, retention=5, ranks=RankInfo(1, 2, 1, 2),
+                         rank_timeout_s=60)  # fmt: skip
+    try:
+        follower.request("global_step1")  # the recovery's request, on both ranks
+        follower.notify_committed("global_step2")  # then its first save
+        deadline = time.monotonic() + 30
+        while ".rank-1.json" not in persistent.list_files("global_step1"):
+            assert time.monotonic() < deadline, "rank 1 never persisted its part"
+            time.sleep(0.02)
+        follower.evict_memory()  # what its save of the next step does
+        assert read_committed(persistent, "global_step1") is None  # rank 0 still copies
+        assert read_committed(memory, "global_step1") is not None  # so this copy stays
+        flushed: list[object] = []
+        waiting = threading.Thread(
+            target=lambda: flushed.append(follower.flush("global_step1", timeout_s=30))
+        )
+        waiting.start()
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive()  # not durable yet: the flush waits for the commit
+        copy_part(memory, persistent, "global_step1", rank=0, world_size=2, timeout_s=30)
+        waiting.join(timeout=30)
+        assert flushed == ["global_step1"]
+        assert read_committed(persistent, "global_step1") is not None
+        deadline = time.monotonic() + 30
+        while "global_step1" in [t for t, _created in own_parts(memory, 1)]:
+            assert time.monotonic() < deadline, "rank 1's part never left the memory tier"
+            time.sleep(0.02)
+    finally:
+        follower.close(timeout_s=10)

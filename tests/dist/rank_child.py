@@ -154,6 +154,33 @@ def main() -> int:
             print("NO TIMEOUT", flush=True)
             return 1
         check_every_rank(world_size, 1)
+    elif scenario in ("crash", "flush-first"):
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        nm.init(root, persistent_time_interval=3600, rank_timeout_s=60)
+        if scenario == "crash":
+            # global_step1 persisted; global_step2 held back by the interval, in the
+            # memory tier alone when every rank is killed.
+            save_step(rank, 1)
+            nm.flush_persistence()
+            dist.barrier()
+            save_step(rank, 2)
+            dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+        # The next run flushes before its first save (DeepSpeed: load, flush, train): the
+        # flush covers global_step2, which the crashed run left in the memory tier.
+        nm.flush_persistence()
+        if rank == 0:  # the leader's flush returns once the checkpoint is committed
+            durable = (Path(root) / "global_step2" / "manifest.json").exists()
+            print(f"DURABLE {durable}", flush=True)
+        dist.barrier()
+        check_every_rank(world_size, 2)
+        nm.shutdown()
+        dist.barrier()
+        dist.destroy_process_group()
     elif scenario == "survivor":
         from nebulaml.protocol.memory_tier import rank_gone
         from nebulaml.runtime import session

@@ -36,6 +36,24 @@ def test_a_clean_exit_without_a_flush_releases_every_ranks_memory_tier(
         assert left == [], (run, left)
 
 
+def test_a_flush_before_the_first_save_persists_what_a_crashed_run_left(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Both ranks are SIGKILLed with global_step2 in the memory tier alone; the next run
+    flushes before it saves (DeepSpeed's resume: load, flush, train). Bug caught: with
+    several ranks the recovery waited for the first save, so that flush returned True at
+    once with global_step2 in RAM alone; the save that followed could evict it from the
+    memory tier before it was durable (a DeepSpeed rollback then loaded another tag)."""
+    root = tmp_path / "persistent"
+    crashed = _run_job("crash", root, memory_tier, 2)
+    assert [code for code, _out in crashed] == [-9, -9], crashed
+    assert (root / "global_step1" / "manifest.json").exists()
+    assert not (root / "global_step2" / "manifest.json").exists()
+    results = _run_job("flush-first", root, memory_tier, 2)
+    assert_every_rank_ok(results)
+    assert "DURABLE True" in results[0][1], results[0][1]
+
+
 def test_a_survivors_exit_commits_the_part_of_a_rank_that_died_at_once(
     tmp_path: Path, memory_tier: Path
 ) -> None:

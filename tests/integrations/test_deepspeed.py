@@ -403,9 +403,16 @@ def test_zero3_killed_resumes_and_resaves_as_deepspeeds_own_checkpoints(
     def fp32(name: str) -> dict[str, torch.Tensor]:
         return torch.load(root / f"zero_to_fp32-{name}.pt", weights_only=True)
 
+    def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+        # A NaN the gathered weights hold is NaN on both sides: torch.equal calls it
+        # different (see test_zero_to_fp32_reads_the_save_dir_once_materialized).
+        return a.dtype == b.dtype == torch.float32 and torch.equal(
+            a.view(torch.int32), b.view(torch.int32)
+        )
+
     ours, theirs = fp32("global_step4"), fp32("native-global_step4")
     assert ours.keys() == theirs.keys() and ours
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert [k for k in theirs if not same_bits(ours[k], theirs[k])] == []
     final = torch.load(root / "expected-global_step6.pt", weights_only=True)
     resaved = fp32("global_step6")
-    assert all(torch.equal(resaved[k], final[k]) for k in final)
+    assert [k for k in final if not same_bits(resaved[k], final[k])] == []

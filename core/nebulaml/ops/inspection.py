@@ -42,6 +42,16 @@ def read_manifest_strict(store: Store, tag: str) -> Manifest | None:
     return manifest
 
 
+def list_tag_again(store: Store, tag: str) -> dict[str, int]:
+    """The files of `tag` listed again, with its manifest when it is a regular file on a
+    local root (its size from lstat), though the listing missed it."""
+    files = store.list_files(tag)
+    identity = store.file_identity(tag, MANIFEST_NAME)
+    if identity is not None:
+        files.setdefault(MANIFEST_NAME, identity[1])
+    return files
+
+
 def inspect_checkpoint(root: PathLike, tag: str) -> dict[str, Any]:
     """The manifest of checkpoint `tag` at `root` (and its memory tier on this node), with
     the copies that hold it, as a JSON-serialisable dict.
@@ -67,6 +77,8 @@ def inspect_checkpoint(root: PathLike, tag: str) -> dict[str, Any]:
     first_error: ManifestError | None = None
     for tier, store in tiers_for(root, "inspect_checkpoint").stores:
         files = store.list_files(tag)
+        if MANIFEST_NAME not in files and store.exists(tag, MANIFEST_NAME):
+            files = list_tag_again(store, tag)  # committed just now, or a scan missed it
         if MANIFEST_NAME not in files:
             continue
         copy: dict[str, Any] = {"tier": tier, "location": store.display(tag)}

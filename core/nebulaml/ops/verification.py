@@ -18,7 +18,7 @@ from nebulaml.errors import CheckpointNotFoundError, InvalidNameError, ManifestE
 from nebulaml.format.checksum import KNOWN_CHECKSUM_ALGOS, hash_stream, unknown_algo
 from nebulaml.format.manifest import ItemEntry, Manifest
 from nebulaml.format.names import MANIFEST_NAME, OrderKey, order_key, validate_name
-from nebulaml.ops.inspection import read_manifest_strict
+from nebulaml.ops.inspection import list_tag_again, read_manifest_strict
 from nebulaml.protocol.leases import delete_claims, read_lease
 from nebulaml.runtime.locate import check_root, tiers_for
 from nebulaml.storage.store import MissingFileError, Store
@@ -185,7 +185,9 @@ def _find_copies(root: PathLike, tag: str | None) -> list[_Copy]:
                 continue  # not a folder nebula writes
             files = store.list_files(name)
             if MANIFEST_NAME not in files and store.exists(name, MANIFEST_NAME):
-                files = store.list_files(name)  # committed just now, between the two looks?
+                # Committed just now, between the two looks; or a scan that missed it (a
+                # folder's entries changing under a scan may be skipped by it).
+                files = list_tag_again(store, name)
             if MANIFEST_NAME not in files:
                 if store.exists(name, MANIFEST_NAME):
                     # A folder, FIFO or link in the manifest's place: not a save that never
@@ -246,11 +248,17 @@ def _verify_items(
 ) -> list[dict[str, Any]]:
     store, tag = copy.store, copy.tag
     out = []
+    relisted = False
     for item in manifest.items:
         where = store.display(tag, item.file)
         expected = f"{item.size_bytes} bytes with {item.checksum_algo} {item.checksum}"
         want = _entry_fields(item)
         size = copy.files.get(item.file)
+        if size is None and not relisted:
+            # A scan may skip a file while the folder's entries change (leases come and
+            # go): look again once before calling any item missing.
+            copy.files.update(store.list_files(tag))
+            relisted, size = True, copy.files.get(item.file)
         if size is None:
             out.append(_result(copy, item.name, where, "missing", expected, "no such file", want))
             continue

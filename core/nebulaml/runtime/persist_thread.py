@@ -82,6 +82,8 @@ class PersistThread:
     _leaders: dict[str, int]
     _newest_followed: dict[int, str]
     _follow_deadline: float | None
+    _parts_out: set[str]
+    _commits_due: float
     _forced: list[str]
     _inflight: str | None
     _inflight_forced: bool
@@ -124,9 +126,8 @@ class PersistThread:
         """Tags the memory tier must keep: pending, in flight, or queued (asked for, or
         labelled and not yet persisted)."""
         with self._cond:
-            return {
-                t for t in (self._pending, self._inflight, *self._forced, *self._candidates) if t
-            }
+            queued = (self._pending, self._inflight, *self._forced, *self._candidates)
+            return {t for t in queued if t} | self._parts_out
 
     def evict_memory(self, *, superseded_newest: bool = False) -> None:
         """Drop memory copies that are no longer needed.
@@ -267,6 +268,8 @@ class PersistThread:
                     if self._candidates and self.tiers.persistent is not None:
                         probe = list(self._candidates)
                         break
+                    if self._parts_out and time.monotonic() >= self._commits_due:
+                        break
                     self._cond.wait(timeout=self._wait_s())
                 if tag is not None:
                     self._inflight = tag
@@ -278,6 +281,8 @@ class PersistThread:
                 self.removals.run(self._remove, last=self._stopping)
             if finished:
                 return
+            if self._parts_out and time.monotonic() >= self._commits_due:
+                self._see_commits()
             if probe:
                 self._follow_leader(probe)
                 continue
@@ -286,6 +291,9 @@ class PersistThread:
             error = self._persist(tag)
             with self._cond:
                 self._inflight = None
+                if error is None and self._follows(tag):
+                    self._parts_out.add(tag)  # durable once the leader commits it
+                    self._commits_due = time.monotonic()
                 if error is not None and self.on_error == "retry" and not is_broken(error):
                     self._retry_later(tag, error)
                 else:
@@ -312,6 +320,8 @@ class PersistThread:
         due: list[float] = []
         if self._pending is not None and self._last_start is not None:
             due.append(self._last_start + self.interval_s)
+        if self._parts_out:
+            due.append(self._commits_due)
         if self.watch.retry_at is not None and (self._pending or self._forced):
             due.append(self.watch.retry_at)
         for retry in (self.history.retry_at(), self.removals.retry_at()):
@@ -415,6 +425,39 @@ class PersistThread:
                 self._candidates.clear()
             else:
                 self._cond.wait(timeout=FOLLOW_POLL_S)
+
+    def _see_commits(self) -> None:
+        """Drop from `_parts_out` the tags now committed on the persistent tier, and those
+        a newer committed checkpoint superseded (their leader's persist of them is over,
+        committed or failed), then evict what the memory tier no longer needs."""
+        persistent = self.tiers.persistent
+        assert persistent is not None
+        with self._cond:
+            waiting = sorted(self._parts_out, key=lambda t: order_key(t, ""))
+            self._commits_due = time.monotonic() + FOLLOW_POLL_S
+        try:
+            committed = {t for t in waiting if persistent.exists(t, MANIFEST_NAME)}
+        except NebulaError as exc:
+            log.debug("could not look for the leaders' commits: %s", exc)
+            return
+        with self._cond:
+            newest = max(committed, key=lambda t: order_key(t, ""), default=None)
+            over = {
+                t
+                for t in waiting
+                if t in committed
+                or (newest is not None and order_key(t, "") < order_key(newest, ""))
+            }
+            if not over:
+                return
+            self._parts_out -= over
+            for tag in committed:
+                self._durable_tags.add(tag)
+            self._cond.notify_all()
+        try:
+            self.evict_memory()
+        except NebulaError as exc:
+            log.warning("could not evict old memory-tier copies: %s", exc)
 
     def _leaders_gone(self, leaders: dict[str, int]) -> bool:
         """Whether every leader of `leaders` was a rank of this node whose process ended."""

@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 
-from nebulaml.errors import NebulaError, PersistError, PersistTimeoutError
+from nebulaml.errors import NebulaError, PersistError, PersistTimeoutError, RankTimeoutError
 from nebulaml.format.manifest import utc_now
 from nebulaml.format.names import order_key, step_of
 from nebulaml.protocol.catalog import highest_sequence, list_committed
@@ -95,6 +95,11 @@ class Persister(PersistThread):
         self._leaders: dict[str, int] = {}
         self._newest_followed: dict[int, str] = {}  # each leader's newest commit
         self._follow_deadline: float | None = None  # exiting: when a follower gives up
+        # A follower's parts persisted whose commit (by the leader) it has not yet seen:
+        # kept in the memory tier until then, or the checkpoint was committed nowhere for
+        # a moment (the memory copy lost this part; the persistent copy had no manifest).
+        self._parts_out: set[str] = set()
+        self._commits_due = 0.0  # when the thread looks for their commits next
         # Flush requests and labelled checkpoints: persisted in order, the interval
         # ignored, never superseded.
         self._forced: list[str] = []
@@ -353,11 +358,32 @@ class Persister(PersistThread):
                     self._error = None  # reported here, not again on the next call
                 if result is not None:
                     raise result
+                self._await_commit(target)
             else:
                 target = None
             self._await_removals(timeout_s)
         self.history.write()
         return target
+
+    def _await_commit(self, tag: str) -> None:
+        """Under the lock: a follower's part of `tag` is durable; wait (at most
+        `rank_timeout_s`) until its leader commits the checkpoint, which is durable only
+        then. Raises `PersistError` (its cause a `RankTimeoutError`) when it does not:
+        the leader's persist failed (an item two ranks saved, say), or it died."""
+        deadline = time.monotonic() + self.rank_timeout_s
+        self._commits_due = 0.0  # look now
+        self._cond.notify_all()
+        while tag in self._parts_out and self._thread.is_alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                persistent = self.tiers.persistent
+                assert persistent is not None
+                leader = self._leaders.get(tag, 0)
+                cause = RankTimeoutError(
+                    persistent.display(tag), [leader], self.rank_timeout_s, tag=tag
+                )
+                raise PersistError(tag, self.tiers.display, cause) from cause
+            self._cond.wait(timeout=min(left, 0.1))
 
     def _await_removals(self, timeout_s: float | None) -> None:
         """Under the lock: wait (within `timeout_s`) until the checkpoints the framework

@@ -98,6 +98,13 @@ def ranks_settled() -> bool:
     return rank_set == world_set
 
 
+def generation_agreeable(ranks: RankInfo) -> bool:
+    """Whether `job_generation(ranks)` can give a value every rank agrees on now (not None
+    for a lack of torch.distributed): torchrun's, one process's own, or one agreed through
+    the process group's store."""
+    return elastic_generation() is not None or ranks.world_size == 1 or _dist_initialized()
+
+
 def job_generation(ranks: RankInfo) -> str | None:
     """Which run of the job, and which restart of it, this process belongs to: a value
     every rank of the job agrees on, carried by each part of a checkpoint, so that a

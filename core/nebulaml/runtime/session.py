@@ -47,6 +47,7 @@ from nebulaml.runtime.persister import Persister
 from nebulaml.runtime.ranks import (
     RankInfo,
     detect_ranks,
+    generation_agreeable,
     job_generation,
     memory_budget_bytes,
     ranks_settled,
@@ -231,6 +232,17 @@ class Session:
                 if self._recovery_due and self.persister.connected:
                     self._recover_once()
         return self.generation
+
+    def recover_if_due(self) -> None:
+        """Run the recovery `init()` left for the first save (several ranks: it waits for
+        their generation) now, if this process can tell who it is and agree on its
+        generation: `flush_persistence()` then covers what an earlier process left. A
+        job of several ranks that resumed from a crash and flushed before its first save
+        was told its newest checkpoint was durable while it was in the memory tier alone."""
+        if not self._recovery_due or not ranks_settled():
+            return
+        if generation_agreeable(self.bind_ranks()):
+            self.save_generation()
 
     def part_generation(self, tag: str) -> str | None:
         """The generation of this process's part of a save of `tag` beginning now: the
