@@ -28,6 +28,7 @@ tests/azure/test_azure_outage.py).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -106,9 +107,15 @@ class _Disk:
         self.filler = where / "filler"
 
     def down(self) -> None:
+        """Take every free byte. The trainer writes meanwhile: the disk may fill before
+        the filler has what was free when it looked (ENOSPC: full, as wanted)."""
         st = os.statvfs(self.where)
-        with open(self.filler, "wb") as f:
-            f.write(b"\0" * (st.f_bavail * st.f_frsize))
+        with open(self.filler, "wb", buffering=0) as f:  # nothing left to flush at close
+            try:
+                f.write(b"\0" * (st.f_bavail * st.f_frsize))
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
 
     def up(self) -> None:
         self.filler.unlink(missing_ok=True)
