@@ -47,9 +47,13 @@ azurite: $(AZURITE)
 # no cache on a clean clone) runs beside the tests: they leave a core idle while they wait
 # on child processes; its report and status come after theirs.
 TYPES_LOG := $(VENV)/.nebula-mypy.log
+# The checkout's modules compiled first (about 2 s): with PYTHONDONTWRITEBYTECODE set, as
+# on many CI machines, each of the suite's hundreds of child processes would compile every
+# nebula module it imports again (0.15-0.25 s of CPU each time).
+COMPILE := $(PY) -m compileall -q -j 0 core nebula_cli tests examples benchmarks conftest.py
 test: venv $(AZURITE)
 	@start=$$(date +%s); $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && \
-		echo "ruff: $$(( $$(date +%s) - start )) s"
+		$(COMPILE) >/dev/null && echo "ruff and compileall: $$(( $$(date +%s) - start )) s"
 	@start=$$(date +%s); \
 		( $(VENV)/bin/mypy > $(TYPES_LOG) 2>&1; echo "mypy exit $$? after $$(( $$(date +%s) - start )) s" >> $(TYPES_LOG) ) & \
 		$(PYTEST); rc=$$?; echo "pytest: $$(( $$(date +%s) - start )) s"; \
@@ -61,6 +65,7 @@ test: venv $(AZURITE)
 check: venv $(AZURITE)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(COMPILE) >/dev/null
 	$(PYTEST) -m "not slow"
 
 demo: venv

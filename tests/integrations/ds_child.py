@@ -30,6 +30,11 @@ has the state saved last under each tag (and the one it replaced); rank 0 writes
 parameters of each, by name, to expected-<key>.pt.
 PHASE "reload": fresh processes load "best", then the latest tag.
 
+PHASE "first" (args: WORKDIR STAGES RESAVE_STAGES) runs "train" in WORKDIR/plain/ and, with
+NEBULA_LAZY_SNAPSHOT=1, in WORKDIR/lazy/, then "resave" in WORKDIR/resave/; PHASE "second"
+runs "resume", "resume" and "reload" there: one pair of processes for what several tests
+check. Each folder has its own memory tier (memory-tier/).
+
 Killed and resumed against DeepSpeed's own checkpoints (WORKDIR/kill<stage>/): PHASE
 "kill" trains 4 steps and saves after steps 2 and 4 twice, from the same state: through
 nebula (save_dir ds/) and through DeepSpeed's own engine (save_dir native/); then every
@@ -365,6 +370,32 @@ def main() -> int:
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ["RANK"])
+    if phase in PARTS:
+        resave_stages = sys.argv[4]
+        for name, part, lazy in PARTS[phase]:
+            folder = workdir / name
+            folder.mkdir(exist_ok=True)
+            # Read by each init: every part has its own memory tier, as its own job would.
+            os.environ["NEBULA_MEMORY_TIER_PATH"] = str(folder / "memory-tier")
+            os.environ["NEBULA_LAZY_SNAPSHOT"] = "1" if lazy else "0"
+            run_phase(part, folder, resave_stages if name == "resave" else stages, rank)
+        print(f"OK {phase} rank {rank}", flush=True)
+        return 0
+    run_phase(phase, workdir, stages, rank)
+    print(f"OK {phase} rank {rank}", flush=True)
+    return 0
+
+
+# What one pair of processes runs for several tests (DeepSpeed's import alone costs ~6 s of
+# CPU per process): (folder, phase, NEBULA_LAZY_SNAPSHOT) in turn.
+PARTS = {
+    "first": (("plain", "train", False), ("lazy", "train", True), ("resave", "resave", False)),
+    "second": (("plain", "resume", False), ("lazy", "resume", True), ("resave", "reload", False)),
+}
+
+
+def run_phase(phase: str, workdir: Path, stages: str, rank: int) -> None:
+    """PHASE for each ZeRO stage of STAGES; the per-rank JSON, then a barrier."""
     results = {}
     for stage in (int(s) for s in stages.split(",")):
         t0 = time.perf_counter()
@@ -379,8 +410,6 @@ def main() -> int:
         print(f"{phase} zero{stage} rank {rank}: {time.perf_counter() - t0:.1f} s", flush=True)
     (workdir / f"{phase}-rank{rank}.json").write_text(json.dumps(results, indent=1))
     torch.distributed.barrier()
-    print(f"OK {phase} rank {rank}", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

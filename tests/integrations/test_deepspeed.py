@@ -114,13 +114,48 @@ def _job(
 Job = Callable[..., tuple[Path, dict]]
 
 
+def _two_rank_jobs(base: Path) -> dict[str, dict[str, list[dict]]]:
+    """Every 2-rank job but the killed one, in one pair of processes per phase
+    (ds_child.py's "first" and "second": DeepSpeed's import alone costs ~6 s of CPU per
+    process): {folder: {phase: per-rank JSON}} for "plain" and "lazy" (train, resume,
+    every ZeRO stage) and "resave" (resave, reload, RESAVE_STAGES)."""
+    require("deepspeed")
+    env = child_env(base / "memory-tier")  # each part's own, set by the child
+    stages, resave = ",".join(map(str, STAGES)), ",".join(map(str, RESAVE_STAGES))
+    with one_at_a_time(base.parent, "deepspeed"):
+        for phase in ("first", "second"):
+            argv = [sys.executable, str(CHILD), phase, str(base), stages, resave]
+            for rank, done in enumerate(run_ranks(argv, 2, env, timeout_s=600)):
+                assert done.returncode == 0, f"{phase} rank {rank}:\n{done.output[-6000:]}"
+    parts = {"plain": ("train", "resume"), "lazy": ("train", "resume"),
+             "resave": ("resave", "reload")}  # fmt: skip
+    return {
+        folder: {
+            phase: [
+                json.loads((base / folder / f"{phase}-rank{rank}.json").read_text())
+                for rank in range(2)
+            ]
+            for phase in phases
+        }
+        for folder, phases in parts.items()
+    }
+
+
+TWO_RANKS = "ds-world2"  # the shared folder of _two_rank_jobs
+
+
 @pytest.fixture(scope="module")
 def ds_jobs(shared_root: Path) -> Job:
     """The job of a world size (run once for the whole run, by whichever worker needs it
     first), every ZeRO stage in it: DeepSpeed's import alone costs seconds per process.
-    `lazy`: with NEBULA_LAZY_SNAPSHOT=1."""
+    `lazy`: with NEBULA_LAZY_SNAPSHOT=1. Those of 2 ranks are parts of one job
+    (`_two_rank_jobs`)."""
 
     def get(world_size: int, lazy: bool = False) -> tuple[Path, dict]:
+        if world_size == 2:
+            folder = "lazy" if lazy else "plain"
+            results = once(shared_root, TWO_RANKS, _two_rank_jobs)[folder]
+            return shared_root / TWO_RANKS / folder, results
         key = f"ds-world{world_size}{'-lazy' if lazy else ''}"
 
         def make(base: Path) -> dict:
@@ -248,31 +283,12 @@ def test_the_engines_resave_of_a_tag_replaces_it(
     assert torch_nebula.get_checkpoint(tag="best", persist_path=str(root)) is None
 
 
-def _resave(workdir: Path) -> dict[str, list[dict]]:
-    require("deepspeed")
-    with one_at_a_time(workdir.parent, "deepspeed"):
-        return _resave_phases(workdir)
-
-
-def _resave_phases(workdir: Path) -> dict[str, list[dict]]:
-    env = child_env(workdir / "memory-tier")
-    results: dict[str, list[dict]] = {}
-    for phase in ("resave", "reload"):
-        argv = [sys.executable, str(CHILD), phase, str(workdir), ",".join(map(str, RESAVE_STAGES))]
-        finished = run_ranks(argv, 2, env)
-        for rank, done in enumerate(finished):
-            assert done.returncode == 0, f"{phase} rank {rank}:\n{done.output[-6000:]}"
-        results[phase] = [
-            json.loads((workdir / f"{phase}-rank{rank}.json").read_text()) for rank in range(2)
-        ]
-    return results
-
-
 @pytest.fixture(scope="module")
 def resave_job(shared_root: Path) -> tuple[Path, dict]:
     """ds_child's "resave" then "reload" phases, 2 ranks, RESAVE_STAGES: the per-rank JSON
-    (run once for the whole run)."""
-    return shared_root / "ds-resave", once(shared_root, "ds-resave", _resave)
+    (run once for the whole run, a part of `_two_rank_jobs`)."""
+    results = once(shared_root, TWO_RANKS, _two_rank_jobs)["resave"]
+    return shared_root / TWO_RANKS / "resave", results
 
 
 @pytest.mark.slow

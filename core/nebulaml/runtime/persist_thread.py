@@ -291,9 +291,6 @@ class PersistThread:
             error = self._persist(tag)
             with self._cond:
                 self._inflight = None
-                if error is None and self._follows(tag):
-                    self._parts_out.add(tag)  # durable once the leader commits it
-                    self._commits_due = time.monotonic()
                 if error is not None and self.on_error == "retry" and not is_broken(error):
                     self._retry_later(tag, error)
                 else:
@@ -533,6 +530,10 @@ class PersistThread:
                 size = persist_part(
                     self.tiers, tag, self.ranks, leader=leader, rank_timeout_s=self.rank_timeout_s
                 )
+                if leader != self.rank:
+                    with self._cond:  # durable once its leader commits the checkpoint
+                        self._parts_out.add(tag)
+                        self._commits_due = time.monotonic()
             else:
                 size, sequence = persist_whole(self.tiers, tag)
                 self._note_sequence(sequence)
