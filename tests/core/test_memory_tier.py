@@ -280,9 +280,11 @@ def test_a_job_without_a_persistent_root_keeps_its_tier(memory_tier: Path) -> No
 
 def test_a_failed_persist_keeps_the_tier(root: Path) -> None:
     nm.init(str(root), persistent_time_interval=3600)
+    # In the way before the save: the first persist starts at once, and on a quick thread
+    # had made the folder before a file planted after the save (a CI-like run).
+    (root / "global_step1").write_text("in the way")  # the persist cannot make its folder
     nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
     folder = Path(nm.memory_tier_path())
-    (root / "global_step1").write_text("in the way")  # the persist cannot make its folder
     with pytest.raises(nm.NebulaError):
         nm.shutdown()
     assert committed_tags(Store(str(folder))) == ["global_step1"]
