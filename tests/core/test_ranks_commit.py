@@ -24,7 +24,7 @@ from nebulaml.protocol.commit import (
 )
 from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.recovery import discard_stale_parts
-from nebulaml.protocol.tiers import open_tiers
+from nebulaml.protocol.tiers import TierSet, open_tiers
 from nebulaml.protocol.transfer import copy_checkpoint, copy_part
 from nebulaml.runtime.persister import Persister
 from nebulaml.runtime.ranks import RankInfo
@@ -447,14 +447,19 @@ def test_eviction_keeps_the_newest_committed_part_not_one_still_waiting_for_the_
     begin_tag(memory, "global_step6", rank=1, overwrite=False, world_size=2)
     item = write_item(memory, "global_step6", "r1", {"w": 6}, rank=1)
     commit_rank(memory, "global_step6", rank=1, world_size=2, items=[item], created_at="t")
-    follower = Persister(tiers, interval_s=3600, retention=5, ranks=RankInfo(1, 2, 1, 2),
-                         rank_timeout_s=5)  # fmt: skip
-    try:
-        follower.evict_memory()
-    finally:
-        follower.close(timeout_s=10)
+    _evict_as(tiers, 1)
     assert read_committed(memory, "global_step5") is not None
     assert ".rank-1.json" in memory.list_files("global_step6")  # in progress: kept too
+
+
+def _evict_as(tiers: TierSet, rank: int) -> None:
+    """One eviction by a persister of rank `rank` of a 2-rank job, which then closes."""
+    persister = Persister(tiers, interval_s=3600, retention=5, ranks=RankInfo(rank, 2, rank, 2),
+                          rank_timeout_s=5)  # fmt: skip
+    try:
+        persister.evict_memory()
+    finally:
+        persister.close(timeout_s=10)
 
 
 def _commit_rank_0(memory: Store, tag: str) -> None:
@@ -478,12 +483,7 @@ def test_eviction_never_takes_a_part_this_process_is_still_committing(tmp_path: 
         _commit_rank_0(memory, tag)
     memory.remove("last", "manifest.json")  # mid-commit: the marker there, not the manifest
     memory.publish(("last", writer_marker_name(0)), writer_record(0), create_only=False)
-    leader = Persister(tiers, interval_s=3600, retention=5, ranks=RankInfo(0, 2, 0, 2),
-                       rank_timeout_s=5)  # fmt: skip
-    try:
-        leader.evict_memory()
-    finally:
-        leader.close(timeout_s=10)
+    _evict_as(tiers, 0)
     assert ".rank-0.json" in memory.list_files("last") and "state" in memory.list_files("last")
 
 

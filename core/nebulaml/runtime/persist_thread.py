@@ -268,20 +268,21 @@ class PersistThread:
                     if self._candidates and self.tiers.persistent is not None:
                         probe = list(self._candidates)
                         break
-                    if self._parts_out and time.monotonic() >= self._commits_due:
+                    if self._commits_to_see():
                         break
                     self._cond.wait(timeout=self._wait_s())
                 if tag is not None:
                     self._inflight = tag
                     self._last_start = time.monotonic()
                 wrote = self.history.due()
+                see_commits = self._commits_to_see()
                 finished = tag is None and not wrote and not probe and self._finished()
             self.history.write()
             if tag is None and self.removals.pending():
                 self.removals.run(self._remove, last=self._stopping)
             if finished:
                 return
-            if self._parts_out and time.monotonic() >= self._commits_due:
+            if see_commits:
                 self._see_commits()
             if probe:
                 self._follow_leader(probe)
@@ -423,6 +424,10 @@ class PersistThread:
             else:
                 self._cond.wait(timeout=FOLLOW_POLL_S)
 
+    def _commits_to_see(self) -> bool:
+        """Under the lock: whether the thread should look for its leaders' commits now."""
+        return bool(self._parts_out) and time.monotonic() >= self._commits_due
+
     def _see_commits(self) -> None:
         """Drop from `_parts_out` the tags now committed on the persistent tier, and those
         a newer committed checkpoint superseded (their leader's persist of them is over,
@@ -447,9 +452,7 @@ class PersistThread:
             }
             if not over:
                 return
-            self._parts_out -= over
-            for tag in committed:
-                self._durable_tags.add(tag)
+            self._parts_out -= over  # durable already as this rank knows it (`_landed`)
             self._cond.notify_all()
         try:
             self.evict_memory()
