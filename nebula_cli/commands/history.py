@@ -250,7 +250,13 @@ def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[st
         f"{summary['count']} rows: {summary['saves']} saves, {summary['persists']} persists, "
         + (f"[yellow]{skipped} skipped[/yellow], " if skipped else "")
         + (f"[red]{failures} failed[/red]" if failures else "0 failed")
-        + f"; {human_bytes(summary['bytes_total'])} written{span}",
+        + f"; {human_bytes(summary['bytes_total'])} written"
+        + (
+            f", {human_bytes(summary['bytes_reused'])} reused from earlier versions"
+            if summary["bytes_reused"]
+            else ""
+        )
+        + span,
         highlight=False,
     )
 

@@ -98,7 +98,9 @@ def test_json_summary_agrees_with_the_file(root: Path) -> None:
         "p50": approx(statistics.median(speed)),
         "max": approx(max(speed)),
     }
-    assert summary["bytes_total"] == sum(int(r["size_bytes"]) for r in rows if r["status"] == "ok")
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert summary["bytes_total"] == sum(int(r["bytes_written"]) for r in ok)
+    assert summary["bytes_reused"] == sum(int(r["bytes_reused"]) for r in ok)
     assert isinstance(summary["bytes_total"], int)
     assert summary["first_started_at"] == rows[0]["started_at"]
     assert summary["last_started_at"] == rows[-1]["started_at"]
@@ -231,7 +233,7 @@ def test_malformed_history_is_an_error_naming_file_and_line(root: Path) -> None:
     # Catches: bad lines skipped silently, or pandas' exception escaping as a traceback.
     _timed_history(root)
     with open(root / HISTORY_FILE, "a", encoding="utf-8") as f:
-        f.write("global_step4,four,memory,0,2026-01-01T00:00:00Z,1,1,10,0.1,ok,\n")
+        f.write("global_step4,four,memory,0,2026-01-01T00:00:00Z,1,1,10,0.1,ok,,10,0\n")
     result = _invoke(str(root))
     assert result.exit_code == 1
     assert result.stdout == ""

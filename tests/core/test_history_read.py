@@ -46,7 +46,7 @@ def test_rows_are_typed_and_ordered_by_start_time(tmp_path: Path) -> None:
     assert list(df.columns) == list(COLUMNS)
     assert [str(t) for t in df.dtypes] == [
         "str", "Int64", "str", "int64", "datetime64[us, UTC]", "float64", "float64",
-        "int64", "float64", "str", "str",
+        "int64", "float64", "str", "str", "int64", "int64",
     ]  # fmt: skip
     assert list(df["tag"]) == ["global_step1", "global_step2", "global_step1", "best"]
     assert df["started_at"].iloc[1] == T0 + timedelta(minutes=0.5)
@@ -79,7 +79,7 @@ def test_a_column_added_by_a_newer_nebula_is_kept(tmp_path: Path) -> None:
     assert nm.history_records(df)[0]["host"] == "node-7"
 
 
-_GOOD = "global_step1,1,memory,0,2026-03-01T12:00:00.000000Z,0.5,0.25,10,0.1,ok,"
+_GOOD = "global_step1,1,memory,0,2026-03-01T12:00:00.000000Z,0.5,0.25,10,0.1,ok,,10,0"
 
 
 @pytest.mark.parametrize(
@@ -95,9 +95,9 @@ _GOOD = "global_step1,1,memory,0,2026-03-01T12:00:00.000000Z,0.5,0.25,10,0.1,ok,
         (HEADER + _GOOD.replace("2026-03-01T", "yesterday ") + "\n",
          "line 2: started_at 'yesterday 12:00:00.000000Z' is not an ISO-8601 time"),
         (HEADER + _GOOD.replace(",0.5,", ",fast,") + "\n", "line 2: duration_s 'fast' is not"),
-        (HEADER + _GOOD + "\n" + _GOOD + ",extra\n", "Expected 11 fields in line 3, saw 12"),
+        (HEADER + _GOOD + "\n" + _GOOD + ",extra\n", "Expected 13 fields in line 3, saw 14"),
         # pandas takes a first row with one field more for an index (a traceback, before)
-        (HEADER + _GOOD + ",extra\n" + _GOOD + "\n", "line 2: 12 fields where the header has 11"),
+        (HEADER + _GOOD + ",extra\n" + _GOOD + "\n", "line 2: 14 fields where the header has 13"),
         (HEADER + _GOOD + "\nglobal_step2,2,memo", "line 3: tier 'memo' is not memory"),
         (HEADER + "\udcff", "not UTF-8 text"),
     ],
@@ -179,13 +179,13 @@ def test_summary_of_no_rows(tmp_path: Path) -> None:
         "stall_s": {"p50": None, "p95": None, "max": None},
         "persist_s": {"p50": None, "p95": None, "max": None},
         "throughput_mb_s": {"p50": None, "max": None},
-        "bytes_total": 0, "first_started_at": None, "last_started_at": None,
+        "bytes_total": 0, "bytes_reused": 0, "first_started_at": None, "last_started_at": None,
     }  # fmt: skip
 
 
 _SKIPPED = (
     "global_step2,2,persistent,0,2026-03-01T12:02:30.000000Z,0.0,0.0,0,0.0,skipped,"
-    "superseded by global_step3"
+    "superseded by global_step3,0,0"
 )
 
 
@@ -204,7 +204,7 @@ def test_skipped_rows_are_read_and_counted_apart_from_persists(tmp_path: Path) -
         "tag": "global_step2", "step": 2, "tier": "persistent", "rank": 0,
         "started_at": "2026-03-01T12:02:30.000000Z", "duration_s": 0.0, "blocking_s": 0.0,
         "size_bytes": 0, "throughput_mb_s": 0.0, "status": "skipped",
-        "error": "superseded by global_step3",
+        "error": "superseded by global_step3", "bytes_written": 0, "bytes_reused": 0,
     }  # fmt: skip
     summary = nm.summarize_history(df)
     assert json.loads(json.dumps(summary)) == summary

@@ -40,6 +40,11 @@ LEAF_BYTES = 1 << 20  # the "1m" of CHECKSUM_ALGO: never change it, define a new
 HASH_WORKERS = 2  # threads that verify one buffer
 _PARALLEL_FROM_BYTES = 16 << 20  # below this, a thread costs more than it saves
 _LEGACY_CHUNK_BYTES = 16 << 20  # xxhash releases the GIL per call: keep calls long
+# What a persist compares with the version before it, inside a piece whose leaf changed
+# (protocol/reuse.py): blocks this small, so that a small tensor that changed costs its
+# own bytes and little more; xxh3-128, so that equal digests stand for equal bytes.
+BLOCK_BYTES = 16 << 10
+BLOCK_DIGEST_BYTES = 16
 
 
 class TreeHasher:
@@ -152,6 +157,20 @@ def tree_leaves(data: bytes | bytearray | memoryview, workers: int = HASH_WORKER
         for helper in helpers:
             helper.join()
     return leaves
+
+
+def block_digests(piece: bytes | bytearray | memoryview) -> bytes:
+    """The xxh3-128 digests of each `BLOCK_BYTES` block of `piece` (the last may be
+    shorter), concatenated: `BLOCK_DIGEST_BYTES` per block.
+
+    Example:
+        >>> digests = block_digests(bytes(BLOCK_BYTES) + b"x")
+        >>> len(digests) == 2 * BLOCK_DIGEST_BYTES, digests[:16] == digests[16:]
+        (True, False)
+    """
+    view = memoryview(piece).cast("B")
+    digest = xxhash.xxh3_128_digest
+    return b"".join(digest(view[at : at + BLOCK_BYTES]) for at in range(0, len(view), BLOCK_BYTES))
 
 
 class HashingWriter:

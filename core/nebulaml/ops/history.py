@@ -21,7 +21,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError, NebulaError
-from nebulaml.protocol.history import COLUMNS, HISTORY_FILE
+from nebulaml.protocol.history import COLUMNS, FIRST_COLUMNS, HISTORY_FILE
 from nebulaml.storage.store import Store
 
 if TYPE_CHECKING:
@@ -62,8 +62,10 @@ def read_history(
     """The rows of ROOT's checkpointHistories.csv as a typed DataFrame, oldest first.
 
     Columns: `tag`, `tier`, `status`, `error` (str); `step` (nullable Int64); `rank`,
-    `size_bytes` (int64); `duration_s`, `blocking_s`, `throughput_mb_s` (float64);
-    `started_at` (UTC datetimes). Columns a newer nebula added are kept, as text.
+    `size_bytes`, `bytes_written`, `bytes_reused` (int64); `duration_s`, `blocking_s`,
+    `throughput_mb_s` (float64); `started_at` (UTC datetimes). A file written before
+    `bytes_written` and `bytes_reused` reads with a successful row's size and 0 for them.
+    Columns a newer nebula added are kept, as text.
     `since` keeps rows that started at or after a time (timezone-aware) or within a
     duration back from now; `tag` keeps the rows of one tag. Raises `HistoryNotFoundError`
     when there is no history file and `HistoryFormatError` when it is not one.
@@ -132,11 +134,20 @@ def _parse(data: bytes, where: str) -> pd.DataFrame:
         raise HistoryFormatError(where, "the file is empty (no header line)") from exc
     except pd.errors.ParserError as exc:
         raise HistoryFormatError(where, str(exc).replace("Error tokenizing data. ", "")) from exc
-    missing = [name for name in COLUMNS if name not in raw.columns]
+    missing = [name for name in FIRST_COLUMNS if name not in raw.columns]
     if missing:
         raise HistoryFormatError(
             where, f"line 1: no column {', '.join(missing)} (expected {','.join(COLUMNS)})"
         )
+    # A file started before these two columns, or a row an older nebula appended to a
+    # newer file (its fields end early): what it wrote is what it moved.
+    if "bytes_written" not in raw.columns:
+        raw["bytes_written"] = ""
+    if "bytes_reused" not in raw.columns:
+        raw["bytes_reused"] = ""
+    unknown = raw["bytes_written"] == ""
+    raw.loc[unknown, "bytes_written"] = raw["size_bytes"].where(raw["status"] == "ok", "0")
+    raw.loc[raw["bytes_reused"] == "", "bytes_reused"] = "0"
     # Two writers that both found no file both wrote a header: those lines are not rows.
     raw = raw[~((raw["tag"] == "tag") & (raw["tier"] == "tier") & (raw["status"] == "status"))]
 
@@ -150,7 +161,7 @@ def _parse(data: bytes, where: str) -> pd.DataFrame:
     reject(~raw["tier"].isin(TIERS), "tier", " or ".join(TIERS))
     statuses = f"{', '.join(STATUSES[:-1])} or {STATUSES[-1]}"
     reject(~raw["status"].isin(STATUSES), "status", statuses)
-    for column in ("rank", "size_bytes"):
+    for column in ("rank", "size_bytes", "bytes_written", "bytes_reused"):
         reject(~raw[column].str.fullmatch(r"-?\d+"), column, "an integer")
     reject(~raw["step"].str.fullmatch(r"(-?\d+)?"), "step", "an integer or empty")
     floats = {c: pd.to_numeric(raw[c], errors="coerce") for c in _FLOAT_COLUMNS}
@@ -174,6 +185,8 @@ def _parse(data: bytes, where: str) -> pd.DataFrame:
         "throughput_mb_s": floats["throughput_mb_s"].astype("float64"),
         "status": raw["status"],
         "error": raw["error"],
+        "bytes_written": raw["bytes_written"].astype("int64"),
+        "bytes_reused": raw["bytes_reused"].astype("int64"),
     }
     extra = {name: raw[name] for name in raw.columns if name not in typed}
     df = pd.DataFrame({**typed, **extra}, index=raw.index)
@@ -193,8 +206,9 @@ def summarize_history(df: pd.DataFrame) -> dict[str, Any]:
     `stall_s` is the time training waited per save (`blocking_s` of the saves);
     `persist_s` the time a successful persist took (`duration_s`), and `throughput_mb_s`
     its speed; each has `p50`, `p95` (linear interpolation) and `max`, or None without
-    rows. `bytes_total` is what successful rows wrote, on every tier. `first_started_at`
-    and `last_started_at` are ISO-8601 UTC, or None.
+    rows. `bytes_total` is what successful rows wrote, on every tier (`bytes_written`),
+    and `bytes_reused` what their persists took from an item's earlier version instead
+    of writing it. `first_started_at` and `last_started_at` are ISO-8601 UTC, or None.
 
     Example:
         >>> import nebulaml as nm, pandas as pd
@@ -216,7 +230,8 @@ def summarize_history(df: pd.DataFrame) -> dict[str, Any]:
         "stall_s": _quantiles(df.loc[memory, "blocking_s"], p95=True),
         "persist_s": _quantiles(persisted["duration_s"], p95=True),
         "throughput_mb_s": _quantiles(persisted["throughput_mb_s"], p95=False),
-        "bytes_total": int(df.loc[ok, "size_bytes"].sum()),
+        "bytes_total": int(df.loc[ok, "bytes_written"].sum()),
+        "bytes_reused": int(df.loc[ok, "bytes_reused"].sum()),
         "first_started_at": None if df.empty else _iso(started.min()),
         "last_started_at": None if df.empty else _iso(started.max()),
     }

@@ -1,7 +1,8 @@
 """Layer 3, `protocol`: the rules that make a checkpoint on a store safe to share.
 
 Holds: listing what is committed (catalog), the commit protocol (commit), copying between
-tiers (transfer), deleting (delete), rank and writer markers (markers), what a crash leaves
+tiers (transfer), what a persist takes from an item's previous version (reuse), deleting
+(delete), rank and writer markers (markers), what a crash leaves
 and what may be cleared (recovery), read leases, handles' holds and delete claims (leases),
 which job holds a root (holds), two writers of one tag (cowriters), the retention policy
 (retention), the tiers of a job (tiers) and one memory tier's identity, privacy and

@@ -10,7 +10,8 @@ them together.
 
 Columns (also documented in the README):
     tag, step, tier, rank, started_at, duration_s, blocking_s, size_bytes,
-    throughput_mb_s, status, error
+    throughput_mb_s, status, error, bytes_written, bytes_reused
+(a file started before the last two keeps its header, and its rows the first eleven).
 
 This module holds the writing half: the row (`HistoryRow`, `make_row`, `skipped_row`),
 the file's name and columns, and `append_rows`.
@@ -27,7 +28,7 @@ import csv
 import io
 from dataclasses import astuple, dataclass, fields
 
-from nebulaml.errors import CommitConflictError
+from nebulaml.errors import CommitConflictError, NebulaError
 from nebulaml.storage.store import Store
 
 HISTORY_FILE = "checkpointHistories.csv"
@@ -48,9 +49,14 @@ class HistoryRow:
     throughput_mb_s: float  # size_bytes / duration_s / 1e6
     status: str  # "ok", "failed" or "skipped"
     error: str  # empty when "ok"; for "skipped", "superseded by <the newer tag>"
+    bytes_written: int = 0  # what reached the tier (a save: the snapshot's bytes)
+    bytes_reused: int = 0  # taken from the item's previous version instead (reuse.py)
 
 
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(HistoryRow))
+# The columns of files written before bytes_written and bytes_reused: such a file keeps
+# its header, and its new rows these columns alone.
+FIRST_COLUMNS: tuple[str, ...] = COLUMNS[:11]
 
 
 def make_row(
@@ -64,8 +70,11 @@ def make_row(
     blocking_s: float,
     size_bytes: int,
     error: BaseException | None = None,
+    bytes_written: int | None = None,
+    bytes_reused: int = 0,
 ) -> HistoryRow:
-    """Build a row, deriving throughput and status.
+    """Build a row, deriving throughput and status. `bytes_written` defaults to
+    `size_bytes` (0 for a failed operation).
 
     Example:
         >>> make_row(tag="global_step1", step=1, tier="memory", rank=0, started_at="t",
@@ -88,6 +97,8 @@ def make_row(
         status="ok" if error is None else "failed",
         # One line: a newline inside an error message must not break the CSV's rows.
         error="" if error is None else " ".join(str(error).split())[:500],
+        bytes_written=(size_bytes if bytes_written is None else bytes_written) if ok else 0,
+        bytes_reused=bytes_reused if ok else 0,
     )
 
 
@@ -120,7 +131,8 @@ def skipped_row(
 
 
 def append_rows(store: Store, rows: list[HistoryRow]) -> None:
-    """Append rows to the root's history file, writing the header when it is new."""
+    """Append rows to the root's history file, writing the header when it is new. A file
+    started with `FIRST_COLUMNS` gets rows of those columns (its readers' header)."""
     if not rows:
         return
     store.make_dir()
@@ -130,8 +142,29 @@ def append_rows(store: Store, rows: list[HistoryRow]) -> None:
         # Create-only: of several ranks starting the file at once, one writes the header.
         with contextlib.suppress(CommitConflictError):
             store.publish((HISTORY_FILE,), header.getvalue().encode())
+        _widths.pop(store.url, None)
+    width = _widths.get(store.url)
+    if width is None:
+        width = _widths[store.url] = _header_width(store)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     for row in rows:
-        writer.writerow(["" if v is None else v for v in astuple(row)])
+        writer.writerow(["" if v is None else v for v in astuple(row)[:width]])
     store.append_text((HISTORY_FILE,), buf.getvalue())
+
+
+_HEADER_READ_BYTES = 4096
+_widths: dict[str, int] = {}  # by the store's URL: the columns its file's rows get
+
+
+def _header_width(store: Store) -> int:
+    """How many columns the rows appended to the store's history file get: those of its
+    header when it names `FIRST_COLUMNS` only, else all (an unreadable header too: the
+    reader says what is wrong with it)."""
+    try:
+        with store.open_read(HISTORY_FILE) as f:
+            first = f.read(_HEADER_READ_BYTES).split(b"\n", 1)[0]
+        names = next(csv.reader([first.decode("utf-8", "replace").strip()]), [])
+    except (OSError, NebulaError):
+        return len(COLUMNS)
+    return len(FIRST_COLUMNS) if tuple(names) == FIRST_COLUMNS else len(COLUMNS)

@@ -50,6 +50,7 @@ from nebulaml.protocol.commit import (
     read_markers,
 )
 from nebulaml.protocol.markers import describe_writer, read_writers, writer_alive, writer_record
+from nebulaml.protocol.reuse import ReuseBook, plan_item
 from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
@@ -80,6 +81,7 @@ def copy_checkpoint(
     verify: bool = False,
     progress: ProgressCallback | None = None,
     same_root: bool = False,
+    reuse: ReuseBook | None = None,
 ) -> CopyResult:
     """Copy a committed checkpoint to another root with the full commit protocol.
 
@@ -100,7 +102,8 @@ def copy_checkpoint(
     persister: another tier of the same root, one numbering) the source's, kept, so that
     an older checkpoint persisted after a newer one stays older; else (another root's
     checkpoint) 1 + the highest the destination holds, or the source's if higher: it
-    comes after what the destination holds, as committed there last.
+    comes after what the destination holds, as committed there last. `reuse`: the
+    persister's book of what it persisted before (`copy_item`).
     """
     tag = src.tag
     items = src.manifest.items
@@ -134,7 +137,7 @@ def copy_checkpoint(
             if progress is not None:
                 progress(base + n, total)
 
-        copy_item(src.store, dst, tag, item, advance)
+        copy_item(src.store, dst, tag, item, advance, reuse)
         if verify:
             # Re-read from the destination rather than trusting the bytes we sent: this is
             # what a later reader gets, so it also catches a store that truncated or altered
@@ -234,11 +237,21 @@ def _check_item(store: Store, tag: str, item: ItemEntry) -> None:
 
 
 def copy_item(
-    src: Store, dst: Store, tag: str, item: ItemEntry, advance: Callable[[int], None]
+    src: Store,
+    dst: Store,
+    tag: str,
+    item: ItemEntry,
+    advance: Callable[[int], None],
+    reuse: ReuseBook | None = None,
 ) -> None:
     """Copy one item file of `tag`, hashing on the way; a mismatch with `item` raises
     `CorruptCheckpointError`. `advance(n)` says `n` bytes of it have reached `dst` (on
-    Azure: as uploads complete, from another thread)."""
+    Azure: as uploads complete, from another thread).
+
+    With `reuse` (the persister's book), a local source going to a store that `clones`
+    is hashed first and written range by range: what equals the version of the item the
+    book last persisted to `dst` is taken from that version's file (reuse.py); the bytes
+    written and reused are counted in the book."""
     hasher = new_hasher(item.checksum_algo)
     size = 0
     sent_total = 0
@@ -264,6 +277,15 @@ def copy_item(
             )
 
     with src.map_read(tag, item.file) as mapped:
+        if mapped is not None and reuse is not None and dst.clones:
+            base_version = reuse.base_for(dst, tag, item)
+            where = src.display(tag, item.file)
+            plan = plan_item(mapped, tag, item, base_version, where)
+            base = None if plan.base is None else (plan.base.tag, plan.base.file)
+            written, reused = dst.write_ranges((tag, item.file), mapped, plan.ranges, base, sent)
+            reuse.remember(dst, plan.version)
+            reuse.count(tag, written=written, reused=reused)
+            return
         if mapped is not None:
             # A local source is hashed and written from its pages, without a read() copy,
             # hashing one piece while the one before it is written (with O_DIRECT on a
@@ -275,12 +297,17 @@ def copy_item(
                 with contextlib.suppress(NebulaError):
                     dst.remove(tag, item.file)  # a bad copy is not left behind
                 raise
-            return
-    with src.open_read(tag, item.file) as fin, dst.open_write(tag, item.file, sent=sent) as fout:
-        while data := fin.read(_COPY_CHUNK_BYTES):
-            hashed(memoryview(data))
-            fout.write(data)
-        check()
+        else:
+            with (
+                src.open_read(tag, item.file) as fin,
+                dst.open_write(tag, item.file, sent=sent) as fout,
+            ):
+                while data := fin.read(_COPY_CHUNK_BYTES):
+                    hashed(memoryview(data))
+                    fout.write(data)
+                check()
+    if reuse is not None:
+        reuse.count(tag, written=item.size_bytes, reused=0)
 
 
 def copy_part(
@@ -293,6 +320,7 @@ def copy_part(
     timeout_s: float,
     wait: bool = True,
     gone: Callable[[list[int]], list[int]] | None = None,
+    reuse: ReuseBook | None = None,
 ) -> int:
     """Copy one rank's part of `tag` (its marker and the items it lists) to another tier,
     verified; then, with `wait`, wait until the part of every rank that writes the tag is
@@ -312,7 +340,7 @@ def copy_part(
     is copied too (`adopt_parts`): the survivors of a node commit a checkpoint whose
     writer died after writing it to the memory tier, at once, instead of waiting
     `timeout_s` for a part that never comes. A gone rank without such a part raises
-    `RankGoneError` (with `wait`) at once.
+    `RankGoneError` (with `wait`) at once. `reuse`: as `copy_checkpoint`'s.
     """
     where = src.display(tag, marker_name(rank))
     marker = parse_marker(src.read_bytes(tag, marker_name(rank)), where)
@@ -325,7 +353,7 @@ def copy_part(
     begin_tag(dst, tag, rank=rank, overwrite=True, world_size=jobs)
     _refuse_collisions(dst, tag, marker)
     for item in marker.items:
-        copy_item(src, dst, tag, item, lambda _n: None)
+        copy_item(src, dst, tag, item, lambda _n: None, reuse)
     dst.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
     # The writer's marker goes only once the tag is committed (or, without `wait`, once
     # this part is): with every part written but no manifest yet, a prune of leftovers

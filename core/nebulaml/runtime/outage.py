@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from nebulaml.errors import (
+    CheckpointBusyError,
     CheckpointStateError,
     CommitConflictError,
     CorruptCheckpointError,
@@ -71,12 +72,16 @@ def may_pass(error: BaseException) -> bool:
     of, down its chain of causes.
 
     Example:
-        >>> from nebulaml.errors import StorageFullError
+        >>> from nebulaml.errors import CheckpointBusyError, StorageFullError
         >>> may_pass(StorageFullError("disk full")), may_pass(PermissionError(13, "denied"))
         (True, False)
+        >>> may_pass(CheckpointBusyError("/ckpt", "global_step2", "pid 7 on node1"))
+        True
     """
     for current in exception_chain(error):
-        if isinstance(current, StorageFullError):
+        if isinstance(current, (StorageFullError, CheckpointBusyError)):
+            # A full disk is freed or grown; another live writer of the tag finishes (a
+            # rank of the job copying this rank's part for it, a reader, an operator).
             return True
         if isinstance(current, _HOPELESS):
             return False

@@ -22,6 +22,7 @@ from nebulaml.protocol.catalog import read_committed
 from nebulaml.protocol.cowriters import copy_alongside
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.memory_tier import rank_gone
+from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.protocol.transfer import copy_part
 from nebulaml.runtime.outage import may_pass
@@ -49,9 +50,10 @@ def leader_of(memory: Store, tag: str, rank: int) -> int | None:
     return 0  # copy_part reports what is wrong with this rank's part
 
 
-def persist_whole(tiers: TierSet, tag: str) -> tuple[int, int]:
+def persist_whole(tiers: TierSet, tag: str, reuse: ReuseBook | None = None) -> tuple[int, int]:
     """Copy the committed memory-tier checkpoint `tag` to the persistent tier and commit
-    it there; its size in bytes and its commit sequence there."""
+    it there; its size in bytes and its commit sequence there. `reuse`: what this
+    process persisted before, whose unchanged bytes are not written again (reuse.py)."""
     persistent = tiers.persistent
     assert persistent is not None
     src = read_committed(tiers.memory, tag)
@@ -61,12 +63,18 @@ def persist_whole(tiers: TierSet, tag: str) -> tuple[int, int]:
         )
     # An operator's copy or flush of the same tag waits for this, or this for it, and a
     # committed copy of the same items is this persist's.
-    copied = copy_alongside(src, persistent, overwrite=True, same_root=True)
+    copied = copy_alongside(src, persistent, overwrite=True, same_root=True, reuse=reuse)
     return src.manifest.total_bytes, copied.manifest.sequence
 
 
 def persist_part(
-    tiers: TierSet, tag: str, ranks: RankInfo, *, leader: int, rank_timeout_s: float
+    tiers: TierSet,
+    tag: str,
+    ranks: RankInfo,
+    *,
+    leader: int,
+    rank_timeout_s: float,
+    reuse: ReuseBook | None = None,
 ) -> int:
     """Copy this rank's part of `tag` to the persistent tier; the leader also waits for
     the other ranks' parts and commits the whole. Its size in bytes.
@@ -91,6 +99,7 @@ def persist_part(
         # block (it may be waiting for one of their older parts).
         wait=leader == ranks.rank,
         gone=gone if tiers.memory_usable else None,
+        reuse=reuse,
     )
 
 

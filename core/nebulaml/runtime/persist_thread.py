@@ -36,6 +36,7 @@ from nebulaml.protocol.history import make_row
 from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.memory_tier import rank_gone
 from nebulaml.protocol.retention import Version, plan_retention
+from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.runtime.connect import keep_root
 from nebulaml.runtime.outage import OutageWatch, is_broken
@@ -69,6 +70,7 @@ class PersistThread:
     rank_timeout_s: float
     pool: SlotPool | None
     history: HistoryQueue
+    reuse: ReuseBook
     removals: RemovalQueue
     _removing: str | None
     _saving: set[str]
@@ -531,14 +533,19 @@ class PersistThread:
                     log.debug("%r: rank %d wrote no part of it, nothing to persist", tag, self.rank)
                     return None
                 size = persist_part(
-                    self.tiers, tag, self.ranks, leader=leader, rank_timeout_s=self.rank_timeout_s
+                    self.tiers,
+                    tag,
+                    self.ranks,
+                    leader=leader,
+                    rank_timeout_s=self.rank_timeout_s,
+                    reuse=self.reuse,
                 )
                 if leader != self.rank:
                     with self._cond:  # durable once its leader commits the checkpoint
                         self._parts_out.add(tag)
                         self._commits_due = time.monotonic()
             else:
-                size, sequence = persist_whole(self.tiers, tag)
+                size, sequence = persist_whole(self.tiers, tag, self.reuse)
                 self._note_sequence(sequence)
             if leader == self.rank:
                 self._apply_retention(tag)
@@ -547,6 +554,7 @@ class PersistThread:
         except Exception as exc:  # noqa: BLE001 - reported as the persist's error, not dropped
             error = PersistError(tag, persistent.url, exc)
             error.__cause__ = exc
+        counts = self.reuse.take_counts(tag)
         if error is not None:
             if self.on_error == "raise":
                 log.error("%s", error)
@@ -567,6 +575,8 @@ class PersistThread:
                 blocking_s=0.0,
                 size_bytes=size,
                 error=error,
+                bytes_written=size if counts is None or error else counts[0],
+                bytes_reused=0 if counts is None or error else counts[1],
             )
         )
         return error

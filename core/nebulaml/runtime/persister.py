@@ -38,6 +38,7 @@ from nebulaml.protocol.catalog import highest_sequence, list_committed
 from nebulaml.protocol.history import HistoryRow, skipped_row
 from nebulaml.protocol.memory_tier import write_removals
 from nebulaml.protocol.retention import Version
+from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.runtime.outage import OutageWatch
 from nebulaml.runtime.persist_thread import Connect, PersistThread
@@ -114,6 +115,9 @@ class Persister(PersistThread):
         self._inflight_forced = False
         self._durable: str | None = None  # the newest tag this process made durable
         self.history = HistoryQueue(lambda: self.tiers.history_store)
+        # What this process persisted of each item, whose unchanged bytes the next
+        # persist of the item takes from it instead of writing them (protocol/reuse.py).
+        self.reuse = ReuseBook()
         # What a framework removed (Lightning's ModelCheckpoint): deleted on the thread.
         self.removals = RemovalQueue(journal=self._journal_removals)
         self._removing: str | None = None  # the tag the thread is deleting now

@@ -22,7 +22,7 @@ import errno
 import os
 import stat
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from typing import BinaryIO
 
@@ -255,6 +255,53 @@ class LocalBackend:
         except BaseException:
             out.abort()
             raise
+
+    def write_ranges(
+        self,
+        parts: Parts,
+        view: memoryview,
+        ranges: Iterable[tuple[int, int, bool]],
+        base: Parts | None,
+        sent: Callable[[int], None] | None = None,
+    ) -> tuple[int, int]:
+        """Write `view` as a new file, durable on return (removed if this raises), range by
+        range: (offset, length, reuse) where `reuse` means the file `base` holds the same
+        bytes at the same offsets, cloned from it inside the filesystem
+        (`DirectFile.clone_from`) instead of written; a range the filesystem cannot clone
+        (or every one, when `base` cannot be opened) is written from `view`. Returns
+        (bytes written, bytes cloned). `base` is opened as any read is: a regular file,
+        never through a symbolic link."""
+        out = DirectFile(
+            self._local(parts, leaf_may_link=True), durable=self.durable, mode=self.file_mode
+        )
+        source: BinaryIO | None = None
+        written = cloned = 0
+        try:
+            if base is not None:
+                with contextlib.suppress(OSError, StorageError):
+                    source = self._open(base)
+            for offset, length, reuse in ranges:
+                taken = 0
+                if reuse and source is not None:
+                    taken = out.clone_from(source.fileno(), offset, length)
+                    cloned += taken
+                    if taken < length:
+                        source.close()
+                        source = None  # this filesystem cannot: write the rest
+                rest = length - taken
+                if rest:
+                    out.write_at(view[offset + taken : offset + length], offset + taken)
+                    written += rest
+                if sent is not None:
+                    sent(length)
+            out.close()
+        except BaseException:
+            out.abort()
+            raise
+        finally:
+            if source is not None:
+                source.close()
+        return written, cloned
 
     def publish(self, parts: Parts, data: bytes, *, create_only: bool) -> None:
         """Write a temporary file, fsync, hard-link it into place (which fails if the name

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 from typing import Any, BinaryIO, TypeVar
 
@@ -400,6 +400,32 @@ class Store:
                 f.write(piece)
 
             write_view_chunks(write, view, each)
+
+    @property
+    def clones(self) -> bool:
+        """Whether `write_ranges` can take ranges from an earlier file of this store
+        instead of writing them (a local root: `copy_file_range`, reflinks on XFS and
+        btrfs)."""
+        return isinstance(self._backend, LocalBackend)
+
+    def write_ranges(
+        self,
+        parts: tuple[str, ...],
+        view: memoryview,
+        ranges: Iterable[tuple[int, int, bool]],
+        base: tuple[str, ...] | None,
+        sent: Callable[[int], None] | None = None,
+    ) -> tuple[int, int]:
+        """Write `view` as the file `parts`, durable on return and removed if this raises:
+        each range (offset, length, reuse) with `reuse` set is taken from the file `base`
+        of this store, which holds the same bytes there, where the store can
+        (`clones`); the others, and all of them elsewhere, are written from `view`.
+        Returns (bytes written, bytes taken from `base`); `sent(n)` as `open_write`'s."""
+        if isinstance(self._backend, LocalBackend):
+            with self._translated(self.display(*parts)):
+                return self._backend.write_ranges(parts, view, ranges, base, sent)
+        self.write_view(parts, view, lambda _piece: None, sent)
+        return len(view), 0
 
     def write_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
         """Write (or replace) a small file durably."""

@@ -232,6 +232,32 @@ class DirectFile:
                 raise OSError(errno.EIO, "a write made no progress", self._path)
             done += n
 
+    def clone_from(self, source_fd: int, offset: int, length: int) -> int:
+        """Make bytes [offset, offset + length) of this file those of `source_fd` at the
+        same offsets, inside the filesystem: shared extents where it can (XFS and btrfs
+        with reflinks: `copy_file_range` clones), else a copy in the kernel, no byte
+        through this process. Returns how many bytes from `offset` on it made so; the
+        caller writes the rest itself (another filesystem, no `copy_file_range`, a source
+        shorter than it should be). A clone and its source are independent files."""
+        if not hasattr(os, "copy_file_range"):
+            return 0
+        done = 0
+        while done < length:
+            at = offset + done
+            try:
+                n = os.copy_file_range(source_fd, self._fd, length - done, at, at)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and self.direct:
+                    self._buffered()  # O_DIRECT refuses an unaligned end: the page cache
+                    continue
+                if exc.errno in _NO_CLONE_ERRNOS:
+                    return done
+                raise
+            if n == 0:
+                return done
+            done += n
+        return done
+
     def close(self) -> None:
         """Flush to the device (when durable) and close; a failed fsync raises (and the
         file stays open for `abort`)."""
@@ -248,6 +274,13 @@ class DirectFile:
             self._fd = -1
         with contextlib.suppress(OSError):
             os.unlink(self._path)
+
+
+# copy_file_range's ways of saying "not here" (another filesystem, none at all, a file
+# the kernel will not splice): the range is written instead.
+_NO_CLONE_ERRNOS = frozenset(
+    {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF, errno.ETXTBSY}
+)
 
 
 class _Write:

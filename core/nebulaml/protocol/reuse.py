@@ -1,0 +1,211 @@
+"""Persisting what changed: the bytes of an item that equal its previous version's on the
+same tier are taken from that version's file, not sent again.
+
+    ReuseBook   what this process last persisted of each item name on each tier (its
+                tag, checksum, and the digests of its pieces and blocks), and the bytes
+                each persisted tag wrote and reused
+    plan_item   which ranges of a new version of an item equal the book's version, by
+                digest, checked against the item's checksum first
+
+A frozen base model, an embedding table or an EMA copy that did not change since the last
+persist costs no write: on a local root its ranges are cloned from the last version's file
+(`Store.write_ranges`: shared extents on XFS and btrfs, an in-kernel copy elsewhere), and
+the version is still a complete file that `torch.load` reads. Deleting the older version
+never touches the newer one (a clone is a file of its own).
+
+How "equal" is known, without reading the older version back: its digests are kept in
+memory from when this process persisted it. A new version is hashed in 1 MiB pieces (the
+item checksum's leaves: `tree_leaves`, whose combination is checked against the manifest
+entry before anything is written, so a corrupt memory copy is refused as before); a piece
+whose leaf equals the older version's at the same offset is reused whole. Inside a piece
+that differs, 16 KiB blocks are compared by xxh3-128 (`block_digests`), so that a small
+tensor that changed (a LoRA adapter among frozen weights) costs its blocks, not its
+piece. A piece reused whole inherits the older version's block digests; a version whose
+block digests are unknown (the first persisted by this process) reuses whole pieces only.
+
+The older version is used only while it is still committed on the tier with the checksum
+the book recorded, is not the tag being written, and opens as a regular file; else the
+item is written whole. A process that restarts starts a new book: its first persist of
+each item writes it whole.
+
+May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`, catalog.py. Not
+for: the copy itself (transfer.py `copy_item` calls `plan_item`), or when to persist
+(runtime/persister.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from nebulaml.errors import CorruptCheckpointError
+from nebulaml.format.checksum import (
+    BLOCK_BYTES,
+    BLOCK_DIGEST_BYTES,
+    CHECKSUM_ALGO,
+    LEAF_BYTES,
+    block_digests,
+    tree_hexdigest,
+    tree_leaves,
+)
+from nebulaml.format.manifest import ItemEntry
+from nebulaml.protocol.catalog import read_committed
+from nebulaml.storage.store import Store
+
+Range = tuple[int, int, bool]  # (offset, length, taken from the older version)
+
+
+@dataclass
+class ItemVersion:
+    """One persisted version of an item file, as the book knows it."""
+
+    tag: str
+    file: str
+    size_bytes: int
+    checksum: str
+    leaves: list[bytes]  # the checksum's leaf digest of each LEAF_BYTES piece
+    blocks: list[bytes | None]  # each piece's block digests, where known
+
+
+@dataclass(frozen=True)
+class ItemPlan:
+    """How to write one item: its ranges in file order, and the version to record."""
+
+    ranges: tuple[Range, ...]
+    base: ItemVersion | None
+    version: ItemVersion
+
+    @property
+    def reused_bytes(self) -> int:
+        return sum(length for _, length, reuse in self.ranges if reuse)
+
+
+@dataclass
+class ReuseBook:
+    """What this process last persisted of each item name on each tier, and the bytes
+    each tag's persist wrote and took from an older version (for its history row).
+
+    Example:
+        >>> book = ReuseBook()
+        >>> book.count("global_step2", written=10, reused=90)
+        >>> book.take_counts("global_step2"), book.take_counts("global_step2")
+        ((10, 90), None)
+    """
+
+    _versions: dict[tuple[str, str], ItemVersion] = field(default_factory=dict)
+    _counts: dict[str, list[int]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def base_for(self, store: Store, tag: str, item: ItemEntry) -> ItemVersion | None:
+        """The version of `item`'s file last persisted to `store` if a new version may
+        take ranges from it: still committed there with the checksum recorded, of the
+        same size, and not `tag` itself (a tag written again loses its old files first)."""
+        with self._lock:
+            base = self._versions.get((store.url, item.file))
+        if base is None or base.tag == tag or base.size_bytes != item.size_bytes:
+            return None
+        info = read_committed(store, base.tag)
+        if info is None:
+            return None
+        same = [i for i in info.manifest.items if i.file == base.file]
+        if len(same) != 1 or same[0].checksum != base.checksum:
+            return None
+        return base
+
+    def remember(self, store: Store, version: ItemVersion) -> None:
+        """`version` is now the newest of its file on `store` (its persist wrote it)."""
+        with self._lock:
+            self._versions[(store.url, version.file)] = version
+
+    def count(self, tag: str, *, written: int, reused: int) -> None:
+        """Add one item's bytes to the persist of `tag`."""
+        with self._lock:
+            counts = self._counts.setdefault(tag, [0, 0])
+            counts[0] += written
+            counts[1] += reused
+
+    def take_counts(self, tag: str) -> tuple[int, int] | None:
+        """(bytes written, bytes reused) by the persists of `tag` since the last call;
+        None when nothing was counted (a store that takes nothing from older versions)."""
+        with self._lock:
+            counts = self._counts.pop(tag, None)
+        return None if counts is None else (counts[0], counts[1])
+
+
+def plan_item(
+    view: memoryview, tag: str, item: ItemEntry, base: ItemVersion | None, where: str = ""
+) -> ItemPlan:
+    """Hash `view` (the new version of `item`, to be written into `tag`), check it against
+    `item`'s checksum (`CorruptCheckpointError` naming `where`, the source, if it
+    differs: nothing is written), and
+    compare it with `base` (module docstring): the ranges to write and to take from `base`.
+
+    Example:
+        >>> from nebulaml.format.checksum import checksum_of
+        >>> old = bytes(3 << 20)
+        >>> new = bytearray(old); new[(1 << 20) + 5] = 1          # one byte of piece 1
+        >>> first = plan_item(memoryview(old), "s1", _entry(old), None)
+        >>> first.reused_bytes, first.version.blocks == [None, None, None]
+        (0, True)
+        >>> second = plan_item(memoryview(new), "s2", _entry(bytes(new)), first.version)
+        >>> second.reused_bytes == 2 << 20   # pieces 0 and 2; piece 1 written whole
+        True
+        >>> third = plan_item(memoryview(new), "s3", _entry(bytes(new)), second.version)
+        >>> third.reused_bytes == 3 << 20
+        True
+    """
+    size = len(view)
+    leaves = tree_leaves(view)
+    if item.checksum_algo != CHECKSUM_ALGO or size != item.size_bytes:
+        found = f"{size} bytes"
+    elif tree_hexdigest(leaves) != item.checksum:
+        found = f"{size} bytes with {CHECKSUM_ALGO} {tree_hexdigest(leaves)}"
+    else:
+        found = ""
+    if found:
+        raise CorruptCheckpointError(
+            where or f"{tag}/{item.file}",
+            f"{item.size_bytes} bytes with {item.checksum_algo} {item.checksum}",
+            found,
+        )
+    if base is not None and (base.size_bytes != size or len(base.leaves) != len(leaves)):
+        base = None
+    ranges: list[Range] = []
+    blocks: list[bytes | None] = []
+    for i, leaf in enumerate(leaves):
+        start = i * LEAF_BYTES
+        piece = view[start : start + LEAF_BYTES]
+        if base is not None and base.leaves[i] == leaf:
+            _add(ranges, start, len(piece), True)
+            blocks.append(base.blocks[i])
+            continue
+        digests = block_digests(piece) if base is not None else None
+        blocks.append(digests)
+        older = base.blocks[i] if base is not None else None
+        if digests is None or older is None or len(older) != len(digests):
+            _add(ranges, start, len(piece), False)
+            continue
+        for k in range(0, len(digests), BLOCK_DIGEST_BYTES):
+            at = k // BLOCK_DIGEST_BYTES * BLOCK_BYTES
+            same = digests[k : k + BLOCK_DIGEST_BYTES] == older[k : k + BLOCK_DIGEST_BYTES]
+            _add(ranges, start + at, min(BLOCK_BYTES, len(piece) - at), same)
+    version = ItemVersion(tag, item.file, size, item.checksum, leaves, blocks)
+    return ItemPlan(tuple(ranges), base, version)
+
+
+def _add(ranges: list[Range], offset: int, length: int, reuse: bool) -> None:
+    """Append a range, merged with the one before it when they are of one kind."""
+    if ranges and ranges[-1][2] == reuse and sum(ranges[-1][:2]) == offset:
+        last = ranges.pop()
+        ranges.append((last[0], last[1] + length, reuse))
+    else:
+        ranges.append((offset, length, reuse))
+
+
+def _entry(data: bytes) -> ItemEntry:
+    """A manifest entry for `data` (the doctests')."""
+    from nebulaml.format.checksum import checksum_of
+
+    return ItemEntry.written(
+        "model", rank=0, size_bytes=len(data), checksum=checksum_of(data), tensor_bytes=0
+    )
