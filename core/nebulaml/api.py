@@ -63,7 +63,11 @@ def init(
     `NEBULA_ON_PERSIST_ERROR`, else "retry") and `private` (default `NEBULA_PRIVATE`,
     else False: a local persistent root is then this user's alone, its folder made 0700
     and what nebula writes there 0600 and 0700; otherwise they follow the umask, as the
-    memory tier never does).
+    memory tier never does) and `reuse_unchanged` (default `NEBULA_REUSE_UNCHANGED`, else
+    True: a save does not copy again a tensor it knows unchanged since the buffer last
+    received it, a frozen base model say; docs/architecture.md says how "unchanged" is
+    known). Whatever it says, a persist to a local root writes only the bytes that
+    differ from the item's previous version there, compared by digest.
 
     The persistent tier never stops training (`on_persist_error="retry"`, the default): a
     persist that fails (the store down, the disk full) leaves the checkpoint in the memory

@@ -7,6 +7,8 @@
     NEBULA_RANK_TIMEOUT_S               init()'s rank_timeout_s (default 300)
     NEBULA_LAZY_SNAPSHOT                init()'s lazy_snapshot (1/true/yes/on; default off)
     NEBULA_KEEP_MEMORY_TIER             init()'s keep_memory_tier (1/true/yes/on; default off)
+    NEBULA_REUSE_UNCHANGED              init()'s reuse_unchanged (0/false/no/off turns off:
+                                        every save copies every tensor)
     NEBULA_ON_PERSIST_ERROR             init()'s on_persist_error: "retry" (default) or "raise"
     NEBULA_PRIVATE                      init()'s private, and what the CLI writes to a local
                                         root (1/true/yes/on: files 0600, folders 0700)
@@ -44,6 +46,7 @@ ENV_EXIT_TIMEOUT = "NEBULA_EXIT_TIMEOUT_S"
 ENV_RANK_TIMEOUT = "NEBULA_RANK_TIMEOUT_S"
 ENV_LAZY = "NEBULA_LAZY_SNAPSHOT"
 ENV_KEEP_MEMORY_TIER = "NEBULA_KEEP_MEMORY_TIER"
+ENV_REUSE_UNCHANGED = "NEBULA_REUSE_UNCHANGED"
 ENV_ON_PERSIST_ERROR = "NEBULA_ON_PERSIST_ERROR"
 ENV_PRIVATE = "NEBULA_PRIVATE"
 ENV_MEMORY_BUFFER = "NEBULA_MEMORY_BUFFER_SIZE"
@@ -74,12 +77,14 @@ KNOWN_OPTIONS = (
     "keep_memory_tier",
     "on_persist_error",
     "private",
+    "reuse_unchanged",
 )
 # What a failed persist does: "raise" (the default, for now: the next call into nebula
 # raises the failure) or "retry" (the memory tier keeps the checkpoint and the persister
 # tries again until it is durable; training is never stopped).
 PERSIST_ERROR_MODES = ("retry", "raise")
 _TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +101,7 @@ class Config:
     keep_memory_tier: bool = False
     on_persist_error: str = "retry"
     private: bool = False
+    reuse_unchanged: bool = True
 
 
 def _number(value: object, source: str, kind: type, minimum: float) -> Any:
@@ -182,6 +188,11 @@ def resolve_config(
         private = private_default()
     if not isinstance(private, bool):
         raise InvalidArgumentError(f"private must be True or False, not {private!r}")
+    reuse = options.get("reuse_unchanged")
+    if reuse is None:
+        reuse = os.environ.get(ENV_REUSE_UNCHANGED, "1").strip().lower() not in _FALSE
+    if not isinstance(reuse, bool):
+        raise InvalidArgumentError(f"reuse_unchanged must be True or False, not {reuse!r}")
     storage_options = options.get("storage_options") or {}
     if not isinstance(storage_options, dict):
         raise InvalidArgumentError("storage_options must be a dict")
@@ -196,6 +207,7 @@ def resolve_config(
         keep_memory_tier=keep,
         on_persist_error=on_error,
         private=private,
+        reuse_unchanged=reuse,
     )
 
 

@@ -45,11 +45,16 @@ class RecordingStore(Store):
 
         return _Journal()
 
-    def remove(self, *parts):
+    def write_bytes(self, parts, data, *, durable=True):
+        super().write_bytes(parts, data, durable=durable)
+        if not durable:  # a durable one goes through open_write, journalled there
+            self.events.append(("write", parts[-1]))
+
+    def remove(self, *parts, durable=True):
         removes = sum(1 for kind, _ in self.events if kind == "remove")
         if self.fail_remove_at is not None and removes + 1 == self.fail_remove_at:
             raise nm.StorageError(f"injected failure removing {parts[-1]}")
-        super().remove(*parts)
+        super().remove(*parts, durable=durable)
         self.events.append(("remove", parts[-1]))
 
 

@@ -413,7 +413,7 @@ def test_a_store_that_refuses_the_lease_is_read_without_one(tmp_path: Path) -> N
     commit(Store(url), TAG, 5.0)
 
     class FullStore(Store):
-        def write_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
+        def write_bytes(self, parts: tuple[str, ...], data: bytes, **_: object) -> None:
             raise nm.StorageFullError(28, f"{parts[-1]}: storage is full")
 
     handle = Checkpoint._committed_handle(TAG, TierSet(memory=FullStore(url), persistent=None))

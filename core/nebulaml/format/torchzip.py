@@ -70,7 +70,8 @@ class Layout:
 
     `segments` are the bytes torch wrote itself (offset, bytes); `regions[i]` is the
     (offset, size_bytes) of `storages[i]`; `gaps` are the ranges neither covers (zip
-    padding), zeroed on every fill so that a reused buffer carries nothing over.
+    padding), zeroed on every fill so that a reused buffer carries nothing over;
+    `versions[i]` what PyTorch counted of in-place changes to `storages[i]`.
     """
 
     size_bytes: int
@@ -78,6 +79,9 @@ class Layout:
     regions: tuple[tuple[int, int], ...]
     gaps: tuple[tuple[int, int], ...]
     storages: tuple[Any, ...]  # torch.UntypedStorage, in torch's key order
+    # For each storage, the version counters of the tensors that view it, when the
+    # object was planned (`storages_and_signature`); () when not taken.
+    versions: tuple[tuple[int, ...], ...] = ()
 
     @property
     def tensor_bytes(self) -> int:
@@ -165,7 +169,9 @@ def storages_in_pickle_order(obj: Any) -> list[Any] | None:
     return None if walked is None else walked[0]
 
 
-def storages_and_signature(obj: Any) -> tuple[list[Any], tuple[Any, ...] | None] | None:
+def storages_and_signature(
+    obj: Any, versions: list[list[int]] | None = None
+) -> tuple[list[Any], tuple[Any, ...] | None] | None:
     """(the distinct storages in pickling order, the signature of everything else that
     goes into the pickle), or None if the layout cannot map `obj`. The signature is None
     when `obj` holds something it cannot describe (the layout is then never reused).
@@ -174,6 +180,10 @@ def storages_and_signature(obj: Any) -> tuple[list[Any], tuple[Any, ...] | None]
     sizes: the signature holds every container's type and length, every plain value
     (floats by their bits), every tensor's metadata, and which objects are the same
     object (the pickler writes a second meeting as a reference).
+
+    `versions`, when given, receives for each storage (in the same order) the version
+    counters (`Tensor._version`) of the tensors of `obj` that view it: what PyTorch
+    knows of in-place changes to them (runtime/snapshot.py's evidence).
     """
     import torch
 
@@ -207,6 +217,10 @@ def storages_and_signature(obj: Any) -> tuple[list[Any], tuple[Any, ...] | None]
             storage = value.untyped_storage()
             key = storage_index.setdefault(storage._cdata, len(storage_index))
             found.setdefault(storage._cdata, storage)
+            if versions is not None:
+                if key == len(versions):
+                    versions.append([])
+                versions[key].append(value._version)
             sig.append(
                 (
                     kind,

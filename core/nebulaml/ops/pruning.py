@@ -41,7 +41,9 @@ from nebulaml.storage.store import Store
 PathLike = str | os.PathLike[str]
 DEFAULT_GRACE_S = 3600.0
 BEING_READ = "being read"  # why execute_prune kept a tag a reader holds a lease on
-PRUNE_WORKERS = 8  # deletes a prune runs at once
+# Deletes a prune runs at once: each waits on its store (an fsync, a request) as much as it
+# runs Python, so two per core, and at most 8.
+PRUNE_WORKERS = max(2, min(8, 2 * (os.cpu_count() or 1)))
 
 
 @dataclass(frozen=True, slots=True)

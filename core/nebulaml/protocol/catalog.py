@@ -14,6 +14,7 @@ import functools
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from nebulaml.errors import (
     InvalidNameError,
@@ -102,12 +103,13 @@ def read_manifest(store: Store, tag: str) -> Manifest | None:
     return manifest
 
 
-# Manifests this process has read on local roots, by (root location, tag): the manifest
-# file's identity (inode, size, mtime) when read, and the manifest. A committed manifest
-# is never changed in place (a tag saved again is deleted and committed anew: another
-# file), so while its identity is the same it need not be read, parsed and checked again;
-# listing a root of 10,000 checkpoints then costs a few stats per tag.
-_MANIFESTS: dict[tuple[str, str], tuple[tuple[int, int, int], Manifest]] = {}
+# Manifests this process has read, by (root location, tag): the manifest file's identity
+# when read (local: inode, size, mtime; an object store: size and the version its
+# listing gives, an ETag), and the manifest. A committed manifest is never changed in
+# place (a tag saved again is deleted and committed anew: another file), so while its
+# identity is the same it need not be read, parsed and checked again: listing a local
+# root of 10,000 checkpoints costs a few stats per tag, an Azure root one folder listing.
+_MANIFESTS: dict[tuple[str, str], tuple[tuple[Any, ...], Manifest]] = {}
 _MANIFESTS_MAX = 200_000
 _manifests_lock = threading.Lock()
 
@@ -116,14 +118,17 @@ def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
     """The committed checkpoint `tag` on `store`, or None if it is absent or incomplete
     (an item file missing or of the wrong size).
 
-    On a local root a manifest read before and not replaced since is not read again; its
-    items' sizes are checked all the same (one stat each).
+    A manifest read before and not replaced since is not read again (a local root: its
+    inode, size and mtime; an object store: its version in the folder's listing); its
+    items' sizes are checked all the same (one stat each; the same listing).
 
     Raises `UnsupportedSchemaError` for a manifest this version cannot read.
     """
     if not _is_tag(tag):
         validate_name("tag", tag)  # raises, saying why
     key = (store.location, tag)
+    if not store.is_local:
+        return _read_committed_listed(store, tag, key)
     identity = store.file_identity(tag, MANIFEST_NAME)
     if identity is not None:
         with _manifests_lock:
@@ -141,13 +146,41 @@ def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
     return info
 
 
+def _read_committed_listed(store: Store, tag: str, key: tuple[str, str]) -> CheckpointInfo | None:
+    """`read_committed` on an object store: one listing of the tag's folder, and the
+    manifest read only when the listing gives it another version than the one read."""
+    listed = store.list_versions(tag)
+    if listed is None:
+        return _read_committed(store, tag)
+    files = {name: size for name, (size, _) in listed.items()}
+    entry = listed.get(MANIFEST_NAME)
+    identity = None if entry is None or entry[1] is None else entry
+    if identity is not None:
+        with _manifests_lock:
+            cached = _MANIFESTS.get(key)
+        if cached is not None and cached[0] == identity:
+            manifest = cached[1]
+            if all(files.get(item.file) == item.size_bytes for item in manifest.items):
+                return CheckpointInfo(store, manifest)
+    info = _read_committed(store, tag, files)
+    if info is not None and identity is not None:
+        with _manifests_lock:
+            if len(_MANIFESTS) >= _MANIFESTS_MAX:
+                _MANIFESTS.clear()
+            _MANIFESTS[key] = (identity, info.manifest)
+    return info
+
+
 def _has_size(store: Store, tag: str, file: str, size: int) -> bool:
     identity = store.file_identity(tag, file)
     return identity is not None and identity[1] == size
 
 
-def _read_committed(store: Store, tag: str) -> CheckpointInfo | None:
-    files = store.list_files(tag)
+def _read_committed(
+    store: Store, tag: str, files: dict[str, int] | None = None
+) -> CheckpointInfo | None:
+    if files is None:
+        files = store.list_files(tag)
     if MANIFEST_NAME not in files:
         return None
     if files[MANIFEST_NAME] > MAX_MANIFEST_BYTES:  # not read: too large to be one of ours

@@ -144,9 +144,9 @@ def _remove_part(
     for name in sorted(own & set(files)):
         if discard is not None:
             discard(tag, name)
-        store.remove(tag, name)
-    store.remove(tag, marker_name(rank))
-    store.remove(tag, writer_marker_name(rank))
+        store.remove(tag, name, durable=False)
+    store.remove(tag, marker_name(rank), durable=False)
+    store.remove(tag, writer_marker_name(rank), durable=False)
     # Leases (our claim among them) are no other rank's files.
     if not keep_folder and not [n for n in store.list_files(tag) if not is_lease_file(n)]:
         _remove_folder(store, tag, files)
@@ -155,17 +155,22 @@ def _remove_part(
 def _claim(store: Store, tag: str, rank: int) -> None:
     """Write this process's writer marker into `tag` (before it changes what is there)."""
     # Written in place, not published: on a full disk a delete must still get its claim
-    # in (a deleter's half-written claim only makes another deleter delete too).
-    store.write_bytes((tag, writer_marker_name(rank)), writer_record(rank, deleting=True))
+    # in (a deleter's half-written claim only makes another deleter delete too). Not
+    # fsynced: it tells live processes that a delete is under way; after a crash there
+    # are none, and the manifest's removal (fsynced before any data goes) is what keeps
+    # a half-deleted tag from reading as committed.
+    store.write_bytes(
+        (tag, writer_marker_name(rank)), writer_record(rank, deleting=True), durable=False
+    )
 
 
-def _live_saver(store: Store, tag: str) -> bool:
+def _live_saver(store: Store, tag: str, files: dict[str, int] | None = None) -> bool:
     """Whether another live process on this host is saving into `tag` (a writer marker
-    that is not a deleter's claim)."""
+    that is not a deleter's claim); `files`: the folder as just listed."""
     me = os.getpid()
     return any(
         w.get("pid") != me and not w.get("deleting") and writer_alive(w)
-        for w in read_writers(store, tag)
+        for w in read_writers(store, tag, files)
     )
 
 
@@ -178,13 +183,14 @@ def _live_writer(store: Store, tag: str) -> bool:
 def _remove_checkpoint(
     store: Store, tag: str, files: dict[str, int], discard: Callable[[str, str], object] | None
 ) -> None:
-    store.remove(tag, MANIFEST_NAME)
-    # Data first, our markers last: whatever a kill leaves behind still carries them.
+    store.remove(tag, MANIFEST_NAME)  # durable before any data goes
+    # Data first, our markers last: whatever a kill leaves behind still carries them. Not
+    # fsynced one by one: what a crash brings back is a leftover with our claim in it.
     for name in files:
         if not name.startswith(".") and name != MANIFEST_NAME:
             if discard is not None:
                 discard(tag, name)
-            store.remove(tag, name)
+            store.remove(tag, name, durable=False)
     _remove_folder(store, tag, files)
 
 
@@ -206,10 +212,10 @@ def _remove_folder(store: Store, tag: str, known: Iterable[str] = (), tries: int
         present = store.list_files(tag)
         if any(name not in known and not is_lease_file(name) for name in present):
             return
-        if _live_saver(store, tag):
+        if _live_saver(store, tag, present):
             return
         try:
-            store.remove_dir(tag)
+            store.remove_dir(tag, files=present)
             return
         except StorageError:
             if attempt == tries - 1:

@@ -224,7 +224,7 @@ def delete_claim(
         yield live
     finally:
         if name is not None:
-            store.remove(tag, name)
+            store.remove(tag, name, durable=False)
 
 
 def hold_tag(
@@ -435,7 +435,8 @@ def _publish(store: Store, tag: str, kind: str) -> str | None:
     doc = {"kind": kind, "host": socket.gethostname(), "pid": os.getpid(),
            "taken_at": now.isoformat().replace("+00:00", "Z")}  # fmt: skip
     try:
-        store.write_bytes((tag, name), json.dumps(doc).encode())
+        # Not fsynced: a lease speaks to live processes, and a crash leaves none of them.
+        store.write_bytes((tag, name), json.dumps(doc).encode(), durable=False)
     except MissingFileError:
         return None  # the folder was removed: nothing left to read or delete
     return name

@@ -80,11 +80,15 @@ def claimed_items(store: Store, tag: str, name: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def read_writers(store: Store, tag: str) -> list[dict[str, Any]]:
+def read_writers(
+    store: Store, tag: str, files: dict[str, int] | None = None
+) -> list[dict[str, Any]]:
     """The writer markers of an uncommitted tag: host, pid, rank, started_at, deleting
-    (unreadable markers are skipped: they only describe, they decide nothing here)."""
+    (unreadable markers are skipped: they only describe, they decide nothing here).
+    `files`: the tag's folder as the caller has just listed it."""
     writers = []
-    files = store.list_files(tag)
+    if files is None:
+        files = store.list_files(tag)
     for name in sorted(files):
         if not name.startswith(WRITER_PREFIX) or files[name] > MAX_MANIFEST_BYTES:
             continue

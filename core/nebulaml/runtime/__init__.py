@@ -5,7 +5,8 @@ Holds: the process's session (session) and its exit path (exit), saving a checkp
 (save) and loading an item (load), finding a root's tiers, a tag or an item on them
 (locate), ranks (ranks), the job and its hold on the root (job), the memory budget
 (budget), the background persister (persister), the snapshot layout and fill (snapshot),
-reused buffers (slots) and their fresh pages (pages), and lazy snapshots' fence (fence).
+what a buffer still holds from its last fill (unchanged), reused buffers (slots) and
+their fresh pages (pages), and lazy snapshots' fence (fence).
 
 May import: every layer below (`errors`, `config`, `format`, `storage`, `protocol`). Not
 for: the configuration itself (config.py), the public functions (api.py, checkpoint.py)

@@ -87,6 +87,7 @@ class SaveJob:
         self._started_at = ""
         self._t0 = 0.0
         self._blocking_s = 0.0
+        self._reused = 0  # bytes of tensors the snapshot did not copy (unchanged.py)
 
     def mark_committed(self, tiers: TierSet) -> None:
         """This is a checkpoint committed before, on `tiers`: nothing is saved into it."""
@@ -243,7 +244,10 @@ class SaveJob:
             return write_item(session.tiers.memory, self.tag, name, obj, rank=session.rank)
         if taken is not None:
             layout = taken.on_copies(layout)
-        return write_snapshot(session.pool, self.tag, name, layout, rank=session.rank, ready=ready)
+        before = session.pool.reused_bytes
+        entry = write_snapshot(session.pool, self.tag, name, layout, rank=session.rank, ready=ready)
+        self._reused += session.pool.reused_bytes - before  # what the buffer held already
+        return entry
 
     def _stream(self, session: Session, what: str, short: Shortfall) -> None:
         """Move this checkpoint to the persistent tier, since `what` (an item, or the
@@ -393,6 +397,7 @@ class SaveJob:
         store.remove(self.tag, writer_marker_name(session.rank))
         self.committed = True
         self._blocking_s += time.perf_counter() - t0
+        size = sum(item.size_bytes for item in self.items)
         return make_row(
             tag=self.tag,
             step=step_of(self.tag),
@@ -401,5 +406,7 @@ class SaveJob:
             started_at=self._started_at,
             duration_s=time.perf_counter() - self._t0,
             blocking_s=self._blocking_s,
-            size_bytes=sum(item.size_bytes for item in self.items),
+            size_bytes=size,
+            bytes_written=size - self._reused,
+            bytes_reused=self._reused,
         )

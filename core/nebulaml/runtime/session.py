@@ -112,7 +112,9 @@ class Session:
         share = memory_budget_bytes(self._ranks)
         # The budget is per process, the memory tier shared by the node's processes.
         limit = None if share is None else share * self._ranks.local_world_size
-        self.pool = SlotPool(self.tiers.memory, limit_bytes=limit)
+        self.pool = SlotPool(
+            self.tiers.memory, limit_bytes=limit, reuse_unchanged=config.reuse_unchanged
+        )
         self.layouts = LayoutCache()  # each item name's last layout (snapshot.py)
         self.persister = Persister(
             self.tiers,

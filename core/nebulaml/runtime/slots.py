@@ -50,6 +50,7 @@ from nebulaml.format.names import SLOTS_DIR, validate_name
 from nebulaml.format.torchzip import Layout
 from nebulaml.runtime.pages import Population, lower_priority, populate
 from nebulaml.runtime.snapshot import fill
+from nebulaml.runtime.unchanged import BufferMemory
 from nebulaml.storage.store import Store
 from nebulaml.storage.streams import claim_unused, translate_errors
 
@@ -70,6 +71,8 @@ class MappedFile:
     view: memoryview
     tensor: Any = field(repr=False)
     pinned: bool = False
+    # What its last fill put there (unchanged.py): the next fill skips what is still so.
+    memory: BufferMemory = field(default_factory=BufferMemory, repr=False)
 
     @classmethod
     def open(cls, fd: int, size_bytes: int) -> MappedFile:
@@ -93,6 +96,8 @@ class MappedFile:
             self.pinned = pin(self.tensor)
 
     def close(self, *, close_fd: bool = True) -> None:
+        self.memory.settle()  # its audit reads the mapping
+        self.memory.record = None
         if self.pinned:
             from nebulaml.runtime.snapshot import unpin
 
@@ -141,12 +146,18 @@ class SlotPool:
         >>> pool.close()
     """
 
-    def __init__(self, store: Store, *, limit_bytes: int | None = None) -> None:
+    def __init__(
+        self, store: Store, *, limit_bytes: int | None = None, reuse_unchanged: bool = True
+    ) -> None:
         root = store.local_path()
         if root is None:
             raise ValueError(f"{store.url}: the memory tier must be a local folder")
         self.store = store
         self.limit_bytes = limit_bytes
+        # A fill skips the storages its buffer still holds (unchanged.py); how many bytes
+        # the fills of this pool did not copy.
+        self.reuse_unchanged = reuse_unchanged
+        self.reused_bytes = 0
         self._pool = os.path.join(root, POOL_DIR)
         self._maps: dict[tuple[int, int], MappedFile] = {}
         self._opened: dict[str, int] = {}  # item name: the size of its last buffer
@@ -158,6 +169,18 @@ class SlotPool:
         store.mapped = self.view_of  # the persister reads the files through our mappings
 
     # filling ---------------------------------------------------------------------------
+    def settle_audits(self) -> None:
+        """Wait for the background audits of every buffer's last fill (unchanged.py)."""
+        with self._lock:
+            maps = list(self._maps.values())
+        for mapped in maps:
+            mapped.memory.settle()
+
+    def count_reused(self, n: int) -> None:
+        """Add `n` bytes a fill did not copy (its buffer held them) to `reused_bytes`."""
+        with self._lock:
+            self.reused_bytes += n
+
     def open_item(self, tag: str, name: str, size_bytes: int) -> MappedFile:
         """The file of item `name` in `tag`, `size_bytes` long and mapped: a pool file of
         that name if there is one (its pages already touched), else a new file."""
@@ -504,7 +527,11 @@ def write_snapshot(
     buffer = pool.open_item(tag, name, layout.size_bytes)
     if any(s.device.type == "cuda" for s in layout.storages):
         buffer.pin()  # once per buffer: it is reused from one checkpoint to the next
-    digest = fill(buffer.tensor, buffer.view, layout, ready=ready)
+    memory = buffer.memory if pool.reuse_unchanged else None
+    label = f"item {name!r} of checkpoint {tag!r}"
+    digest = fill(buffer.tensor, buffer.view, layout, ready=ready, memory=memory, label=label)
+    if memory is not None:
+        pool.count_reused(memory.reused_bytes)
     return ItemEntry.written(
         name,
         rank=rank,

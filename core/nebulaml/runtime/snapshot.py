@@ -38,6 +38,7 @@ reused (slots.py), or the commit protocol (protocol/commit.py).
 from __future__ import annotations
 
 import ctypes
+import random
 import threading
 from dataclasses import replace
 from typing import Any
@@ -50,12 +51,15 @@ from nebulaml.format.torchzip import (
     storages_and_signature,
     storages_in_pickle_order,
 )
+from nebulaml.runtime.unchanged import BufferMemory, FillRecord, marks_of, reusable
 
 # A fill's unit of work is one checksum leaf: small enough that a piece just copied is
 # still in the cache when it is hashed, large enough that the Python around each call
 # costs nothing.
 _PIECE_BYTES = LEAF_BYTES
 FILL_WORKERS = 2  # threads per fill (a save waits for its copy; a lazy save's fence too)
+# Where a fill samples the storages it may skip: its own generator, never the user's.
+_SEEDS = random.Random()
 
 
 def plan_layout(obj: Any) -> Layout | None:
@@ -70,8 +74,12 @@ def plan_layout(obj: Any) -> Layout | None:
         True
     """
     saveable = to_saveable(obj)
-    walked = storages_and_signature(saveable)
-    return None if walked is None else record_layout(saveable, walked[0])
+    versions: list[list[int]] = []
+    walked = storages_and_signature(saveable, versions)
+    if walked is None:
+        return None
+    layout = record_layout(saveable, walked[0])
+    return None if layout is None else replace(layout, versions=_frozen(versions))
 
 
 class LayoutCache:
@@ -101,7 +109,8 @@ class LayoutCache:
     def plan(self, name: str, obj: Any) -> Layout | None:
         """`plan_layout(obj)`, from the last layout of `name` when `obj` matches it."""
         saveable = to_saveable(obj)
-        walked = storages_and_signature(saveable)
+        versions: list[list[int]] = []
+        walked = storages_and_signature(saveable, versions)
         if walked is None:
             return None
         storages, signature = walked
@@ -110,7 +119,7 @@ class LayoutCache:
         if last is not None and signature is not None and last[0] == signature:
             with self._lock:
                 self.hits += 1
-            return replace(last[1], storages=tuple(storages))
+            return replace(last[1], storages=tuple(storages), versions=_frozen(versions))
         layout = record_layout(saveable, storages)
         with self._lock:
             self.misses += 1
@@ -118,7 +127,11 @@ class LayoutCache:
                 self._last.pop(name, None)
             else:
                 self._last[name] = (signature, replace(layout, storages=()))
-        return layout
+        return None if layout is None else replace(layout, versions=_frozen(versions))
+
+
+def _frozen(versions: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(v) for v in versions)
 
 
 def fill(
@@ -128,6 +141,8 @@ def fill(
     *,
     ready: Any = None,
     workers: int = FILL_WORKERS,
+    memory: BufferMemory | None = None,
+    label: str = "",
 ) -> str:
     """Write the item into `buffer` (a uint8 tensor of exactly `layout.size_bytes` bytes)
     whose bytes `view` also exposes: torch's own bytes, zeros in the gaps, and a copy of
@@ -140,27 +155,57 @@ def fill(
     device's current stream), straight from the tensors' own memory (nothing is allocated
     on the GPU) into `buffer`, which should be pinned (`pin`) for the copy to run at the
     link's speed; the buffer is hashed after.
+
+    With `memory` (the buffer's `BufferMemory`), the storages the buffer still holds from
+    its last fill (unchanged.py: the evidence) are not copied, and the pieces made of
+    them alone not hashed again; what was skipped is audited in the background, and a
+    warning names `label` (the item and checkpoint) if it changed unseen.
     """
     if buffer.numel() != layout.size_bytes or len(view) != layout.size_bytes:
         raise ValueError(f"a buffer of {len(view)} bytes for an item of {layout.size_bytes}")
+    base = buffer.data_ptr()
+    keep: set[int] = set()
+    record = None
+    if memory is not None:
+        memory.settle()
+        keep = reusable(memory, layout, base, _SEEDS.randrange(1 << 30))
+        record, memory.record = memory.record, None  # the buffer is being written
     for offset, data in layout.segments:
         view[offset : offset + len(data)] = data
     for offset, length in layout.gaps:
         view[offset : offset + length] = bytes(length)
     if any(s.device.type != "cpu" for s in layout.storages):
         _fill_devices(buffer, layout, ready)
-        return checksum_of(view)
-    return _fill_host(buffer.data_ptr(), view, layout, max(1, workers))
+        digest = checksum_of(view)
+        leaves: list[bytes] = []
+    else:
+        old = record.leaves if record is not None and keep else None
+        digest, leaves = _fill_host(base, view, layout, max(1, workers), keep, old)
+    if memory is not None and leaves:
+        since = record.fills_since_full + 1 if record is not None and keep else 0
+        memory.record = FillRecord(
+            layout.size_bytes, layout.regions, layout.segments, marks_of(layout), leaves, since
+        )
+        memory.reused_bytes = sum(layout.regions[i][1] for i in keep)
+        memory.audit_later(base, layout, sorted(keep), label)
+    return digest
 
 
-def _pieces(base: int, layout: Layout) -> list[list[tuple[int, int, int]]]:
+def _pieces(
+    base: int, layout: Layout, keep: set[int] | frozenset[int] = frozenset()
+) -> list[list[tuple[int, int, int]] | None]:
     """For each `_PIECE_BYTES` piece of the file, in order, the (destination address,
     source address, bytes) of the storages' parts that fall in it (none where the piece
-    holds only torch's own bytes)."""
-    pieces: list[list[tuple[int, int, int]]] = [
+    holds only torch's own bytes); None for a piece whose every storage part is of a
+    storage in `keep` (already in the buffer), when there is one such part."""
+    pieces: list[list[tuple[int, int, int]] | None] = [
         [] for _ in range(-(-layout.size_bytes // _PIECE_BYTES))
     ]
-    for (offset, length), storage in zip(layout.regions, layout.storages, strict=True):
+    touched = [False] * len(pieces)  # a storage to copy falls in it
+    kept = [False] * len(pieces)
+    for index, ((offset, length), storage) in enumerate(
+        zip(layout.regions, layout.storages, strict=True)
+    ):
         if storage.nbytes() != length:  # memmove checks nothing: neither may we skip it
             raise ValueError(f"a storage of {storage.nbytes()} bytes laid out as {length}")
         src = storage.data_ptr() - offset  # the source address of file offset `at`: src + at
@@ -168,16 +213,39 @@ def _pieces(base: int, layout: Layout) -> list[list[tuple[int, int, int]]]:
         while at < end:
             piece = at // _PIECE_BYTES
             n = min(end, (piece + 1) * _PIECE_BYTES) - at
-            pieces[piece].append((base + at, src + at, n))
+            if index in keep:
+                kept[piece] = True
+            else:
+                touched[piece] = True
+            parts = pieces[piece]
+            assert parts is not None
+            parts.append((base + at, src + at, n))
             at += n
+    for i in range(len(pieces)):
+        if kept[i] and not touched[i]:
+            pieces[i] = None
     return pieces
 
 
-def _fill_host(base: int, view: memoryview, layout: Layout, workers: int) -> str:
+def _fill_host(
+    base: int,
+    view: memoryview,
+    layout: Layout,
+    workers: int,
+    keep: set[int] | None = None,
+    old_leaves: list[bytes] | None = None,
+) -> tuple[str, list[bytes]]:
     """Copy host storages into the buffer at `base`, piece by piece, and hash each piece
-    after its copies: `workers` threads (this one included) take the next piece in turn."""
-    pieces = _pieces(base, layout)
+    after its copies: `workers` threads (this one included) take the next piece in turn.
+    The storages `keep` names are already there: not copied, and a piece made of them
+    alone (and torch's own bytes, the same as before) keeps its leaf from `old_leaves`.
+    Returns the checksum and the pieces' leaves."""
+    pieces = _pieces(base, layout, keep or set())
     leaves = [b""] * len(pieces)
+    if keep and old_leaves is not None and len(old_leaves) == len(pieces):
+        for i, parts in enumerate(pieces):
+            if parts is None:
+                leaves[i] = old_leaves[i]
     lock = threading.Lock()
     taken = 0
 
@@ -189,7 +257,9 @@ def _fill_host(base: int, view: memoryview, layout: Layout, workers: int) -> str
                 taken += 1
             if i >= len(pieces):
                 return
-            for dst, src, n in pieces[i]:
+            if leaves[i]:
+                continue  # kept: its storages are there, its leaf too
+            for dst, src, n in pieces[i] or ():
                 ctypes.memmove(dst, src, n)
             leaves[i] = leaf_digest(view[i * _PIECE_BYTES : (i + 1) * _PIECE_BYTES])
 
@@ -203,7 +273,7 @@ def _fill_host(base: int, view: memoryview, layout: Layout, workers: int) -> str
             helper.join()  # never leave a copy running into a buffer the caller reuses
     if any(not leaf for leaf in leaves):  # a helper failed (it cannot raise here)
         raise RuntimeError("a fill worker stopped before its pieces were copied")
-    return tree_hexdigest(leaves)
+    return tree_hexdigest(leaves), leaves
 
 
 def _fill_devices(buffer: Any, layout: Layout, ready: Any) -> None:

@@ -38,8 +38,9 @@ def retire(
     known: dict[str, Version] | None = None,
 ) -> tuple[set[str], int]:
     """Delete what retention retires on `persistent` now that `just_persisted` is there;
-    the tags left committed there, and the highest commit sequence known. A tag that
-    cannot go now goes at the next persist's retention.
+    the tags left committed there, and the highest commit sequence it read (while
+    nothing can go: `just_persisted`'s; the caller keeps the highest). A tag that cannot
+    go now goes at the next persist's retention.
 
     `known`: what the caller knows is committed there (updated here), so that each
     persist reads only the manifests it has not read yet (`just_persisted`'s, and any
@@ -73,8 +74,11 @@ def retire(
         # job writes a root; what an operator copies in is read at the next listing).
         read(just_persisted)
         read_now.add(just_persisted)
-        if just_persisted in known and sum(1 for v in known.values() if not v.labels) < retention:
-            return set(known), max(v.sequence for v in known.values())
+        if just_persisted in known and (
+            len(known) < retention or sum(1 for v in known.values() if not v.labels) < retention
+        ):
+            # The sequence of what was just persisted: the caller keeps the highest.
+            return set(known), known[just_persisted].sequence
     folders = set(tag_folders(persistent))
     for tag in [t for t in known if t not in folders]:
         del known[tag]  # deleted meanwhile (a prune)

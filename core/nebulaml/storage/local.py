@@ -226,9 +226,12 @@ class LocalBackend:
             if self.durable:
                 fsync_dir(parent)
 
-    def open_write(self, parts: Parts) -> LocalWriter:
-        """A buffered writer; its close() fsyncs (when durable), its abort() removes."""
-        return LocalWriter(self._local(parts, leaf_may_link=True), self.durable, self.file_mode)
+    def open_write(self, parts: Parts, *, durable: bool = True) -> LocalWriter:
+        """A buffered writer; its close() fsyncs (when durable, and the root is), its
+        abort() removes."""
+        return LocalWriter(
+            self._local(parts, leaf_may_link=True), self.durable and durable, self.file_mode
+        )
 
     def write_view(
         self,
@@ -362,11 +365,11 @@ class LocalBackend:
         finally:
             os.close(fd)
 
-    def remove(self, parts: Parts) -> None:
+    def remove(self, parts: Parts, *, sync: bool = True) -> None:
         try:
             with self._parent(parts) as folder:
                 os.unlink(parts[-1], dir_fd=folder)  # a link: the name alone
-                if self.durable and parts[:-1]:
+                if sync and self.durable and parts[:-1]:
                     os.fsync(folder)
         except FileNotFoundError:
             return

@@ -74,10 +74,18 @@ class RemoteBackend:
         return out
 
     def list_files(self, parts: Parts) -> dict[str, int]:
-        out: dict[str, int] = {}
+        return {name: size for name, (size, _) in self.list_versions(parts).items()}
+
+    def list_versions(self, parts: Parts) -> dict[str, tuple[int, str | None]]:
+        """The files of folder `parts`: {name: (size, version)}, where the version is what
+        the store says changes whenever the object is written (Azure's ETag, else its
+        modification time), or None where it says neither."""
+        out: dict[str, tuple[int, str | None]] = {}
         for entry in self._ls(parts):
             if entry.get("type") == "file":
-                out[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry.get("size") or 0)
+                name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+                version = entry.get("etag") or entry.get("last_modified") or entry.get("mtime")
+                out[name] = (int(entry.get("size") or 0), None if version is None else str(version))
         return out
 
     def modified_at(self, parts: Parts) -> datetime | None:

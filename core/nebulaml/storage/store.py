@@ -242,6 +242,16 @@ class Store:
         the folder is missing)."""
         return self._call(parts, lambda: self._backend.list_files(parts))
 
+    def list_versions(self, *parts: str) -> dict[str, tuple[int, str | None]] | None:
+        """On an object store, the files of folder `parts` as {name: (size, version)}
+        from one listing, the version being what changes whenever the object is written
+        (an ETag), or None where the store says nothing; None on a local root (whose
+        files have a cheaper identity: `file_identity`)."""
+        backend = self._backend
+        if isinstance(backend, LocalBackend) or not hasattr(backend, "list_versions"):
+            return None
+        return self._call(parts, lambda: backend.list_versions(parts))
+
     def file_identity(self, *parts: str) -> tuple[int, int, int] | None:
         """(inode, size, modification time in ns) of the regular file `parts` on a local
         root, without following a link; None when it is missing, not a regular file, or
@@ -427,8 +437,19 @@ class Store:
         self.write_view(parts, view, lambda _piece: None, sent)
         return len(view), 0
 
-    def write_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
-        """Write (or replace) a small file durably."""
+    def write_bytes(self, parts: tuple[str, ...], data: bytes, *, durable: bool = True) -> None:
+        """Write (or replace) a small file, durably unless `durable=False` (a lease or a
+        claim: it speaks to live processes only, and a crash leaves none of them)."""
+        if not durable and isinstance(self._backend, LocalBackend):
+            with self._translated(self.display(*parts)):
+                writer = self._backend.open_write(parts, durable=False)
+                try:
+                    writer.write(data)
+                except BaseException:
+                    writer.abort()
+                    raise
+                writer.close()
+            return
         with self.open_write(*parts) as f:
             f.write(data)
 
@@ -465,12 +486,21 @@ class Store:
         data, append_id = text.encode("utf-8"), new_append_id()  # one id for every retry
         self._call(parts, lambda: self._backend.append(parts, data, append_id=append_id))
 
-    def remove(self, *parts: str) -> None:
-        """Remove one file; a missing file is not an error."""
+    def remove(self, *parts: str, durable: bool = True) -> None:
+        """Remove one file; a missing file is not an error. On a local disk the removal
+        is durable on return (the folder fsynced) unless `durable=False`: a file that
+        goes after its checkpoint's manifest, which a crash may bring back only as a
+        leftover that recovery clears."""
+        if not durable and isinstance(self._backend, LocalBackend):
+            backend = self._backend
+            self._call(parts, lambda: backend.remove(parts, sync=False))
+            return
         self._call(parts, lambda: self._backend.remove(parts))
 
-    def remove_dir(self, *parts: str) -> None:
-        """Remove a folder that holds only files (a tag folder); missing is not an error."""
-        for name in self.list_files(*parts):
-            self.remove(*parts, name)
+    def remove_dir(self, *parts: str, files: Iterable[str] | None = None) -> None:
+        """Remove a folder that holds only files (a tag folder); missing is not an error.
+        `files`: its files as the caller has just listed them (a file added since makes
+        the removal fail, as a folder not empty)."""
+        for name in self.list_files(*parts) if files is None else files:
+            self.remove(*parts, name, durable=False)
         self._call(parts, lambda: self._backend.remove_dir(parts))

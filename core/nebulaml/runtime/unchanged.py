@@ -1,0 +1,241 @@
+"""What a snapshot buffer still holds: a storage known unchanged since the buffer last
+received it is neither copied nor hashed again (its bytes and its pieces' digests stay).
+
+    FillRecord       what one buffer received at its last fill: each storage's mark (who,
+                     where, how large, its version counters) and each piece's digest
+    BufferMemory     one buffer's record, kept on its mapping (slots.MappedFile)
+    reusable         which storages of a layout the buffer still holds, by the evidence
+    audit_later      the background check of what a fill did not copy
+
+A frozen base model, an embedding table that does not train, a teacher or an EMA copy
+updated every N steps: most of a fine-tuning checkpoint does not change from one save to
+the next, and copying it into the buffer is most of the stall.
+
+## Why a skipped storage cannot make a silently stale checkpoint
+
+A storage is skipped only with all of this evidence, gathered at the save:
+
+1. **The same storage.** The buffer's record holds a weak reference to the storage object
+   (PyTorch keeps one Python object per live storage), so a storage freed and another
+   allocated at the same address is not taken for it; the data pointer and size are the
+   same too (`set_`, a resize or a new tensor in the state dict all fail here).
+2. **No change PyTorch counted.** Every tensor of the saved object that views the storage
+   has the version counter it had at that fill (`Tensor._version`). In-place operations,
+   `copy_`, writes through a view, `torch.no_grad()` updates, `load_state_dict` and every
+   optimizer step bump it: a "frozen" parameter an optimizer steps is copied.
+3. **Its bytes agree where they are looked at.** `SAMPLE_WINDOWS` windows of the live
+   storage (its first and last bytes, and others at offsets that change with each save)
+   equal the buffer's. A write PyTorch does not count (through `.data`, numpy, DLPack or
+   another library) that touches the whole tensor (an EMA update, a re-initialisation, a
+   scale) is caught here, and the storage is copied.
+4. **Not seen changing unseen before.** A storage caught by 3 or by the audit below is
+   copied at every save of the process from then on.
+
+What 3 can miss is a partial write PyTorch does not count. So after each fill, a
+background thread (`audit_later`, at low priority) compares every skipped storage with the
+buffer in full. A storage that differs is remembered with its version counters of that
+save; at the next save, if its counters are still those (the difference was not a
+counted change made after the save), the write is confirmed: nebula warns, naming the
+checkpoint that may hold the older bytes, and copies the storage from then on. So a stale
+tensor is reported within one save, never silent. Every `FULL_EVERY`-th fill of a
+buffer copies everything, and `reuse_unchanged=False` (`NEBULA_REUSE_UNCHANGED=0`) turns
+the skipping off. CUDA storages are always copied.
+
+May import: `nebulaml.format` (torchzip's `Layout`) and runtime/pages.py. Not for: the
+copy and hashing (snapshot.py), or where buffers live (slots.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from nebulaml.format.torchzip import Layout
+from nebulaml.runtime.pages import lower_priority
+
+log = logging.getLogger("nebulaml")
+
+SAMPLE_WINDOWS = 8  # windows of a skipped storage compared with the buffer at each save
+SAMPLE_BYTES = 256
+FULL_EVERY = 32  # every FULL_EVERY-th fill of a buffer copies every storage
+_AUDIT_CHUNK_BYTES = 4 << 20
+
+_libc = ctypes.CDLL(None)
+_memcmp = _libc.memcmp
+_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_memcmp.restype = ctypes.c_int
+
+
+@dataclass(frozen=True, slots=True)
+class StorageMark:
+    """Who a storage was at a fill: its object (weakly), address, size, and the version
+    counters of the tensors that viewed it."""
+
+    ref: Any  # weakref.ref to the torch.UntypedStorage
+    ptr: int
+    nbytes: int
+    versions: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class FillRecord:
+    """What a buffer received at its last fill, for the layout it had."""
+
+    size_bytes: int
+    regions: tuple[tuple[int, int], ...]
+    segments: tuple[tuple[int, bytes], ...]
+    marks: tuple[StorageMark | None, ...]  # None: a storage never skipped (CUDA)
+    leaves: list[bytes]
+    fills_since_full: int
+
+
+class _Watch:
+    """This process's storages that changed without PyTorch counting it (copied at every
+    save), and those the last audits found differing, with their counters of that save."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.suspects: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self.differed: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], str, str]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+
+WATCH = _Watch()
+
+
+class BufferMemory:
+    """One buffer's `FillRecord` and the audit of its last fill (slots.MappedFile holds
+    one). A fill waits for the audit of the buffer's previous fill before it writes."""
+
+    def __init__(self) -> None:
+        self.record: FillRecord | None = None
+        self.reused_bytes = 0  # of storages its last fill did not copy
+        self._audit: threading.Thread | None = None
+
+    def settle(self) -> None:
+        """Wait for the audit of the last fill (it reads the buffer)."""
+        audit, self._audit = self._audit, None
+        if audit is not None:
+            audit.join()
+
+    def audit_later(self, base: int, layout: Layout, skipped: list[int], label: str) -> None:
+        """Compare each skipped storage with the buffer in full, in a thread of its own
+        (module docstring); `label` names the item and checkpoint in a warning."""
+        if not skipped:
+            return
+        held = [(layout.storages[i], layout.regions[i], layout.versions[i]) for i in skipped]
+        thread = threading.Thread(
+            target=_audit, args=(base, held, label), name="nebula-audit", daemon=True
+        )
+        try:
+            thread.start()
+        except RuntimeError:  # interpreter exit: no new thread; nothing is compared
+            return
+        self._audit = thread
+
+
+def reusable(memory: BufferMemory | None, layout: Layout, base: int, seed: int) -> set[int]:
+    """The indices of `layout`'s storages that the buffer at address `base` still holds
+    from its last fill, by the evidence of the module docstring; none when the buffer has
+    no record of the same layout, or at every `FULL_EVERY`-th fill."""
+    record = None if memory is None else memory.record
+    if (
+        record is None
+        or not layout.versions
+        or record.size_bytes != layout.size_bytes
+        or record.regions != layout.regions
+        or record.fills_since_full >= FULL_EVERY - 1
+        or (record.segments is not layout.segments and record.segments != layout.segments)
+    ):
+        return set()
+    keep: set[int] = set()
+    for i, (storage, mark) in enumerate(zip(layout.storages, record.marks, strict=True)):
+        if mark is None or storage.device.type != "cpu" or mark.ref() is not storage:
+            continue
+        if storage.data_ptr() != mark.ptr or storage.nbytes() != mark.nbytes:
+            continue
+        versions = layout.versions[i]
+        if _confirmed_unseen(storage, versions) or versions != mark.versions:
+            continue
+        offset, length = layout.regions[i]
+        if not _samples_agree(storage.data_ptr(), base + offset, length, seed + i):
+            _suspect(storage, "its bytes differ from the last save's where nebula looked")
+            continue
+        keep.add(i)
+    return keep
+
+
+def marks_of(layout: Layout) -> tuple[StorageMark | None, ...]:
+    """The marks of `layout`'s storages as they are now (the record of this fill)."""
+    if not layout.versions:
+        return tuple(None for _ in layout.storages)
+    return tuple(
+        StorageMark(weakref.ref(s), s.data_ptr(), s.nbytes(), v) if s.device.type == "cpu" else None
+        for s, v in zip(layout.storages, layout.versions, strict=True)
+    )
+
+
+def _confirmed_unseen(storage: Any, versions: tuple[int, ...]) -> bool:
+    """Whether `storage` is known to change without PyTorch counting it: a suspect, or an
+    audit found it differing and its counters have not moved since (then it becomes
+    one, said once)."""
+    with WATCH.lock:
+        if storage in WATCH.suspects:
+            return True
+        found = WATCH.differed.pop(storage, None)
+    if found is None or found[0] != versions:
+        return False  # a change PyTorch counted, after the save the audit checked
+    _, label, size = found
+    log.warning(
+        "%s: a tensor of %s bytes changed without PyTorch's version counter seeing it "
+        "(written through .data, numpy or another library); that checkpoint may hold its "
+        "value from an earlier save. nebula copies it at every save from now on "
+        "(reuse_unchanged=False, NEBULA_REUSE_UNCHANGED=0, copies everything)",
+        label,
+        size,
+    )
+    with WATCH.lock:
+        WATCH.suspects[storage] = label
+    return True
+
+
+def _suspect(storage: Any, why: str) -> None:
+    log.debug("a storage of %d bytes is copied at every save from now on: %s",
+              storage.nbytes(), why)  # fmt: skip
+    with WATCH.lock:
+        WATCH.suspects[storage] = why
+
+
+def _samples_agree(src: int, dst: int, length: int, seed: int) -> bool:
+    """Whether SAMPLE_WINDOWS windows of `length` bytes at `src` and `dst` agree: the
+    first and the last, and others spread by `seed`."""
+    if length <= SAMPLE_WINDOWS * SAMPLE_BYTES:
+        return _memcmp(src, dst, length) == 0
+    span = length - SAMPLE_BYTES
+    starts = {0, span}
+    step = span // (SAMPLE_WINDOWS - 1)
+    for k in range(1, SAMPLE_WINDOWS - 1):
+        starts.add((k * step + (seed * 2654435761 + k * 40503) % max(1, step)) % span)
+    return all(_memcmp(src + at, dst + at, SAMPLE_BYTES) == 0 for at in starts)
+
+
+def _audit(base: int, held: list[tuple[Any, tuple[int, int], tuple[int, ...]]], label: str) -> None:
+    """Compare each (storage, region, versions) with the buffer at `base`; remember the
+    storages that differ (module docstring). Runs at low priority."""
+    lower_priority()
+    for storage, (offset, length), versions in held:
+        ptr = storage.data_ptr()
+        for at in range(0, length, _AUDIT_CHUNK_BYTES):
+            # A storage resized meanwhile is not read any further (its memory may be gone).
+            if storage.data_ptr() != ptr or storage.nbytes() != length:
+                break
+            n = min(_AUDIT_CHUNK_BYTES, length - at)
+            if _memcmp(ptr + at, base + offset + at, n) != 0:
+                with WATCH.lock:
+                    WATCH.differed[storage] = (versions, label, str(length))
+                break

@@ -1,0 +1,204 @@
+"""A save does not copy again what its buffer still holds (runtime/unchanged.py), and a
+tensor changed by any route a user can write still ends up in the checkpoint: counted
+routes by the evidence, uncounted ones by the samples, or, at worst, named by a warning
+at the next save and copied from then on. Never silently stale."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import nebulaml as nm
+from nebulaml.runtime.session import current
+
+ROWS, COLS = 1024, 2048  # the frozen base: 8 MiB of float32, eight buffer pieces
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.base = torch.nn.Linear(COLS, ROWS, bias=False)
+        self.base.requires_grad_(False)
+        self.adapter = torch.nn.Linear(COLS, 8)
+
+
+def _save(model: Model, step: int, optimizer: torch.optim.Optimizer | None = None) -> None:
+    objects = {"model": model.state_dict()}
+    if optimizer is not None:
+        objects["optimizer"] = optimizer.state_dict()
+    checkpoint = nm.Checkpoint(f"global_step{step}", len(objects))
+    for name, obj in objects.items():
+        checkpoint.save(name, obj)
+    assert nm.flush_persistence()
+
+
+def _pool():  # type: ignore[no-untyped-def]
+    return current("a test").pool
+
+
+def _warm(root: Path, model: Model, **options: object) -> None:
+    """Saves 1-4 with nothing changed: from the third on, the base is not copied."""
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=10, **options)
+    for step in range(1, 5):
+        _save(model, step)
+    _pool().settle_audits()
+
+
+def _saved_base(root: Path, step: int) -> torch.Tensor:
+    return torch.load(root / f"global_step{step}" / "model", weights_only=True)["base.weight"]
+
+
+def test_a_frozen_base_is_not_copied_again_and_stays_right(tmp_path: Path) -> None:
+    # Catches: reuse that never happens (the stall stays that of a full copy), or a
+    # reused buffer whose bytes or checksum are not the tensor's (a load that differs).
+    model = Model()
+    random.seed(11)
+    expected = random.random()
+    random.seed(11)
+    _warm(tmp_path, model)
+    assert random.random() == expected  # the samples use their own generator
+    reused = _pool().reused_bytes
+    assert reused >= 2 * ROWS * COLS * 4  # saves 3 and 4 skipped the base
+    df = nm.read_history(str(tmp_path))
+    saves = df[df["tier"] == "memory"]
+    assert saves["bytes_reused"].tolist()[:2] == [0, 0]
+    assert all(saves["bytes_reused"].iloc[2:] >= ROWS * COLS * 4)
+    for step in range(1, 5):
+        assert torch.equal(_saved_base(tmp_path, step), model.base.weight)
+    report = nm.verify_checkpoints(str(tmp_path))
+    assert all(r["status"] == "ok" for r in report), report
+    nm.shutdown()
+
+
+def test_reuse_unchanged_false_copies_everything(tmp_path: Path) -> None:
+    # Catches: a setting that does not turn the skipping off.
+    model = Model()
+    _warm(tmp_path, model, reuse_unchanged=False)
+    assert _pool().reused_bytes == 0
+    nm.shutdown()
+
+
+def _no_grad_in_place(model: Model) -> None:
+    with torch.no_grad():
+        model.base.weight[3, 5] += 1.0
+
+
+def _copy_into_a_slice(model: Model) -> None:
+    with torch.no_grad():
+        model.base.weight[10:12].copy_(torch.full((2, COLS), 7.0))
+
+
+def _through_a_view(model: Model) -> None:
+    flat = model.base.weight.view(-1)
+    with torch.no_grad():
+        flat[123_456] = -3.0
+
+
+def _set_another_storage(model: Model) -> None:
+    other = model.base.weight.detach().clone()
+    other[0, 0] = 42.0
+    with torch.no_grad():
+        model.base.weight.set_(other)
+
+
+def _an_optimizer_steps_a_frozen_parameter(model: Model) -> None:
+    weight = model.base.weight
+    weight.grad = torch.ones_like(weight)
+    torch.optim.SGD([weight], lr=0.5).step()
+    weight.grad = None
+
+
+def _data_whole(model: Model) -> None:
+    model.base.weight.data.mul_(0.5)  # an EMA-like update through .data: uncounted
+
+
+def _numpy_whole(model: Model) -> None:
+    model.base.weight.detach().numpy()[:] += 1.0  # uncounted too
+
+
+@pytest.mark.parametrize(
+    "route",
+    [
+        _no_grad_in_place,
+        _copy_into_a_slice,
+        _through_a_view,
+        _set_another_storage,
+        _an_optimizer_steps_a_frozen_parameter,
+        _data_whole,
+        _numpy_whole,
+    ],
+    ids=["no-grad", "copy_", "view", "set_", "optimizer", ".data", "numpy"],
+)
+def test_a_change_by_any_route_is_in_the_next_checkpoint(
+    tmp_path: Path, route: Callable[[Model], None]
+) -> None:
+    # Catches, per route: a storage taken for unchanged although PyTorch counted the change
+    # (no_grad, copy_, view, optimizer), was swapped (set_), or changed everywhere
+    # unseen (.data, numpy: the samples must see it).
+    model = Model()
+    _warm(tmp_path, model)
+    before = model.base.weight.detach().clone()
+    route(model)
+    assert not torch.equal(model.base.weight, before)  # the route did change it
+    _save(model, 5)
+    assert torch.equal(_saved_base(tmp_path, 5), model.base.weight)
+    nm.shutdown()
+
+
+@pytest.mark.parametrize("via", [".data", "numpy"])
+def test_a_small_uncounted_change_is_never_silently_stale(
+    tmp_path: Path, via: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One element written where PyTorch counts nothing: the samples may miss it. Then the
+    # audit after the save finds it, the next save says which checkpoint may hold the old
+    # value and copies the tensor, and so does every save after. Catches: a stale
+    # checkpoint nobody is told of, or a tensor that stays skipped once caught.
+    model = Model()
+    _warm(tmp_path, model)
+    if via == ".data":
+        model.base.weight.data[700, 1500] = 99.0
+    else:
+        model.base.weight.detach().numpy()[700, 1500] = 99.0
+    caplog.set_level(logging.WARNING, logger="nebulaml")
+    _save(model, 5)
+    _pool().settle_audits()
+    stale = not torch.equal(_saved_base(tmp_path, 5), model.base.weight)
+    _save(model, 6)
+    said = [r.getMessage() for r in caplog.records if "version counter" in r.getMessage()]
+    if stale:
+        assert len(said) == 1 and "'global_step5'" in said[0], said
+    assert torch.equal(_saved_base(tmp_path, 6), model.base.weight)
+    model.base.weight.data[701, 1500] = 98.0  # once caught, always copied
+    _save(model, 7)
+    _save(model, 8)
+    assert torch.equal(_saved_base(tmp_path, 7), model.base.weight)
+    assert torch.equal(_saved_base(tmp_path, 8), model.base.weight)
+    nm.shutdown()
+
+
+def test_an_optimizers_state_is_copied_every_step(tmp_path: Path) -> None:
+    # Catches: optimizer state (moments that change in place every step) taken for
+    # unchanged: a resume would restart Adam from stale moments.
+    model = Model()
+    optimizer = torch.optim.Adam(model.adapter.parameters(), lr=0.01)
+    nm.init(str(tmp_path), persistent_time_interval=0, num_of_version_in_retention=10)
+    for step in range(1, 7):
+        model.adapter(torch.randn(2, COLS)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        _save(model, step, optimizer)
+        saved = torch.load(tmp_path / f"global_step{step}" / "optimizer", weights_only=True)
+        live = optimizer.state_dict()["state"]
+        for index, state in live.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(saved["state"][index][key], state[key]), (step, key)
+        model_saved = torch.load(tmp_path / f"global_step{step}" / "model", weights_only=True)
+        assert torch.equal(model_saved["adapter.weight"], model.adapter.weight)
+    assert _pool().reused_bytes > 0  # the base was still skipped
+    nm.shutdown()
