@@ -188,8 +188,10 @@ def _find_copies(root: PathLike, tag: str | None) -> list[_Copy]:
                 # Committed just now, between the two looks; or a scan that missed it (a
                 # folder's entries changing under a scan may be skipped by it).
                 files = list_tag_again(store, name)
+            if MANIFEST_NAME not in files and _regular_after_all(store, name):
+                files = list_tag_again(store, name)  # a commit or an evict under our looks
             if MANIFEST_NAME not in files:
-                if store.exists(name, MANIFEST_NAME):
+                if store.exists(name, MANIFEST_NAME) and not _regular_after_all(store, name):
                     # A folder, FIFO or link in the manifest's place: not a save that never
                     # committed, a checkpoint that cannot be checked (corrupt, exit 1).
                     where = store.display(name, MANIFEST_NAME)
@@ -204,6 +206,14 @@ def _find_copies(root: PathLike, tag: str | None) -> list[_Copy]:
                 continue  # deleted while we looked
             copies.append(_Copy(tier, store, name, files, manifest, error))
     return copies
+
+
+def _regular_after_all(store: Store, tag: str) -> bool:
+    """Whether `tag`'s manifest is, at this look, a regular file (a local root: its
+    identity, from lstat), so that a scan or a look that raced a commit or an eviction
+    is not taken for a FIFO or a folder in its place. Elsewhere False: the looks before
+    decide."""
+    return store.file_identity(tag, MANIFEST_NAME) is not None
 
 
 def _result(copy: _Copy, item: str | None, file: str, status: str, expected: str,
