@@ -127,40 +127,29 @@ def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
     if not _is_tag(tag):
         validate_name("tag", tag)  # raises, saying why
     key = (store.location, tag)
-    if not store.is_local:
-        return _read_committed_listed(store, tag, key)
-    identity = store.file_identity(tag, MANIFEST_NAME)
+    files: dict[str, int] | None = None  # the tag's folder, when listed here
+    identity: tuple[Any, ...] | None
+    if store.is_local:
+        identity = store.file_identity(tag, MANIFEST_NAME)
+    else:
+        # An object store: one listing of the folder gives the manifest's version.
+        listed = store.list_versions(tag)
+        if listed is None:
+            return _read_committed(store, tag)
+        files = {name: size for name, (size, _) in listed.items()}
+        entry = listed.get(MANIFEST_NAME)
+        identity = None if entry is None or entry[1] is None else entry
     if identity is not None:
         with _manifests_lock:
             cached = _MANIFESTS.get(key)
         if cached is not None and cached[0] == identity:
             manifest = cached[1]
-            if all(_has_size(store, tag, item.file, item.size_bytes) for item in manifest.items):
-                return CheckpointInfo(store, manifest)
-    info = _read_committed(store, tag)
-    if info is not None and identity is not None:
-        with _manifests_lock:
-            if len(_MANIFESTS) >= _MANIFESTS_MAX:
-                _MANIFESTS.clear()
-            _MANIFESTS[key] = (identity, info.manifest)
-    return info
-
-
-def _read_committed_listed(store: Store, tag: str, key: tuple[str, str]) -> CheckpointInfo | None:
-    """`read_committed` on an object store: one listing of the tag's folder, and the
-    manifest read only when the listing gives it another version than the one read."""
-    listed = store.list_versions(tag)
-    if listed is None:
-        return _read_committed(store, tag)
-    files = {name: size for name, (size, _) in listed.items()}
-    entry = listed.get(MANIFEST_NAME)
-    identity = None if entry is None or entry[1] is None else entry
-    if identity is not None:
-        with _manifests_lock:
-            cached = _MANIFESTS.get(key)
-        if cached is not None and cached[0] == identity:
-            manifest = cached[1]
-            if all(files.get(item.file) == item.size_bytes for item in manifest.items):
+            sized = (
+                (lambda f, n: _has_size(store, tag, f, n))
+                if files is None
+                else (lambda f, n: files.get(f) == n)
+            )
+            if all(sized(item.file, item.size_bytes) for item in manifest.items):
                 return CheckpointInfo(store, manifest)
     info = _read_committed(store, tag, files)
     if info is not None and identity is not None:
