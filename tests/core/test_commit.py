@@ -10,8 +10,8 @@ import torch
 import nebulaml as nm
 from nebulaml.protocol.catalog import list_committed, read_committed
 from nebulaml.protocol.commit import begin_tag, commit_rank, write_item
-from nebulaml.protocol.delete import delete_checkpoint
-from nebulaml.protocol.leases import is_lease_file
+from nebulaml.protocol.delete import delete_checkpoint, delete_checkpoints
+from nebulaml.protocol.leases import hold_tag, is_lease_file
 from nebulaml.protocol.recovery import list_incomplete
 from nebulaml.protocol.transfer import copy_part
 from nebulaml.storage.store import Store
@@ -112,6 +112,57 @@ def test_delete_removes_the_manifest_first(tmp_path: Path) -> None:
     assert (tmp_path / "root" / "global_step1" / "model").exists()
     assert list_committed(store) == []
     assert list_incomplete(store) == ["global_step1"]
+
+
+class FolderJournal(Store):
+    """A real local store that journals each remove (durable or not) and folder sync."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.events: list[tuple[str, str, str]] = []
+
+    def remove(self, *parts, durable=True):
+        super().remove(*parts, durable=durable)
+        self.events.append(("remove" if durable else "remove-unsynced", *parts))
+
+    def sync_folder(self, *parts):
+        super().sync_folder(*parts)
+        self.events.append(("sync", *parts, ""))
+
+
+def test_deleting_several_tags_makes_every_manifest_removal_durable_before_data_goes(
+    tmp_path: Path,
+) -> None:
+    """prune's batch delete: the manifests go first, each folder is fsynced, and only
+    then does any data go; a tag a reader holds stays whole. Bugs caught: data removed
+    while a manifest's removal may not have reached the disk (a crash would then bring
+    back a committed tag without its data), a held tag deleted, one tag's outcome given
+    to another."""
+    store = FolderJournal(str(tmp_path / "root"))
+    tags = ["global_step1", "global_step2", "global_step3"]
+    for tag in tags:
+        _commit(store, tag)
+    there, hold = hold_tag(store, "global_step2")
+    assert there and hold is not None
+    store.events.clear()
+    assert delete_checkpoints(store, tags) == {
+        "global_step1": True, "global_step2": False, "global_step3": True,
+    }  # fmt: skip
+    events = [e for e in store.events if not is_lease_file(e[2])]
+    manifests = [e for e in events if e[2] == "manifest.json"]
+    assert manifests == [
+        ("remove-unsynced", "global_step1", "manifest.json"),
+        ("remove-unsynced", "global_step3", "manifest.json"),
+    ]
+    syncs = [i for i, e in enumerate(events) if e[0] == "sync"]
+    assert [events[i][1] for i in syncs] == ["global_step1", "global_step3"]
+    first_data = min(i for i, e in enumerate(events) if e[2] in ("model", "optimizer"))
+    assert max(syncs) < first_data
+    assert {e[1] for e in events if e[2] in ("model", "optimizer")} == {
+        "global_step1", "global_step3",
+    }  # fmt: skip
+    assert [info.tag for info in list_committed(store)] == ["global_step2"]
+    assert sorted(p.name for p in (tmp_path / "root").iterdir() if p.is_dir()) == ["global_step2"]
 
 
 def _commit(store: Store, tag: str) -> None:

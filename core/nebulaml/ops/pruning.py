@@ -30,7 +30,7 @@ from nebulaml.errors import InvalidArgumentError, RootNotFoundError, StorageErro
 from nebulaml.format.manifest import parse_utc
 from nebulaml.format.names import MANIFEST_NAME, OrderKey, validate_name
 from nebulaml.protocol.catalog import list_committed, read_committed
-from nebulaml.protocol.delete import delete_checkpoint
+from nebulaml.protocol.delete import delete_checkpoint, delete_checkpoints
 from nebulaml.protocol.leases import LISTINGS
 from nebulaml.protocol.markers import describe_writer, is_marker, read_writers, writer_alive
 from nebulaml.protocol.recovery import list_incomplete
@@ -44,6 +44,9 @@ BEING_READ = "being read"  # why execute_prune kept a tag a reader holds a lease
 # Deletes a prune runs at once: each waits on its store (an fsync, a request) as much as it
 # runs Python, so two per core, and at most 8.
 PRUNE_WORKERS = max(2, min(8, 2 * (os.cpu_count() or 1)))
+# Tags one delete takes at once (protocol/delete.py's delete_checkpoints): their manifests'
+# removals share one journal commit. A batch's tags are claimed until its last is gone.
+PRUNE_BATCH = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,8 +227,8 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
     store = _store(root)
     asker = threading.get_ident()
 
-    def one(decision: PruneDecision) -> PruneDecision | None:
-        """Delete one committed tag of the plan: None once deleted, else why it stays."""
+    def why_kept(decision: PruneDecision) -> PruneDecision | None:
+        """None when the committed tag may still go, as planned; else why it stays."""
         try:
             info = read_committed(store, decision.tag)
         except StorageError as exc:
@@ -238,19 +241,32 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
             return PruneDecision(decision.tag, "labelled since the plan was made")
         if _newer_witness(store, plan.newest, info.sort_key) is None:
             return PruneDecision(decision.tag, "it is now the newest committed")
-        # The caller asked for the deletion: what its thread merely listed does not hold
-        # the tag against it (a handle it took still does, and another thread's listing).
-        LISTINGS.release_tag(store, decision.tag, thread=asker)
-        try:
-            gone = delete_checkpoint(store, decision.tag)
-        except StorageError as exc:
-            return PruneDecision(decision.tag, f"not deleted: {exc}")
-        return None if gone else PruneDecision(decision.tag, BEING_READ)
+        return None
 
-    # The deletes are independent: several at once (each waits on its store: fsyncs on
-    # a disk, requests to an object store), reported in the plan's order.
+    def batch(decisions: Sequence[PruneDecision]) -> list[PruneDecision | None]:
+        """Delete a few committed tags of the plan: None for each deleted, else why not."""
+        outcomes = [why_kept(decision) for decision in decisions]
+        going = [d.tag for d, why in zip(decisions, outcomes, strict=True) if why is None]
+        for tag in going:
+            # The caller asked for the deletion: what its thread merely listed does not
+            # hold the tag against it (a handle it took still does, and another thread's
+            # listing).
+            LISTINGS.release_tag(store, tag, thread=asker)
+        done = delete_checkpoints(store, going)
+        for i, decision in enumerate(decisions):
+            if outcomes[i] is None:
+                gone = done[decision.tag]
+                if isinstance(gone, StorageError):
+                    outcomes[i] = PruneDecision(decision.tag, f"not deleted: {gone}")
+                elif not gone:
+                    outcomes[i] = PruneDecision(decision.tag, BEING_READ)
+        return outcomes
+
+    # The deletes are independent: several batches at once (each waits on its store:
+    # fsyncs on a disk, requests to an object store), reported in the plan's order.
+    batches = [plan.delete[i : i + PRUNE_BATCH] for i in range(0, len(plan.delete), PRUNE_BATCH)]
     with ThreadPoolExecutor(max_workers=PRUNE_WORKERS, thread_name_prefix="nebula-prune") as pool:
-        outcomes = list(pool.map(one, plan.delete))
+        outcomes = [why for done in pool.map(batch, batches) for why in done]
     deleted = [d.tag for d, why in zip(plan.delete, outcomes, strict=True) if why is None]
     skipped = [why for why in outcomes if why is not None]
     now = datetime.now(timezone.utc)

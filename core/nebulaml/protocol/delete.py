@@ -1,7 +1,9 @@
-"""Deleting a checkpoint from one tier (DESIGN.md §4): the manifest first, then the data.
+"""Deleting a checkpoint from one tier: the manifest first, then the data.
 
-    delete_checkpoint  a whole tag: invisible at once, then gone; never a tag being read
-    delete_part        one rank's part of a shared tag folder (several ranks, one node)
+    delete_checkpoint   a whole tag: invisible at once, then gone; never a tag being read
+    delete_checkpoints  several whole tags (prune): their manifests' removals made durable
+                        together, then their data
+    delete_part         one rank's part of a shared tag folder (several ranks, one node)
 
 A deleter first writes a writer marker naming itself (its claim), so that a delete cut
 short leaves a leftover recovery knows to be a dead writer's (recovery.py), and publishes
@@ -14,6 +16,7 @@ a tag (commit.py's `begin_tag` deletes through here).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -82,6 +85,62 @@ def delete_checkpoint(
             return True  # another deleter (prune, retention, eviction) was quicker
         _remove_checkpoint(store, tag, files, discard)
     return True
+
+
+def delete_checkpoints(store: Store, tags: Iterable[str]) -> dict[str, bool | StorageError]:
+    """Delete several committed tags, as `delete_checkpoint` deletes each, but with the
+    manifests' removals made durable together: every manifest first (each under its
+    delete claim, never one being read), then each folder fsynced, then the data. On a
+    journalling filesystem (ext4, XFS) the first fsync commits every removal before it,
+    and the others find theirs committed: one journal commit for the lot, where one
+    tag at a time waits for one each (prune spent half its time there).
+
+    Returns, per tag, True once gone (or nothing was there), False while a reader holds
+    it (left as it is), or the `StorageError` that stopped its delete (its manifest may be
+    gone and its data left: a leftover, as a delete cut short leaves). A tag that is not
+    committed (a leftover, an empty folder) is deleted on its own, by `delete_checkpoint`.
+
+    Example:
+        >>> import tempfile
+        >>> delete_checkpoints(Store(tempfile.mkdtemp()), ["global_step1"])
+        {'global_step1': True}
+    """
+    out: dict[str, bool | StorageError] = {}
+    unsynced: list[tuple[str, dict[str, int]]] = []
+    with contextlib.ExitStack() as claims:
+        for tag in tags:
+            validate_name("tag", tag)
+            try:
+                files = store.list_files(tag)
+                if MANIFEST_NAME not in files:
+                    out[tag] = delete_checkpoint(store, tag)
+                    continue
+                if claims.enter_context(delete_claim(store, tag)):
+                    out[tag] = False
+                    continue
+                try:
+                    _claim(store, tag, 0)  # before the manifest goes, as delete_checkpoint
+                except MissingFileError:
+                    out[tag] = True  # another deleter was quicker
+                    continue
+                store.remove(tag, MANIFEST_NAME, durable=False)  # durable below
+                unsynced.append((tag, files))
+            except StorageError as exc:
+                out[tag] = exc
+        synced = []
+        for tag, files in unsynced:
+            try:
+                store.sync_folder(tag)  # before any of its data goes
+                synced.append((tag, files))
+            except StorageError as exc:
+                out[tag] = exc
+        for tag, files in synced:
+            try:
+                _remove_data(store, tag, files, None)
+                out[tag] = True
+            except StorageError as exc:
+                out[tag] = exc
+    return out
 
 
 def delete_part(
@@ -184,6 +243,13 @@ def _remove_checkpoint(
     store: Store, tag: str, files: dict[str, int], discard: Callable[[str, str], object] | None
 ) -> None:
     store.remove(tag, MANIFEST_NAME)  # durable before any data goes
+    _remove_data(store, tag, files, discard)
+
+
+def _remove_data(
+    store: Store, tag: str, files: dict[str, int], discard: Callable[[str, str], object] | None
+) -> None:
+    """After the manifest's durable removal: the data, the markers, the folder."""
     # Data first, our markers last: whatever a kill leaves behind still carries them. Not
     # fsynced one by one: what a crash brings back is a leftover with our claim in it.
     for name in files:

@@ -374,6 +374,14 @@ class LocalBackend:
         except FileNotFoundError:
             return
 
+    def sync_dir(self, parts: Parts) -> None:
+        """fsync the folder `parts` (when durable), opened one folder at a time from the
+        root as `_parent` opens them: never through a symbolic link."""
+        if not self.durable:
+            return
+        with contextlib.suppress(FileNotFoundError), self._parent((*parts, "")) as folder:
+            os.fsync(folder)
+
     def remove_dir(self, parts: Parts) -> None:
         if not parts:
             with contextlib.suppress(FileNotFoundError):

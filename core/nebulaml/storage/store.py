@@ -497,6 +497,14 @@ class Store:
             return
         self._call(parts, lambda: self._backend.remove(parts))
 
+    def sync_folder(self, *parts: str) -> None:
+        """Make what was removed from (or added to) the folder `parts` durable: on a local
+        disk the folder is fsynced; object stores have nothing to do (a request that
+        returned is durable)."""
+        if isinstance(self._backend, LocalBackend):
+            backend = self._backend
+            self._call(parts, lambda: backend.sync_dir(parts))
+
     def remove_dir(self, *parts: str, files: Iterable[str] | None = None) -> None:
         """Remove a folder that holds only files (a tag folder); missing is not an error.
         `files`: its files as the caller has just listed them (a file added since makes
