@@ -1,4 +1,4 @@
-"""`nebula prune ROOT --keep N`: plan, show, confirm, execute (STYLE.md)."""
+"""`nebula prune ROOT --keep N`: plan, show, confirm, execute."""
 
 from __future__ import annotations
 

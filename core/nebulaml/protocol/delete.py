@@ -1,4 +1,4 @@
-"""Deleting a checkpoint from one tier (DESIGN.md §4): the manifest first, then the data.
+"""Deleting a checkpoint from one tier: the manifest first, then the data.
 
     delete_checkpoint  a whole tag: invisible at once, then gone; never a tag being read
     delete_part        one rank's part of a shared tag folder (several ranks, one node)
