@@ -80,7 +80,7 @@ def _register() -> None:
 
 def _version_callback(value: bool) -> None:
     if value:
-        from nebulaml._version import __version__
+        from nebulaml import __version__
 
         typer.echo(f"nebula {__version__}")
         raise typer.Exit()

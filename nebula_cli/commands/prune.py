@@ -24,7 +24,7 @@ from ..output import (
 )
 
 if TYPE_CHECKING:
-    from nebulaml.ops.pruning import PrunePlan
+    from nebulaml.ops import PrunePlan
 
 
 def _at_least_one(value: int) -> int:
