@@ -10,7 +10,7 @@ The public names, by group:
   shutdown), configuration (`using_storage_options`; the rest is `init`'s options and the
   `NEBULA_*` settings) and the errors (every expected failure is a `NebulaError`);
 - `nebulaml.ops`: what operators and the `nebula` command line do to a root (inspect,
-  verify, diff, copy, export, prune, memory tiers, unlock, the history); their
+  verify, diff, copy, export, prune, memory tiers, unlock, the history, `advise`); their
   older names here (`nm.plan_prune`) are the same objects, kept;
 - the integrations, imported on first use: `nm.NebulaCheckpointIO` and
   `nm.NebulaCallback` (Lightning), `nebulaml.dcp` (PyTorch DCP), `nebulaml.transformers`

@@ -3,8 +3,9 @@
 `nebulaml.ops` is the public home of the operator functions, beside the training API of
 `nebulaml`: copying and flushing (copying), pruning (pruning), inspection (inspection),
 verification (verification), this user's memory tiers (memory_tiers), reading the
-history file back (history), comparing two checkpoints (diff), exporting items as plain
-.pt or .safetensors files (export) and breaking a root's job hold (unlocking). Use them
+history file back (history), advising how often to checkpoint from it (advice),
+comparing two checkpoints (diff), exporting items as plain .pt or .safetensors files
+(export) and breaking a root's job hold (unlocking). Use them
 as `nm.ops.plan_prune(...)`; the names in `__all__` below are the public ones (the
 submodules are not: they may move). The operator functions `nebulaml` held before this
 package was their home are still there, as the same objects.
@@ -20,6 +21,16 @@ May import: every layer below (`errors`, `format`, `storage`, `protocol`, `runti
 Not for: the public API (api.py imports from here, never the other way).
 """
 
+from nebulaml.ops.advice import (
+    Advice,
+    Interruption,
+    Schedule,
+    advise,
+    daly_interval,
+    expected_waste,
+    format_duration,
+    parse_duration,
+)
 from nebulaml.ops.copying import copy_checkpoint, persist_memory_tier
 from nebulaml.ops.diff import diff_checkpoints
 from nebulaml.ops.export import export_checkpoint
@@ -86,4 +97,13 @@ __all__ = [
     "history_records",
     "HistoryFormatError",
     "HistoryNotFoundError",
+    # how often to checkpoint
+    "advise",
+    "Advice",
+    "Schedule",
+    "Interruption",
+    "daly_interval",
+    "expected_waste",
+    "parse_duration",
+    "format_duration",
 ]
