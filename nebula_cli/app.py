@@ -45,6 +45,7 @@ app = typer.Typer(
 def _register() -> None:
     # Command modules import nebulaml (light) but never torch or pandas at import time.
     from .commands import (
+        advise,
         copy,
         diff,
         export,
@@ -71,6 +72,7 @@ def _register() -> None:
         ("flush", flush.flush_command),
         ("prune", prune.prune_command),
         ("history", history.history_command),
+        ("advise", advise.advise_command),
         ("memory", memory.memory_command),
         ("gc", gc.gc_command),
         ("unlock", unlock.unlock_command),
@@ -80,7 +82,7 @@ def _register() -> None:
 
 def _version_callback(value: bool) -> None:
     if value:
-        from nebulaml._version import __version__
+        from nebulaml import __version__
 
         typer.echo(f"nebula {__version__}")
         raise typer.Exit()

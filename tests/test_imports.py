@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import nebulaml
+import nebulaml.ops
 import torch_nebula
 
 
@@ -43,6 +45,9 @@ def test_core_imports_no_cli_framework() -> None:
 
 
 def test_public_api_is_exactly_all() -> None:
+    # Catches: a name added to the package's namespace but not to __all__ (or the other
+    # way), an operator function's older name that is a different object from nebulaml.ops's,
+    # a public name without a docstring, torch_nebula drifting from nebulaml.
     import inspect
 
     public = {
@@ -50,7 +55,12 @@ def test_public_api_is_exactly_all() -> None:
         for name, obj in vars(nebulaml).items()
         if not name.startswith("_") and not inspect.ismodule(obj)
     }
-    assert public == set(nebulaml.__all__) - {"__version__"}
+    aliases = set(nebulaml._OPS_ALIASES)
+    assert public == set(nebulaml.__all__) - {"__version__", "ops"} | aliases
+    assert nebulaml.ops is vars(nebulaml)["ops"] and "ops" in nebulaml.__all__
+    for name in aliases:
+        assert name in nebulaml.ops.__all__ and name not in nebulaml.__all__, name
+        assert getattr(nebulaml, name) is getattr(nebulaml.ops, name), name
     for name in nebulaml.__all__:
         if name == "Checkpoint":  # DeepSpeed's: re-saving a tag replaces it
             assert issubclass(torch_nebula.Checkpoint, nebulaml.Checkpoint)
@@ -61,3 +71,142 @@ def test_public_api_is_exactly_all() -> None:
         obj = getattr(nebulaml, name)
         if callable(obj):
             assert obj.__doc__, f"{name} has no docstring"
+
+
+def test_operator_functions_live_in_ops() -> None:
+    # Catches: an operator function listed beside init again, a name of nebulaml.ops that
+    # is not there or has no docstring, a submodule of ops that nebulaml.ops does not name.
+    import inspect
+
+    ops_all = set(nebulaml.ops.__all__)
+    errors = {n for n in ops_all if isinstance(getattr(nebulaml.ops, n), type)
+              and issubclass(getattr(nebulaml.ops, n), nebulaml.NebulaError)}  # fmt: skip
+    assert errors == {"HistoryFormatError", "HistoryNotFoundError"}
+    assert ops_all & set(nebulaml.__all__) == errors  # errors are found at the top too
+    assert {"plan_prune", "execute_prune", "verify_checkpoints", "copy_checkpoint"} <= ops_all
+    for name in nebulaml.ops.__all__:
+        obj = getattr(nebulaml.ops, name)
+        assert callable(obj) and obj.__doc__, f"nebulaml.ops.{name} has no docstring"
+    public = {
+        name
+        for name, obj in vars(nebulaml.ops).items()
+        if not name.startswith("_") and not inspect.ismodule(obj)
+    }
+    assert public == ops_all
+
+
+# The CLI's rule (docs/architecture.md): it imports only the modules documented for users,
+# and uses only their public names. Every other module of nebulaml is internal.
+PUBLIC_MODULES = (
+    "nebulaml",
+    "nebulaml.ops",
+    "nebulaml.dcp",
+    "nebulaml.lightning",
+    "nebulaml.pytorch_lightning",
+    "nebulaml.transformers",
+    "nebulaml.accelerate",
+    "torch_nebula",
+)
+LIBRARY_PACKAGES = ("nebulaml", "torch_nebula")
+CLI = Path(__file__).resolve().parents[1] / "nebula_cli"
+
+
+def _public_names(module: str) -> set[str]:
+    """What `module` offers its users: its __all__; for nebulaml also the operator
+    functions' older names, the integrations it resolves on first use and `ops`."""
+    import importlib
+
+    if module == "nebulaml":
+        return {*nebulaml.__all__, *nebulaml._OPS_ALIASES, *nebulaml._LIGHTNING_NAMES, "dcp"}
+    if module == "nebulaml.ops":
+        return set(nebulaml.ops.__all__)
+    if module == "torch_nebula":
+        return set(torch_nebula.__all__)
+    return set(importlib.import_module(module).__all__)
+
+
+def private_uses(source: str, where: str) -> list[str]:
+    """Each import of an internal module of nebulaml or torch_nebula in `source`, and each
+    name used from a public module that is not one of its public names: `file:line: what`."""
+    import ast
+
+    found = []
+    bound: dict[str, str] = {}  # a local name -> the public module it stands for
+    tree = ast.parse(source, where)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] not in LIBRARY_PACKAGES:
+                    continue
+                if alias.name not in PUBLIC_MODULES:
+                    found.append(f"{where}:{node.lineno}: import {alias.name}")
+                elif alias.asname:
+                    bound[alias.asname] = alias.name
+                else:
+                    bound[alias.name.split(".")[0]] = alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] not in LIBRARY_PACKAGES:
+                continue
+            if node.module not in PUBLIC_MODULES:
+                found.append(f"{where}:{node.lineno}: from {node.module} import ...")
+                continue
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                if submodule in PUBLIC_MODULES:
+                    bound[alias.asname or alias.name] = submodule
+                elif alias.name not in _public_names(node.module):
+                    found.append(f"{where}:{node.lineno}: {node.module}.{alias.name}")
+    for node in ast.walk(tree):
+        # nm.X, nm.ops.X: X must be public in the module the name stands for.
+        if isinstance(node, ast.Attribute):
+            chain = [node.attr]
+            value = node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if not isinstance(value, ast.Name) or value.id not in bound:
+                continue
+            module = bound[value.id]
+            for attr in reversed(chain):
+                if f"{module}.{attr}" in PUBLIC_MODULES:
+                    module = f"{module}.{attr}"
+                    continue
+                if attr not in _public_names(module):
+                    found.append(f"{where}:{node.lineno}: {module}.{attr}")
+                break
+    return sorted(found, key=lambda f: int(f.split(":")[1]))
+
+
+def test_the_cli_uses_only_public_modules_and_names() -> None:
+    # Catches: the CLI importing an internal module (nebulaml.protocol.memory_tier,
+    # nebulaml._version, nebulaml.ops.pruning) or using a name nebulaml does not offer.
+    found = []
+    files = sorted(CLI.rglob("*.py"))
+    assert len(files) > 10
+    for path in files:
+        found += private_uses(path.read_text(encoding="utf-8"), str(path.relative_to(CLI.parent)))
+    assert not found, "nebula_cli uses internal modules or names:\n" + "\n".join(found)
+
+
+def test_private_uses_finds_each_kind() -> None:
+    # The check above must be able to fail: each way of reaching inside is reported.
+    source = (
+        "import nebulaml as nm\n"
+        "from nebulaml._version import __version__\n"
+        "from nebulaml.protocol.memory_tier import memory_base\n"
+        "import nebulaml.runtime.session\n"
+        "from nebulaml import api, ops, __version__, plan_prune\n"
+        "from nebulaml.ops import PrunePlan, memory_base\n"
+        "nm.check_root, nm.ops.plan_prune, nm.plan_prune, nm.api, nm.ops.pruning\n"
+        "ops.advise_nothing\n"
+    )
+    assert private_uses(source, "x.py") == [
+        "x.py:2: from nebulaml._version import ...",
+        "x.py:3: from nebulaml.protocol.memory_tier import ...",
+        "x.py:4: import nebulaml.runtime.session",
+        "x.py:5: nebulaml.api",
+        "x.py:6: nebulaml.ops.memory_base",
+        "x.py:7: nebulaml.api",
+        "x.py:7: nebulaml.ops.pruning",
+        "x.py:8: nebulaml.ops.advise_nothing",
+    ]

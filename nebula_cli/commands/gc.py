@@ -21,7 +21,7 @@ from ..output import (
 from .memory import root_cell
 
 if TYPE_CHECKING:
-    from nebulaml import GcAction
+    from nebulaml.ops import GcAction
 
 
 @handles_errors
@@ -54,7 +54,7 @@ def gc_command(
     Example: nebula gc --dry-run
     """
     import nebulaml as nm
-    from nebulaml.protocol.memory_tier import memory_base
+    from nebulaml.ops import memory_tiers_folder as memory_base
 
     base = memory_base()
     actions = nm.plan_gc(nm.list_memory_tiers(), discard_unpersisted=discard_unpersisted)

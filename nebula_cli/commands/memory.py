@@ -15,7 +15,7 @@ from rich.text import Text
 from ..output import JsonOpt, emit_json, handles_errors, human_bytes, print_table, stdout
 
 if TYPE_CHECKING:
-    from nebulaml import MemoryTierInfo
+    from nebulaml.ops import MemoryTierInfo
 
 _STATE_STYLES = {"ok": "green", "stale": "yellow", "orphaned": "yellow", "unknown": "yellow"}
 
@@ -41,7 +41,7 @@ def memory_command(as_json: JsonOpt = False) -> None:
     Example: nebula memory --json
     """
     import nebulaml as nm
-    from nebulaml.protocol.memory_tier import memory_base
+    from nebulaml.ops import memory_tiers_folder as memory_base
 
     base = memory_base()
     tiers = nm.list_memory_tiers()

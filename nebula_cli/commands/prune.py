@@ -1,4 +1,4 @@
-"""`nebula prune ROOT --keep N`: plan, show, confirm, execute (STYLE.md)."""
+"""`nebula prune ROOT --keep N`: plan, show, confirm, execute."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ..output import (
 )
 
 if TYPE_CHECKING:
-    from nebulaml.ops.pruning import PrunePlan
+    from nebulaml.ops import PrunePlan
 
 
 def _at_least_one(value: int) -> int:

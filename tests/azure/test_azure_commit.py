@@ -1,4 +1,4 @@
-"""The object-store commit protocol on Azure (DESIGN.md §4), seen from the wire.
+"""The object-store commit protocol on Azure, seen from the wire.
 
 Items first, then `manifest.json` created only if absent; deletion removes the manifest
 first; two writers racing for one tag: exactly one commits, the other is told so.

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 COMMANDS = ["", "ls", "inspect", "latest", "verify", "diff", "export", "copy", "flush",
-            "prune", "history", "memory", "gc", "unlock"]  # fmt: skip
+            "prune", "history", "advise", "memory", "gc", "unlock"]  # fmt: skip
 
 
 def help_text(command: str) -> str:
@@ -76,6 +76,7 @@ USAGE_ERRORS = [
     (["frobnicate"], "no such command 'frobnicate'"),
     (["ls", "/x", "extra"], "got unexpected extra argument(s) (extra)"),
     (["history", "/x", "--since", "yesterday"], "is neither an ISO-8601 time"),
+    (["advise", "/x", "--mtbf", "6"], "invalid value for '--mtbf': '6' is not a duration"),
     (["export", "/x", "t", "/d", "--format", "zip"], "invalid value for '--format'"),
     (["--show-completion", "tcsh"], "unsupported shell 'tcsh'"),
 ]

@@ -1,4 +1,4 @@
-"""Crashes and background failures (DESIGN.md §4, §5).
+"""Crashes and background failures.
 
 A writer SIGKILLed before its manifest or in the middle of a persist never leaves a half
 checkpoint visible, and the previous checkpoint still loads; the next `init()` on the node

@@ -1,4 +1,4 @@
-"""Interpreter exit (DESIGN.md §5): the newest unpersisted checkpoint is persisted at normal
+"""Interpreter exit: the newest unpersisted checkpoint is persisted at normal
 exit, within a bounded wait after which the process names the checkpoint it left behind; a
 background failure that no call raised is reported at exit, never swallowed.
 

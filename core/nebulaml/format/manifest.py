@@ -1,4 +1,5 @@
-"""manifest.json: the record whose presence, valid, means "committed" (DESIGN.md §3).
+"""manifest.json: the record whose presence, valid, means "committed" (docs/architecture.md,
+"On disk").
 
 This module turns manifests and rank markers into JSON and back, and refuses anything it
 cannot trust: unknown schema versions, missing fields, file names that leave the tag folder,
@@ -376,7 +377,7 @@ def _parse_ranks(doc: dict[str, Any], world_size: int, where: str) -> tuple[int,
 
 @dataclass(frozen=True, slots=True)
 class RankMarker:
-    """`.rank-<r>.json`: one rank's part of a tag is written (DESIGN.md §4)."""
+    """`.rank-<r>.json`: one rank's part of a tag is written (the commit protocol: markers.py)."""
 
     tag: str
     rank: int

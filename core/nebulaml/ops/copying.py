@@ -73,7 +73,7 @@ def copy_checkpoint(
         >>> nm.Checkpoint("global_step5").save("model", {"w": torch.ones(2)})
         >>> nm.flush_persistence()
         True
-        >>> nm.copy_checkpoint(root, "global_step5", tempfile.mkdtemp())["copied_items"]
+        >>> nm.ops.copy_checkpoint(root, "global_step5", tempfile.mkdtemp())["copied_items"]
         ['model']
     """
     if tag is not None:
@@ -113,7 +113,7 @@ def persist_memory_tier(
 
     Example:
         >>> import nebulaml as nm, tempfile
-        >>> nm.persist_memory_tier(tempfile.mkdtemp())
+        >>> nm.ops.persist_memory_tier(tempfile.mkdtemp())
         []
     """
     tiers = tiers_for(root, "persist_memory_tier")

@@ -61,7 +61,7 @@ def diff_checkpoints(
         True
         >>> nm.Checkpoint("global_step2").save("model", {"w": torch.tensor([0., 0., 2.]),
         ...                                              "b": torch.ones(1)})
-        >>> doc = nm.diff_checkpoints(root, "global_step1", "global_step2")
+        >>> doc = nm.ops.diff_checkpoints(root, "global_step1", "global_step2")
         >>> [(e["path"], e["status"], e["max_abs_diff"]) for e in doc["items"][0]["entries"]]
         [('w', 'changed', 2.0), ('b', 'identical', None)]
     """

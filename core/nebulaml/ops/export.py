@@ -81,7 +81,7 @@ def export_checkpoint(
         >>> root = tempfile.mkdtemp()
         >>> nm.init(root)
         >>> nm.Checkpoint("global_step1").save("model", {"w": torch.ones(2)})
-        >>> out = nm.export_checkpoint(root, "global_step1", tempfile.mkdtemp())
+        >>> out = nm.ops.export_checkpoint(root, "global_step1", tempfile.mkdtemp())
         >>> torch.load(out["files"][0]["path"], weights_only=True)["w"]
         tensor([1., 1.])
     """

@@ -5,7 +5,7 @@ appended beside it, `Store.read_appended`) into a typed pandas DataFrame, oldest
 and refuses anything that is not nebula's history, naming the line (`HistoryFormatError`;
 `HistoryNotFoundError` when there is none). `summarize_history` gives stalls, persist
 times, throughput and counts; `history_records` the rows as JSON-ready dicts. They serve
-`nebula history` and operators (`nm.read_history`, `nm.summarize_history`); pandas is
+`nebula history` and operators (`nm.ops.read_history`, `nm.ops.summarize_history`); pandas is
 imported only when they run.
 
 May import: `nebulaml.errors`, `nebulaml.storage` and `nebulaml.protocol.history` (the
@@ -72,7 +72,7 @@ def read_history(
 
     Example:
         >>> import nebulaml as nm, tempfile
-        >>> nm.read_history(tempfile.mkdtemp())
+        >>> nm.ops.read_history(tempfile.mkdtemp())
         Traceback (most recent call last):
         ...
         nebulaml.ops.history.HistoryNotFoundError: no checkpointHistories.csv at ...
@@ -212,7 +212,7 @@ def summarize_history(df: pd.DataFrame) -> dict[str, Any]:
 
     Example:
         >>> import nebulaml as nm, pandas as pd
-        >>> nm.summarize_history(pd.DataFrame(columns=COLUMNS))["count"]
+        >>> nm.ops.summarize_history(pd.DataFrame(columns=COLUMNS))["count"]
         0
     """
     memory = df["tier"] == "memory"
@@ -255,7 +255,7 @@ def history_records(df: pd.DataFrame) -> list[dict[str, Any]]:
 
     Example:
         >>> import nebulaml as nm, pandas as pd
-        >>> nm.history_records(pd.DataFrame(columns=COLUMNS))
+        >>> nm.ops.history_records(pd.DataFrame(columns=COLUMNS))
         []
     """
     import pandas as pd

@@ -64,7 +64,7 @@ def inspect_checkpoint(root: PathLike, tag: str) -> dict[str, Any]:
 
     Example:
         >>> import nebulaml as nm, tempfile
-        >>> nm.inspect_checkpoint(tempfile.mkdtemp(), "global_step5")
+        >>> nm.ops.inspect_checkpoint(tempfile.mkdtemp(), "global_step5")
         Traceback (most recent call last):
         ...
         nebulaml.errors.CheckpointNotFoundError: ...: no checkpoint 'global_step5' found
@@ -130,7 +130,7 @@ def describe_item(root: PathLike, tag: str, name: str) -> list[dict[str, Any]]:
         >>> nm.init(root)
         >>> nm.Checkpoint("global_step1").save("model", {"w": torch.zeros(2, 3), "lr": 0.5})
         >>> [(e["path"], e["dtype"], e["shape"], e["value"])
-        ...  for e in nm.describe_item(root, "global_step1", "model")]
+        ...  for e in nm.ops.describe_item(root, "global_step1", "model")]
         [('w', 'float32', [2, 3], None), ('lr', None, None, '0.5')]
     """
     validate_name("tag", tag)

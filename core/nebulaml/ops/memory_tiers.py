@@ -74,12 +74,24 @@ class MemoryTierInfo:
         }
 
 
+def memory_tiers_folder() -> str:
+    """The folder that holds this user's memory tiers on this node: `/dev/shm/nebula-<user>`,
+    or `NEBULA_MEMORY_TIER_PATH` when it is set (it need not exist yet).
+
+    Example:
+        >>> import os, nebulaml as nm
+        >>> nm.ops.memory_tiers_folder() == os.path.abspath(os.environ["NEBULA_MEMORY_TIER_PATH"])
+        True
+    """
+    return memory_base()
+
+
 def list_memory_tiers() -> list[MemoryTierInfo]:
-    """Every memory tier of this user on this node (under `memory_base()`), by path.
+    """Every memory tier of this user on this node (under `memory_tiers_folder()`), by path.
 
     Example:
         >>> import nebulaml as nm
-        >>> nm.list_memory_tiers()
+        >>> nm.ops.list_memory_tiers()
         []
     """
     base = memory_base()

@@ -10,7 +10,7 @@
 Never deleted: the newest committed checkpoint, a labelled one (unless the caller includes
 labelled ones), a tag a live process on this host is writing, a checkpoint being read (a
 live read lease, leases.py), a leftover that was written to within the grace period, and
-anything without our markers (DESIGN.md §4).
+anything without our markers (docs/architecture.md, "The commit protocol").
 
 Not for: the job's own retention while it trains (retention.py, applied by the persister).
 """

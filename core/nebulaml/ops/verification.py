@@ -85,7 +85,7 @@ def verify_checkpoints(
         >>> nm.Checkpoint("global_step1").save("model", {"lr": 0.5})
         >>> nm.flush_persistence()  # on both tiers now
         True
-        >>> [(r["tier"], r["item"], r["status"]) for r in nm.verify_checkpoints(root)]
+        >>> [(r["tier"], r["item"], r["status"]) for r in nm.ops.verify_checkpoints(root)]
         [('memory', 'model', 'ok'), ('persistent', 'model', 'ok')]
     """
     if tag is not None:

@@ -1,8 +1,9 @@
 """What is committed on a tier: reading manifests and listing checkpoints.
 
 A checkpoint is visible only when its manifest is present and valid and every file it
-lists is there with its size (DESIGN.md §4). A manifest of an unknown schema is an error;
-an unreadable one is reported with a warning and the tag treated as not committed.
+lists is there with its size ("committed or invisible": docs/architecture.md). A manifest of
+an unknown schema is an error; an unreadable one is reported with a warning and the tag
+treated as not committed.
 
 May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: writing
 (commit.py), deleting (delete.py), or the leftovers of crashed saves (recovery.py).

@@ -1,4 +1,4 @@
-"""The commit protocol on one tier (DESIGN.md §4): items, rank marker, manifest last.
+"""The commit protocol on one tier (docs/architecture.md): items, rank marker, manifest last.
 
     begin_tag         refuse a committed tag (unless overwriting), clear a dead writer's
                       leftovers, write this process's writer marker (markers.py)

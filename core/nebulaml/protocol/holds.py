@@ -243,14 +243,17 @@ def root_holder(store: Store) -> tuple[Holder | None, bool]:
 
 @dataclass(frozen=True, slots=True)
 class HoldState:
-    """The hold on a root as an operator sees it (`nebula unlock`): its file, its holder
-    (None: unreadable), whether it counts (`lease_alive`), and whether its process runs
-    on this host."""
+    """The hold on a root as an operator sees it (`nebula unlock`, `nebula advise`): its
+    file, its holder (None: unreadable), whether it counts (`lease_alive`), whether its
+    process runs on this host, and its generation (each job that took the root over from
+    a dead one made the next; a job that ends cleanly removes its hold, so the next one
+    starts at 1 again)."""
 
     name: str
     holder: Holder | None
     live: bool
     running_here: bool
+    generation: int = 1
 
 
 def current_hold(store: Store) -> HoldState | None:
@@ -261,7 +264,8 @@ def current_hold(store: Store) -> HoldState | None:
     top = holds[-1]
     holder = top.holder
     here = holder is not None and holder.host == _host() and holder_alive_here(holder)
-    return HoldState(top.name, holder, lease_alive(holder, top.modified_at), here)
+    live = lease_alive(holder, top.modified_at)
+    return HoldState(top.name, holder, live, here, top.generation)
 
 
 def break_hold(store: Store, name: str) -> list[str]:

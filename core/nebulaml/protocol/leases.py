@@ -1,4 +1,4 @@
-"""Read leases: a checkpoint being read is never deleted (DESIGN.md §4).
+"""Read leases: a checkpoint being read is never deleted.
 
 A reader publishes a small lease file in the tag folder before it reads and removes it
 when done (`read_lease`). A deleter (prune, retention, memory-tier eviction, an overwrite)

@@ -1,4 +1,4 @@
-"""Markers: the small files in a tag folder that say who wrote what (DESIGN.md §4).
+"""Markers: the small files in a tag folder that say who wrote what.
 
     .rank-<r>.json    rank r's part is written: the items it lists (format/manifest.py's
                       `RankMarker`); the manifest follows once every rank's is there

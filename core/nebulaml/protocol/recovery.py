@@ -1,4 +1,4 @@
-"""What a crash leaves on a tier, and what may be cleared (DESIGN.md §4).
+"""What a crash leaves on a tier, and what may be cleared.
 
     list_incomplete      tag folders nebula started (a rank or writer marker) but never
                          committed: the leftovers of crashed saves, persists and deletes

@@ -1,4 +1,4 @@
-"""Copying a committed checkpoint between tiers with the full commit protocol (DESIGN.md §4).
+"""Copying a committed checkpoint between tiers with the full commit protocol.
 
     copy_checkpoint  a whole tag, its items copied and verified, its manifest last;
                      optionally resuming an interrupted copy and re-reading what it wrote

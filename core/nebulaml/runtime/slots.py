@@ -1,10 +1,10 @@
 """Reused snapshot buffers: the memory tier's item files, kept mapped and recycled.
 
 Copying into memory that is already mapped and touched runs at about 14 GB/s on a 2-core
-machine; into fresh pages at 1-3 GB/s (DESIGN.md §8). So an item file of the memory tier is
-not deleted when its checkpoint is evicted: it moves into the pool (`<memory
-root>/.slots/`), and the next save of an item takes it back (a rename, so the pages and
-this process's mapping of them survive) and overwrites it in place.
+machine; into fresh pages at 1-3 GB/s (docs/benchmarks.md, "the fast path"). So an item
+file of the memory tier is not deleted when its checkpoint is evicted: it moves into the
+pool (`<memory root>/.slots/`), and the next save of an item takes it back (a rename, so
+the pages and this process's mapping of them survive) and overwrites it in place.
 
 The pool keeps at most one free file per item name (two snapshot slots in all: the newest
 committed copy and the one being filled), and never more than a byte limit when a memory

@@ -2,7 +2,7 @@
 
 A snapshot is the only part of a checkpoint the training loop waits for, and writing it
 with `torch.save` costs more in zip CRCs and first-touch page faults than in copying
-(DESIGN.md §8). So an item is written as torch's zip in two parts:
+(docs/benchmarks.md, "the fast path"). So an item is written as torch's zip in two parts:
 
 - the *layout*: `torch.save` under `torch.serialization.skip_data` into a recorder that
   keeps only the bytes torch writes (the pickle, the zip headers and directory, a few
