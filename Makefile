@@ -76,7 +76,10 @@ demo: venv
 	$(PY) examples/train.py --demo
 
 # The peer benchmark (issue #3): nebula vs torch.save, DCP and torchsnapshot on a GPT-2-style
-# state built in memory. `make bench PRESET=small` for a quick run (~2 min); default ~15 min.
+# state built in memory, then the LoRA fine-tune workload (issue #30: a 200 MB state, 95%
+# frozen, and its all-changed control; nebula to a local root and to an Azurite it starts;
+# about 2 min). `make bench PRESET=small` for a quick run (~4 min); default ~17 min.
+# `make bench BENCH_ARGS='--workloads lora'` runs the LoRA workload alone.
 PRESET ?= default
 BENCH_STAMP := $(VENV)/.nebula-bench-installed
 
@@ -84,8 +87,9 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	touch $(BENCH_STAMP)
 
-bench: $(BENCH_STAMP)
-	$(PY) benchmarks/bench.py --preset $(PRESET)
+BENCH_ARGS ?=
+bench: $(BENCH_STAMP) $(AZURITE)
+	$(PY) benchmarks/bench.py --preset $(PRESET) $(BENCH_ARGS)
 
 # Commit latency against the number of ranks (scale.py), then metadata at scale (issue #29,
 # metadata_scale.py: 100 / 1,000 / 10,000 tags locally, 100 / 1,000 on Azurite; about

@@ -2,8 +2,14 @@
 
     python benchmarks/bench.py [--preset small|default|large] [--repeats 3]
         [--load-repeats 5] [--loop-steps 50] [--every 10] [--work DIR] [--json PATH]
-        [--methods NAME ...]
+        [--methods NAME ...] [--workloads full lora] [--lora-mb MB]
+        [--lora-rounds 2] [--lora-saves 3]
     make bench [PRESET=small]
+
+Two workloads, both by default (`--workloads`): `full`, every byte of the state saved
+every time (below), and `lora`, a LoRA fine-tune whose base (~95% of the state) is frozen
+(issue #30: lora.py says how its figures are taken; 200 MB of state in the small and
+default presets, `--lora-mb` for another size; about a minute at 200 MB).
 
 The state is a GPT-2-style model in fp32 with AdamW state after one step, built in memory
 (no download): small ~16M parameters (0.2 GB of state, ~2 min), default ~124M (1.5 GB,
@@ -51,6 +57,9 @@ from typing import Any
 
 import torch
 from limits import GIB, add_disk_runs, disk_bandwidth, measure_limits
+from lora import METHODS as LORA_METHODS
+from lora import run_lora
+from lora_report import render_lora
 from measure import CpuShare
 from model import PRESETS, TrainState
 from nebula_methods import Nebula, NebulaDcp
@@ -89,8 +98,12 @@ def all_methods() -> list[Method]:
     ]
 
 
+WORKLOADS = ("full", "lora")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     names = [m.name for m in all_methods()]
+    names += [n for n in LORA_METHODS if n not in names]
     parser = argparse.ArgumentParser(
         prog="bench.py",
         description=__doc__,
@@ -141,7 +154,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--json",
         type=Path,
-        help="where to write the figures (default: benchmarks/results/bench-PRESET.json)",
+        help="where to write the figures (default: benchmarks/results/bench-PRESET.json; "
+        "bench-PRESET-lora.json for --workloads lora alone)",
     )
     parser.add_argument(
         "--methods",
@@ -149,11 +163,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=names,
         default=names,
         metavar="NAME",
-        help=f"methods to run, from: {', '.join(names)} (default: all)",
+        help=f"methods to run, from: {', '.join(names)} (default: all; each workload runs "
+        f"those of its own: nebula_all_changed and nebula_azure are the LoRA workload's)",
+    )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=WORKLOADS,
+        default=list(WORKLOADS),
+        help="full: the GPT-2 state, all of it saved each time; lora: the LoRA fine-tune "
+        "(frozen base) and its all-changed control (default: both)",
+    )
+    parser.add_argument(
+        "--lora-mb",
+        type=float,
+        help="the LoRA workload's state in MB (10^6 bytes; ~95%% frozen) (default: the "
+        "preset's: small and default 200, large 1000)",
+    )
+    parser.add_argument(
+        "--lora-rounds",
+        type=int,
+        default=2,
+        help="rounds of the LoRA workload (nebula starts afresh each round) (default: 2)",
+    )
+    parser.add_argument(
+        "--lora-saves",
+        type=int,
+        default=3,
+        help="timed saves per method in each LoRA round, after nebula's 2 cold ones (default: 3)",
     )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.load_repeats < 1 or args.every < 1 or args.loop_steps < 0:
         parser.error("--repeats, --load-repeats and --every must be >= 1, --loop-steps >= 0")
+    if args.lora_rounds < 1 or args.lora_saves < 1 or (args.lora_mb or 1) <= 0:
+        parser.error("--lora-rounds and --lora-saves must be >= 1, --lora-mb > 0")
     return args
 
 
@@ -211,9 +254,42 @@ def _git_commit() -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
+def header(args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON document's first keys: what ran, on what machine, with which versions."""
+    return {
+        "schema": "nebula-bench/1",
+        "preset": args.preset,
+        "args": {
+            "repeats": args.repeats,
+            "load_repeats": args.load_repeats,
+            "loop_steps": args.loop_steps,
+            "every": args.every,
+            "loop_malloc": args.loop_malloc,
+            "methods": args.methods,
+            "workloads": args.workloads,
+            "lora_mb": lora_mb(args),
+            "lora_rounds": args.lora_rounds,
+            "lora_saves": args.lora_saves,
+        },
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            # now, before anything is measured: core/ may be edited later
+            "versions": versions(),
+        },
+    }
+
+
+def lora_mb(args: argparse.Namespace) -> float:
+    """The LoRA workload's state in MB: `--lora-mb`, else the preset's."""
+    return float(args.lora_mb or PRESETS[args.preset].lora_mb)
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Build the state, measure the limits and every method; return the JSON document."""
-    measured = versions()  # now, before anything is measured: core/ may be edited later
+    """The full-change workload: build the state, measure the limits and every method;
+    return its part of the JSON document."""
     preset = PRESETS[args.preset]
     progress(f"building the {preset.name} state ({preset.about} parameters) ...")
     state = TrainState(preset)
@@ -265,23 +341,6 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     limits = add_disk_runs(limits, disk_bandwidth(work / "limits"))
     figures = {m.name: method_figures(results[m.name], state_bytes) for m in methods}
     return {
-        "schema": "nebula-bench/1",
-        "preset": preset.name,
-        "args": {
-            "repeats": args.repeats,
-            "load_repeats": args.load_repeats,
-            "loop_steps": args.loop_steps,
-            "every": args.every,
-            "loop_malloc": args.loop_malloc,
-            "methods": args.methods,
-        },
-        "machine": {
-            "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "versions": measured,
-        },
         "state": {
             "num_params": state.num_params,
             "state_bytes": state_bytes,
@@ -307,8 +366,18 @@ def main(argv: list[str] | None = None) -> int:
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
     t0 = time.perf_counter()
     cpu = CpuShare()
+    doc = header(args)
     try:
-        doc = run(args, work)
+        if "full" in args.workloads:
+            doc.update(run(args, work))
+        if "lora" in args.workloads:
+            doc["lora"] = run_lora(
+                work,
+                int(lora_mb(args) * 1e6),
+                names=args.methods,
+                rounds=args.lora_rounds,
+                saves=args.lora_saves,
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     doc["started_at"] = started_at
@@ -320,8 +389,12 @@ def main(argv: list[str] | None = None) -> int:
             f"the timings (the loop's above all) are disturbed: run it again on a quiet machine"
         )
     console = Console() if sys.stdout.isatty() else Console(width=160)
-    render(console, doc, [m.name for m in all_methods() if m.name in args.methods])
-    out = args.json or RESULTS / f"bench-{args.preset}.json"
+    if "methods" in doc:
+        render(console, doc, [m.name for m in all_methods() if m.name in args.methods])
+    if "lora" in doc:
+        render_lora(console, doc["lora"])
+    only_lora = "full" not in args.workloads
+    out = args.json or RESULTS / f"bench-{args.preset}{'-lora' if only_lora else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     progress(f"wrote {out} ({doc['duration_s']:.0f} s)")

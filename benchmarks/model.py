@@ -35,6 +35,7 @@ class Preset:
     vocab_size: int = 50257
     n_ctx: int = 1024
     about: str = ""
+    lora_mb: int = 200  # the LoRA fine-tune workload's state (lora_model.py), 10^6 bytes
 
 
 PRESETS: dict[str, Preset] = {
@@ -42,7 +43,16 @@ PRESETS: dict[str, Preset] = {
     for preset in (
         Preset("small", n_layer=4, n_head=4, n_embd=256, batch=1, seq_len=32, about="~16M"),
         Preset("default", n_layer=12, n_head=12, n_embd=768, batch=1, seq_len=64, about="~124M"),
-        Preset("large", n_layer=24, n_head=16, n_embd=1024, batch=1, seq_len=64, about="~355M"),
+        Preset(
+            "large",
+            n_layer=24,
+            n_head=16,
+            n_embd=1024,
+            batch=1,
+            seq_len=64,
+            about="~355M",
+            lora_mb=1000,
+        ),
     )
 }
 

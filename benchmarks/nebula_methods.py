@@ -42,10 +42,15 @@ import nebulaml as nm
 RETENTION = 2
 
 
-def init_nebula(root: Path, *, lazy: bool) -> str | None:
-    """`nm.init` for `root`; returns None, or why the lazy mode is not available (then no
+def init_nebula(
+    root: Path | str, *, lazy: bool, storage_options: dict[str, Any] | None = None
+) -> str | None:
+    """`nm.init` for `root` (a folder, or a URL such as az://container/path with its
+    `storage_options`); returns None, or why the lazy mode is not available (then no
     session is left running)."""
     kwargs: dict[str, Any] = {"persistent_time_interval": 0, "num_of_version_in_retention": 2}
+    if storage_options is not None:
+        kwargs["storage_options"] = storage_options
     if not lazy:
         nm.init(str(root), **kwargs)
         return None
@@ -65,30 +70,51 @@ def init_nebula(root: Path, *, lazy: bool) -> str | None:
 
 
 class Nebula(Method):
-    """nebula, synchronous snapshot (`lazy=False`) or lazy mode (`lazy=True`)."""
+    """nebula, synchronous snapshot (`lazy=False`) or lazy mode (`lazy=True`); persisting
+    into the work folder, or to `url` (e.g. az://container/path, with `storage_options`).
+    `name` and `label` tell apart rows that save different states the same way."""
 
-    def __init__(self, *, lazy: bool) -> None:
+    def __init__(
+        self,
+        *,
+        lazy: bool,
+        name: str | None = None,
+        label: str | None = None,
+        url: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
         if lazy:
             super().__init__("nebula_lazy", "nebula lazy", defers_fence=True)
         else:
             super().__init__("nebula", "nebula")
+        self.name, self.label = name or self.name, label or self.label
         self.exclusive_session = True
         self.lazy = lazy
         self.active = False
         self.tags: list[str] = []
+        self.url = url
+        self.storage_options = storage_options
 
     @property
     def root(self) -> Path:
         return self.folder / "root"
 
+    @property
+    def root_url(self) -> str:
+        """The persistent root nebula is given: `url`, else the work folder's root."""
+        return self.url or str(self.root)
+
     def memory_tier(self) -> Path:
-        return Path(nm.memory_tier_path(str(self.root)))
+        return Path(nm.memory_tier_path(self.root_url))
+
+    def _init(self) -> str | None:
+        return init_nebula(self.root_url, lazy=self.lazy, storage_options=self.storage_options)
 
     def setup(self, folder: Path, state: TrainState) -> None:
         super().setup(folder, state)
         shutil.rmtree(self.memory_tier(), ignore_errors=True)
         self.tags = []
-        reason = init_nebula(self.root, lazy=self.lazy)  # a probe: is this mode here?
+        reason = self._init()  # a probe: is this mode here?
         if reason is not None:
             raise Unavailable(reason)
         nm.shutdown()
@@ -98,7 +124,7 @@ class Nebula(Method):
         first = super().activate(state)
         if self.active:
             return first
-        reason = init_nebula(self.root, lazy=self.lazy)
+        reason = self._init()
         if reason is not None:  # it was available at setup
             raise RuntimeError(f"{self.label}: {reason}")
         self.active = True
@@ -117,19 +143,20 @@ class Nebula(Method):
         ckpt.save("model", state.model.state_dict())
         ckpt.save("optimizer", state.optimizer.state_dict())
         self.tags.append(tag)
-        self.saved = [self.root / t for t in self.tags[-RETENTION:]]
+        if self.url is None:
+            self.saved = [self.root / t for t in self.tags[-RETENTION:]]
         wait = nm.wait_for_snapshot if self.lazy else no_wait
         return Pending(wait, nm.flush_persistence)
 
     def load(self, state: TrainState, *, from_disk: bool) -> Any:
-        ckpt = nm.get_latest_checkpoint(str(self.root))
+        ckpt = nm.get_latest_checkpoint(self.root_url)
         if ckpt is None:
-            raise RuntimeError(f"{self.label}: no checkpoint under {self.root}")
+            raise RuntimeError(f"{self.label}: no checkpoint under {self.root_url}")
         return {"model": ckpt.load("model"), "optimizer": ckpt.load("optimizer")}
 
     def prepare_disk_load(self) -> None:
         self.deactivate(keep_memory=False)
-        newest = nm.list_checkpoints(str(self.root))[0]
+        newest = nm.list_checkpoints(self.root_url)[0]
         if newest["tiers"] != ["persistent"]:
             raise RuntimeError(f"{self.label}: {newest['tag']} is still in {newest['tiers']}")
 

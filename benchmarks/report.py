@@ -107,9 +107,11 @@ def _median(figures: dict[str, Any], name: str, key: str) -> float | None:
 BIASED_BELOW = 0.01
 
 
-def _ratio(
+def target_ratio(
     name: str, method: str, value: float | None, op: str, limit: float, target: str
 ) -> dict[str, Any]:
+    """One target as the JSON and the tables hold it: `value op limit`, and whether it
+    passed (None: not measured)."""
     passed = None if value is None else (value <= limit if op == "<=" else value >= limit)
     return {
         "name": name,
@@ -136,7 +138,7 @@ def target_ratios(
     for v in variants:
         stall = _median(figures, v, "stall_s")
         ratios.append(
-            _ratio(
+            target_ratio(
                 "stall_vs_torch_save",
                 v,
                 _div(stall, _median(figures, "torch_save", "stall_s")),
@@ -146,7 +148,7 @@ def target_ratios(
             )
         )
         ratios.append(
-            _ratio(
+            target_ratio(
                 "stall_vs_dcp_async_reused",
                 v,
                 _div(stall, _median(figures, "dcp_async_reused", "stall_s")),
@@ -156,7 +158,7 @@ def target_ratios(
             )
         )
         loop = figures[v].get("loop") or {}
-        overhead = _ratio(
+        overhead = target_ratio(
             "loop_overhead",
             v,
             loop.get("overhead"),
@@ -174,7 +176,7 @@ def target_ratios(
             written = figures[v]["written_bytes"]
             persist_gbps = _div(written / 1e9, background)
             ratios.append(
-                _ratio(
+                target_ratio(
                     "persist_vs_disk_write",
                     v,
                     _div(persist_gbps, limits.get("disk_write_gbps")),
@@ -184,7 +186,7 @@ def target_ratios(
                 )
             )
         ratios.append(
-            _ratio(
+            target_ratio(
                 "resume_memory_speedup",
                 v,
                 _div(
@@ -197,7 +199,7 @@ def target_ratios(
             )
         )
         ratios.append(
-            _ratio(
+            target_ratio(
                 "disk_load_vs_disk_read",
                 v,
                 _div(_median(figures, v, "load_disk_gbps"), limits.get("disk_read_gbps")),
@@ -208,7 +210,7 @@ def target_ratios(
         )
         cold = cold_stall(figures, v)
         ratios.append(
-            _ratio(
+            target_ratio(
                 "cold_stall_vs_torch_save",
                 v,
                 _div(cold, _median(figures, "torch_save", "stall_s")),
@@ -218,7 +220,7 @@ def target_ratios(
             )
         )
         ratios.append(
-            _ratio(
+            target_ratio(
                 "cold_stall_vs_dcp_reused_cold",
                 v,
                 _div(cold, cold_stall(figures, "dcp_async_reused")),
@@ -229,7 +231,7 @@ def target_ratios(
         )
         peak = figures[v]["peak_extra_bytes"]
         ratios.append(
-            _ratio(
+            target_ratio(
                 "peak_memory",
                 v,
                 peak / state_bytes,

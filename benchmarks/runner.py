@@ -1,8 +1,14 @@
 """The benchmark's three phases, each timing every method on the same training state.
 
-saves   round-robin over the methods in each repeat (noise hits all alike). One save:
-        t0, `save` returns (blocking), [a forward+backward, untimed, if the method defers
-        its fence], `wait_mutable` returns (fence), `wait_durable` returns (durable).
+saves   round-robin over the methods in each repeat (noise hits all alike). Each save
+        follows an optimizer step (AdamW on the last backward's gradients; untimed) that
+        changes every parameter and AdamW's state (all but the moments of rows no batch
+        has reached): nebula skips what did not change since its buffer's last fill and
+        what equals the previous persisted version (issue #30), so saving one state
+        again and again would measure that, not a full checkpoint (lora.py measures it).
+        One save: t0, `save` returns (blocking), [a forward+backward, untimed, if the
+        method defers its fence], `wait_mutable` returns (fence), `wait_durable` returns
+        (durable).
         stall = blocking + fence; durable = wall time from t0; background = durable time
         after `save` returned. Memory is sampled through the whole save (measure.py),
         less the forward/backward's own memory (calibrated) while that runs.
@@ -157,8 +163,10 @@ def forward_backward_bytes(state: TrainState, repeats: int = 3) -> int:
 
 
 def time_save(method: Method, state: TrainState, step: int, overlap_bytes: int = 0) -> SaveSample:
-    """Time one save of `method` through durable, sampling memory. `overlap_bytes` is
-    the forward/backward's own memory, discounted while it runs."""
+    """Time one save of `method` through durable, sampling memory, after an optimizer
+    step (untimed) that changes the state. `overlap_bytes` is the forward/backward's own
+    memory, discounted while it runs."""
+    state.optimizer_step()  # every save is of a changed state, as in training
     gc.collect()
     retained = method.retained_bytes(state)
     with MemorySampler(method.shm_dirs(), retained_bytes=retained) as mem:

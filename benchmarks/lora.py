@@ -1,0 +1,345 @@
+"""The LoRA fine-tune workload (issue #30): what a checkpoint costs when 95% of the state
+is frozen, for nebula and each peer, against nebula on the same run with every byte changed.
+
+The state (lora_model.py): a base of frozen linear layers (~95% of `model` + `optimizer`)
+and a LoRA adapter trained with Adam. Every save follows a real training step (forward,
+backward, Adam on the adapter) and saves `model` and `optimizer`, as a fine-tuning job
+does. The rows:
+
+  nebula               the seed API, default (synchronous) mode, persisting to a folder in
+                       the work folder (`nm.init(root, persistent_time_interval=0)`)
+  nebula_all_changed   the same, on the control: the same model and sizes, whose base is
+                       changed in place (`add_` under `torch.no_grad()`) at every step
+  nebula_azure         the frozen-base state, persisting to `az://` on an Azurite this
+                       workload starts (127.0.0.1, a temporary data folder), when installed
+  torch_save, dcp_save, dcp_async, dcp_async_reused, torchsnapshot
+                       the peers (peers.py) on the frozen-base state; torchsnapshot where
+                       installed
+
+The methods take turns in `rounds` rounds (the order reversed every other round, so that
+drift in the machine's load hits all alike); in each, a method makes `saves` timed saves
+in a row. The Azurite row runs in the first round only: a persist there takes seconds
+(Azurite is one Node.js process), and its byte count is the same in every round.
+nebula's session starts afresh for each of its rounds, and its first `COLD_SAVES` saves
+after a start are timed apart (`cold`): the first fills fresh buffers and persists whole;
+reuse starts from the third (nebula keeps two snapshot buffers, and the persist compares
+a version's blocks once it knows the previous version's). The peers start once.
+
+One save: t0, `save` returns (blocking), [a forward+backward if the method defers its
+fence], the fence returns, durable (nebula: `nm.flush_persistence()`; peers: fsynced).
+stall = blocking + fence; durable = from t0. Bytes per checkpoint sent to the persistent
+tier: nebula's, the `bytes_written` of the checkpoint's `persistent` rows in
+checkpointHistories.csv (a local root: what was not cloned from the previous version; an
+az:// root: what the client uploaded), with `bytes_reused` beside it and the memory rows'
+`bytes_written` (what the save copied into its buffer); the peers', the size of the files
+the checkpoint wrote. The changed bytes: the adapter's parameters and Adam's state,
+counted from the state (`LoraState.changed_bytes`).
+
+Targets (issue #30): nebula's stall <= 0.2 x the control's; nebula's bytes per checkpoint
+<= 1.2 x the changed bytes, on local disk and on Azurite.
+
+Not for: the GPT-2 workload (bench.py, runner.py) or the tables (lora_report.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lora_model import LoraShape, LoraState
+from measure import summarize, tree_bytes
+from nebula_methods import Nebula
+from peers import DcpAsync, DcpSave, Method, TorchSave, TorchSnapshot, Unavailable
+from report import target_ratio
+from runner import COLD_SAVES, Steps, progress
+
+import nebulaml as nm
+
+REPO = Path(__file__).resolve().parents[1]
+AZURE_CONTAINER = "bench"
+CONNECTION_ENV = "AZURE_STORAGE_CONNECTION_STRING"
+STALL_TARGET = 0.2  # nebula's stall / the all-changed control's
+BYTES_TARGET = 1.2  # bytes sent per checkpoint / changed bytes
+AZURE_ROUNDS = 1  # the Azurite row's rounds: its byte count is the same every round
+PEERS = ("torch_save", "dcp_save", "dcp_async", "dcp_async_reused", "torchsnapshot")
+NEBULA_ROWS = ("nebula", "nebula_all_changed", "nebula_azure")
+METHODS = (*NEBULA_ROWS, *PEERS)  # the table's order
+
+
+@dataclass(slots=True)
+class LoraSave:
+    """One save: its times, and the bytes its checkpoint sent to the persistent tier."""
+
+    tag: str
+    stall_s: float
+    blocking_s: float
+    fence_s: float
+    durable_s: float
+    bytes_written: int = 0
+    bytes_reused: int | None = None  # nebula: taken from the previous version
+    size_bytes: int = 0  # the checkpoint's bytes (a complete copy)
+    copied_bytes: int | None = None  # nebula: what the save copied into its buffer
+
+
+@dataclass
+class LoraRow:
+    """One method on one state."""
+
+    method: Method
+    state: LoraState
+    root: str  # "local" or "azurite"
+    unavailable: str | None = None
+    cold: list[LoraSave] = field(default_factory=list)
+    saves: list[LoraSave] = field(default_factory=list)
+
+
+def lora_rows(
+    names: Sequence[str],
+    frozen: LoraState,
+    control: LoraState,
+    azure: dict[str, Any] | str | None,
+) -> list[LoraRow]:
+    """The rows of `names`, in the table's order. `azure`: the Azurite's `url` and
+    `storage_options` for `nebula_azure`, or why there is none."""
+    made: dict[str, LoraRow] = {
+        "nebula": LoraRow(Nebula(lazy=False), frozen, "local"),
+        "nebula_all_changed": LoraRow(
+            Nebula(lazy=False, name="nebula_all_changed", label="nebula, all-changed control"),
+            control,
+            "local",
+        ),
+        "torch_save": LoraRow(TorchSave(), frozen, "local"),
+        "dcp_save": LoraRow(DcpSave(), frozen, "local"),
+        "dcp_async": LoraRow(DcpAsync(reused_stager=False), frozen, "local"),
+        "dcp_async_reused": LoraRow(DcpAsync(reused_stager=True), frozen, "local"),
+        "torchsnapshot": LoraRow(TorchSnapshot(), frozen, "local"),
+    }
+    options = azure if isinstance(azure, dict) else {}
+    made["nebula_azure"] = LoraRow(
+        Nebula(lazy=False, name="nebula_azure", label="nebula to Azurite", **options),
+        frozen,
+        "azurite",
+        unavailable=azure if isinstance(azure, str) else None,
+    )
+    return [made[n] for n in METHODS if n in names]
+
+
+def _time_save(method: Method, state: LoraState, step: int) -> LoraSave:
+    t0 = time.perf_counter()
+    pending = method.save(state, step)
+    t1 = time.perf_counter()
+    if method.defers_fence:
+        state.forward_backward()  # the next step's compute, overlapping the copy
+    t2 = time.perf_counter()
+    pending.wait_mutable()
+    t3 = time.perf_counter()
+    pending.wait_durable()
+    t4 = time.perf_counter()
+    tag = method.tags[-1] if isinstance(method, Nebula) else f"step{step}"
+    sample = LoraSave(tag, (t1 - t0) + (t3 - t2), t1 - t0, t3 - t2, t4 - t0)
+    if not isinstance(method, Nebula):
+        sample.bytes_written = sample.size_bytes = tree_bytes([method.latest()])
+    return sample
+
+
+def _stretch(row: LoraRow, steps: Steps, saves: int) -> None:
+    """One round of `row`: after a (re)start its cold saves, then `saves` timed ones,
+    each after a training step."""
+    method, state = row.method, row.state
+    started = method.activate(state)
+    for k in range(COLD_SAVES if started else 0):
+        state.step()
+        row.cold.append(_time_save(method, state, steps()))
+        progress(f"lora cold save {k + 1} {method.label}: stall {row.cold[-1].stall_s:.3f} s")
+        method.prune()
+    timed = []
+    for _ in range(saves):
+        state.step()
+        sample = _time_save(method, state, steps())
+        timed.append(sample)
+        progress(
+            f"lora save {method.label}: stall {sample.stall_s:.3f} s, "
+            f"durable {sample.durable_s:.2f} s"
+        )
+        method.prune()
+    if isinstance(method, Nebula):
+        method.deactivate(keep_memory=False)  # history rows are complete after shutdown
+        _add_history(method, [*row.cold[-COLD_SAVES:], *timed] if started else timed)
+    row.saves.extend(timed)
+
+
+def _add_history(method: Nebula, samples: list[LoraSave]) -> None:
+    """Fill nebula's samples' bytes from the history rows of their checkpoints."""
+    df = nm.read_history(method.root_url, storage_options=method.storage_options)
+    ok = df[df["status"] == "ok"]
+    for sample in samples:
+        rows = ok[ok["tag"] == sample.tag]
+        persisted = rows[rows["tier"] == "persistent"]
+        memory = rows[rows["tier"] == "memory"]
+        if persisted.empty or memory.empty:
+            raise RuntimeError(f"{method.label}: no history rows for {sample.tag}")
+        sample.bytes_written = int(persisted["bytes_written"].sum())
+        sample.bytes_reused = int(persisted["bytes_reused"].sum())
+        sample.size_bytes = int(persisted["size_bytes"].sum())
+        sample.copied_bytes = int(memory["bytes_written"].sum())
+
+
+@contextmanager
+def azurite(work: Path) -> Iterator[dict[str, Any] | str]:
+    """A running Azurite for the `nebula_azure` row: the method's `url` and
+    `storage_options`, or why there is none."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from azurite import MISSING, Azurite, binary
+
+    if binary() is None:
+        yield MISSING
+        return
+    server = Azurite(work / "azurite", log_path=work / "azurite.log").start()
+    # nm.memory_tier_path takes no storage_options: it reads the account from here.
+    saved = os.environ.get(CONNECTION_ENV)
+    os.environ[CONNECTION_ENV] = server.connection_string
+    try:
+        server.create_container(AZURE_CONTAINER)
+        url = f"az://{AZURE_CONTAINER}/lora-nebula"
+        yield {"url": url, "storage_options": {"connection_string": server.connection_string}}
+    finally:
+        server.stop()
+        if saved is None:
+            os.environ.pop(CONNECTION_ENV, None)
+        else:
+            os.environ[CONNECTION_ENV] = saved
+
+
+def run_lora(
+    work: Path, state_bytes: int, *, names: Sequence[str], rounds: int, saves: int
+) -> dict[str, Any]:
+    """Build both states, run every method of `names` in `rounds` rounds of `saves`
+    saves; returns the workload's JSON document."""
+    shape = LoraShape.for_state_bytes(state_bytes)
+    progress(f"lora: building the states ({shape}) ...")
+    frozen, control = LoraState(shape), LoraState(shape, all_changed=True)
+    t0 = time.perf_counter()
+    with ExitStack() as stack:
+        azure = stack.enter_context(azurite(work)) if "nebula_azure" in names else None
+        rows = lora_rows(names, frozen, control, azure)
+        for row in rows:
+            if row.unavailable is None:
+                try:
+                    row.method.setup(work / "lora" / row.method.name, row.state)
+                except Unavailable as exc:
+                    row.unavailable = str(exc)
+            if row.unavailable is not None:
+                progress(f"lora {row.method.label}: unavailable: {row.unavailable}")
+        ready = [r for r in rows if r.unavailable is None]
+        steps = Steps()
+        try:
+            for r in range(rounds):
+                for row in ready if r % 2 == 0 else ready[::-1]:
+                    if row.root == "azurite" and r >= AZURE_ROUNDS:
+                        continue  # an upload of the whole state takes seconds in Azurite
+                    _stretch(row, steps, saves)
+        finally:
+            for row in ready:
+                row.method.teardown()
+    return lora_document(frozen, rows, rounds, saves, time.perf_counter() - t0)
+
+
+def lora_document(
+    state: LoraState, rows: list[LoraRow], rounds: int, saves: int, seconds: float
+) -> dict[str, Any]:
+    """The workload's figures, their targets and every sample."""
+    changed = state.changed_bytes
+    methods = {row.method.name: row_figures(row, changed) for row in rows}
+    return {
+        "state": {
+            "shape": {f: getattr(state.shape, f) for f in state.shape.__slots__},
+            "num_params": state.num_params,
+            "state_bytes": state.state_bytes,
+            "frozen_bytes": state.frozen_bytes,
+            "changed_bytes": changed,
+            "step_s": state.time_step(3),
+        },
+        "rounds": rounds,
+        "saves_per_round": saves,
+        "duration_s": seconds,
+        "order": [row.method.name for row in rows],
+        "methods": methods,
+        "ratios": lora_ratios(methods, changed),
+    }
+
+
+def row_figures(row: LoraRow, changed_bytes: int) -> dict[str, Any]:
+    """Summaries (median, min, max) of one row's timed saves, and every sample."""
+    fig: dict[str, Any] = {
+        "label": row.method.label,
+        "state": "all_changed" if row.state.all_changed else "frozen",
+        "root": row.root,
+    }
+    if row.unavailable is not None:
+        return {**fig, "unavailable": row.unavailable}
+    saves = row.saves
+    written = [s.bytes_written for s in saves]
+    fig.update(
+        {
+            "stall_s": summarize([s.stall_s for s in saves]),
+            "blocking_s": summarize([s.blocking_s for s in saves]),
+            "fence_s": summarize([s.fence_s for s in saves]),
+            "durable_s": summarize([s.durable_s for s in saves]),
+            "bytes_written": summarize(written),
+            "size_bytes": summarize([s.size_bytes for s in saves]),
+            "written_vs_changed": summarize([w / changed_bytes for w in written]),
+            "samples": [_sample(s) for s in saves],
+            "cold_saves": [_sample(s) for s in row.cold],
+        }
+    )
+    if isinstance(row.method, Nebula):
+        fig["bytes_reused"] = summarize([s.bytes_reused or 0 for s in saves])
+        fig["copied_bytes"] = summarize([s.copied_bytes or 0 for s in saves])
+    return fig
+
+
+def _sample(sample: LoraSave) -> dict[str, Any]:
+    return {k: getattr(sample, k) for k in sample.__slots__}
+
+
+def _median(methods: dict[str, Any], name: str, key: str) -> float | None:
+    fig = methods.get(name)
+    if not fig or "unavailable" in fig or not fig.get(key):
+        return None
+    return float(fig[key]["median"])
+
+
+def lora_ratios(methods: dict[str, Any], changed_bytes: int) -> list[dict[str, Any]]:
+    """The issue's targets for the frozen-base workload (a value of None: not measured)."""
+    stall = _median(methods, "nebula", "stall_s")
+    control = _median(methods, "nebula_all_changed", "stall_s")
+    ratios = [
+        target_ratio(
+            "lora_stall_vs_all_changed",
+            "nebula",
+            None if stall is None or not control else stall / control,
+            "<=",
+            STALL_TARGET,
+            "frozen-base stall <= 0.2 x the all-changed control's, same run",
+        )
+    ]
+    for name, where in (("nebula", "local disk"), ("nebula_azure", "Azurite")):
+        written = _median(methods, name, "bytes_written")
+        ratios.append(
+            target_ratio(
+                "lora_bytes_vs_changed",
+                name,
+                None if written is None else written / changed_bytes,
+                "<=",
+                BYTES_TARGET,
+                f"bytes sent to the persistent tier ({where}) per checkpoint <= 1.2 x "
+                f"the changed bytes (adapter + Adam state)",
+            )
+        )
+    return ratios
