@@ -4,9 +4,11 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.nebula-installed
 
-# Azurite, the Azure Blob Storage emulator the tests start (npm; Node.js >= 18 needed).
-AZURITE_VERSION := 3.35.0
-AZURITE := .azurite/node_modules/.bin/azurite-blob
+# Azurite, the Azure Blob Storage emulator the tests start (npm; Node.js >= 18 needed);
+# 3.37.0 is the first with Put Block From URL (a persist's unchanged ranges). A stamp per
+# version: changing the version installs it again.
+AZURITE_VERSION := 3.37.0
+AZURITE := .azurite/.nebula-azurite-$(AZURITE_VERSION)
 
 .PHONY: venv test check lint demo scale reliability clean azurite bench bench-azure test-integrations
 
@@ -43,6 +45,7 @@ lint: venv
 
 $(AZURITE):
 	npm install --prefix .azurite --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION)
+	touch $(AZURITE)
 
 azurite: $(AZURITE)
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-VERSION = "3.35.0"
+VERSION = "3.37.0"  # the first with Put Block From URL (a persist's unchanged ranges)
 REPO = Path(__file__).resolve().parents[1]
 ACCOUNT = "devstoreaccount1"
 # Azurite's well-known development key (public, documented by Microsoft).
@@ -39,6 +39,23 @@ def binary() -> Path | None:
         Path(override) if override else REPO / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
     )
     return path if path.exists() else None
+
+
+def installed_version() -> tuple[int, ...] | None:
+    """The version of the Azurite that `binary()` runs (from its package.json), or None
+    when it is not installed or does not say."""
+    import json
+
+    exe = binary()
+    if exe is None:
+        return None
+    # .bin/azurite-blob links to azurite/dist/src/blob/main.js
+    package = exe.resolve().parents[3] / "package.json"
+    try:
+        version = json.loads(package.read_text())["version"]
+        return tuple(int(part) for part in str(version).split(".")[:3])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 class Azurite:
