@@ -9,6 +9,7 @@ import io
 import itertools
 import logging
 import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -28,14 +29,21 @@ ADAPTER_BYTES = ADAPTER_ELEMENTS * 4
 
 
 @pytest.fixture
-def proxy(azure_env: Azurite) -> Iterator[FaultProxy]:
+def staging(azure_env: Azurite) -> Azurite:
+    """The session's Azurite, if it stages blocks from a URL (else: fails under CI, and is
+    skipped elsewhere, saying how to install the version that does)."""
     have = installed_version()
     if have is not None and have < tuple(int(p) for p in VERSION.split(".")):
         message = f"Azurite {have} has no Put Block From URL: run `make azurite` ({VERSION})"
         if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
-    server = FaultProxy(azure_env.port)
+    return azure_env
+
+
+@pytest.fixture
+def proxy(staging: Azurite) -> Iterator[FaultProxy]:
+    server = FaultProxy(staging.port)
     yield server
     server.close()
 
@@ -148,6 +156,36 @@ def test_a_previous_version_changed_since_is_not_read(
     assert last["bytes_written"] == last["size_bytes"]
     assert _same(_load(direct, "global_step2"), model)
     assert nm.inspect_checkpoint(az_url, "global_step2")["reused"]["model"]["from_tag"] is None
+
+
+@pytest.mark.parametrize("credential", ["account_key", "sas_token"])
+def test_each_credential_lets_the_service_read_the_previous_version(
+    az_url: str, staging: Azurite, credential: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Catches: a credential whose way of signing for the previous blob is missing or
+    # wrong (an account key without a connection string: a SAS signed with it; a SAS
+    # token: appended to the source URL), so that its persists upload everything; and a
+    # signature for the source that reaches a log line unmasked.
+    sas = staging.container_sas(az_url.split("/")[2])
+    options: dict[str, object] = {"account_name": ACCOUNT, "account_url": staging.endpoint}
+    options.update({"account_key": KEY} if credential == "account_key" else {"sas_token": sas})
+    caplog.set_level(logging.DEBUG)
+    logging.getLogger("azure").setLevel(logging.DEBUG)
+    nm.init(az_url, persistent_time_interval=0, storage_options=options)
+    model = {"base": torch.randn(1 << 20), "adapter": torch.randn(16 << 10)}
+    nm.Checkpoint("global_step1").save("model", model)
+    assert nm.flush_persistence()
+    model["adapter"].add_(1.0)
+    nm.Checkpoint("global_step2").save("model", model)
+    assert nm.flush_persistence()
+    nm.shutdown()
+    last = _persist_rows(az_url)[-1]
+    assert last["tag"] == "global_step2" and last["bytes_reused"] >= (4 << 20) - 2 * BLOCK_BYTES
+    assert _same(_load(Store(az_url, options), "global_step2"), model)
+    assert "x-ms-copy-source" in caplog.text  # the SDK's HTTP logging saw the requests
+    assert KEY not in caplog.text and sas.split("sig=")[1].split("&")[0] not in caplog.text
+    leaks = re.findall(r"[^\n]{0,80}sig=(?!\*|REDACTED)[^\n]{0,20}", caplog.text)
+    assert not leaks, leaks
 
 
 def test_blocks_cover_the_file_once_and_copy_only_equal_ranges() -> None:
