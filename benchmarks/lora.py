@@ -195,12 +195,14 @@ def azurite(work: Path) -> Iterator[dict[str, Any] | str]:
     """A running Azurite for the `nebula_azure` row: the method's `url` and
     `storage_options`, or why there is none."""
     sys.path.insert(0, str(REPO / "tests"))
-    from azurite import MISSING, Azurite, binary
+    from azurite import STAGING_VERSION, Azurite, binary, missing
 
-    if binary() is None:
-        yield MISSING
+    # The Azurite that stages blocks from a URL, as Azure does (make azurite installs it).
+    if binary(STAGING_VERSION) is None:
+        yield missing(STAGING_VERSION)
         return
-    server = Azurite(work / "azurite", log_path=work / "azurite.log").start()
+    server = Azurite(work / "azurite", log_path=work / "azurite.log", version=STAGING_VERSION)
+    server.start()
     # nm.memory_tier_path takes no storage_options: it reads the account from here.
     saved = os.environ.get(CONNECTION_ENV)
     os.environ[CONNECTION_ENV] = server.connection_string

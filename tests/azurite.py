@@ -18,26 +18,41 @@ import time
 from pathlib import Path
 from typing import Any
 
-VERSION = "3.35.0"
+VERSION = "3.35.0"  # the suite's Azurite
+# The first with Put Block From URL (a persist's unchanged ranges staged from the previous
+# blob; 3.35.0 answers 501): the tests of those ranges run it, beside the suite's.
+STAGING_VERSION = "3.37.0"
 REPO = Path(__file__).resolve().parents[1]
 ACCOUNT = "devstoreaccount1"
 # Azurite's well-known development key (public, documented by Microsoft).
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 BIN_ENV = "NEBULA_AZURITE_BIN"
+STAGING_BIN_ENV = "NEBULA_AZURITE_STAGING_BIN"
 MISSING = (
     f"Azurite is not installed (looked for {REPO / '.azurite/node_modules/.bin/azurite-blob'} "
     f"and ${BIN_ENV}): run `make test`, which installs it, or "
     f"`npm install --prefix .azurite azurite@{VERSION}`"
 )
+
+
+def missing(version: str) -> str:
+    """Why Azurite `version` cannot start, and how to install it."""
+    return (
+        f"Azurite {version} is not installed (looked for "
+        f"{REPO / f'.azurite-{version}/node_modules/.bin/azurite-blob'} and "
+        f"${STAGING_BIN_ENV}): run `make azurite`"
+    )
+
+
 _LISTENING = re.compile(rb"listens on https?://127\.0\.0\.1:(\d+)")
 
 
-def binary() -> Path | None:
-    """The azurite-blob executable, or None when it is not installed."""
-    override = os.environ.get(BIN_ENV)
-    path = (
-        Path(override) if override else REPO / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
-    )
+def binary(version: str = VERSION) -> Path | None:
+    """The azurite-blob executable of `version` (the suite's, or `STAGING_VERSION`), or
+    None when it is not installed (`make azurite` installs both)."""
+    override = os.environ.get(BIN_ENV if version == VERSION else STAGING_BIN_ENV)
+    folder = REPO / (".azurite" if version == VERSION else f".azurite-{version}")
+    path = Path(override) if override else folder / "node_modules" / ".bin" / "azurite-blob"
     return path if path.exists() else None
 
 
@@ -48,8 +63,16 @@ class Azurite:
         az = Azurite(tmp_path / "data"); az.start(); ...; az.stop()
     """
 
-    def __init__(self, location: Path, *, port: int = 0, log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        location: Path,
+        *,
+        port: int = 0,
+        log_path: Path | None = None,
+        version: str = VERSION,
+    ) -> None:
         self.location = Path(location)
+        self.version = version
         self.port = port
         self.log_path = log_path or self.location.with_name(self.location.name + ".log")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -57,9 +80,9 @@ class Azurite:
     # lifecycle ---------------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> Azurite:
         """Start Azurite and wait (bounded) until it listens; sets `port`."""
-        exe = binary()
+        exe = binary(self.version)
         if exe is None:
-            raise FileNotFoundError(MISSING)
+            raise FileNotFoundError(MISSING if self.version == VERSION else missing(self.version))
         self.location.mkdir(parents=True, exist_ok=True)
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:

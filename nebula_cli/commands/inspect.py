@@ -35,9 +35,11 @@ def inspect_command(
 ) -> None:
     """Show a checkpoint's manifest, its items, and the tensors inside an item.
 
-    Lists the items with sizes and checksums and the tiers that hold the checkpoint.
-    With --item, the tensors inside that item (names, dtypes, shapes, bytes), read without
-    executing any pickle and without loading tensor data.
+    Lists the items with sizes and checksums and the tiers that hold the checkpoint, and
+    for each item how many bytes its persist took from its previous version (and which
+    tag's) instead of writing them. With --item, the tensors inside that item (names,
+    dtypes, shapes, bytes), read without executing any pickle and without loading tensor
+    data.
 
     Example: nebula inspect /mnt/checkpoints/run1 global_step500 --item optimizer
     """
@@ -56,7 +58,7 @@ def inspect_command(
         return
     out = stdout()
     print_table(_summary(doc), console=out)
-    print_table(_items_table(doc["manifest"]["items"]), console=out)
+    print_table(_items_table(doc["manifest"]["items"], doc["reused"]), console=out)
     if item is not None and entries is not None:
         print_table(_entries_table(item, entries), console=out)
 
@@ -84,20 +86,28 @@ def _summary(doc: dict[str, Any]) -> Table:
     return table
 
 
-def _items_table(items: list[dict[str, Any]]) -> Table:
+def _items_table(items: list[dict[str, Any]], reused: dict[str, dict[str, Any]]) -> Table:
     table = Table(title="items", title_justify="left")
-    for column in ("name", "file", "rank", "size", "tensor bytes", "checksum"):
-        right = column in ("rank", "size", "tensor bytes")
+    columns = ["name", "file", "rank", "size", "tensor bytes", "checksum"]
+    if reused:  # what each item's persist took from its previous version
+        columns += ["reused", "from"]
+    for column in columns:
+        right = column in ("rank", "size", "tensor bytes", "reused")
         table.add_column(column, justify="right" if right else "left", no_wrap=True)
     for i in items:
-        table.add_row(
+        cells: list[Text | str] = [
             Text(i["name"]),
             Text(i["file"]),
             str(i["rank"]),
             human_bytes(i["size_bytes"]),
             human_bytes(i["tensor_bytes"]),
             Text(f"{i['checksum']['algo']}:{i['checksum']['value']}"),
-        )
+        ]
+        if reused:
+            entry = reused.get(i["name"])
+            cells.append("" if entry is None else human_bytes(entry["bytes_reused"]))
+            cells.append(Text((entry or {}).get("from_tag") or ""))
+        table.add_row(*cells)
     return table
 
 

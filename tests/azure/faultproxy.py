@@ -6,7 +6,8 @@ method and path match, either answered by the proxy itself (`status`: e.g. 503, 
 cut off before Azurite sees it (`reset`: the connection is reset), or forwarded and its
 answer lost (`drop_response`: Azurite acts on it, the client sees a reset). Everything
 else is forwarded to Azurite unchanged, one request per connection (`Connection: close`).
-Every request is recorded in `log` as (method, path, outcome).
+Every request is recorded in `log` as (method, path, outcome), and the size of its body
+in `bodies` as (method, path, bytes): what the client sent, counted on the wire.
 
 Not for: speed (a thread per connection) or HTTP beyond what the Azure SDK sends.
 """
@@ -38,6 +39,7 @@ class FaultProxy:
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
         self.log: list[tuple[str, str, str]] = []
+        self.bodies: list[tuple[str, str, int]] = []
         self._closed = False
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -51,6 +53,12 @@ class FaultProxy:
         with self._lock:
             self._faults.clear()
             self.log.clear()
+            self.bodies.clear()
+
+    def sent_bytes(self, path_contains: str, method: str = "PUT") -> int:
+        """The body bytes of the requests of `method` whose path holds `path_contains`."""
+        with self._lock:
+            return sum(n for m, p, n in self.bodies if m == method and path_contains in p)
 
     def outcomes(self, outcome: str | None = None) -> list[tuple[str, str, str]]:
         with self._lock:
@@ -94,6 +102,8 @@ class FaultProxy:
             head, body = request
             request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
             method, path = request_line.split(" ")[:2]
+            with self._lock:
+                self.bodies.append((method, path, len(body)))
             fault = self._take_fault(method, path)
             if fault is not None and fault.kind == "status":
                 self._record(method, path, f"status {fault.status}")

@@ -8,7 +8,8 @@ an item's bytes against its entry (`verify_bytes`).
 
 Manifest schemas: 1, the first release; 2 adds `sequence`, the checkpoint's place in the
 commit order of its root (see `Manifest`). Both are read; 2 is written. Rank markers are
-still written as 1 (nothing of theirs changed).
+still written as 1: what was added to them since (`generation`, `reused`) is optional, and
+a reader that does not know a field passes over it.
 
 May import: `nebulaml.errors`, `nebulaml.format.names`, `nebulaml.format.jsonbounds` and
 `nebulaml.format.checksum` (the algorithms an entry names). Not for: computing checksums
@@ -376,6 +377,54 @@ def _parse_ranks(doc: dict[str, Any], world_size: int, where: str) -> tuple[int,
 
 
 @dataclass(frozen=True, slots=True)
+class ItemReuse:
+    """What the persist of one item file took from its previous version on the same tier
+    instead of writing it (protocol/reuse.py): recorded in the rank marker there, shown
+    by `nebula inspect`. `source`: the tag of that version; None when nothing was taken.
+
+    Example:
+        >>> ItemReuse("model", 90, "global_step1").to_json()
+        {'file': 'model', 'bytes': 90, 'from': 'global_step1'}
+    """
+
+    file: str
+    bytes_reused: int
+    source: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "bytes": self.bytes_reused, "from": self.source}
+
+
+def _parse_reused(value: Any, items: tuple[ItemEntry, ...], where: str) -> tuple[ItemReuse, ...]:
+    """A rank marker's optional `reused` field: one entry per item file of the marker at
+    most, each with a count of bytes (0 or more) and the tag they came from (or null)."""
+    if value is None:
+        return ()
+    files = {item.file for item in items}
+    bad = ManifestError(where, "rank marker field 'reused' is malformed")
+    if not isinstance(value, list):
+        raise bad
+    out: list[ItemReuse] = []
+    for entry in value:
+        if not isinstance(entry, dict) or set(entry) != {"file", "bytes", "from"}:
+            raise bad
+        file, count, source = entry["file"], entry["bytes"], entry["from"]
+        if file not in files or any(r.file == file for r in out):
+            raise bad
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise bad
+        if source is not None:
+            if not isinstance(source, str):
+                raise bad
+            try:
+                validate_name("tag", source)
+            except ValueError as exc:
+                raise bad from exc
+        out.append(ItemReuse(file, count, source))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
 class RankMarker:
     """`.rank-<r>.json`: one rank's part of a tag is written (the commit protocol: markers.py)."""
 
@@ -390,6 +439,9 @@ class RankMarker:
     # Which run of the job (and which restart of it) wrote this part: a checkpoint is
     # committed only from parts of one generation. None: written without one (older).
     generation: str | None = None
+    # What the persist that wrote this part to this tier took from earlier versions of its
+    # items (only where a persist recorded it: the persistent tier).
+    reused: tuple[ItemReuse, ...] = ()
 
     @property
     def writers(self) -> tuple[int, ...]:
@@ -410,6 +462,8 @@ class RankMarker:
             doc["ranks"] = list(self.ranks)
         if self.generation is not None:
             doc["generation"] = self.generation
+        if self.reused:
+            doc["reused"] = [entry.to_json() for entry in self.reused]
         return (json.dumps(doc, sort_keys=True) + "\n").encode()
 
 
@@ -439,6 +493,7 @@ def parse_marker(data: bytes, where: str) -> RankMarker:
         labels=tuple(labels),
         ranks=_parse_ranks(doc, max(world_size, 1), where),
         generation=generation,
+        reused=_parse_reused(doc.get("reused"), items, where),
     )
 
 

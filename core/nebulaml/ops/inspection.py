@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nebulaml.errors import CheckpointNotFoundError, ManifestError
+from nebulaml.errors import CheckpointNotFoundError, ManifestError, NebulaError
 from nebulaml.format.item_metadata import describe_pickle
-from nebulaml.format.manifest import Manifest, parse_manifest
-from nebulaml.format.names import MANIFEST_NAME, validate_name
+from nebulaml.format.manifest import Manifest, parse_manifest, parse_marker
+from nebulaml.format.names import MANIFEST_NAME, RANK_PREFIX, validate_name
 from nebulaml.format.torchzip import read_pickle_member
 from nebulaml.runtime.locate import Copy, check_root, find_copy, tiers_for
 from nebulaml.storage.store import MissingFileError, Store
@@ -57,10 +57,13 @@ def inspect_checkpoint(root: PathLike, tag: str) -> dict[str, Any]:
     the copies that hold it, as a JSON-serialisable dict.
 
     Keys: `root`, `tag`, `tiers` (those holding a committed copy), `copies` (per tier:
-    `tier`, `location`, `committed`, `problem`) and `manifest` (manifest.json as written:
-    items with `size_bytes` and `checksum`). Item bytes are not read (`verify_checkpoints`
-    checks them). Raises `RootNotFoundError`, `CheckpointNotFoundError`, and `ManifestError`
-    when no copy has a valid manifest.
+    `tier`, `location`, `committed`, `problem`), `manifest` (manifest.json as written:
+    items with `size_bytes` and `checksum`) and `reused`: by item name, what the persist
+    of that item took from its previous version on the persistent tier instead of writing
+    it (`bytes_reused`, and `from_tag`, None when it took nothing), for the items whose
+    persist recorded it (in the rank markers there). Item bytes are not read
+    (`verify_checkpoints` checks them). Raises `RootNotFoundError`,
+    `CheckpointNotFoundError`, and `ManifestError` when no copy has a valid manifest.
 
     Example:
         >>> import nebulaml as nm, tempfile
@@ -72,6 +75,7 @@ def inspect_checkpoint(root: PathLike, tag: str) -> dict[str, Any]:
     validate_name("tag", tag)
     location = check_root(root)
     copies: list[dict[str, Any]] = []
+    reused: dict[str, dict[str, Any]] = {}
     chosen: Manifest | None = None
     committed_manifest: Manifest | None = None
     first_error: ManifestError | None = None
@@ -95,6 +99,8 @@ def inspect_checkpoint(root: PathLike, tag: str) -> dict[str, Any]:
         if bad:
             problem = "item file(s) missing or of the wrong size: " + ", ".join(bad)
         copies.append({**copy, "committed": not bad, "problem": problem})
+        if not bad and not reused:
+            reused = _reuse_of(store, tag, manifest, files)
         chosen = chosen or manifest
         if not bad and committed_manifest is None:
             committed_manifest = manifest
@@ -109,7 +115,29 @@ def inspect_checkpoint(root: PathLike, tag: str) -> dict[str, Any]:
         "tiers": [c["tier"] for c in copies if c["committed"]],
         "copies": copies,
         "manifest": manifest.to_json(),
+        "reused": reused,
     }
+
+
+def _reuse_of(
+    store: Store, tag: str, manifest: Manifest, files: dict[str, int]
+) -> dict[str, dict[str, Any]]:
+    """What the persist of each item of `tag` on `store` took from earlier versions, by item
+    name, from the rank markers there (a marker that does not read tells nothing)."""
+    names = {item.file: item.name for item in manifest.items}
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted(files):
+        if not name.startswith(RANK_PREFIX):
+            continue
+        try:
+            marker = parse_marker(store.read_bytes(tag, name), store.display(tag, name))
+        except NebulaError:
+            continue
+        for entry in marker.reused:
+            if entry.file in names:
+                out[names[entry.file]] = {"bytes_reused": entry.bytes_reused,
+                                          "from_tag": entry.source}  # fmt: skip
+    return out
 
 
 def describe_item(root: PathLike, tag: str, name: str) -> list[dict[str, Any]]:

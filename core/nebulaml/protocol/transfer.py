@@ -17,6 +17,7 @@ delete after (retention.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -33,7 +34,7 @@ from nebulaml.errors import (
     RankGoneError,
 )
 from nebulaml.format.checksum import hash_stream, new_hasher
-from nebulaml.format.manifest import ItemEntry, Manifest, RankMarker, parse_marker
+from nebulaml.format.manifest import ItemEntry, ItemReuse, Manifest, RankMarker, parse_marker
 from nebulaml.format.names import (
     MANIFEST_NAME,
     RANK_PREFIX,
@@ -129,6 +130,7 @@ def copy_checkpoint(
     if progress is not None:
         progress(done, total)
     copied: list[str] = []
+    notes: list[ItemReuse] = []
     for item in items:
         if item.file in skipped:
             continue
@@ -137,7 +139,9 @@ def copy_checkpoint(
             if progress is not None:
                 progress(base + n, total)
 
-        copy_item(src.store, dst, tag, item, advance, reuse)
+        note = copy_item(src.store, dst, tag, item, advance, reuse)
+        if note is not None:
+            notes.append(note)
         if verify:
             # Re-read from the destination rather than trusting the bytes we sent: this is
             # what a later reader gets, so it also catches a store that truncated or altered
@@ -156,6 +160,8 @@ def copy_checkpoint(
             src.manifest.labels,
             ranks=src.manifest.ranks,
         )
+        files = {i.file for i in marker.items}
+        marker = dataclasses.replace(marker, reused=tuple(n for n in notes if n.file in files))
         dst.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
     manifest = Manifest(
         tag=tag,
@@ -243,15 +249,16 @@ def copy_item(
     item: ItemEntry,
     advance: Callable[[int], None],
     reuse: ReuseBook | None = None,
-) -> None:
+) -> ItemReuse | None:
     """Copy one item file of `tag`, hashing on the way; a mismatch with `item` raises
     `CorruptCheckpointError`. `advance(n)` says `n` bytes of it have reached `dst` (on
     Azure: as uploads complete, from another thread).
 
     With `reuse` (the persister's book), a local source going to a store that `clones`
-    is hashed first and written range by range: what equals the version of the item the
-    book last persisted to `dst` is taken from that version's file (reuse.py); the bytes
-    written and reused are counted in the book."""
+    (a local root, Azure) is hashed first and written range by range: what equals the
+    version of the item the book last persisted to `dst` is taken from that version's file
+    (reuse.py); the bytes written and reused are counted in the book, and returned as what
+    the item took from which tag (None without a book)."""
     hasher = new_hasher(item.checksum_algo)
     size = 0
     sent_total = 0
@@ -282,10 +289,15 @@ def copy_item(
             where = src.display(tag, item.file)
             plan = plan_item(mapped, tag, item, base_version, where)
             base = None if plan.base is None else (plan.base.tag, plan.base.file)
-            written, reused = dst.write_ranges((tag, item.file), mapped, plan.ranges, base, sent)
+            stamp = None if plan.base is None else plan.base.stamp
+            done = dst.write_ranges(
+                (tag, item.file), mapped, plan.ranges, base, sent, base_stamp=stamp
+            )
+            plan.version.stamp = done.stamp
             reuse.remember(dst, plan.version)
-            reuse.count(tag, written=written, reused=reused)
-            return
+            reuse.count(tag, written=done.written, reused=done.reused)
+            source = plan.base.tag if plan.base is not None and done.reused else None
+            return ItemReuse(item.file, done.reused, source)
         if mapped is not None:
             # A local source is hashed and written from its pages, without a read() copy,
             # hashing one piece while the one before it is written (with O_DIRECT on a
@@ -306,8 +318,10 @@ def copy_item(
                     hashed(memoryview(data))
                     fout.write(data)
                 check()
-    if reuse is not None:
-        reuse.count(tag, written=item.size_bytes, reused=0)
+    if reuse is None:
+        return None
+    reuse.count(tag, written=item.size_bytes, reused=0)
+    return ItemReuse(item.file, 0)
 
 
 def copy_part(
@@ -352,8 +366,8 @@ def copy_part(
     jobs = max(marker.world_size, world_size, 2)  # several ranks: only this one's part goes
     begin_tag(dst, tag, rank=rank, overwrite=True, world_size=jobs)
     _refuse_collisions(dst, tag, marker)
-    for item in marker.items:
-        copy_item(src, dst, tag, item, lambda _n: None, reuse)
+    notes = [copy_item(src, dst, tag, item, lambda _n: None, reuse) for item in marker.items]
+    marker = dataclasses.replace(marker, reused=tuple(n for n in notes if n is not None))
     dst.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
     # The writer's marker goes only once the tag is committed (or, without `wait`, once
     # this part is): with every part written but no manifest yet, a prune of leftovers

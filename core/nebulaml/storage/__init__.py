@@ -3,7 +3,8 @@
 Holds: the `Store` facade (store), which picks a backend for each root and delegates to
 it; the operations every backend implements (backend); the backends: local disks and the
 memory tier (local, with mapped_reads for loads), any fsspec store (remote), and Azure
-Blob Storage (azure, which connects through azure_auth's credentials); and the boundary's
+Blob Storage (azure, which connects through azure_auth's credentials and writes a blob
+range by range through azure_ranges); and the boundary's
 plumbing: error translation and file streams (streams), retries (retry) and secret
 redaction (redaction).
 

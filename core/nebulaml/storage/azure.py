@@ -8,6 +8,8 @@ and translates them):
 - `BlockWriter`: item files uploaded as blocks, several in flight while the caller keeps
   writing, each block retried on its own, committed (made visible) only when the writer
   is closed whole;
+- `write_ranges`: an item file whose unchanged ranges are staged from its previous
+  version's blob by the service (azure_ranges.py);
 - `create_blob`: a create-only upload (one Put Blob with `If-None-Match: *`), the commit
   point of a checkpoint's manifest;
 - `list_folder`: one uncached listing request, no existence probes;
@@ -15,7 +17,7 @@ and translates them):
 
 Not for: credentials, the adlfs filesystem and its options (azure_auth.py opens it), or
 what every fsspec store shares (remote.py). May import: `nebulaml.errors`,
-`nebulaml.format` and storage/'s backend.py, remote.py, retry.py.
+`nebulaml.format` and storage/'s azure_ranges.py, backend.py, remote.py, retry.py.
 """
 
 from __future__ import annotations
@@ -27,22 +29,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from nebulaml.storage.backend import Parts
+from nebulaml.storage import azure_ranges
+from nebulaml.storage.azure_ranges import MAX_BLOCKS
+from nebulaml.storage.azure_ranges import run_on_loop as _run
+from nebulaml.storage.backend import Parts, Written
 from nebulaml.storage.remote import RemoteBackend
 from nebulaml.storage.retry import RetryPolicy, call_async
-
-# Azure allows 50,000 blocks per blob; the block size grows for huge items (never needed
-# below 400 GB at the default).
-_MAX_BLOCKS = 50_000
-
-
-def _run(fs: Any, coro: Any) -> Any:
-    from fsspec.asyn import sync
-
-    async def wrapper() -> Any:
-        return await coro
-
-    return sync(fs.loop, wrapper)
 
 
 def ensure_container(fs: Any, container: str) -> None:
@@ -149,7 +141,7 @@ class BlockWriter:
         self._fs = fs
         self._container, self._blob, _ = fs.split_path(path)
         self._block_bytes = block_bytes
-        self._grow_at = _MAX_BLOCKS // 2
+        self._grow_at = MAX_BLOCKS // 2  # the block size grows for huge items (>400 GB)
         self._concurrency = concurrency
         self._policy = policy
         self._what = what
@@ -174,7 +166,7 @@ class BlockWriter:
             self._stage(self._take(self._block_bytes))
             if len(self._ids) >= self._grow_at:  # stay under 50,000 blocks per blob
                 self._block_bytes *= 2
-                self._grow_at += (_MAX_BLOCKS - self._grow_at) // 2
+                self._grow_at += (MAX_BLOCKS - self._grow_at) // 2
         return n
 
     def flush(self) -> None:
@@ -336,6 +328,33 @@ class AzureBackend(RemoteBackend):
             policy=self._policy,
             what=self._name(parts),
             describe=self._describe,
+        )
+
+    def write_ranges(
+        self,
+        parts: Parts,
+        view: memoryview,
+        ranges: list[tuple[int, int, bool]],
+        base: Parts | None,
+        base_stamp: str | None,
+        sent: Callable[[int], None] | None = None,
+    ) -> Written:
+        """Write `view` as the blob `parts`, the ranges marked equal staged from the blob
+        `base` while it is still the version `base_stamp` (its ETag), the rest uploaded
+        (azure_ranges.write_ranges)."""
+        return azure_ranges.write_ranges(
+            self.fs,
+            self.path(parts),
+            view,
+            ranges,
+            None if base is None else self.path(base),
+            base_stamp,
+            block_bytes=self._block_bytes,
+            concurrency=self._concurrency,
+            policy=self._policy,
+            what=self._name(parts),
+            describe=self._describe,
+            sent=sent,
         )
 
     def publish(self, parts: Parts, data: bytes, *, create_only: bool) -> None:

@@ -22,9 +22,24 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 Parts = tuple[str, ...]
+
+
+class Written(NamedTuple):
+    """What a write by ranges did (`Store.write_ranges`): bytes written (sent, on a
+    network store), bytes taken from the earlier file instead, and the store's name for
+    the new file's version (an Azure ETag; None where the store has none).
+
+    Example:
+        >>> Written(10, 90).stamp is None
+        True
+    """
+
+    written: int
+    reused: int
+    stamp: str | None = None
 
 
 class Writer(Protocol):

@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from typing import BinaryIO
 
 from nebulaml.errors import StorageError
-from nebulaml.storage.backend import Parts
+from nebulaml.storage.backend import Parts, Written
 from nebulaml.storage.mapped_reads import Lender, LocalRead, map_view, open_regular, read_in
 from nebulaml.storage.redaction import redact
 from nebulaml.storage.streams import (
@@ -266,7 +266,7 @@ class LocalBackend:
         ranges: Iterable[tuple[int, int, bool]],
         base: Parts | None,
         sent: Callable[[int], None] | None = None,
-    ) -> tuple[int, int]:
+    ) -> Written:
         """Write `view` as a new file, durable on return (removed if this raises), range by
         range: (offset, length, reuse) where `reuse` means the file `base` holds the same
         bytes at the same offsets, cloned from it inside the filesystem
@@ -304,7 +304,7 @@ class LocalBackend:
         finally:
             if source is not None:
                 source.close()
-        return written, cloned
+        return Written(written, cloned)
 
     def publish(self, parts: Parts, data: bytes, *, create_only: bool) -> None:
         """Write a temporary file, fsync, hard-link it into place (which fails if the name

@@ -35,7 +35,7 @@ from nebulaml.config import storage_retry_env
 from nebulaml.errors import CommitConflictError, InvalidArgumentError, NebulaError, StorageError
 from nebulaml.storage import azure_auth
 from nebulaml.storage.azure import AzureBackend
-from nebulaml.storage.backend import Backend, Parts, new_append_id
+from nebulaml.storage.backend import Backend, Parts, Written, new_append_id
 from nebulaml.storage.local import LocalBackend
 from nebulaml.storage.mapped_reads import Lender, LocalRead
 from nebulaml.storage.redaction import redact, secrets_in
@@ -414,9 +414,9 @@ class Store:
     @property
     def clones(self) -> bool:
         """Whether `write_ranges` can take ranges from an earlier file of this store
-        instead of writing them (a local root: `copy_file_range`, reflinks on XFS and
-        btrfs)."""
-        return isinstance(self._backend, LocalBackend)
+        instead of writing them: a local root (`copy_file_range`, reflinks on XFS and
+        btrfs) and Azure (Put Block From URL); not other fsspec stores."""
+        return isinstance(self._backend, (LocalBackend, AzureBackend))
 
     def write_ranges(
         self,
@@ -425,17 +425,27 @@ class Store:
         ranges: Iterable[tuple[int, int, bool]],
         base: tuple[str, ...] | None,
         sent: Callable[[int], None] | None = None,
-    ) -> tuple[int, int]:
-        """Write `view` as the file `parts`, durable on return and removed if this raises:
-        each range (offset, length, reuse) with `reuse` set is taken from the file `base`
-        of this store, which holds the same bytes there, where the store can
-        (`clones`); the others, and all of them elsewhere, are written from `view`.
-        Returns (bytes written, bytes taken from `base`); `sent(n)` as `open_write`'s."""
+        *,
+        base_stamp: str | None = None,
+    ) -> Written:
+        """Write `view` as the file `parts`, whole on return (durable, or committed) and
+        never left half-written if this raises: each range (offset, length, reuse) with
+        `reuse` set is taken from the file `base` of this store, which holds the same bytes
+        there, where the store can (`clones`); the others, and all of them elsewhere, are
+        written from `view`. On Azure `base` must still be the blob of ETag `base_stamp`
+        (what an earlier `write_ranges` returned), and what it cannot give is uploaded.
+        Returns (bytes written, bytes taken from `base`, the new file's stamp: its ETag on
+        Azure, else None); `sent(n)` as `open_write`'s."""
         if isinstance(self._backend, LocalBackend):
             with self._translated(self.display(*parts)):
                 return self._backend.write_ranges(parts, view, ranges, base, sent)
+        if isinstance(self._backend, AzureBackend):
+            # Each request is retried by the backend: its error is the last of those tries.
+            tries = self.policy.retries + 1
+            with translate_errors(self.display(*parts), self._secrets, remote=True, tries=tries):
+                return self._backend.write_ranges(parts, view, list(ranges), base, base_stamp, sent)
         self.write_view(parts, view, lambda _piece: None, sent)
-        return len(view), 0
+        return Written(len(view), 0)
 
     def write_bytes(self, parts: tuple[str, ...], data: bytes, *, durable: bool = True) -> None:
         """Write (or replace) a small file, durably unless `durable=False` (a lease or a
