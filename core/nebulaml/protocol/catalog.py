@@ -115,9 +115,12 @@ _MANIFESTS_MAX = 200_000
 _manifests_lock = threading.Lock()
 
 
-def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
+def read_committed(
+    store: Store, tag: str, listed: dict[str, tuple[int, str | None]] | None = None
+) -> CheckpointInfo | None:
     """The committed checkpoint `tag` on `store`, or None if it is absent or incomplete
-    (an item file missing or of the wrong size).
+    (an item file missing or of the wrong size). `listed`: on an object store, the tag
+    folder's files as a listing of the root just gave them (`Store.list_tree`).
 
     A manifest read before and not replaced since is not read again (a local root: its
     inode, size and mtime; an object store: its version in the folder's listing); its
@@ -134,7 +137,8 @@ def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
         identity = store.file_identity(tag, MANIFEST_NAME)
     else:
         # An object store: one listing of the folder gives the manifest's version.
-        listed = store.list_versions(tag)
+        if listed is None:
+            listed = store.list_versions(tag)
         if listed is None:
             return _read_committed(store, tag)
         files = {name: size for name, (size, _) in listed.items()}
@@ -243,13 +247,16 @@ def list_committed(
     newest: OrderKey | None = None  # the sort key of the newest found so far
     for _ in range(_LIST_PASSES):
         unsettled: list[str] = []  # folders that did not read as committed
-        for tag in tag_folders(store):
+        # An object store: one listing of the whole root, not one per folder.
+        tree = store.list_tree()
+        folders = tag_folders(store) if tree is None else [t for t in tree if _is_tag(t)]
+        for tag in folders:
             if tag in found or tag in refused:
                 continue
             if newest is not None and order_key(tag) <= newest:
                 continue  # a later pass looks only for what is newer than the newest
             try:
-                info = read_committed(store, tag)
+                info = read_committed(store, tag, None if tree is None else tree[tag])
             except UnsupportedSchemaError as exc:
                 if unsupported is None:
                     raise
