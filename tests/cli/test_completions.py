@@ -13,23 +13,38 @@ from pathlib import Path
 import pytest
 from cli_helpers import TAGS, populate
 
-from nebula_cli.completions import SCRIPT_FILES, main
+from nebula_cli.completions import SCRIPT_FILES, default_folders, main
 
-COMMITTED = Path(__file__).resolve().parents[2] / "nebula_cli" / "completions_data"
+CHECKOUT = Path(__file__).resolve().parents[2]
+COMMITTED = CHECKOUT / "nebula_cli" / "completions_data"
+TOP_LEVEL = CHECKOUT / "completions"  # what users browse and packagers install
 BIN = Path(sys.executable).parent
 NEBULA = BIN / "nebula"
 
 
-def test_committed_scripts_are_what_the_app_generates(tmp_path: Path) -> None:
+@pytest.mark.parametrize("folder", [COMMITTED, TOP_LEVEL], ids=["package", "top-level"])
+def test_committed_scripts_are_what_the_app_generates(tmp_path: Path, folder: Path) -> None:
     # Catches: scripts left stale after a Typer upgrade or a change to the program's name
-    # or completion variable; a stray or missing file in completions_data/.
+    # or completion variable; the top-level completions/ gone or out of step with the
+    # package's copy; a stray or missing script in either.
     assert main([str(tmp_path)]) == 0
-    assert sorted(p.name for p in COMMITTED.iterdir()) == sorted(SCRIPT_FILES.values())
+    scripts = sorted(p.name for p in folder.iterdir() if p.name != "README.md")
+    assert scripts == sorted(SCRIPT_FILES.values())
     for name in SCRIPT_FILES.values():
-        assert (tmp_path / name).read_bytes() == (COMMITTED / name).read_bytes(), (
-            f"nebula_cli/completions_data/{name} is stale: run `python -m nebula_cli.completions`"
+        assert (tmp_path / name).read_bytes() == (folder / name).read_bytes(), (
+            f"{folder.relative_to(CHECKOUT)}/{name} is stale: run "
+            "`python -m nebula_cli.completions`"
         )
-    assert (COMMITTED / "_nebula").read_text().startswith("#compdef nebula\n")  # for compinit
+    assert (folder / "_nebula").read_text().startswith("#compdef nebula\n")  # for compinit
+
+
+def test_regenerating_writes_both_copies_in_a_checkout() -> None:
+    # Catches: `python -m nebula_cli.completions` refreshing the package's copy alone, so
+    # that the top-level one goes stale unnoticed until the test above fails.
+    assert default_folders() == [COMMITTED, TOP_LEVEL]
+    assert {"nebula.bash", "_nebula", "nebula.fish"} <= {p.name for p in TOP_LEVEL.iterdir()}
+    readme = (TOP_LEVEL / "README.md").read_text()
+    assert all(name in readme for name in SCRIPT_FILES.values())
 
 
 def _complete(env: dict[str, str]) -> list[str]:
