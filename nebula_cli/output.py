@@ -472,7 +472,8 @@ def confirm(question: str, refusal: str, declined: str) -> None:
     """Ask `question` (y/N, on stderr) before a command deletes or releases something.
 
     Off a terminal there is no one to ask: fail with `refusal` (`--yes` is needed there).
-    A "no" prints `declined` and exits 1.
+    A "no" (or Ctrl-D) prints `declined` and exits 1; Ctrl-C ends the command as anywhere
+    else (`nebula: interrupted`, exit 130).
 
     Example: confirm("Release 2 memory tier(s)?", f"{base}: 2 memory tier(s) to release;
     refusing to release without --yes when not on a terminal (add --yes, or --dry-run to
@@ -480,7 +481,14 @@ def confirm(question: str, refusal: str, declined: str) -> None:
     """
     if not sys.stdin.isatty():
         fail(refusal)
-    if not typer.confirm(question, default=False, err=True):
+    try:
+        answer = typer.confirm(question, default=False, err=True)
+    except typer.Abort as exc:  # the prompt turns Ctrl-C and Ctrl-D into Abort
+        sys.stderr.write("\n")  # the prompt's line is left open
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            raise KeyboardInterrupt from None  # app.main: `nebula: interrupted`, 130
+        answer = False
+    if not answer:
         stderr().print(declined, highlight=False)
         raise typer.Exit(EXIT_ERROR)
 

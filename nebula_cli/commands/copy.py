@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from ..complete import complete_tag
+from ..complete import complete_copy_source, complete_dest
 from ..output import (
     JsonOpt,
     QuietOpt,
@@ -29,7 +29,7 @@ def copy_command(
         typer.Argument(
             metavar="TAG",
             help="The checkpoint to copy (omit it with --latest).",
-            autocompletion=complete_tag,
+            autocompletion=complete_copy_source,
         ),
     ] = None,
     dest: Annotated[
@@ -37,6 +37,7 @@ def copy_command(
         typer.Argument(
             metavar="DEST",
             help="A root path or URL, or 'memory' / 'persistent' for ROOT's own tiers.",
+            autocompletion=complete_dest,
         ),
     ] = None,
     latest: Annotated[
