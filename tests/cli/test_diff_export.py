@@ -4,8 +4,11 @@ by `torch.load(weights_only=True)`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -203,6 +206,38 @@ def test_export_safetensors_refuses_values_unless_dropped(two, tmp_path: Path) -
         ).stdout
     )
     assert all(f["reused"] for f in again["files"])
+
+
+@contextlib.contextmanager
+def _umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _modes(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("form", ["pt", "safetensors"])
+def test_exported_files_follow_the_umask_unless_private(
+    two, tmp_path: Path, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # main: `-f safetensors` files were 0600 (safetensors' own mode) while everything else
+    # followed the umask: a serving process of another user could not read the model.
+    root, _, _ = two
+    args = ["-f", form, "--drop-non-tensors"]
+    with _umask(0o027):
+        shared = in_a_pipe("export", str(root), B, str(tmp_path / "shared"), *args)
+        monkeypatch.setenv("NEBULA_PRIVATE", "1")
+        private = in_a_pipe("export", str(root), B, str(tmp_path / "private"), *args)
+    assert shared.code == 0 and private.code == 0, shared.stderr + private.stderr
+    names = {f"{item}.{form}" for item in ("model", "optimizer", "frozen")}
+    assert _modes(tmp_path / "shared") == dict.fromkeys(names, 0o640)
+    assert _modes(tmp_path / "private") == dict.fromkeys(names, 0o600)
+    assert (tmp_path / "private").stat().st_mode & 0o777 == 0o700
 
 
 def test_export_safetensors_of_tied_weights(root: Path, tmp_path: Path) -> None:

@@ -340,6 +340,19 @@ def test_export_loads_with_from_pretrained(tmp_path: Path, monkeypatch: pytest.M
     body = {k[len(prefix) :]: v for k, v in trained.items() if k.startswith(prefix)}
     assert _same(base.state_dict(), body)
     assert export_pretrained(root, None, tmp_path / "newest") == tmp_path / "newest"
+    # The files follow the umask (model.safetensors was 0600: another user's server could
+    # not read it), unless private.
+    old_mask = os.umask(0o027)
+    try:
+        shared = export_pretrained(root, None, tmp_path / "shared")
+        private = export_pretrained(root, None, tmp_path / "private", private=True)
+    finally:
+        os.umask(old_mask)
+    for folder, mode in ((shared, 0o640), (private, 0o600)):
+        modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+        assert modes["model.safetensors"] == modes["config.json"] == mode, modes
+        assert set(modes.values()) == {mode}
+    assert private.stat().st_mode & 0o777 == 0o700
 
 
 def test_a_trainer_without_the_callback_is_left_alone(tmp_path: Path) -> None:

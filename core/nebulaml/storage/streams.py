@@ -100,6 +100,29 @@ PRIVATE_FILE_MODE = 0o600  # the memory tier's files: this user's alone
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def new_file_mode(folder: str, private: bool) -> int:
+    """The permission bits of a file this process writes in the local `folder` for
+    someone else to use (an export): 0600 when `private`, else what the kernel gives
+    any program's new file there (0666 less the umask, and less what a default ACL
+    masks), learned by creating one (removed at once). For files that a library writes
+    with modes of its own (safetensors: 0600), so that they can be set to this.
+
+    Example:
+        >>> import tempfile
+        >>> oct(new_file_mode(tempfile.gettempdir(), private=True))
+        '0o600'
+    """
+    if private:
+        return PRIVATE_FILE_MODE
+    probe = os.path.join(folder, f".nebula-mode-{os.getpid()}-{threading.get_ident()}.tmp")
+    fd = create_file(probe, PUBLIC_FILE_MODE, exclusive=True)
+    try:
+        return os.fstat(fd).st_mode & 0o7777
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
 def create_file(path: str, mode: int, *, exclusive: bool = False) -> int:
     """Open `path` for writing, created with `mode` (truncated if it exists), never
     through a symbolic link at `path` (ELOOP); returns the descriptor."""
