@@ -19,7 +19,6 @@ import contextlib
 import difflib
 import functools
 import json
-import logging
 import sys
 import threading
 import time
@@ -406,41 +405,6 @@ def _bar(label: str, console: Console, transient: bool) -> Iterator[Progress]:
             bar.stop()
 
 
-class _LibraryLog(logging.Handler):
-    """The library's log on stderr while a command runs: each storage retry as a line
-    (`nebula: retrying: ...`, unless --quiet) and every warning (`nebula: warning: ...`)."""
-
-    def __init__(self, quiet: bool) -> None:
-        super().__init__(logging.INFO)
-        self.quiet = quiet
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            message = record.getMessage()
-        except (TypeError, ValueError):
-            message = str(record.msg)
-        if record.funcName == "_log_retry":
-            if not self.quiet:
-                sys.stderr.write(f"nebula: retrying: {printable(message)}\n")
-        elif record.levelno >= logging.WARNING:
-            sys.stderr.write(f"nebula: warning: {printable(message)}\n")
-
-
-@contextlib.contextmanager
-def _library_log(quiet: bool) -> Iterator[None]:
-    logger = logging.getLogger("nebulaml")
-    handler = _LibraryLog(quiet)
-    level = logger.level
-    logger.addHandler(handler)
-    if logger.getEffectiveLevel() > logging.INFO:
-        logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def shown(rows: list[Any], verbose: bool) -> tuple[list[Any], int]:
     """(the rows to show, how many are left out): all with `verbose`, else the first
     `ROWS_SHOWN`. A root of thousands of checkpoints prints a screen, not thousands of
@@ -544,16 +508,20 @@ def handles_errors(func: F) -> F:
     A command that declares `storage_option: StorageOpt` runs with those options given to
     every root it opens by URL (`nebulaml.using_storage_options`). While it runs, storage
     retries are reported on stderr (unless it was given `quiet`), and so are the library's
-    warnings. A tag that is not there is answered with the closest tags the root has.
+    warnings; the storage SDKs' own log is not, unless it was given `verbose` (logs.py).
+    A tag that is not there is answered with the closest tags the root has.
     """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         import nebulaml as nm
 
+        from .logs import command_logging
+
         options = parse_storage_options(kwargs.get("storage_option"))
+        quiet, verbose = bool(kwargs.get("quiet")), bool(kwargs.get("verbose"))
         try:
-            with nm.using_storage_options(options), _library_log(bool(kwargs.get("quiet"))):
+            with nm.using_storage_options(options), command_logging(quiet, verbose):
                 return func(*args, **kwargs)
         except nm.RootNotFoundError as exc:
             fail(str(exc), EXIT_NOT_FOUND)

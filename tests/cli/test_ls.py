@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -118,3 +119,38 @@ def test_strings_from_a_forged_manifest_never_reach_the_terminal_raw(tmp_path: P
     shown = runner.invoke(app, ["inspect", str(root), "global_step1"], env={"COLUMNS": "200"})
     # (rich drops the bell itself; the escape and the bidi override are shown escaped)
     assert "evil\\x1b]0;title" in shown.stdout and "\\u202e" in shown.stdout, shown.stdout
+
+
+# An az:// root with no credential: the Azure SDK's log stays out of the way --------------
+def _no_credential_env(memory_tier: Path) -> dict[str, str]:
+    """No Azure key, SAS or connection string; DefaultAzureCredential limited to the
+    developer tools (none installed), and a managed identity endpoint, should one be
+    tried, on a closed port here: nothing leaves this machine."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AZURE_", "NEBULA_"))}
+    env.update(NEBULA_MEMORY_TIER_PATH=str(memory_tier), NEBULA_STORAGE_RETRIES="0",
+               AZURE_TOKEN_CREDENTIALS="dev",
+               AZURE_POD_IDENTITY_AUTHORITY_HOST="http://127.0.0.1:9")  # fmt: skip
+    return env
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_an_azure_root_without_credentials_says_one_line(memory_tier: Path, verbose: bool) -> None:
+    # main: a dozen lines of the SDK's log ("DefaultAzureCredential failed to retrieve a
+    # token ... Attempted credentials: ...") came before nebula's one-line error.
+    pytest.importorskip("adlfs")
+    exe = Path(sys.executable).parent / "nebula"
+    args = ["verify", "az://ckpt/run1", "--storage-option", "account_name=devstoreaccount1",
+            "--storage-option", "account_url=https://127.0.0.1:9/devstoreaccount1",
+            *(["--verbose"] if verbose else [])]  # fmt: skip
+    out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=60,
+                         env=_no_credential_env(memory_tier))  # fmt: skip
+    assert out.returncode == 1 and out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert lines[-1].startswith("nebula: error: az://ckpt/run1: ") and "credential" in lines[-1]
+    if verbose:  # asked for: the SDK's own account of what it tried
+        assert any("Attempted credentials" in line for line in lines[:-1]), out.stderr
+    else:
+        assert lines == lines[-1:], out.stderr
+    ls = subprocess.run([exe, "ls", *args[1:6]], capture_output=True, text=True, timeout=60,
+                        env=_no_credential_env(memory_tier))  # fmt: skip
+    assert ls.returncode == 1 and len(ls.stderr.splitlines()) == 1, ls.stderr
