@@ -25,7 +25,7 @@ from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_commi
 from nebulaml.protocol.cowriters import copy_alongside
 from nebulaml.protocol.history import append_rows, make_row
 from nebulaml.protocol.leases import read_lease
-from nebulaml.protocol.tiers import TierSet
+from nebulaml.protocol.tiers import TierSet, adopt_memory_tier
 from nebulaml.protocol.transfer import CopyResult
 from nebulaml.runtime.locate import newest_first, tiers_for
 from nebulaml.storage.store import Store
@@ -59,7 +59,9 @@ def copy_checkpoint(
     checkpoint of that tag at `dest` raises `CheckpointExistsError` unless `overwrite`; an
     identical one is left alone (`unchanged`). `progress(bytes_done, bytes_total)` is called
     as bytes are copied. Nothing is recorded in the history file: a copy is not a save
-    or a persist of the job.
+    or a persist of the job. A copy into `"memory"` records `root` there, as a session
+    does (`list_memory_tiers` names the root; `nebula gc` releases the copy once no job
+    holds the tier, the checkpoint being on `root`).
 
     Returns a JSON-serialisable dict: `root`, `tag`, `source`, `source_tier`,
     `destination`, `destination_tier` (None for another root), `items`, `total_bytes`,
@@ -154,6 +156,7 @@ def _destination(tiers: TierSet, dest: PathLike) -> Store:
     if dest == MEMORY:
         if not tiers.memory_usable:
             raise StorageError(f"{tiers.memory.url}: {tiers.memory_note}")
+        adopt_memory_tier(tiers)  # so that `nebula memory` and `gc` know its root
         return tiers.memory
     if dest == PERSISTENT:
         assert tiers.persistent is not None
