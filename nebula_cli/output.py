@@ -8,7 +8,8 @@ line, `nebula: error: ...`, and an exit code: 1 for errors, 2 for usage, 3 for "
 Tables never cut a cell: off a terminal (a pipe, a file) they are plain aligned text at
 full width, one line a row; on a terminal too narrow for the boxed table, a narrower
 layout is chosen (the caller's, then one without borders, then one record a row). Sizes
-are IEC (KiB, MiB, GiB) everywhere.
+are IEC (KiB, MiB, GiB) everywhere, and so is a copy's progress rate (MiB/s); the
+history's throughput is MB/s, the unit its file records (`throughput_mb_s`).
 
 Not for: checkpoint logic (nebulaml) or command options (each command's module).
 """
@@ -580,16 +581,6 @@ def human_bytes(n: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
-
-
-def mib_per_s(mb_per_s: float) -> float:
-    """A rate in MB/s (10**6 bytes, as the history file records it) in MiB/s.
-
-    Example:
-        >>> round(mib_per_s(1.048576), 3)
-        1.0
-    """
-    return mb_per_s * 1e6 / (1 << 20)
 
 
 def parse_time(iso: str) -> datetime:
