@@ -82,6 +82,36 @@ def test_ls_empty_root_is_an_empty_list(tmp_path: Path) -> None:
     assert json.loads(result.stdout)["checkpoints"] == []
 
 
+def test_ls_of_an_empty_folder_says_so(tmp_path: Path) -> None:
+    # main: a table header alone, as if the command had failed to read something.
+    result = CliRunner().invoke(app, ["ls", str(tmp_path)])
+    assert result.exit_code == 0 and result.stdout == ""
+    assert result.stderr == f"No checkpoints under {tmp_path}\n"
+
+
+def test_ls_of_a_checkpoint_folder_names_its_root(root: Path) -> None:
+    # main: `nebula ls ROOT/global_step100` (a checkpoint folder taken for a root) printed
+    # a header alone.
+    _populate(root)
+    result = CliRunner().invoke(app, ["ls", str(root / "global_step100")])
+    assert result.exit_code == 0 and result.stdout == ""
+    assert result.stderr == (
+        f"{root / 'global_step100'} is a checkpoint folder, not a root: checkpoint "
+        f"'global_step100' of the root {root} (nebula ls {root})\n"
+    )
+
+
+def test_ls_of_a_root_with_only_incomplete_checkpoints_points_to_all(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=3600)
+    nm.Checkpoint("global_step1", 2).save("model", {"w": torch.ones(10)})  # 1 item of 2
+    result = CliRunner().invoke(app, ["ls", str(root)])
+    assert result.exit_code == 0 and result.stdout == ""
+    assert result.stderr.startswith(f"No committed checkpoints under {root}; 1 incomplete")
+    assert result.stderr.endswith(f": nebula ls --all {root}\n")
+    listed = CliRunner().invoke(app, ["ls", str(root), "--all"])
+    assert "global_step1" in listed.stdout and "incomplete" in listed.stdout
+
+
 def test_every_reading_command_maps_a_bad_name_to_a_usage_error(root: Path) -> None:
     _populate(root)
     for args in (["inspect", str(root), "../x"], ["verify", str(root), "a/b"],
