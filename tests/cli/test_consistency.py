@@ -4,7 +4,11 @@ typed JSON. Each test failed on main before this change (the comment says how)."
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,3 +190,46 @@ def test_latest_of_a_remote_root_downloads_with_local(tmp_path: Path, monkeypatc
     doc = json.loads(again.stdout)
     assert doc["local_path"] == str(path) and doc["path"].startswith("memory://")
     assert in_a_pipe("latest", url, "--local").code == 2  # needs --item
+
+
+def _as_a_user_without_override() -> list[str]:
+    """The command prefix under which permissions apply: none for a user; for root, its
+    capabilities to override them dropped (setpriv), as a user has none."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("needs setpriv (util-linux) to run without root's overrides")
+    return [setpriv, "--bounding-set=-dac_override,-dac_read_search,-fowner"]
+
+
+def test_permission_denied_is_one_line_naming_the_path_once(
+    populated: Path, tmp_path: Path, memory_tier: Path
+) -> None:
+    # main: "nebula: error: /x: [Errno 13] Permission denied: '/x'" (the path twice, the raw
+    # errno), and a traceback for an export into a folder it may not write.
+    nm.shutdown()
+    shut, read_only = tmp_path / "shut", tmp_path / "read-only"
+    copy = read_only / "copy"
+    shut.mkdir(mode=0o000)
+    read_only.mkdir(mode=0o555)
+    env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier))
+    exe = [*_as_a_user_without_override(), str(Path(sys.executable).parent / "nebula")]
+    cases = {
+        str(shut): ["ls", str(shut)],
+        str(read_only / "out"): ["export", str(populated), TAGS[3], str(read_only / "out")],
+        str(read_only): ["export", str(populated), TAGS[3], str(read_only)],
+        str(read_only / "copy" / TAGS[3]): ["copy", str(populated), TAGS[3], str(copy)],
+    }
+    try:
+        for path, args in cases.items():
+            out = subprocess.run([*exe, *args], capture_output=True, text=True, env=env,
+                                 timeout=60)  # fmt: skip
+            assert out.returncode == 1, out.stderr
+            [line] = out.stderr.splitlines()
+            assert line.startswith(f"nebula: error: {path}: permission denied"), line
+            assert "Errno" not in line and "ask for access" in line, line
+            assert ".nebula-mode" not in line  # nebula's own probe is not the user's business
+    finally:
+        shut.chmod(0o700)
+        read_only.chmod(0o700)

@@ -35,7 +35,7 @@ from nebulaml.format.manifest import ItemEntry, Manifest
 from nebulaml.format.names import validate_name
 from nebulaml.runtime.load import load_item
 from nebulaml.runtime.locate import Copy, check_root, find_copy, tiers_for
-from nebulaml.storage.streams import create_file, new_file_mode
+from nebulaml.storage.streams import create_file, new_file_mode, translate_errors
 
 PathLike = str | os.PathLike[str]
 Progress = Callable[[int, int], None]
@@ -113,6 +113,15 @@ def export_checkpoint(
             _refuse_non_tensors(root, tag, entry.name)
     folder = Path(dest)
     private = private_default() if private is None else private
+    # What the local folder refuses (permissions, a full disk) is one StorageError naming it.
+    with translate_errors(str(folder)):
+        return _export_entries(tiers, location, tag, entries, folder, format, overwrite,
+                               drop_non_tensors, private, progress)  # fmt: skip
+
+
+def _export_entries(tiers: Any, location: str, tag: str, entries: list[ItemEntry], folder: Path,
+                    format: str, overwrite: bool, drop_non_tensors: bool, private: bool,
+                    progress: Progress | None) -> dict[str, Any]:  # fmt: skip
     if private and not folder.exists():
         folder.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileExistsError):
