@@ -1,5 +1,5 @@
-"""What every command shares: the two consoles, tables, JSON output, progress, error exits,
-formatting.
+"""What every command shares: the two consoles, tables, JSON output, error exits,
+formatting (progress: progress.py; what is logged: logs.py).
 
 Data goes to stdout (a table, or one JSON document with --json); progress, retries,
 warnings and hints go to stderr. An expected failure (`nebulaml.NebulaError`) becomes one
@@ -16,15 +16,12 @@ Not for: checkpoint logic (nebulaml) or command options (each command's module).
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
 import json
 import sys
-import threading
-import time
 import unicodedata
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Annotated, Any, NoReturn, TypeVar
 
@@ -38,11 +35,6 @@ from rich.text import Text
 from .complete import complete_item, complete_tag
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
-# Off a terminal, progress is a plain line on stderr at most this often (none for an
-# operation that ends sooner).
-PROGRESS_INTERVAL_S = 2.0
-
-Progress = Callable[[int, int], None]
 
 RootArg = Annotated[
     str,
@@ -296,114 +288,6 @@ def _records(table: Table, width: int, headline: int = 1) -> Text:
         out.append(table.caption + "\n")
     out.rstrip()
     return out
-
-
-# Progress ----------------------------------------------------------------------------------
-@contextlib.contextmanager
-def progress(
-    label: str, *, quiet: bool = False, transient: bool = False
-) -> Iterator[Progress | None]:
-    """A progress reporter on stderr for `callback(bytes_done, bytes_total)`.
-
-    On a terminal: a bar with bytes, rate and time left, shown from the first bytes (so an
-    error found first is alone on stderr). Off a terminal: a plain line every
-    PROGRESS_INTERVAL_S seconds while it runs, and a last one when it ends (nothing for
-    an operation that ends sooner). `quiet`: nothing (None is yielded).
-    """
-    if quiet:
-        yield None
-        return
-    console = stderr()
-    if console.is_terminal:
-        with _bar(label, console, transient) as update:
-            yield update
-        return
-    lines = _Lines(label)
-    try:
-        yield lines
-    finally:
-        lines.finish()
-
-
-class _Lines:
-    """Progress off a terminal: `nebula: copying global_step5: 96.0 MiB of 200.8 MiB (47%),
-    48.1 MiB/s`, periodically."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.t0 = self.last = 0.0  # from the first report: not the time taken to start
-        self.done = self.total = 0
-        self.started = False
-        self.printed = False
-        self.lock = threading.Lock()
-
-    def __call__(self, done: int, total: int) -> None:
-        with self.lock:
-            self.done, self.total = done, total
-            now = time.monotonic()
-            if not self.started:
-                self.started, self.t0, self.last = True, now, now
-            elif now - self.last >= PROGRESS_INTERVAL_S:
-                self.last = now
-                self._write(now, final=False)
-
-    def _write(self, now: float, *, final: bool) -> None:
-        elapsed = max(now - self.t0, 1e-9)
-        pct = 100 if not self.total else min(100, int(100 * self.done / self.total))
-        what = f"{human_bytes(self.done)} of {human_bytes(self.total)} ({pct}%)"
-        if final:
-            what += f" in {elapsed:.1f} s"
-        else:
-            what += f", {human_bytes(int(self.done / elapsed))}/s"
-        sys.stderr.write(f"nebula: {self.label}: {what}\n")
-        sys.stderr.flush()
-        self.printed = True
-
-    def finish(self) -> None:
-        with self.lock:
-            if self.printed:
-                self._write(time.monotonic(), final=True)
-
-
-@contextlib.contextmanager
-def _bar(label: str, console: Console, transient: bool) -> Iterator[Progress]:
-    from rich.progress import BarColumn, ProgressColumn, TaskID, TextColumn, TimeRemainingColumn
-    from rich.progress import Progress as RichProgress
-
-    class Bytes(ProgressColumn):
-        def render(self, task: Any) -> Text:
-            total = "?" if task.total is None else human_bytes(int(task.total))
-            return Text(f"{human_bytes(int(task.completed))} / {total}", style="green")
-
-    class Rate(ProgressColumn):
-        def render(self, task: Any) -> Text:
-            speed = task.finished_speed or task.speed
-            return Text("" if speed is None else f"{human_bytes(int(speed))}/s", style="red")
-
-    bar = RichProgress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        Bytes(),
-        Rate(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=transient,
-    )
-    task: list[TaskID] = []
-    lock = threading.Lock()
-
-    def update(done: int, total: int) -> None:
-        with lock:
-            if not task:
-                bar.start()
-                task.append(bar.add_task(label, total=total))
-            bar.update(task[0], completed=done, total=total)
-
-    try:
-        yield update
-    finally:
-        if task:
-            bar.stop()
 
 
 def shown(rows: list[Any], verbose: bool) -> tuple[list[Any], int]:

@@ -16,9 +16,9 @@ from ..output import (
     emit_json,
     handles_errors,
     human_bytes,
-    progress,
     stdout,
 )
+from ..progress import phases
 
 
 @handles_errors
@@ -56,7 +56,8 @@ def copy_command(
     ROOT itself. DEST is another root, or `memory` (this node's memory tier of ROOT) or
     `persistent` (ROOT itself); write ./memory for a folder of that name. A rerun after
     an interruption skips the items already copied and verified. Progress counts the
-    bytes the destination has confirmed; each retry of a storage call is a line on stderr.
+    bytes the destination has confirmed, then (verifying) the bytes read back from it;
+    each retry of a storage call is a line on stderr.
 
     Example: nebula copy /mnt/checkpoints/run1 global_step500 az://backup/run1
     """
@@ -70,8 +71,11 @@ def copy_command(
         raise typer.BadParameter("give the checkpoint to copy, or --latest", param_hint="TAG")
     if dest is None:
         raise typer.BadParameter("give the destination root", param_hint="DEST")
-    with progress(f"copying {tag or 'the newest checkpoint'}", quiet=quiet) as update:
-        report = nm.copy_checkpoint(root, tag, dest, overwrite=overwrite, progress=update)
+    what = tag or "the newest checkpoint"
+    labels = [f"copying {what}", f"verifying {what}"]
+    with phases(labels, quiet=quiet) as (copied, verified):
+        report = nm.copy_checkpoint(root, tag, dest, overwrite=overwrite, progress=copied,
+                                    verify_progress=verified)  # fmt: skip
     if as_json:
         emit_json(report)
     else:

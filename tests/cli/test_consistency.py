@@ -141,9 +141,9 @@ def test_plot_format_follows_the_suffix(populated: Path, tmp_path: Path) -> None
 
 def test_sizes_are_iec_everywhere(populated: Path, tmp_path: Path, monkeypatch) -> None:
     # main: `copy` said 200.8 MiB and `verify` 210.5 MB for the same bytes.
-    from nebula_cli import output
+    from nebula_cli import progress
 
-    monkeypatch.setattr(output, "PROGRESS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.0)
     runs = [
         in_a_pipe("verify", str(populated)),
         in_a_pipe("copy", str(populated), TAGS[3], str(tmp_path / "d")),
