@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,9 @@ _SEQUENCE_MAX_BYTES = 4096
 
 # How many times `list_committed` lists the folders while newer ones are in flux.
 _LIST_PASSES = 3
+# Manifests an object store's listing reads at once: each is a request that waits on the
+# service (a 1,000-tag Azure root read one at a time took 13 s in a fresh process).
+_REMOTE_READERS = 8
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -250,20 +254,21 @@ def list_committed(
         # An object store: one listing of the whole root, not one per folder.
         tree = store.list_tree()
         folders = tag_folders(store) if tree is None else [t for t in tree if _is_tag(t)]
-        for tag in folders:
-            if tag in found or tag in refused:
-                continue
-            if newest is not None and order_key(tag) <= newest:
-                continue  # a later pass looks only for what is newer than the newest
-            try:
-                info = read_committed(store, tag, None if tree is None else tree[tag])
-            except UnsupportedSchemaError as exc:
+        todo = [
+            tag
+            for tag in folders
+            if tag not in found
+            and tag not in refused
+            # a later pass looks only for what is newer than the newest
+            and (newest is None or order_key(tag) > newest)
+        ]
+        for tag, info in _read_each(store, todo, tree):
+            if isinstance(info, UnsupportedSchemaError):
                 if unsupported is None:
-                    raise
-                unsupported.append(exc)
+                    raise info
+                unsupported.append(info)
                 refused.add(tag)
-                continue
-            if info is not None:
+            elif info is not None:
                 found[tag] = info
             else:
                 unsettled.append(tag)
@@ -271,6 +276,24 @@ def list_committed(
         if not any(newest is None or order_key(tag) > newest for tag in unsettled):
             break
     return sorted(found.values(), key=lambda info: info.sort_key)
+
+
+def _read_each(
+    store: Store, tags: list[str], tree: dict[str, dict[str, tuple[int, str | None]]] | None
+) -> list[tuple[str, CheckpointInfo | UnsupportedSchemaError | None]]:
+    """`read_committed` of each tag, in order (a schema this version cannot read: its
+    error, not raised); an object store's (`tree`: its root's listing) several at once."""
+
+    def one(tag: str) -> tuple[str, CheckpointInfo | UnsupportedSchemaError | None]:
+        try:
+            return tag, read_committed(store, tag, None if tree is None else tree[tag])
+        except UnsupportedSchemaError as exc:
+            return tag, exc
+
+    if tree is None or len(tags) < 2:
+        return [one(tag) for tag in tags]
+    with ThreadPoolExecutor(_REMOTE_READERS, thread_name_prefix="nebula-list") as pool:
+        return list(pool.map(one, tags))
 
 
 def highest_sequence(store: Store) -> int:
