@@ -44,8 +44,9 @@ BEING_READ = "being read"  # why execute_prune kept a tag a reader holds a lease
 # Deletes a prune runs at once: each waits on its store (an fsync, a request) as much as it
 # runs Python, so two per core, and at most 8.
 PRUNE_WORKERS = max(2, min(8, 2 * (os.cpu_count() or 1)))
-# Tags one delete takes at once (protocol/delete.py's delete_checkpoints): their manifests'
-# removals share one journal commit. A batch's tags are claimed until its last is gone.
+# Tags one delete takes at once on a local root (protocol/delete.py's delete_checkpoints):
+# their manifests' removals share one journal commit. A batch's tags are claimed until its
+# last is gone.
 PRUNE_BATCH = 16
 
 
@@ -264,7 +265,9 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
 
     # The deletes are independent: several batches at once (each waits on its store:
     # fsyncs on a disk, requests to an object store), reported in the plan's order.
-    batches = [plan.delete[i : i + PRUNE_BATCH] for i in range(0, len(plan.delete), PRUNE_BATCH)]
+    # An object store has no fsync to share: a tag a batch there, each on its own.
+    size = PRUNE_BATCH if store.is_local else 1
+    batches = [plan.delete[i : i + size] for i in range(0, len(plan.delete), size)]
     with ThreadPoolExecutor(max_workers=PRUNE_WORKERS, thread_name_prefix="nebula-prune") as pool:
         outcomes = [why for done in pool.map(batch, batches) for why in done]
     deleted = [d.tag for d, why in zip(plan.delete, outcomes, strict=True) if why is None]
