@@ -37,6 +37,11 @@ $(STAMP): pyproject.toml
 	# only; without it that test is skipped, saying why).
 	command -v mkfs.xfs >/dev/null || { test "$$(id -u)" = 0 && \
 		apt-get install -y -q --no-install-recommends xfsprogs >/dev/null 2>&1; } || true
+	# zsh, for the test that runs the zsh completion script (root only; without it that
+	# test is skipped, saying why).
+	command -v zsh >/dev/null || { test "$$(id -u)" = 0 && { \
+		apt-get install -y -q --no-install-recommends zsh || { apt-get update -q && \
+		apt-get install -y -q --no-install-recommends zsh; }; } >/dev/null 2>&1; } || true
 	touch $(STAMP)
 
 venv: $(STAMP)

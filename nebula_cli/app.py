@@ -1,7 +1,8 @@
 """The `nebula` Typer application: global options and command registration.
 
-Help is plain text and a usage error is one line, `nebula: error: ...`, exit 2 (help.py);
-Ctrl-C is one line, `nebula: interrupted`, exit 130 (`main`).
+Help is plain text (`-h` or `--help`, for the program and every command) and a usage error
+is one line, `nebula: error: ...`, exit 2 (help.py); Ctrl-C is one line,
+`nebula: interrupted`, exit 130 (`main`).
 `--show-completion [SHELL]` and `--install-completion [SHELL]` take the shell named (bash,
 zsh or fish), else the one this runs under.
 
@@ -17,13 +18,13 @@ import sys
 from typing import Annotated
 
 import typer
-from typer._completion_classes import completion_init
 
+from .completion_classes import register as register_completion_classes
 from .help import NebulaCommand, NebulaGroup
 
-# Typer's completion classes (bash, zsh, fish) answer `_NEBULA_COMPLETE=complete_<shell>`:
+# The completion classes (bash, zsh, fish) answer `_NEBULA_COMPLETE=complete_<shell>`:
 # registered here, since the app declares its own --show/--install-completion options.
-completion_init()
+register_completion_classes()
 
 app = typer.Typer(
     name="nebula",
@@ -32,10 +33,12 @@ app = typer.Typer(
         "Inspect and manage nebula checkpoints.\n\n"
         "ROOT is a checkpoint directory given as a path or an fsspec URL "
         "(/ckpt, file:///ckpt, az://container/run1). Data goes to stdout, progress and "
-        "errors to stderr; every command takes --json. Exit status: 0 ok, 1 error, 2 usage, "
-        "3 not found."
+        "errors to stderr; every command takes --json. Exit status: 0 ok, 1 error (diff: "
+        "the checkpoints differ), 2 usage, 3 not found, 130 interrupted."
     ),
     no_args_is_help=True,
+    # `-h` as gh, kubectl and git take it; the commands inherit it from the group's context.
+    context_settings={"help_option_names": ["-h", "--help"]},
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,

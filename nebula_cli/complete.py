@@ -1,4 +1,5 @@
-"""Dynamic shell completion: the tags and item names of the ROOT typed on the command line.
+"""Dynamic shell completion: the tags and item names of the ROOT typed on the command line,
+and `nebula copy`'s DEST words.
 
 Typer calls these at TAB time (`autocompletion=`), with the words parsed so far in
 `ctx.params`. They read `nebulaml.list_checkpoints(ROOT)` once and say nothing on any
@@ -100,3 +101,24 @@ def complete_item(ctx: Any, incomplete: str) -> list[str]:
         for name in checkpoint["items"]:
             names.setdefault(name)
     return [name for name in names if name.startswith(incomplete)]
+
+
+# `nebula copy`'s DEST: a root (the shell completes paths when nothing here matches), or
+# one of ROOT's own tiers by name.
+DEST_WORDS = (
+    ("memory", "this node's memory tier of ROOT"),
+    ("persistent", "ROOT itself"),
+)
+
+
+def complete_dest(ctx: Any, incomplete: str) -> list[tuple[str, str]]:
+    """`memory` and `persistent` when they start with what was typed (else nothing, and
+    the shell offers paths)."""
+    return [(word, why) for word, why in DEST_WORDS if word.startswith(incomplete)]
+
+
+def complete_copy_source(ctx: Any, incomplete: str) -> list[Any]:
+    """`nebula copy`'s second word: a tag of ROOT, or with `--latest` (no TAG) the DEST."""
+    if ctx.params.get("latest") or "--latest" in _typed():
+        return list(complete_dest(ctx, incomplete))
+    return list(complete_tag(ctx, incomplete))

@@ -4,12 +4,14 @@ Each script is what the app itself prints for `_NEBULA_COMPLETE=source_<shell> n
 (Typer's completion protocol; `nebula --install-completion` installs the same text). The
 scripts name no commands: on TAB they run `nebula` again with `_NEBULA_COMPLETE=complete_...`
 and the app answers from its own commands and options, so a new command needs no new
-scripts. They live in nebula_cli/completions_data/ (package data: every install has them);
-tests/cli/test_completions.py regenerates them and fails when the committed ones differ (a
-new Typer, a renamed program).
+scripts. They are kept in two places, the same bytes in each: completions/ at the top of
+the repository (and of the sdist: what users browse and packagers install) and
+nebula_cli/completions_data/ (package data: every installed wheel has them).
+tests/cli/test_completions.py regenerates them and fails when either copy differs (a new
+Typer, a renamed program).
 
 Usage: python -m nebula_cli.completions --path bash  (where the installed bash script is)
-       python -m nebula_cli.completions [DIR]  (regenerate; default DIR: completions_data/)
+       python -m nebula_cli.completions [DIR]  (regenerate; default: both folders)
 
 Not for: completing anything itself (the app does that at TAB time).
 """
@@ -30,6 +32,9 @@ SCRIPT_FILES = {"bash": "nebula.bash", "zsh": "_nebula", "fish": "nebula.fish"}
 # Package data (see [tool.setuptools.package-data] in pyproject.toml): in a checkout and in
 # every installed copy alike.
 DEFAULT_DIR = Path(__file__).resolve().parent / "completions_data"
+# The top-level copy, in a checkout or an unpacked sdist only: beside pyproject.toml.
+CHECKOUT = Path(__file__).resolve().parents[1]
+SOURCE_DIR = CHECKOUT / "completions"
 
 _PRINT_SOURCE = f"from nebula_cli.app import app; app(prog_name={PROG_NAME!r})"
 
@@ -138,8 +143,22 @@ def write_scripts(folder: Path) -> list[Path]:
     return written
 
 
+def default_folders() -> list[Path]:
+    """Where `python -m nebula_cli.completions` writes the scripts without a DIR: the
+    package's folder, and the top-level completions/ where this runs from a checkout (never
+    a folder of that name in site-packages).
+
+    Example:
+        >>> default_folders()[0] == DEFAULT_DIR
+        True
+    """
+    checkout = (CHECKOUT / "pyproject.toml").is_file() and SOURCE_DIR.is_dir()
+    return [DEFAULT_DIR, *([SOURCE_DIR] if checkout else [])]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print a shipped script's path (`--path SHELL`), or regenerate the scripts into DIR."""
+    """Print a shipped script's path (`--path SHELL`), or regenerate the scripts into DIR
+    (default: `default_folders()`)."""
     parser = argparse.ArgumentParser(
         prog="python -m nebula_cli.completions",
         description=(
@@ -157,15 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         "folder",
         nargs="?",
         type=Path,
-        default=DEFAULT_DIR,
-        help=f"where to write them (default: {DEFAULT_DIR})",
+        help=f"where to write them (default: {DEFAULT_DIR} and, in a checkout, {SOURCE_DIR})",
     )
     args = parser.parse_args(argv)
     if args.path:
         print(script_path(args.path))
         return 0
-    for path in write_scripts(args.folder):
-        sys.stderr.write(f"wrote {path}\n")
+    for folder in [args.folder] if args.folder is not None else default_folders():
+        for path in write_scripts(folder):
+            sys.stderr.write(f"wrote {path}\n")
     return 0
 
 

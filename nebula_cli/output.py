@@ -1,5 +1,5 @@
-"""What every command shares: the two consoles, tables, JSON output, progress, error exits,
-formatting.
+"""What every command shares: the two consoles, tables, JSON output, error exits,
+formatting (progress: progress.py; what is logged: logs.py).
 
 Data goes to stdout (a table, or one JSON document with --json); progress, retries,
 warnings and hints go to stderr. An expected failure (`nebulaml.NebulaError`) becomes one
@@ -8,23 +8,20 @@ line, `nebula: error: ...`, and an exit code: 1 for errors, 2 for usage, 3 for "
 Tables never cut a cell: off a terminal (a pipe, a file) they are plain aligned text at
 full width, one line a row; on a terminal too narrow for the boxed table, a narrower
 layout is chosen (the caller's, then one without borders, then one record a row). Sizes
-are IEC (KiB, MiB, GiB) everywhere.
+are IEC (KiB, MiB, GiB) everywhere, and so is a copy's progress rate (MiB/s); the
+history's throughput is MB/s, the unit its file records (`throughput_mb_s`).
 
 Not for: checkpoint logic (nebulaml) or command options (each command's module).
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
 import json
-import logging
 import sys
-import threading
-import time
 import unicodedata
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Annotated, Any, NoReturn, TypeVar
 
@@ -38,11 +35,6 @@ from rich.text import Text
 from .complete import complete_item, complete_tag
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
-# Off a terminal, progress is a plain line on stderr at most this often (none for an
-# operation that ends sooner).
-PROGRESS_INTERVAL_S = 2.0
-
-Progress = Callable[[int, int], None]
 
 RootArg = Annotated[
     str,
@@ -298,149 +290,6 @@ def _records(table: Table, width: int, headline: int = 1) -> Text:
     return out
 
 
-# Progress ----------------------------------------------------------------------------------
-@contextlib.contextmanager
-def progress(
-    label: str, *, quiet: bool = False, transient: bool = False
-) -> Iterator[Progress | None]:
-    """A progress reporter on stderr for `callback(bytes_done, bytes_total)`.
-
-    On a terminal: a bar with bytes, rate and time left, shown from the first bytes (so an
-    error found first is alone on stderr). Off a terminal: a plain line every
-    PROGRESS_INTERVAL_S seconds while it runs, and a last one when it ends (nothing for
-    an operation that ends sooner). `quiet`: nothing (None is yielded).
-    """
-    if quiet:
-        yield None
-        return
-    console = stderr()
-    if console.is_terminal:
-        with _bar(label, console, transient) as update:
-            yield update
-        return
-    lines = _Lines(label)
-    try:
-        yield lines
-    finally:
-        lines.finish()
-
-
-class _Lines:
-    """Progress off a terminal: `nebula: copying global_step5: 96.0 MiB of 200.8 MiB (47%),
-    48.1 MiB/s`, periodically."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.t0 = self.last = 0.0  # from the first report: not the time taken to start
-        self.done = self.total = 0
-        self.started = False
-        self.printed = False
-        self.lock = threading.Lock()
-
-    def __call__(self, done: int, total: int) -> None:
-        with self.lock:
-            self.done, self.total = done, total
-            now = time.monotonic()
-            if not self.started:
-                self.started, self.t0, self.last = True, now, now
-            elif now - self.last >= PROGRESS_INTERVAL_S:
-                self.last = now
-                self._write(now, final=False)
-
-    def _write(self, now: float, *, final: bool) -> None:
-        elapsed = max(now - self.t0, 1e-9)
-        pct = 100 if not self.total else min(100, int(100 * self.done / self.total))
-        what = f"{human_bytes(self.done)} of {human_bytes(self.total)} ({pct}%)"
-        if final:
-            what += f" in {elapsed:.1f} s"
-        else:
-            what += f", {human_bytes(int(self.done / elapsed))}/s"
-        sys.stderr.write(f"nebula: {self.label}: {what}\n")
-        sys.stderr.flush()
-        self.printed = True
-
-    def finish(self) -> None:
-        with self.lock:
-            if self.printed:
-                self._write(time.monotonic(), final=True)
-
-
-@contextlib.contextmanager
-def _bar(label: str, console: Console, transient: bool) -> Iterator[Progress]:
-    from rich.progress import BarColumn, ProgressColumn, TaskID, TextColumn, TimeRemainingColumn
-    from rich.progress import Progress as RichProgress
-
-    class Bytes(ProgressColumn):
-        def render(self, task: Any) -> Text:
-            total = "?" if task.total is None else human_bytes(int(task.total))
-            return Text(f"{human_bytes(int(task.completed))} / {total}", style="green")
-
-    class Rate(ProgressColumn):
-        def render(self, task: Any) -> Text:
-            speed = task.finished_speed or task.speed
-            return Text("" if speed is None else f"{human_bytes(int(speed))}/s", style="red")
-
-    bar = RichProgress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        Bytes(),
-        Rate(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=transient,
-    )
-    task: list[TaskID] = []
-    lock = threading.Lock()
-
-    def update(done: int, total: int) -> None:
-        with lock:
-            if not task:
-                bar.start()
-                task.append(bar.add_task(label, total=total))
-            bar.update(task[0], completed=done, total=total)
-
-    try:
-        yield update
-    finally:
-        if task:
-            bar.stop()
-
-
-class _LibraryLog(logging.Handler):
-    """The library's log on stderr while a command runs: each storage retry as a line
-    (`nebula: retrying: ...`, unless --quiet) and every warning (`nebula: warning: ...`)."""
-
-    def __init__(self, quiet: bool) -> None:
-        super().__init__(logging.INFO)
-        self.quiet = quiet
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            message = record.getMessage()
-        except (TypeError, ValueError):
-            message = str(record.msg)
-        if record.funcName == "_log_retry":
-            if not self.quiet:
-                sys.stderr.write(f"nebula: retrying: {printable(message)}\n")
-        elif record.levelno >= logging.WARNING:
-            sys.stderr.write(f"nebula: warning: {printable(message)}\n")
-
-
-@contextlib.contextmanager
-def _library_log(quiet: bool) -> Iterator[None]:
-    logger = logging.getLogger("nebulaml")
-    handler = _LibraryLog(quiet)
-    level = logger.level
-    logger.addHandler(handler)
-    if logger.getEffectiveLevel() > logging.INFO:
-        logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def shown(rows: list[Any], verbose: bool) -> tuple[list[Any], int]:
     """(the rows to show, how many are left out): all with `verbose`, else the first
     `ROWS_SHOWN`. A root of thousands of checkpoints prints a screen, not thousands of
@@ -472,7 +321,8 @@ def confirm(question: str, refusal: str, declined: str) -> None:
     """Ask `question` (y/N, on stderr) before a command deletes or releases something.
 
     Off a terminal there is no one to ask: fail with `refusal` (`--yes` is needed there).
-    A "no" prints `declined` and exits 1.
+    A "no" (or Ctrl-D) prints `declined` and exits 1; Ctrl-C ends the command as anywhere
+    else (`nebula: interrupted`, exit 130).
 
     Example: confirm("Release 2 memory tier(s)?", f"{base}: 2 memory tier(s) to release;
     refusing to release without --yes when not on a terminal (add --yes, or --dry-run to
@@ -480,7 +330,14 @@ def confirm(question: str, refusal: str, declined: str) -> None:
     """
     if not sys.stdin.isatty():
         fail(refusal)
-    if not typer.confirm(question, default=False, err=True):
+    try:
+        answer = typer.confirm(question, default=False, err=True)
+    except typer.Abort as exc:  # the prompt turns Ctrl-C and Ctrl-D into Abort
+        sys.stderr.write("\n")  # the prompt's line is left open
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            raise KeyboardInterrupt from None  # app.main: `nebula: interrupted`, 130
+        answer = False
+    if not answer:
         stderr().print(declined, highlight=False)
         raise typer.Exit(EXIT_ERROR)
 
@@ -536,16 +393,20 @@ def handles_errors(func: F) -> F:
     A command that declares `storage_option: StorageOpt` runs with those options given to
     every root it opens by URL (`nebulaml.using_storage_options`). While it runs, storage
     retries are reported on stderr (unless it was given `quiet`), and so are the library's
-    warnings. A tag that is not there is answered with the closest tags the root has.
+    warnings; the storage SDKs' own log is not, unless it was given `verbose` (logs.py).
+    A tag that is not there is answered with the closest tags the root has.
     """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         import nebulaml as nm
 
+        from .logs import command_logging
+
         options = parse_storage_options(kwargs.get("storage_option"))
+        quiet, verbose = bool(kwargs.get("quiet")), bool(kwargs.get("verbose"))
         try:
-            with nm.using_storage_options(options), _library_log(bool(kwargs.get("quiet"))):
+            with nm.using_storage_options(options), command_logging(quiet, verbose):
                 return func(*args, **kwargs)
         except nm.RootNotFoundError as exc:
             fail(str(exc), EXIT_NOT_FOUND)
@@ -604,16 +465,6 @@ def human_bytes(n: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
-
-
-def mib_per_s(mb_per_s: float) -> float:
-    """A rate in MB/s (10**6 bytes, as the history file records it) in MiB/s.
-
-    Example:
-        >>> round(mib_per_s(1.048576), 3)
-        1.0
-    """
-    return mb_per_s * 1e6 / (1 << 20)
 
 
 def parse_time(iso: str) -> datetime:

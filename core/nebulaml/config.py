@@ -11,7 +11,8 @@
                                         every save copies every tensor)
     NEBULA_ON_PERSIST_ERROR             init()'s on_persist_error: "retry" (default) or "raise"
     NEBULA_PRIVATE                      init()'s private, and what the CLI writes to a local
-                                        root (1/true/yes/on: files 0600, folders 0700)
+                                        root or exports (1/true/yes/on: files 0600, folders
+                                        0700)
     NEBULA_MEMORY_BUFFER_SIZE           the node's memory budget in bytes (half for checkpoints)
     NEBULA_MEMORY_TIER_PATH             the base folder of this user's memory tiers
     NEBULA_STORAGE_RETRIES              retries of a transient storage error (default 5)

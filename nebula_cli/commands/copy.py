@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from ..complete import complete_tag
+from ..complete import complete_copy_source, complete_dest
 from ..output import (
     JsonOpt,
     QuietOpt,
@@ -16,9 +16,9 @@ from ..output import (
     emit_json,
     handles_errors,
     human_bytes,
-    progress,
     stdout,
 )
+from ..progress import phases
 
 
 @handles_errors
@@ -29,7 +29,7 @@ def copy_command(
         typer.Argument(
             metavar="TAG",
             help="The checkpoint to copy (omit it with --latest).",
-            autocompletion=complete_tag,
+            autocompletion=complete_copy_source,
         ),
     ] = None,
     dest: Annotated[
@@ -37,6 +37,7 @@ def copy_command(
         typer.Argument(
             metavar="DEST",
             help="A root path or URL, or 'memory' / 'persistent' for ROOT's own tiers.",
+            autocompletion=complete_dest,
         ),
     ] = None,
     latest: Annotated[
@@ -55,7 +56,8 @@ def copy_command(
     ROOT itself. DEST is another root, or `memory` (this node's memory tier of ROOT) or
     `persistent` (ROOT itself); write ./memory for a folder of that name. A rerun after
     an interruption skips the items already copied and verified. Progress counts the
-    bytes the destination has confirmed; each retry of a storage call is a line on stderr.
+    bytes the destination has confirmed, then (verifying) the bytes read back from it;
+    each retry of a storage call is a line on stderr.
 
     Example: nebula copy /mnt/checkpoints/run1 global_step500 az://backup/run1
     """
@@ -69,8 +71,11 @@ def copy_command(
         raise typer.BadParameter("give the checkpoint to copy, or --latest", param_hint="TAG")
     if dest is None:
         raise typer.BadParameter("give the destination root", param_hint="DEST")
-    with progress(f"copying {tag or 'the newest checkpoint'}", quiet=quiet) as update:
-        report = nm.copy_checkpoint(root, tag, dest, overwrite=overwrite, progress=update)
+    what = tag or "the newest checkpoint"
+    labels = [f"copying {what}", f"verifying {what}"]
+    with phases(labels, quiet=quiet) as (copied, verified):
+        report = nm.copy_checkpoint(root, tag, dest, overwrite=overwrite, progress=copied,
+                                    verify_progress=verified)  # fmt: skip
     if as_json:
         emit_json(report)
     else:

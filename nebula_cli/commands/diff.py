@@ -1,4 +1,6 @@
-"""`nebula diff ROOT TAG_A TAG_B`: what changed between two checkpoints, tensor by tensor."""
+"""`nebula diff ROOT TAG_A TAG_B`: what changed between two checkpoints, tensor by tensor.
+Exit status 0 when they are the same, 1 when they differ (as `diff` and `git diff
+--exit-code`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from rich.text import Text
 
 from ..complete import complete_tag
 from ..output import (
+    EXIT_ERROR,
     JsonOpt,
     RootArg,
     StorageOpt,
@@ -61,6 +64,10 @@ def diff_command(
     read one at a time, verified, with weights-only reads, and compared in chunks. The
     table lists what differs (--all: everything); --json gives every leaf.
 
+    Exit status: 0 the checkpoints (or the --item) are the same, 1 they differ, as with
+    diff and git diff --exit-code. An error is a line on stderr with its own status: 1,
+    2 usage, 3 not found.
+
     Example: nebula diff /mnt/ckpt/run1 global_step400 global_step500 --item model
     """
     import nebulaml as nm
@@ -68,9 +75,11 @@ def diff_command(
     doc = nm.diff_checkpoints(root, tag_a, tag_b, item=item)
     if as_json:
         emit_json(doc)
-        return
-    print_table(_table(doc, all_), headline=2)
-    stdout().print(Text(_summary_line(doc)))
+    else:
+        print_table(_table(doc, all_), headline=2)
+        stdout().print(Text(_summary_line(doc)))
+    if doc["summary"]["items_changed"]:
+        raise typer.Exit(EXIT_ERROR)
 
 
 def _table(doc: dict[str, Any], all_: bool) -> Table:
@@ -98,7 +107,7 @@ def _table(doc: dict[str, Any], all_: bool) -> Table:
                 Text(
                     _pair(_shape(e["shape_a"]), _shape(e["shape_b"]))
                     if e["kind"] == "tensor"
-                    else _pair(e["value_a"], e["value_b"])
+                    else _pair(_value(e, "value_a"), _value(e, "value_b"))
                 ),
                 _number(e["max_abs_diff"]),
                 _number(e["rel_l2_diff"]),
@@ -118,6 +127,16 @@ def _pair(a: str | None, b: str | None) -> str:
     if a is None or b is None or a == b:
         return a or b or ""
     return f"{a} -> {b}"
+
+
+def _value(entry: dict[str, Any], key: str) -> str | None:
+    """A leaf value as the table shows it (a string as it is, None as `None`); None where
+    the leaf is missing on that side."""
+    side = entry[key]
+    missing = entry["status"] == ("added" if key == "value_a" else "removed")
+    if missing:
+        return None
+    return side if isinstance(side, str) else repr(side)
 
 
 def _number(value: float | None) -> str:

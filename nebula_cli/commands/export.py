@@ -20,9 +20,9 @@ from ..output import (
     human_bytes,
     item_option,
     print_table,
-    progress,
     stdout,
 )
+from ..progress import progress
 
 
 class Format(str, Enum):

@@ -11,9 +11,9 @@ from ..output import (
     StorageOpt,
     emit_json,
     handles_errors,
-    progress,
     stdout,
 )
+from ..progress import phases
 
 
 @handles_errors
@@ -37,8 +37,9 @@ def flush_command(
     # A root that cannot be listed fails here, as `nebula ls` does.
     nm.list_checkpoints(root, hold=False)
     memory_tier = nm.memory_tier_path(root)
-    with progress(f"persisting to {location}", quiet=quiet) as report:
-        persisted = nm.persist_memory_tier(root, progress=report)
+    labels = [f"persisting to {location}", f"verifying at {location}"]
+    with phases(labels, quiet=quiet) as (report, verified):
+        persisted = nm.persist_memory_tier(root, progress=report, verify_progress=verified)
     if as_json:
         emit_json({"root": location, "memory_tier": memory_tier, "persisted": persisted})
     elif persisted:

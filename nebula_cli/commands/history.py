@@ -28,7 +28,6 @@ from ..output import (
     fail,
     handles_errors,
     human_bytes,
-    mib_per_s,
     print_table,
     stdout,
     suggestion,
@@ -204,7 +203,9 @@ def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[st
     rows = Table(title=title, title_justify="left")
     with_rank = any(r["rank"] != 0 for r in records)  # a column of zeros only takes room
     columns = ["started (UTC)", "tag", "step", "tier", *(["rank"] * with_rank)]
-    columns += ["time s", "stall s", "size", "MiB/s", "status"]
+    # MB/s (10**6 bytes a second): the unit and number of throughput_mb_s in the file,
+    # --json and --csv; sizes are IEC.
+    columns += ["time s", "stall s", "size", "MB/s", "status"]
     for column in columns:
         left = column in ("started (UTC)", "tag", "tier", "status")
         rows.add_column(column, justify="left" if left else "right", no_wrap=True)
@@ -220,7 +221,7 @@ def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[st
             "" if skipped else _seconds(r["duration_s"]),
             _seconds(r["blocking_s"]) if r["tier"] == "memory" else "",
             "" if skipped else human_bytes(r["size_bytes"]),
-            "" if failed or skipped else f"{mib_per_s(r['throughput_mb_s']):.1f}",
+            "" if failed or skipped else _speed(r["throughput_mb_s"]),
             _STATUS_CELLS.get(r["status"], escape(r["status"])),
         ]
         rows.add_row(*cells)
@@ -237,8 +238,7 @@ def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[st
         values = summary[key]
         stats.add_row(label, *(_seconds(values[q]) for q in ("p50", "p95", "max")))
     speed = summary["throughput_mb_s"]
-    p50, top = (None if v is None else mib_per_s(v) for v in (speed["p50"], speed["max"]))
-    stats.add_row("persist MiB/s", _speed(p50), "", _speed(top))
+    stats.add_row("persist MB/s", *(_speed(speed[q]) for q in ("p50", "p95", "max")))
     print_table(stats, console=out)
     failures, skipped = summary["failures"], summary["skipped"]
     span = (  # on a line of its own: the two times are what a reader copies
@@ -280,9 +280,8 @@ def _plot(figure_cls: Any, df: pd.DataFrame, path: Path) -> None:
         persist.legend()
     persist.set_ylabel("persist (s)")
     persist.set_title("persist time (persistent tier)")
-    speed.plot(when[persisted], df.loc[persisted, "throughput_mb_s"] * 1e6 / (1 << 20), "o-",
-               markersize=3)  # fmt: skip
-    speed.set_ylabel("MiB/s")
+    speed.plot(when[persisted], df.loc[persisted, "throughput_mb_s"], "o-", markersize=3)
+    speed.set_ylabel("MB/s")
     speed.set_title("persist throughput")
     speed.set_xlabel("started at (UTC)")
     for axes in (stall, persist, speed):

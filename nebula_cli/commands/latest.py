@@ -18,8 +18,8 @@ from ..output import (
     StorageOpt,
     emit_json,
     handles_errors,
-    progress,
 )
+from ..progress import progress
 
 
 def cache_dir() -> Path:

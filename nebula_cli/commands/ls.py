@@ -1,8 +1,11 @@
-"""`nebula ls ROOT`: committed checkpoints, newest first, on every tier of the root."""
+"""`nebula ls ROOT`: committed checkpoints, newest first, on every tier of the root; for a
+root with none, a hint on stderr (a checkpoint folder given for its root is named so)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import sys
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -17,6 +20,7 @@ from ..output import (
     human_age,
     human_bytes,
     print_table,
+    printable,
 )
 
 
@@ -47,6 +51,9 @@ def ls_command(
             doc["incomplete"] = incomplete
         emit_json(doc)
         return
+    if not committed and not incomplete:  # a header alone would say nothing
+        sys.stderr.write(printable(_empty_hint(nm, root, location, all_)) + "\n")
+        return
     table = Table(title=location, title_justify="left")
     for column in ("tag", "step", "tiers", "size", "items", "age", "labels"):
         right = column in ("step", "size", "items")
@@ -73,3 +80,44 @@ def ls_command(
             Text("incomplete", style="yellow"),
         )
     print_table(table)
+
+
+def _empty_hint(nm: Any, root: str, location: str, all_: bool) -> str:
+    """Why ROOT lists nothing: a checkpoint folder of the root above it (given for the
+    root), checkpoints not yet committed (without --all), or none at all."""
+    parent, _, name = location.rstrip("/").rpartition("/")
+    if parent and name and not parent.endswith(":/") and _may_be_a_checkpoint(location):
+        try:
+            committed = {c["tag"] for c in nm.list_checkpoints(parent, hold=False)}
+            incomplete = {c["tag"] for c in nm.list_incomplete(parent)}
+        except nm.NebulaError:
+            committed, incomplete = set(), set()
+        if name in committed:
+            return (
+                f"{location} is a checkpoint folder, not a root: checkpoint {name!r} of the "
+                f"root {parent} (nebula ls {parent})"
+            )
+        if name in incomplete:
+            return (
+                f"{location} is a checkpoint folder, not a root: incomplete checkpoint "
+                f"{name!r} of the root {parent} (nebula ls --all {parent})"
+            )
+    if not all_:
+        pending = nm.list_incomplete(root)
+        if pending:
+            return (
+                f"No committed checkpoints under {location}; {len(pending)} incomplete "
+                f"(being written, or left by a crash): nebula ls --all {root}"
+            )
+    return f"No checkpoints under {location}"
+
+
+def _may_be_a_checkpoint(location: str) -> bool:
+    """Whether the folder holds what a checkpoint folder holds (its manifest, a rank's or
+    a writer's marker), so that the root above it is worth listing; a URL's is asked of
+    that root."""
+    if "://" in location:
+        return True
+    folder = Path(location)
+    markers = (".rank-*.json", ".writer-*.json")
+    return (folder / "manifest.json").is_file() or any(any(folder.glob(m)) for m in markers)

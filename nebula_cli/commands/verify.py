@@ -20,10 +20,10 @@ from ..output import (
     emit_json,
     handles_errors,
     print_table,
-    progress,
     shown,
     stderr,
 )
+from ..progress import progress
 
 TagArg = Annotated[
     str | None,

@@ -13,23 +13,38 @@ from pathlib import Path
 import pytest
 from cli_helpers import TAGS, populate
 
-from nebula_cli.completions import SCRIPT_FILES, main
+from nebula_cli.completions import SCRIPT_FILES, default_folders, main
 
-COMMITTED = Path(__file__).resolve().parents[2] / "nebula_cli" / "completions_data"
+CHECKOUT = Path(__file__).resolve().parents[2]
+COMMITTED = CHECKOUT / "nebula_cli" / "completions_data"
+TOP_LEVEL = CHECKOUT / "completions"  # what users browse and packagers install
 BIN = Path(sys.executable).parent
 NEBULA = BIN / "nebula"
 
 
-def test_committed_scripts_are_what_the_app_generates(tmp_path: Path) -> None:
+@pytest.mark.parametrize("folder", [COMMITTED, TOP_LEVEL], ids=["package", "top-level"])
+def test_committed_scripts_are_what_the_app_generates(tmp_path: Path, folder: Path) -> None:
     # Catches: scripts left stale after a Typer upgrade or a change to the program's name
-    # or completion variable; a stray or missing file in completions_data/.
+    # or completion variable; the top-level completions/ gone or out of step with the
+    # package's copy; a stray or missing script in either.
     assert main([str(tmp_path)]) == 0
-    assert sorted(p.name for p in COMMITTED.iterdir()) == sorted(SCRIPT_FILES.values())
+    scripts = sorted(p.name for p in folder.iterdir() if p.name != "README.md")
+    assert scripts == sorted(SCRIPT_FILES.values())
     for name in SCRIPT_FILES.values():
-        assert (tmp_path / name).read_bytes() == (COMMITTED / name).read_bytes(), (
-            f"nebula_cli/completions_data/{name} is stale: run `python -m nebula_cli.completions`"
+        assert (tmp_path / name).read_bytes() == (folder / name).read_bytes(), (
+            f"{folder.relative_to(CHECKOUT)}/{name} is stale: run "
+            "`python -m nebula_cli.completions`"
         )
-    assert (COMMITTED / "_nebula").read_text().startswith("#compdef nebula\n")  # for compinit
+    assert (folder / "_nebula").read_text().startswith("#compdef nebula\n")  # for compinit
+
+
+def test_regenerating_writes_both_copies_in_a_checkout() -> None:
+    # Catches: `python -m nebula_cli.completions` refreshing the package's copy alone, so
+    # that the top-level one goes stale unnoticed until the test above fails.
+    assert default_folders() == [COMMITTED, TOP_LEVEL]
+    assert {"nebula.bash", "_nebula", "nebula.fish"} <= {p.name for p in TOP_LEVEL.iterdir()}
+    readme = (TOP_LEVEL / "README.md").read_text()
+    assert all(name in readme for name in SCRIPT_FILES.values())
 
 
 def _complete(env: dict[str, str]) -> list[str]:
@@ -141,8 +156,8 @@ def _shell_complete(shell: str, words: str) -> list[str]:
     out = subprocess.run([NEBULA], env={**os.environ, **env}, capture_output=True, text=True,
                          timeout=60)  # fmt: skip
     assert out.returncode == 0 and out.stderr == "", out.stderr
-    if shell == "zsh":  # _arguments '*: :(("a" "b"))'
-        return re.findall(r'"((?:[^"\\]|\\.)*)"', out.stdout)
+    if shell == "zsh":  # _arguments '*: :(("a":"help"\n"b"))': the values
+        return re.findall(r'(?:^|\n|\(\()"((?:[^"\\]|\\.)*)"', out.stdout)
     return [line.split("\t")[0] for line in out.stdout.splitlines() if line]
 
 
@@ -178,3 +193,49 @@ def test_the_sourced_bash_script_completes_tags(populated: Path) -> None:
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["words: global_step400"]
+
+
+@pytest.mark.parametrize("shell", sorted(SCRIPT_FILES))
+def test_copy_offers_the_tier_words_as_dest(shell: str, tmp_path: Path) -> None:
+    # main: `nebula copy ROOT TAG <TAB>` offered nothing (bash: files only), though DEST
+    # may be `memory` or `persistent`.
+    r = tmp_path / "run1"
+    assert _shell_complete(shell, f"nebula copy {r} global_step5 ") == ["memory", "persistent"]
+    assert _shell_complete(shell, f"nebula copy {r} global_step5 m") == ["memory"]
+    assert _shell_complete(shell, f"nebula copy {r} --latest p") == ["persistent"]
+    assert _shell_complete(shell, f"nebula copy {r} global_step5 /mnt") == []  # the shell's paths
+
+
+ZSH_HARNESS = """
+compdef() {{ : }}  # compinit's, not needed to run the completion function
+# What _arguments does with a '((...))' action: evaluates its words, then lists them.
+_arguments() {{
+  local action=${{1#'*: :'}}; local -a ws
+  eval ws\\=\\( "${{action[3,-3]}}" \\)
+  print -rl -- $ws
+}}
+source {script}
+words=({words}); CURRENT=${{#words}}
+_nebula_completion
+"""
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="needs zsh (make venv installs it)")
+def test_zsh_menu_keeps_apostrophes_and_colons() -> None:
+    # main: the zsh menu read "Show a checkpoints manifest": Typer writes ' as '' inside
+    # the single quotes the script evaluates, which zsh reads as two strings joined.
+    def menu(words: str) -> list[str]:
+        script = ZSH_HARNESS.format(script=COMMITTED / "_nebula", words=words)
+        env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+        out = subprocess.run(["zsh", "-f", "-c", script], env=env, capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 0 and out.stderr == "", out.stderr
+        return out.stdout.splitlines()
+
+    commands = menu("nebula ''")
+    assert "inspect:Show a checkpoint's manifest, its items,..." in commands
+    assert "diff:Compare two checkpoints of ROOT\\: per..." in commands  # \: is a colon
+    assert menu("nebula copy /x global_step5 ''") == [
+        "memory:this node's memory tier of ROOT",
+        "persistent:ROOT itself",
+    ]

@@ -4,6 +4,11 @@ typed JSON. Each test failed on main before this change (the comment says how)."
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,9 +141,9 @@ def test_plot_format_follows_the_suffix(populated: Path, tmp_path: Path) -> None
 
 def test_sizes_are_iec_everywhere(populated: Path, tmp_path: Path, monkeypatch) -> None:
     # main: `copy` said 200.8 MiB and `verify` 210.5 MB for the same bytes.
-    from nebula_cli import output
+    from nebula_cli import progress
 
-    monkeypatch.setattr(output, "PROGRESS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.0)
     runs = [
         in_a_pipe("verify", str(populated)),
         in_a_pipe("copy", str(populated), TAGS[3], str(tmp_path / "d")),
@@ -148,7 +153,11 @@ def test_sizes_are_iec_everywhere(populated: Path, tmp_path: Path, monkeypatch) 
     for run in runs:
         assert run.code == 0, run.stderr
         text = run.stdout + run.stderr
-        assert "KiB" in text and " kB" not in text and " MB" not in text and "MB/s" not in text
+        assert "KiB" in text and not re.search(r"\d (kB|MB|GB)\b", text)
+    # Rates: a copy's progress in MiB/s, like its sizes; the history's throughput in MB/s,
+    # the unit of throughput_mb_s in its file, --json and --csv (#31: the table said MiB/s).
+    assert "MiB/s" in runs[1].stderr and "MB/s" not in runs[1].stderr.replace("MiB/s", "")
+    assert "MB/s" in runs[3].stdout and "MiB/s" not in runs[3].stdout
 
 
 def test_init_refuses_an_unknown_option(tmp_path: Path) -> None:
@@ -181,3 +190,46 @@ def test_latest_of_a_remote_root_downloads_with_local(tmp_path: Path, monkeypatc
     doc = json.loads(again.stdout)
     assert doc["local_path"] == str(path) and doc["path"].startswith("memory://")
     assert in_a_pipe("latest", url, "--local").code == 2  # needs --item
+
+
+def _as_a_user_without_override() -> list[str]:
+    """The command prefix under which permissions apply: none for a user; for root, its
+    capabilities to override them dropped (setpriv), as a user has none."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("needs setpriv (util-linux) to run without root's overrides")
+    return [setpriv, "--bounding-set=-dac_override,-dac_read_search,-fowner"]
+
+
+def test_permission_denied_is_one_line_naming_the_path_once(
+    populated: Path, tmp_path: Path, memory_tier: Path
+) -> None:
+    # main: "nebula: error: /x: [Errno 13] Permission denied: '/x'" (the path twice, the raw
+    # errno), and a traceback for an export into a folder it may not write.
+    nm.shutdown()
+    shut, read_only = tmp_path / "shut", tmp_path / "read-only"
+    copy = read_only / "copy"
+    shut.mkdir(mode=0o000)
+    read_only.mkdir(mode=0o555)
+    env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier))
+    exe = [*_as_a_user_without_override(), str(Path(sys.executable).parent / "nebula")]
+    cases = {
+        str(shut): ["ls", str(shut)],
+        str(read_only / "out"): ["export", str(populated), TAGS[3], str(read_only / "out")],
+        str(read_only): ["export", str(populated), TAGS[3], str(read_only)],
+        str(read_only / "copy" / TAGS[3]): ["copy", str(populated), TAGS[3], str(copy)],
+    }
+    try:
+        for path, args in cases.items():
+            out = subprocess.run([*exe, *args], capture_output=True, text=True, env=env,
+                                 timeout=60)  # fmt: skip
+            assert out.returncode == 1, out.stderr
+            [line] = out.stderr.splitlines()
+            assert line.startswith(f"nebula: error: {path}: permission denied"), line
+            assert "Errno" not in line and "ask for access" in line, line
+            assert ".nebula-mode" not in line  # nebula's own probe is not the user's business
+    finally:
+        shut.chmod(0o700)
+        read_only.chmod(0o700)

@@ -4,8 +4,11 @@ by `torch.load(weights_only=True)`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,7 +56,7 @@ def test_diff_json_every_status_and_the_numbers(two, monkeypatch) -> None:
     monkeypatch.setattr(diff_module, "_CHUNK_ELEMENTS", 1000)
     root, a, b = two
     run = in_a_pipe("diff", str(root), A, B, "--json")
-    assert run.code == 0, run.stderr
+    assert run.code == 1 and run.stderr == ""  # they differ
     doc = json.loads(run.stdout)
     assert (doc["tag_a"], doc["tag_b"]) == (A, B)
     items = {i["item"]: i for i in doc["items"]}
@@ -75,7 +78,9 @@ def test_diff_json_every_status_and_the_numbers(two, monkeypatch) -> None:
     assert (entries["emb"]["shape_a"], entries["emb"]["shape_b"]) == ([10, 4], [12, 4])
     assert (entries["ids"]["dtype_a"], entries["ids"]["dtype_b"]) == ("int64", "int32")
     optimizer = {e["path"]: e for e in items["optimizer"]["entries"]}
-    assert optimizer["lr"]["status"] == "changed" and optimizer["lr"]["value_b"] == "0.05"
+    # main: "0.1" and "0.05", strings a script had to parse back.
+    assert optimizer["lr"]["status"] == "changed"
+    assert (optimizer["lr"]["value_a"], optimizer["lr"]["value_b"]) == (0.1, 0.05)
     assert optimizer["state.0.exp_avg"]["status"] == "identical"
     assert doc["summary"]["items"] == 3 and doc["summary"]["items_changed"] == 2
     assert not math.isnan(doc["summary"]["changed"])
@@ -84,7 +89,7 @@ def test_diff_json_every_status_and_the_numbers(two, monkeypatch) -> None:
 def test_diff_table_lists_what_differs(two) -> None:
     root, _, _ = two
     run = in_a_pipe("diff", str(root), A, B)
-    assert run.code == 0, run.stderr
+    assert run.code == 1 and run.stderr == ""
     lines = run.stdout.splitlines()
     assert lines[0] == f"{root}: {A} -> {B}"
     rows = {tuple(line.split()[:3]) for line in lines[2:]}
@@ -95,6 +100,39 @@ def test_diff_table_lists_what_differs(two) -> None:
     assert lines[-1].startswith("2 of 3 item(s) differ;")
     everything = in_a_pipe("diff", str(root), A, B, "--all").stdout
     assert "identical (same bytes)" in everything and " same " in everything
+
+
+def test_diff_exits_1_when_they_differ_0_when_the_same(two) -> None:
+    # main: exit 0 either way, so `nebula diff ... && deploy` could not tell (diff and
+    # git diff --exit-code exit 1 when there is a difference).
+    root, _, _ = two
+    assert in_a_pipe("diff", str(root), A, B, "--item", "frozen").code == 0  # same bytes
+    assert in_a_pipe("diff", str(root), A, A, "--json").code == 0
+    assert in_a_pipe("diff", str(root), A, B, "--item", "model", "--json").code == 1
+    assert in_a_pipe("diff", str(root), A, "global_step9").code == 3  # an error's own
+
+
+def test_diff_json_values_are_json_values(root: Path) -> None:
+    # main: every value was its repr, a string ("3", "True", "'adam'").
+    nm.init(str(root), persistent_time_interval=0)
+    values = {"step": 3, "lr": 0.1, "amsgrad": True, "name": "adam", "none": None,
+              "inf": float("inf"), "long": "x" * 100}  # fmt: skip
+    for tag, step in ((A, 3), (B, 4)):
+        nm.Checkpoint(tag).save("state", {**values, "step": step})
+        nm.flush_persistence()
+    run = in_a_pipe("diff", str(root), A, B, "--all", "--json")
+    assert run.code == 1, run.stderr
+    entries = {e["path"]: e for e in json.loads(run.stdout)["items"][0]["entries"]}
+    got = {path: (e["value_a"], e["status"]) for path, e in entries.items()}
+    assert got == {"step": (3, "changed"), "lr": (0.1, "identical"),
+                   "amsgrad": (True, "identical"), "name": ("adam", "identical"),
+                   "none": (None, "identical"), "inf": ("inf", "identical"),
+                   "long": ("x" * 57 + "...", "identical")}  # fmt: skip
+    assert entries["step"]["value_b"] == 4
+    table = in_a_pipe("diff", str(root), A, B, "--all").stdout
+    rows = {line.split()[1]: line.split()[2:] for line in table.splitlines()[2:-1]}
+    assert rows["step"] == ["changed", "3", "->", "4"] and rows["name"] == ["identical", "adam"]
+    assert rows["none"] == ["identical", "None"] and rows["amsgrad"] == ["identical", "True"]
 
 
 def test_diff_one_item_and_errors(two) -> None:
@@ -168,6 +206,38 @@ def test_export_safetensors_refuses_values_unless_dropped(two, tmp_path: Path) -
         ).stdout
     )
     assert all(f["reused"] for f in again["files"])
+
+
+@contextlib.contextmanager
+def _umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _modes(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("form", ["pt", "safetensors"])
+def test_exported_files_follow_the_umask_unless_private(
+    two, tmp_path: Path, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # main: `-f safetensors` files were 0600 (safetensors' own mode) while everything else
+    # followed the umask: a serving process of another user could not read the model.
+    root, _, _ = two
+    args = ["-f", form, "--drop-non-tensors"]
+    with _umask(0o027):
+        shared = in_a_pipe("export", str(root), B, str(tmp_path / "shared"), *args)
+        monkeypatch.setenv("NEBULA_PRIVATE", "1")
+        private = in_a_pipe("export", str(root), B, str(tmp_path / "private"), *args)
+    assert shared.code == 0 and private.code == 0, shared.stderr + private.stderr
+    names = {f"{item}.{form}" for item in ("model", "optimizer", "frozen")}
+    assert _modes(tmp_path / "shared") == dict.fromkeys(names, 0o640)
+    assert _modes(tmp_path / "private") == dict.fromkeys(names, 0o600)
+    assert (tmp_path / "private").stat().st_mode & 0o777 == 0o700
 
 
 def test_export_safetensors_of_tied_weights(root: Path, tmp_path: Path) -> None:

@@ -23,10 +23,10 @@ COMMANDS = ["", "ls", "inspect", "latest", "verify", "diff", "export", "copy", "
             "prune", "history", "advise", "memory", "gc", "unlock"]  # fmt: skip
 
 
-def help_text(command: str) -> str:
+def help_text(command: str, option: str = "--help") -> str:
     from nebula_cli.app import app
 
-    args = [command, "--help"] if command else ["--help"]
+    args = [command, option] if command else [option]
     result = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     return result.stdout
@@ -58,6 +58,20 @@ def test_help_is_plain_and_fits_80_columns(command: str) -> None:
     assert max(len(line) for line in text.splitlines()) <= 80
     if command:
         assert "Example: " in text
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[c or "nebula" for c in COMMANDS])
+def test_h_is_help_everywhere(command: str) -> None:
+    # Catches: `nebula -h` refused as "no such option" (gh, kubectl and git take it), or
+    # taken by the program but not by a command.
+    assert help_text(command, "-h") == help_text(command)
+
+
+def test_h_after_arguments_is_help_too() -> None:
+    from nebula_cli.app import app
+
+    result = CliRunner().invoke(app, ["ls", "/no/such/root", "-h"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0 and result.stdout == help_text("ls")
 
 
 def test_usage_line_names_arguments_plainly() -> None:

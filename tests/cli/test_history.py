@@ -96,6 +96,7 @@ def test_json_summary_agrees_with_the_file(root: Path) -> None:
     }
     assert summary["throughput_mb_s"] == {
         "p50": approx(statistics.median(speed)),
+        "p95": approx(_p95(speed)),
         "max": approx(max(speed)),
     }
     ok = [r for r in rows if r["status"] == "ok"]
@@ -107,6 +108,25 @@ def test_json_summary_agrees_with_the_file(root: Path) -> None:
     failed = [r for r in doc["rows"] if r["status"] == "failed"]
     assert [(r["tag"], r["tier"]) for r in failed] == [("global_step400", "persistent")]
     assert "global_step400" in failed[0]["error"]
+
+
+def test_the_table_gives_the_rates_json_and_csv_give(root: Path) -> None:
+    # main: the table said MiB/s (its numbers converted) while --json and --csv said
+    # throughput_mb_s in MB/s (the file's), and the summary's p95 throughput was blank.
+    _populate(root)
+    doc = json.loads(_invoke(str(root), "--json").stdout)
+    lines = _invoke(str(root)).stdout.splitlines()
+    header = next(line for line in lines if line.startswith("started (UTC)"))
+    assert "MB/s" in header.split() and not any("MiB/s" in line for line in lines)
+    rows = [line for line in lines if line[:4].isdigit()]
+    persisted = [(r, line) for r, line in zip(doc["rows"], rows, strict=True)
+                 if r["tier"] == "persistent" and r["status"] == "ok"]  # fmt: skip
+    assert len(persisted) == 3
+    for r, line in persisted:
+        assert line.split()[-2:] == [f"{r['throughput_mb_s']:.1f}", "ok"], line
+    speed = doc["summary"]["throughput_mb_s"]
+    [summary] = [line for line in lines if line.startswith("persist MB/s ")]
+    assert summary.split()[2:] == [f"{speed[q]:.1f}" for q in ("p50", "p95", "max")]
 
 
 def test_limit_keeps_the_most_recent_rows_and_the_summary_covers_all(root: Path) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -81,6 +82,36 @@ def test_ls_empty_root_is_an_empty_list(tmp_path: Path) -> None:
     assert json.loads(result.stdout)["checkpoints"] == []
 
 
+def test_ls_of_an_empty_folder_says_so(tmp_path: Path) -> None:
+    # main: a table header alone, as if the command had failed to read something.
+    result = CliRunner().invoke(app, ["ls", str(tmp_path)])
+    assert result.exit_code == 0 and result.stdout == ""
+    assert result.stderr == f"No checkpoints under {tmp_path}\n"
+
+
+def test_ls_of_a_checkpoint_folder_names_its_root(root: Path) -> None:
+    # main: `nebula ls ROOT/global_step100` (a checkpoint folder taken for a root) printed
+    # a header alone.
+    _populate(root)
+    result = CliRunner().invoke(app, ["ls", str(root / "global_step100")])
+    assert result.exit_code == 0 and result.stdout == ""
+    assert result.stderr == (
+        f"{root / 'global_step100'} is a checkpoint folder, not a root: checkpoint "
+        f"'global_step100' of the root {root} (nebula ls {root})\n"
+    )
+
+
+def test_ls_of_a_root_with_only_incomplete_checkpoints_points_to_all(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=3600)
+    nm.Checkpoint("global_step1", 2).save("model", {"w": torch.ones(10)})  # 1 item of 2
+    result = CliRunner().invoke(app, ["ls", str(root)])
+    assert result.exit_code == 0 and result.stdout == ""
+    assert result.stderr.startswith(f"No committed checkpoints under {root}; 1 incomplete")
+    assert result.stderr.endswith(f": nebula ls --all {root}\n")
+    listed = CliRunner().invoke(app, ["ls", str(root), "--all"])
+    assert "global_step1" in listed.stdout and "incomplete" in listed.stdout
+
+
 def test_every_reading_command_maps_a_bad_name_to_a_usage_error(root: Path) -> None:
     _populate(root)
     for args in (["inspect", str(root), "../x"], ["verify", str(root), "a/b"],
@@ -118,3 +149,38 @@ def test_strings_from_a_forged_manifest_never_reach_the_terminal_raw(tmp_path: P
     shown = runner.invoke(app, ["inspect", str(root), "global_step1"], env={"COLUMNS": "200"})
     # (rich drops the bell itself; the escape and the bidi override are shown escaped)
     assert "evil\\x1b]0;title" in shown.stdout and "\\u202e" in shown.stdout, shown.stdout
+
+
+# An az:// root with no credential: the Azure SDK's log stays out of the way --------------
+def _no_credential_env(memory_tier: Path) -> dict[str, str]:
+    """No Azure key, SAS or connection string; DefaultAzureCredential limited to the
+    developer tools (none installed), and a managed identity endpoint, should one be
+    tried, on a closed port here: nothing leaves this machine."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AZURE_", "NEBULA_"))}
+    env.update(NEBULA_MEMORY_TIER_PATH=str(memory_tier), NEBULA_STORAGE_RETRIES="0",
+               AZURE_TOKEN_CREDENTIALS="dev",
+               AZURE_POD_IDENTITY_AUTHORITY_HOST="http://127.0.0.1:9")  # fmt: skip
+    return env
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_an_azure_root_without_credentials_says_one_line(memory_tier: Path, verbose: bool) -> None:
+    # main: a dozen lines of the SDK's log ("DefaultAzureCredential failed to retrieve a
+    # token ... Attempted credentials: ...") came before nebula's one-line error.
+    pytest.importorskip("adlfs")
+    exe = Path(sys.executable).parent / "nebula"
+    args = ["verify", "az://ckpt/run1", "--storage-option", "account_name=devstoreaccount1",
+            "--storage-option", "account_url=https://127.0.0.1:9/devstoreaccount1",
+            *(["--verbose"] if verbose else [])]  # fmt: skip
+    out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=60,
+                         env=_no_credential_env(memory_tier))  # fmt: skip
+    assert out.returncode == 1 and out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert lines[-1].startswith("nebula: error: az://ckpt/run1: ") and "credential" in lines[-1]
+    if verbose:  # asked for: the SDK's own account of what it tried
+        assert any("Attempted credentials" in line for line in lines[:-1]), out.stderr
+    else:
+        assert lines == lines[-1:], out.stderr
+    ls = subprocess.run([exe, "ls", *args[1:6]], capture_output=True, text=True, timeout=60,
+                        env=_no_credential_env(memory_tier))  # fmt: skip
+    assert ls.returncode == 1 and len(ls.stderr.splitlines()) == 1, ls.stderr

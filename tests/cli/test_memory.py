@@ -222,6 +222,32 @@ def test_after_flush_gc_releases_it_without_discarding(root: Path, killed_job: C
     assert nm.get_checkpoint("global_step2", str(root)).load("model")["w"].sum() == 1000
 
 
+def test_a_copy_into_the_memory_tier_names_its_root_and_gc_releases_it(root: Path) -> None:
+    # main: the tier `nebula copy ROOT TAG memory` made was "orphaned", root unknown ("a job
+    # that died at its start"), and gc kept it unless --discard-unpersisted, though the
+    # checkpoint was on the root all along.
+    nm.init(str(root), persistent_time_interval=0)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(64)})
+    nm.flush_persistence()
+    nm.shutdown()  # a clean exit: its memory tier released
+    assert tiers() == {}
+    code, _out, err = nebula("copy", str(root), "global_step1", "memory")
+    assert code == 0, err
+    tier = tiers()[str(root)]
+    assert (tier["state"], tier["note"], tier["root"]) == ("ok", None, str(root))
+    assert (tier["newest"], tier["persisted"], tier["writer_alive"]) == (
+        "global_step1",
+        True,
+        False,
+    )
+    assert Path(tier["path"]).stat().st_mode & 0o777 == 0o700
+    code, out, err = nebula("gc", "--yes", "--json")
+    assert code == 0, err
+    assert [r["released"] for r in json.loads(out)["results"]] == [True]
+    assert tiers() == {}
+    assert nm.get_checkpoint("global_step1", str(root)).load("model")["w"].sum() == 64
+
+
 def test_dry_run_releases_nothing(tmp_path: Path, memory_tier: Path) -> None:
     # catches: --dry-run releasing (or touching) anything
     kept_tier(tmp_path / "a")

@@ -19,7 +19,7 @@ import torch
 from cli_helpers import EXE, in_a_pipe
 
 import nebulaml as nm
-from nebula_cli import output
+from nebula_cli import progress
 
 CRASHING_JOB = """
 import os, sys, torch, nebulaml as nm
@@ -36,7 +36,7 @@ LINE = re.compile(rf"^nebula: .+: {UNIT} of {UNIT} \(\d+%\)")
 @pytest.fixture
 def every_report(monkeypatch: pytest.MonkeyPatch) -> None:
     """A progress line for every report (they are PROGRESS_INTERVAL_S apart otherwise)."""
-    monkeypatch.setattr(output, "PROGRESS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.0)
 
 
 @pytest.fixture
@@ -75,6 +75,34 @@ def test_a_pipe_gets_plain_progress_lines(big: Path, tmp_path: Path, every_repor
     assert quiet.code == 0 and _progress_lines(quiet.stderr) == []
 
 
+def test_a_copy_shows_its_verifying_phase(big: Path, tmp_path: Path, every_report: None) -> None:
+    # main: the copy's line reached 100% and then nothing was said while every byte was
+    # read back from the destination and checked (about 2 s for 200 MB to Azure).
+    run = in_a_pipe("copy", str(big), "global_step1", str(tmp_path / "dest"))
+    assert run.code == 0, run.stderr
+    lines = _progress_lines(run.stderr)
+    copying = [i for i, line in enumerate(lines) if line.startswith("nebula: copying ")]
+    verifying = [i for i, line in enumerate(lines) if line.startswith("nebula: verifying ")]
+    assert copying and verifying, run.stderr
+    assert lines[verifying[-1]].startswith("nebula: verifying global_step1: 11.4 MiB of 11.4 MiB")
+    assert "(100%) in " in lines[verifying[-1]]
+    assert min(verifying) > min(i for i in copying if "(100%)" in lines[i])  # after the copy
+    terminal = {"COLUMNS": "100", "TTY_COMPATIBLE": "1", "TERM": "xterm"}
+    again = in_a_pipe("copy", str(big), "global_step1", str(tmp_path / "d2"), **terminal)
+    assert again.code == 0 and "verifying global_step1" in again.stderr, again.stderr
+
+
+def test_a_copy_reports_verification_through_the_library(big: Path, tmp_path: Path) -> None:
+    copied: list[tuple[int, int]] = []
+    verified: list[tuple[int, int]] = []
+    nm.copy_checkpoint(str(big), "global_step1", str(tmp_path / "dest"),
+                       progress=lambda *a: copied.append(a),
+                       verify_progress=lambda *a: verified.append(a))  # fmt: skip
+    size = nm.list_checkpoints(str(big))[0]["size_bytes"]
+    assert copied[-1] == (size, size) and verified[-1] == (size, size)
+    assert [done for done, _ in verified] == sorted(done for done, _ in verified)
+
+
 def test_a_quick_operation_in_a_pipe_prints_no_progress(big: Path) -> None:
     run = in_a_pipe("verify", str(big), "--json")
     assert run.code == 0 and run.stderr == ""
@@ -92,7 +120,9 @@ def test_flush_reports_progress(root: Path, memory_tier: Path, every_report: Non
     assert run.stdout == f"Persisted global_step2 to {root}\n"
     lines = _progress_lines(run.stderr)
     assert lines and lines[0].startswith(f"nebula: persisting to {root}: ")
-    assert "2.3 MiB of 2.3 MiB (100%) in" in lines[-1]
+    persisting = [line for line in lines if line.startswith("nebula: persisting to ")]
+    assert "2.3 MiB of 2.3 MiB (100%) in" in persisting[-1]
+    assert lines[-1].startswith(f"nebula: verifying at {root}: 2.3 MiB of 2.3 MiB (100%) in")
 
 
 def test_progress_on_a_terminal_is_a_bar_on_stderr(big: Path, tmp_path: Path) -> None:

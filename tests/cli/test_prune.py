@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import pty
+import select
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -252,3 +255,48 @@ def test_asks_on_a_terminal(root: Path, memory_tier: Path, answer: str, code: in
     else:
         assert stdout.strip() == "" and "Nothing deleted." in stderr
         assert persisted(root) == ["global_step1", "global_step2"]
+
+
+def _read_until(fd: int, text: str, timeout_s: float = 60) -> str:
+    """What the pipe `fd` says until `text` appears in it (or it ends, or time runs out)."""
+    got, deadline = b"", time.monotonic() + timeout_s
+    while text.encode() not in got and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 4096) if ready else b""
+        if not chunk:
+            break
+        got += chunk
+    return got.decode()
+
+
+@pytest.mark.parametrize(("key", "code", "last"), [
+    (signal.SIGINT, 130, "nebula: interrupted"),  # Ctrl-C
+    (None, 1, "Nothing deleted."),  # Ctrl-D: the end of the input
+])  # fmt: skip
+def test_ctrl_c_at_the_prompt_is_an_interruption(
+    root: Path, memory_tier: Path, key: signal.Signals | None, code: int, last: str
+) -> None:
+    # Catches: Ctrl-C at `[y/N]` turned into "nebula: error: aborted" and exit 1, not the
+    # 130 every other Ctrl-C gives (the README's exit codes); the line left on the
+    # prompt's line.
+    populate(root, steps=2)
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([EXE, "prune", str(root), "--keep", "1"], stdin=slave,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=_env(memory_tier))  # fmt: skip
+        os.close(slave)
+        assert proc.stderr is not None
+        asked = _read_until(proc.stderr.fileno(), "[y/N]")
+        assert "[y/N]" in asked, asked
+        if key is None:
+            os.write(master, b"\x04")  # the terminal's end of input, as Ctrl-D sends it
+        else:
+            proc.send_signal(key)  # what the terminal sends the foreground job on Ctrl-C
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        os.close(master)
+    assert proc.returncode == code, stderr
+    assert (asked + stderr.decode()).splitlines()[-1] == last
+    assert "error" not in stderr.decode() and b"Deleted" not in stdout
+    assert persisted(root) == ["global_step1", "global_step2"]

@@ -162,7 +162,7 @@ def test_summary_counts_and_quantiles(tmp_path: Path) -> None:
     # stalls 0.25, 0.5, 0.75, 1.0, 1.25: p95 interpolates between the two largest
     assert summary["stall_s"] == {"p50": 0.75, "p95": 1.2, "max": 1.25}
     assert summary["persist_s"] == {"p50": 2.0, "p95": 2.0, "max": 2.0}
-    assert summary["throughput_mb_s"] == {"p50": 2.0, "max": 2.0}
+    assert summary["throughput_mb_s"] == {"p50": 2.0, "p95": 2.0, "max": 2.0}
     assert (summary["count"], summary["saves"], summary["persists"]) == (10, 5, 5)
     assert summary["failures"] == 1
     assert summary["bytes_total"] == 9 * 4_000_000
@@ -178,7 +178,7 @@ def test_summary_of_no_rows(tmp_path: Path) -> None:
         "count": 0, "saves": 0, "persists": 0, "skipped": 0, "failures": 0,
         "stall_s": {"p50": None, "p95": None, "max": None},
         "persist_s": {"p50": None, "p95": None, "max": None},
-        "throughput_mb_s": {"p50": None, "max": None},
+        "throughput_mb_s": {"p50": None, "p95": None, "max": None},
         "bytes_total": 0, "bytes_reused": 0, "first_started_at": None, "last_started_at": None,
     }  # fmt: skip
 
@@ -211,7 +211,7 @@ def test_skipped_rows_are_read_and_counted_apart_from_persists(tmp_path: Path) -
     assert (summary["count"], summary["saves"], summary["persists"]) == (6, 3, 2)
     assert (summary["skipped"], summary["failures"]) == (1, 1)
     assert summary["persist_s"] == {"p50": 2.0, "p95": 2.0, "max": 2.0}
-    assert summary["throughput_mb_s"] == {"p50": 2.0, "max": 2.0}
+    assert summary["throughput_mb_s"] == {"p50": 2.0, "p95": 2.0, "max": 2.0}
     assert summary["bytes_total"] == 4 * 4_000_000
     only = nm.summarize_history(nm.read_history(str(tmp_path), tag="global_step2"))
     assert (only["saves"], only["persists"], only["skipped"]) == (1, 0, 1)

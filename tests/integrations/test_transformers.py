@@ -212,22 +212,43 @@ def test_save_total_limit_is_the_retention_and_a_path_resumes(tmp_path: Path) ->
     assert trainer.state.global_step == 6
 
 
+# docs/integrations.md's Trainer code ends with this line, for a job's first run and every
+# restart alike; the test below runs it (`root` is the callback's persistent_storage_path).
+DOCUMENTED_RESUME = "trainer.train(resume_from_checkpoint=bool(nm.list_checkpoints(root)))"
+
+
 def test_resume_with_nothing_saved_starts_fresh_and_says_where_it_looked(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """One script starts a job and resumes it (`resume_from_checkpoint=True`): its first
-    run has nothing to resume. Bug caught: it raised ValueError, as the Trainer alone
-    does, so the script needed a special case for its first run."""
+    run has nothing to resume. Bugs caught: it raised ValueError, as the Trainer alone
+    does, so the script needed a special case for its first run; the documented line
+    (docs/integrations.md), which is right with or without that, not resuming a restart,
+    or not the one the docs show."""
     from nebulaml.transformers import NebulaCallback
 
-    callback = NebulaCallback(persistent_storage_path=str(tmp_path / "root"))
+    docs = (REPO / "docs" / "integrations.md").read_text(encoding="utf-8")
+    assert DOCUMENTED_RESUME in docs
+    root = str(tmp_path / "root")
+    callback = NebulaCallback(persistent_storage_path=root)
     trainer = _trainer(tmp_path, callback, max_steps=2, save_steps=2)
+    assert bool(nm.list_checkpoints(root)) is False  # what the documented line passes now
     with caplog.at_level(logging.INFO, logger="nebulaml"):
         trainer.train(resume_from_checkpoint=True)
     said = [r.getMessage() for r in caplog.records if "to resume from" in r.getMessage()]
-    assert len(said) == 1 and str(tmp_path / "root") in said[0], said
+    assert len(said) == 1 and root in said[0], said
     assert trainer.state.global_step == 2  # trained from the start
-    assert [c["tag"] for c in nm.list_checkpoints(str(tmp_path / "root"))] == ["global_step2"]
+    assert [c["tag"] for c in nm.list_checkpoints(root)] == ["global_step2"]
+
+    # The restart, as documented: resumes from global_step2 and trains steps 3 and 4.
+    callback = NebulaCallback(persistent_storage_path=root)
+    trainer = _trainer(tmp_path, callback, max_steps=4, save_steps=2)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nebulaml"):
+        trainer.train(resume_from_checkpoint=bool(nm.list_checkpoints(root)))  # as documented
+    assert "resuming from nebula checkpoint 'global_step2'" in caplog.messages
+    assert trainer.state.global_step == 4
+    assert [c["tag"] for c in nm.list_checkpoints(root)] == ["global_step4", "global_step2"]
 
 
 def test_load_best_model_at_end_through_the_best_label(tmp_path: Path) -> None:
@@ -340,6 +361,19 @@ def test_export_loads_with_from_pretrained(tmp_path: Path, monkeypatch: pytest.M
     body = {k[len(prefix) :]: v for k, v in trained.items() if k.startswith(prefix)}
     assert _same(base.state_dict(), body)
     assert export_pretrained(root, None, tmp_path / "newest") == tmp_path / "newest"
+    # The files follow the umask (model.safetensors was 0600: another user's server could
+    # not read it), unless private.
+    old_mask = os.umask(0o027)
+    try:
+        shared = export_pretrained(root, None, tmp_path / "shared")
+        private = export_pretrained(root, None, tmp_path / "private", private=True)
+    finally:
+        os.umask(old_mask)
+    for folder, mode in ((shared, 0o640), (private, 0o600)):
+        modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+        assert modes["model.safetensors"] == modes["config.json"] == mode, modes
+        assert set(modes.values()) == {mode}
+    assert private.stat().st_mode & 0o777 == 0o700
 
 
 def test_a_trainer_without_the_callback_is_left_alone(tmp_path: Path) -> None:

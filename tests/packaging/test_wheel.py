@@ -46,7 +46,7 @@ PACKAGE_DIRS = {
     "torch_nebula": "core/torch_nebula",
     "nebula_cli": "nebula_cli",
 }
-NOT_SHIPPED = ("tests", "benchmarks", "examples", "conftest.py", "completions")
+NOT_SHIPPED = ("tests", "benchmarks", "examples", "conftest.py")
 # What a copy of the checkout leaves out when git cannot list the files (no .git).
 _UNTRACKED = shutil.ignore_patterns(
     ".git", ".venv", ".azurite", "build", "dist", "*.egg-info", "__pycache__", "*.pyc",
@@ -253,12 +253,14 @@ def test_the_wheel_metadata_tells_the_truth(built: Built) -> None:
 
 def test_the_sdist_holds_the_source_and_no_tests(built: Built) -> None:
     # Catches: a subpackage missing from the sdist (the wheel is built from the sdist, so it
-    # would be missing there too); tests/ shipped by setuptools' defaults.
+    # would be missing there too); tests/ shipped by setuptools' defaults; the top-level
+    # completions/ (what packagers install) left out.
     top = f"nebula_checkpoint-{built.version}"
     with tarfile.open(built.sdist) as sdist:
         names = {m.name for m in sdist.getmembers() if m.isfile()}
     expected = {f"{top}/{path}" for path in _package_files(built.src).values()}
     expected |= {f"{top}/{name}" for name in ("pyproject.toml", "README.md", "LICENSE")}
+    expected |= {f"{top}/completions/{name}" for name in (*SCRIPT_FILES.values(), "README.md")}
     assert sorted(expected - names) == []
     assert sorted(n for n in names if n.split("/")[1] in NOT_SHIPPED) == []
     generated = {f"{top}/{name}" for name in ("PKG-INFO", "setup.cfg", "MANIFEST.in")}

@@ -65,6 +65,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_
 
 from nebulaml.api import get_checkpoint, init
 from nebulaml.checkpoint import Checkpoint
+from nebulaml.config import private_default
 from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError
 from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES, load_json
 from nebulaml.format.names import step_of, validate_name
@@ -82,6 +83,7 @@ from nebulaml.integrations.accelerate import (
 from nebulaml.protocol.catalog import list_committed
 from nebulaml.protocol.markers import own_parts
 from nebulaml.runtime import session as _session
+from nebulaml.storage.streams import new_file_mode
 
 log = logging.getLogger("nebulaml")
 
@@ -553,10 +555,15 @@ def export_pretrained(
     dest: str | os.PathLike[str],
     *,
     model_class: Any = None,
+    private: bool | None = None,
 ) -> Path:
     """Write the checkpoint `tag` of `root` (the newest when None) as a Hugging Face model
     folder `dest`: `model.safetensors` and `config.json` (and `generation_config.json`),
     which `AutoModel.from_pretrained(dest)` or the model's class loads; returns `dest`.
+
+    The files get the mode any program's new file gets (the umask: 0644 typically, so a
+    serving process of another user reads them); with `private` (None: `NEBULA_PRIVATE`)
+    they are 0600, and a `dest` created here is 0700.
 
     The model is built from the saved config (`model_class`, default the class named in
     `config.architectures`) and written with `save_pretrained`, so tied weights and
@@ -576,6 +583,11 @@ def export_pretrained(
             f"transformers PreTrainedModel, so there is no config to export"
         )
     dest_path = Path(dest)
+    private = private_default() if private is None else private
+    if private and not dest_path.exists():
+        dest_path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            dest_path.mkdir(0o700)
     dest_path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="nebula-export-") as scratch:
         Path(scratch, "config.json").write_text(config_text, encoding="utf-8")
@@ -605,5 +617,21 @@ def export_pretrained(
             model.generation_config = type(model.generation_config).from_dict(
                 load_json(generation_text, max_bytes=MAX_MANIFEST_BYTES)
             )
+    before = _files(dest_path)
     model.save_pretrained(dest_path)
+    mode = new_file_mode(str(dest_path), private)
+    for name, identity in _files(dest_path).items():
+        if before.get(name) != identity:  # written by save_pretrained (safetensors: 0600)
+            os.chmod(dest_path / name, mode, follow_symlinks=False)
     return dest_path
+
+
+def _files(folder: Path) -> dict[str, tuple[int, int]]:
+    """The regular files directly in `folder`: {name: (inode, modification time in ns)}."""
+    found = {}
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_file(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
+                found[entry.name] = (st.st_ino, st.st_mtime_ns)
+    return found

@@ -25,7 +25,7 @@ from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_commi
 from nebulaml.protocol.cowriters import copy_alongside
 from nebulaml.protocol.history import append_rows, make_row
 from nebulaml.protocol.leases import read_lease
-from nebulaml.protocol.tiers import TierSet
+from nebulaml.protocol.tiers import TierSet, adopt_memory_tier
 from nebulaml.protocol.transfer import CopyResult
 from nebulaml.runtime.locate import newest_first, tiers_for
 from nebulaml.storage.store import Store
@@ -43,6 +43,7 @@ def copy_checkpoint(
     *,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    verify_progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Copy the committed checkpoint `tag` of `root` to `dest`, verified, committed last.
 
@@ -58,8 +59,12 @@ def copy_checkpoint(
     the destination whose size and checksum match (`skipped_bytes`). A different committed
     checkpoint of that tag at `dest` raises `CheckpointExistsError` unless `overwrite`; an
     identical one is left alone (`unchanged`). `progress(bytes_done, bytes_total)` is called
-    as bytes are copied. Nothing is recorded in the history file: a copy is not a save
-    or a persist of the job.
+    as bytes are copied, and `verify_progress(bytes_done, bytes_total)` as they are read
+    back from `dest` and checked (each item right after its copy). Nothing is recorded in
+    the history file: a copy is not a save or a persist of the job. A copy into
+    `"memory"` records `root` there, as a session does (`list_memory_tiers` names the
+    root; `nebula gc` releases the copy once no job holds the tier, the checkpoint being
+    on `root`).
 
     Returns a JSON-serialisable dict: `root`, `tag`, `source`, `source_tier`,
     `destination`, `destination_tier` (None for another root), `items`, `total_bytes`,
@@ -92,12 +97,14 @@ def copy_checkpoint(
         # A live writer of the tag at `dst` (the job's persister, say) is waited for:
         # its committed copy of the same items is this one's (protocol/cowriters.py).
         result = copy_alongside(fresh, dst, overwrite=overwrite, resume=True, verify=True,
-                                progress=progress)  # fmt: skip
+                                progress=progress, verify_progress=verify_progress)  # fmt: skip
     return _report(tiers, source_tier, fresh, dst, result, time.perf_counter() - t0)
 
 
 def persist_memory_tier(
-    root: PathLike, progress: Callable[[int, int], None] | None = None
+    root: PathLike,
+    progress: Callable[[int, int], None] | None = None,
+    verify_progress: Callable[[int, int], None] | None = None,
 ) -> list[str]:
     """Persist the newest checkpoint of this node's memory tier of `root` if `root` (the
     persistent tier) has nothing as new: what a crashed job left behind. Returns the tags
@@ -108,8 +115,9 @@ def persist_memory_tier(
     and committed there last, a rerun resumes an interrupted one, and one history row is
     appended. Retention is not applied: the job's `num_of_version_in_retention` is not
     known here (`nebula prune` applies a count you choose). The memory tier is left as it
-    is. `progress(bytes_done, bytes_total)` is called as bytes are copied. Raises
-    `RootNotFoundError` when neither `root` nor its memory tier exists.
+    is. `progress(bytes_done, bytes_total)` is called as bytes are copied, and
+    `verify_progress(bytes_done, bytes_total)` as they are read back from `root` and
+    checked. Raises `RootNotFoundError` when neither `root` nor its memory tier exists.
 
     Example:
         >>> import nebulaml as nm, tempfile
@@ -141,7 +149,7 @@ def persist_memory_tier(
             # overwrite, as the persister does: the memory copy is newer than a same-named
             # persistent one (a tag re-saved with overwrite=True).
             copy_alongside(source, persistent, overwrite=True, resume=True, verify=True,
-                           progress=progress)  # fmt: skip
+                           progress=progress, verify_progress=verify_progress)  # fmt: skip
         except NebulaError as exc:
             error = exc
             raise
@@ -154,6 +162,7 @@ def _destination(tiers: TierSet, dest: PathLike) -> Store:
     if dest == MEMORY:
         if not tiers.memory_usable:
             raise StorageError(f"{tiers.memory.url}: {tiers.memory_note}")
+        adopt_memory_tier(tiers)  # so that `nebula memory` and `gc` know its root
         return tiers.memory
     if dest == PERSISTENT:
         assert tiers.persistent is not None

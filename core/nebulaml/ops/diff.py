@@ -48,7 +48,9 @@ def diff_checkpoints(
     `dtype_changed`, `identical` or `changed`), `dtype_a`, `dtype_b`, `shape_a`,
     `shape_b`, `changed_elements`, `max_abs_diff` and `rel_l2_diff` (||b - a|| / ||a||,
     None when a is all zeros) for changed floating tensors (else None), and `value_a`,
-    `value_b` (short text) for values. NaN equals NaN here. Raises `RootNotFoundError`,
+    `value_b` for values: numbers, booleans, strings (their first 60 characters) and None
+    as themselves, anything else (and NaN, infinities) as short text, its repr. NaN
+    equals NaN here. Raises `RootNotFoundError`,
     `CheckpointNotFoundError`, `ItemNotFoundError` (`item` in neither) and
     `CorruptCheckpointError`.
 
@@ -158,8 +160,8 @@ def _diff_objects(obj_a: Any, obj_b: Any) -> list[dict[str, Any]]:
             "changed_elements": None,
             "max_abs_diff": None,
             "rel_l2_diff": None,
-            "value_a": None if tensor_a or a is _MISSING else _short(a),
-            "value_b": None if tensor_b or b is _MISSING else _short(b),
+            "value_a": None if tensor_a or a is _MISSING else _json_value(a),
+            "value_b": None if tensor_b or b is _MISSING else _json_value(b),
         }
         if a is _MISSING or b is _MISSING:
             entry["status"] = ADDED if a is _MISSING else REMOVED
@@ -184,9 +186,26 @@ def _dtype(tensor: Any) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
+def _short(text: str) -> str:
     return text if len(text) <= _VALUE_CHARS else text[: _VALUE_CHARS - 3] + "..."
+
+
+def _json_value(value: Any) -> Any:
+    """A leaf value as JSON holds it: a number, a boolean, a string or None as itself
+    (a long string shortened), anything else (and a float JSON has no number for) as the
+    short text of its repr.
+
+    Example:
+        >>> [_json_value(v) for v in (0.05, 3, True, None, "adam", float("nan"), {1})]
+        [0.05, 3, True, None, 'adam', 'nan', '{1}']
+    """
+    if value is None or type(value) in (bool, int):
+        return value
+    if type(value) is float:
+        return value if math.isfinite(value) else repr(value)
+    if type(value) is str:
+        return _short(value)
+    return _short(repr(value))
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -10,7 +10,9 @@
 
 Every file is written beside its final name and renamed into place once complete, so an
 interrupted export never leaves a partial file under an item's name; a `.pt` file already
-there with the item's size and checksum is kept (a rerun copies nothing twice).
+there with the item's size and checksum is kept (a rerun copies nothing twice). Files get
+the mode any program's new file gets (the umask: 0644 typically), so that another user's
+serving process can read them; 0600 when private (`private=True`, `NEBULA_PRIVATE=1`).
 
 May import: every layer below ops. Not for: copying between roots (copying.py) or loading
 items in a training process (runtime/load.py, which this reads through).
@@ -25,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from nebulaml.config import private_default
 from nebulaml.errors import CorruptCheckpointError, InvalidArgumentError, NebulaError
 from nebulaml.format.checksum import new_hasher, unknown_algo
 from nebulaml.format.jsonbounds import JsonBoundsError, load_json
@@ -32,6 +35,7 @@ from nebulaml.format.manifest import ItemEntry, Manifest
 from nebulaml.format.names import validate_name
 from nebulaml.runtime.load import load_item
 from nebulaml.runtime.locate import Copy, check_root, find_copy, tiers_for
+from nebulaml.storage.streams import create_file, new_file_mode, translate_errors
 
 PathLike = str | os.PathLike[str]
 Progress = Callable[[int, int], None]
@@ -51,9 +55,14 @@ def export_checkpoint(
     drop_non_tensors: bool = False,
     overwrite: bool = False,
     progress: Progress | None = None,
+    private: bool | None = None,
 ) -> dict[str, Any]:
     """Write each item of the committed checkpoint `tag` of `root` (or only `items`) as one
     file in the local folder `dest` (created if missing), verified.
+
+    The files' mode is what any program's new file gets there (0666 less the umask:
+    0644 typically); with `private` (None: `NEBULA_PRIVATE`) they are 0600, and a `dest`
+    created here is 0700.
 
     `format="pt"`: `<item>.pt`, the item's committed bytes, hashed on the way and checked
     against the manifest's size and checksum (a copy that does not match is passed over
@@ -103,7 +112,22 @@ def export_checkpoint(
         for entry in entries:  # before any file is written: from the pickles alone
             _refuse_non_tensors(root, tag, entry.name)
     folder = Path(dest)
+    private = private_default() if private is None else private
+    # What the local folder refuses (permissions, a full disk) is one StorageError naming it.
+    with translate_errors(str(folder)):
+        return _export_entries(tiers, location, tag, entries, folder, format, overwrite,
+                               drop_non_tensors, private, progress)  # fmt: skip
+
+
+def _export_entries(tiers: Any, location: str, tag: str, entries: list[ItemEntry], folder: Path,
+                    format: str, overwrite: bool, drop_non_tensors: bool, private: bool,
+                    progress: Progress | None) -> dict[str, Any]:  # fmt: skip
+    if private and not folder.exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(0o700)
     folder.mkdir(parents=True, exist_ok=True)
+    mode = new_file_mode(str(folder), private)
     total = sum(entry.size_bytes for entry in entries)
     done = 0
     if progress is not None:
@@ -117,9 +141,10 @@ def export_checkpoint(
                 progress(min(total, base + n), total)
 
         if format == "pt":
-            record = _export_pt(tiers, tag, entry, target, overwrite, advance)
+            record = _export_pt(tiers, tag, entry, target, overwrite, advance, mode)
         else:
-            record = _export_safetensors(tiers, tag, entry, target, overwrite, drop_non_tensors)
+            record = _export_safetensors(tiers, tag, entry, target, overwrite, drop_non_tensors,
+                                         mode)  # fmt: skip
         done += entry.size_bytes
         advance(0, done)
         files.append(record)
@@ -194,7 +219,7 @@ def _beside(target: Path) -> Iterator[Path]:
 
 
 def _export_pt(tiers: Any, tag: str, entry: ItemEntry, target: Path, overwrite: bool,
-               advance: Callable[[int], None]) -> dict[str, Any]:  # fmt: skip
+               advance: Callable[[int], None], mode: int) -> dict[str, Any]:  # fmt: skip
     if _matches(target, entry):
         return _record(entry, target, reused=True)
     _refuse_existing(target, entry, tag, overwrite)
@@ -212,7 +237,9 @@ def _export_pt(tiers: Any, tag: str, entry: ItemEntry, target: Path, overwrite: 
             ) from None
         size = 0
         with _beside(target) as tmp:
-            with copy.store.open_read(tag, found.file) as stream, open(tmp, "wb") as out:
+            out_fd = create_file(str(tmp), mode)
+            os.fchmod(out_fd, mode)  # a leftover at the temporary name keeps its own
+            with copy.store.open_read(tag, found.file) as stream, open(out_fd, "wb") as out:
                 while chunk := stream.read(_CHUNK_BYTES):
                     hasher.update(chunk)
                     out.write(chunk)
@@ -267,7 +294,7 @@ def _safetensors_header(path: Path) -> tuple[dict[str, str], int]:
 
 
 def _export_safetensors(tiers: Any, tag: str, entry: ItemEntry, target: Path, overwrite: bool,
-                        drop_non_tensors: bool) -> dict[str, Any]:  # fmt: skip
+                        drop_non_tensors: bool, mode: int) -> dict[str, Any]:  # fmt: skip
     from safetensors.torch import save_file
 
     source = {"nebula_tag": tag, "nebula_item": entry.name,
@@ -289,6 +316,7 @@ def _export_safetensors(tiers: Any, tag: str, entry: ItemEntry, target: Path, ov
     with _beside(target) as tmp:
         metadata = {**source, "nebula_dropped": json.dumps(others)}
         save_file(_unshared(tensors), str(tmp), metadata=metadata)
+        os.chmod(tmp, mode, follow_symlinks=False)  # safetensors writes 0600
         os.replace(tmp, target)
     return _record(entry, target, reused=False, tensors=len(tensors), dropped=others)
 

@@ -205,7 +205,8 @@ def summarize_history(df: pd.DataFrame) -> dict[str, Any]:
     `skipped` (persists skipped: superseded before their turn), `failures`.
     `stall_s` is the time training waited per save (`blocking_s` of the saves);
     `persist_s` the time a successful persist took (`duration_s`), and `throughput_mb_s`
-    its speed; each has `p50`, `p95` (linear interpolation) and `max`, or None without
+    its speed in MB/s (10**6 bytes a second, as the file records it); each has `p50`,
+    `p95` (linear interpolation) and `max`, or None without
     rows. `bytes_total` is what successful rows wrote, on every tier (`bytes_written`),
     and `bytes_reused` what their persists took from an item's earlier version instead
     of writing it. `first_started_at` and `last_started_at` are ISO-8601 UTC, or None.
@@ -227,9 +228,9 @@ def summarize_history(df: pd.DataFrame) -> dict[str, Any]:
         "persists": int(persistent.sum()),
         "skipped": int(skipped.sum()),
         "failures": int((df["status"] == "failed").sum()),
-        "stall_s": _quantiles(df.loc[memory, "blocking_s"], p95=True),
-        "persist_s": _quantiles(persisted["duration_s"], p95=True),
-        "throughput_mb_s": _quantiles(persisted["throughput_mb_s"], p95=False),
+        "stall_s": _quantiles(df.loc[memory, "blocking_s"]),
+        "persist_s": _quantiles(persisted["duration_s"]),
+        "throughput_mb_s": _quantiles(persisted["throughput_mb_s"]),
         "bytes_total": int(df.loc[ok, "bytes_written"].sum()),
         "bytes_reused": int(df.loc[ok, "bytes_reused"].sum()),
         "first_started_at": None if df.empty else _iso(started.min()),
@@ -237,8 +238,8 @@ def summarize_history(df: pd.DataFrame) -> dict[str, Any]:
     }
 
 
-def _quantiles(values: pd.Series, *, p95: bool) -> dict[str, float | None]:
-    keys = ("p50", "p95", "max") if p95 else ("p50", "max")
+def _quantiles(values: pd.Series) -> dict[str, float | None]:
+    keys = ("p50", "p95", "max")
     if values.empty:
         return dict.fromkeys(keys)
     found = {"p50": values.quantile(0.5), "p95": values.quantile(0.95), "max": values.max()}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,9 @@ _SEQUENCE_MAX_BYTES = 4096
 
 # How many times `list_committed` lists the folders while newer ones are in flux.
 _LIST_PASSES = 3
+# Manifests an object store's listing reads at once: each is a request that waits on the
+# service (a 1,000-tag Azure root read one at a time took 13 s in a fresh process).
+_REMOTE_READERS = 8
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -115,9 +119,12 @@ _MANIFESTS_MAX = 200_000
 _manifests_lock = threading.Lock()
 
 
-def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
+def read_committed(
+    store: Store, tag: str, listed: dict[str, tuple[int, str | None]] | None = None
+) -> CheckpointInfo | None:
     """The committed checkpoint `tag` on `store`, or None if it is absent or incomplete
-    (an item file missing or of the wrong size).
+    (an item file missing or of the wrong size). `listed`: on an object store, the tag
+    folder's files as a listing of the root just gave them (`Store.list_tree`).
 
     A manifest read before and not replaced since is not read again (a local root: its
     inode, size and mtime; an object store: its version in the folder's listing); its
@@ -134,7 +141,8 @@ def read_committed(store: Store, tag: str) -> CheckpointInfo | None:
         identity = store.file_identity(tag, MANIFEST_NAME)
     else:
         # An object store: one listing of the folder gives the manifest's version.
-        listed = store.list_versions(tag)
+        if listed is None:
+            listed = store.list_versions(tag)
         if listed is None:
             return _read_committed(store, tag)
         files = {name: size for name, (size, _) in listed.items()}
@@ -243,20 +251,24 @@ def list_committed(
     newest: OrderKey | None = None  # the sort key of the newest found so far
     for _ in range(_LIST_PASSES):
         unsettled: list[str] = []  # folders that did not read as committed
-        for tag in tag_folders(store):
-            if tag in found or tag in refused:
-                continue
-            if newest is not None and order_key(tag) <= newest:
-                continue  # a later pass looks only for what is newer than the newest
-            try:
-                info = read_committed(store, tag)
-            except UnsupportedSchemaError as exc:
+        # An object store: one listing of the whole root, not one per folder.
+        tree = store.list_tree()
+        folders = tag_folders(store) if tree is None else [t for t in tree if _is_tag(t)]
+        todo = [
+            tag
+            for tag in folders
+            if tag not in found
+            and tag not in refused
+            # a later pass looks only for what is newer than the newest
+            and (newest is None or order_key(tag) > newest)
+        ]
+        for tag, info in _read_each(store, todo, tree):
+            if isinstance(info, UnsupportedSchemaError):
                 if unsupported is None:
-                    raise
-                unsupported.append(exc)
+                    raise info
+                unsupported.append(info)
                 refused.add(tag)
-                continue
-            if info is not None:
+            elif info is not None:
                 found[tag] = info
             else:
                 unsettled.append(tag)
@@ -264,6 +276,24 @@ def list_committed(
         if not any(newest is None or order_key(tag) > newest for tag in unsettled):
             break
     return sorted(found.values(), key=lambda info: info.sort_key)
+
+
+def _read_each(
+    store: Store, tags: list[str], tree: dict[str, dict[str, tuple[int, str | None]]] | None
+) -> list[tuple[str, CheckpointInfo | UnsupportedSchemaError | None]]:
+    """`read_committed` of each tag, in order (a schema this version cannot read: its
+    error, not raised); an object store's (`tree`: its root's listing) several at once."""
+
+    def one(tag: str) -> tuple[str, CheckpointInfo | UnsupportedSchemaError | None]:
+        try:
+            return tag, read_committed(store, tag, None if tree is None else tree[tag])
+        except UnsupportedSchemaError as exc:
+            return tag, exc
+
+    if tree is None or len(tags) < 2:
+        return [one(tag) for tag in tags]
+    with ThreadPoolExecutor(_REMOTE_READERS, thread_name_prefix="nebula-list") as pool:
+        return list(pool.map(one, tags))
 
 
 def highest_sequence(store: Store) -> int:

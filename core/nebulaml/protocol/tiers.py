@@ -1,6 +1,8 @@
 """The tiers of one job: a node-local memory tier and, optionally, a persistent tier.
 
     open_tiers   the tiers of a root, to read: a stale or unsafe memory tier left out
+    adopt_memory_tier  the memory tier of a root, to copy a checkpoint into outside a
+                 session: private, with its root recorded
     claim_tiers  the tiers of a session that writes, for a root of a known identity: the
                  memory tier checked private and held, an earlier root's released first
     TierSet      the stores of one job, fastest first
@@ -32,6 +34,7 @@ from nebulaml.protocol.memory_tier import (
     memory_root_for,
     read_record,
     release_memory_tier,
+    root_identity,
     write_record,
 )
 from nebulaml.storage.store import Store
@@ -111,6 +114,20 @@ def open_tiers(
     if state != OK:
         log.warning("ignoring the memory tier %s: %s", memory.url, note)
     return TierSet(memory=memory, persistent=persistent, memory_state=state, memory_note=note)
+
+
+def adopt_memory_tier(tiers: TierSet) -> None:
+    """Make ready the memory tier of `tiers` for a checkpoint copied into it outside a
+    session (`nebula copy ROOT TAG memory`): its folders private, and its root recorded
+    (URL, location, identity) unless a session recorded it already, as `claim_tiers`
+    does. Without the record `nebula memory` would call it orphaned ("no record of its
+    root") and `nebula gc` could not tell that what it holds is on the root too."""
+    memory, persistent = tiers.memory, tiers.persistent
+    ensure_private_dir(os.path.dirname(memory.root))
+    ensure_private_dir(memory.root)
+    if persistent is None or read_record(memory) is not None:
+        return
+    write_record(memory, persistent, root_identity(persistent))
 
 
 def claim_tiers(persistent: Store | None, root_id: str | None) -> tuple[TierSet, TierHold]:

@@ -83,6 +83,7 @@ def copy_checkpoint(
     progress: ProgressCallback | None = None,
     same_root: bool = False,
     reuse: ReuseBook | None = None,
+    verify_progress: ProgressCallback | None = None,
 ) -> CopyResult:
     """Copy a committed checkpoint to another root with the full commit protocol.
 
@@ -96,7 +97,9 @@ def copy_checkpoint(
     uncommitted destination folder's item files of the right size whose checksum matches
     are not written again (counted in `skipped_bytes`); it refuses to touch a folder that
     a live process on this host is writing (`CheckpointBusyError`). `progress(done, total)`
-    is called as bytes are copied or found in place. The defaults are the persister's:
+    is called as bytes are copied or found in place, and `verify_progress(done, total)` as
+    the copied items are read back from the destination (`verify`; an item is checked
+    right after it is written, so the two alternate). The defaults are the persister's:
     the destination tag is rewritten whole and only the source bytes are hashed.
 
     The copy's commit `sequence` (its place in "newest" order): with `same_root` (the
@@ -129,6 +132,8 @@ def copy_checkpoint(
     done = sum(skipped.values())
     if progress is not None:
         progress(done, total)
+    to_verify = sum(i.size_bytes for i in items if i.file not in skipped) if verify else 0
+    verified = 0
     copied: list[str] = []
     notes: list[ItemReuse] = []
     for item in items:
@@ -146,7 +151,8 @@ def copy_checkpoint(
             # Re-read from the destination rather than trusting the bytes we sent: this is
             # what a later reader gets, so it also catches a store that truncated or altered
             # the upload, or a writer that raced us. Hashing while writing cannot.
-            _check_item(dst, tag, item)
+            _check_item(dst, tag, item, _reporter(verify_progress, verified, to_verify))
+            verified += item.size_bytes
         done += item.size_bytes
         copied.append(item.name)
     ranks = sorted({item.rank for item in items}) or [src.manifest.writers[0]]
@@ -231,9 +237,28 @@ def _matches(store: Store, tag: str, item: ItemEntry) -> bool:
     return size == item.size_bytes and digest == item.checksum
 
 
-def _check_item(store: Store, tag: str, item: ItemEntry) -> None:
+def _reporter(
+    progress: ProgressCallback | None, base: int, total: int
+) -> Callable[[int], None] | None:
+    """`advance(n)` for `hash_stream`: reports `base` + the bytes read so far of `total`."""
+    if progress is None:
+        return None
+    progress(base, total)
+    read = base
+
+    def advance(n: int) -> None:
+        nonlocal read
+        read += n
+        progress(read, total)
+
+    return advance
+
+
+def _check_item(
+    store: Store, tag: str, item: ItemEntry, advance: Callable[[int], None] | None = None
+) -> None:
     with store.open_read(tag, item.file) as f:
-        size, digest = hash_stream(f, _COPY_CHUNK_BYTES, item.checksum_algo)
+        size, digest = hash_stream(f, _COPY_CHUNK_BYTES, item.checksum_algo, advance)
     if size != item.size_bytes or digest != item.checksum:
         raise CorruptCheckpointError(
             store.display(tag, item.file),

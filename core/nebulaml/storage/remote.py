@@ -83,9 +83,27 @@ class RemoteBackend:
         out: dict[str, tuple[int, str | None]] = {}
         for entry in self._ls(parts):
             if entry.get("type") == "file":
-                name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-                version = entry.get("etag") or entry.get("last_modified") or entry.get("mtime")
-                out[name] = (int(entry.get("size") or 0), None if version is None else str(version))
+                out[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = _sized_version(entry)
+        return out
+
+    def list_tree(self) -> dict[str, dict[str, tuple[int, str | None]]]:
+        """Every file one folder below the root, by folder: {folder: {name: (size,
+        version)}} as `list_versions` gives them, from one listing of the whole root (an
+        object store pages it: a request per few thousand files, where listing a folder
+        at a time costs a request per folder). Deeper files are left out."""
+        base = self.root.rstrip("/") + "/"
+        try:
+            found = self.fs.find(self.root, detail=True, withdirs=False)
+        except FileNotFoundError:
+            return {}
+        out: dict[str, dict[str, tuple[int, str | None]]] = {}
+        for path, entry in found.items():
+            rel = str(path).lstrip("/")
+            if entry.get("type") != "file" or not rel.startswith(base.lstrip("/")):
+                continue
+            parts = rel[len(base.lstrip("/")) :].split("/")
+            if len(parts) == 2 and all(parts):
+                out.setdefault(parts[0], {})[parts[1]] = _sized_version(entry)
         return out
 
     def modified_at(self, parts: Parts) -> datetime | None:
@@ -167,6 +185,13 @@ class RemoteBackend:
 # interpreter exit ------------------------------------------------------------------------
 _loops: weakref.WeakSet[Any] = weakref.WeakSet()  # the event loops of the stores opened
 _quieting = False
+
+
+def _sized_version(entry: dict[str, Any]) -> tuple[int, str | None]:
+    """(size, version) of an fsspec listing entry: the version is what the store changes
+    whenever the object is written (an ETag, else its modification time), or None."""
+    version = entry.get("etag") or entry.get("last_modified") or entry.get("mtime")
+    return int(entry.get("size") or 0), None if version is None else str(version)
 
 
 def quiet_async_exit(fs: Any) -> None:

@@ -252,6 +252,15 @@ class Store:
             return None
         return self._call(parts, lambda: backend.list_versions(parts))
 
+    def list_tree(self) -> dict[str, dict[str, tuple[int, str | None]]] | None:
+        """On an object store, the files one folder below the root, by folder, as
+        `list_versions` gives a folder's, from one listing of the whole root (paged: a
+        request per few thousand files, not one per folder); None on a local root."""
+        backend = self._backend
+        if isinstance(backend, LocalBackend) or not hasattr(backend, "list_tree"):
+            return None
+        return self._call((), lambda: backend.list_tree())
+
     def file_identity(self, *parts: str) -> tuple[int, int, int] | None:
         """(inode, size, modification time in ns) of the regular file `parts` on a local
         root, without following a link; None when it is missing, not a regular file, or

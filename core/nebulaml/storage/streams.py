@@ -67,7 +67,8 @@ def translate_errors(
         if exc.errno in _FULL_ERRNOS:
             message = redact(f"{what}: storage is full ({exc.strerror})", secrets)
             raise StorageFullError(exc.errno, message) from exc
-        raise StorageError(redact(f"{what}: {_failure(exc, remote, tries)}", secrets)) from exc
+        failure = _failure(exc, remote, tries, what)
+        raise StorageError(redact(f"{what}: {failure}", secrets)) from exc
     except Exception as exc:
         if not remote:
             raise
@@ -75,9 +76,9 @@ def translate_errors(
         raise StorageError(redact(f"{what}: {_failure(exc, remote, tries)}", secrets)) from exc
 
 
-def _failure(exc: BaseException, remote: bool, tries: int) -> str:
+def _failure(exc: BaseException, remote: bool, tries: int, what: str = "") -> str:
     if not remote:
-        return str(exc)
+        return local_failure(exc, what) if isinstance(exc, OSError) else str(exc)
     text = describe(exc)
     if tries > 1 and is_transient(exc):
         text += (
@@ -85,6 +86,39 @@ def _failure(exc: BaseException, remote: bool, tries: int) -> str:
             f"NEBULA_STORAGE_RETRIES for more)"
         )
     return text
+
+
+def local_failure(exc: OSError, what: str = "") -> str:
+    """What a local file operation's error says after the path it is about (`what`): the
+    system's words without `[Errno N]` and without the path again (the file the system
+    names is added when it is another); a permission refused says what to do.
+
+    Example:
+        >>> refused = PermissionError(13, "Permission denied", "/ckpt/run1")
+        >>> local_failure(refused, "/ckpt/run1")  # doctest: +ELLIPSIS
+        'permission denied to user ...; ask for access (ls -ld shows the owner and mode) or ...'
+        >>> local_failure(NotADirectoryError(20, "Not a directory", "/ckpt/run1/x"), "/ckpt/run1")
+        'Not a directory on /ckpt/run1/x'
+    """
+    text = exc.strerror or str(exc)
+    named = os.fsdecode(exc.filename) if exc.filename is not None else ""
+    where = f" on {named}" if named and named.rstrip("/") != what.rstrip("/") else ""
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (
+            f"{text[:1].lower()}{text[1:]}{where} to user {_user()}; ask for access (ls -ld "
+            "shows the owner and mode) or run as a user who has it"
+        )
+    return text + where
+
+
+def _user() -> str:
+    import pwd
+
+    uid = os.geteuid()
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def fsync_dir(path: str) -> None:
@@ -98,6 +132,32 @@ def fsync_dir(path: str) -> None:
 PUBLIC_FILE_MODE = 0o666  # less the umask: a persistent root's files, as any program's
 PRIVATE_FILE_MODE = 0o600  # the memory tier's files: this user's alone
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def new_file_mode(folder: str, private: bool) -> int:
+    """The permission bits of a file this process writes in the local `folder` for
+    someone else to use (an export): 0600 when `private`, else what the kernel gives
+    any program's new file there (0666 less the umask, and less what a default ACL
+    masks), learned by creating one (removed at once). For files that a library writes
+    with modes of its own (safetensors: 0600), so that they can be set to this.
+
+    Example:
+        >>> import tempfile
+        >>> oct(new_file_mode(tempfile.gettempdir(), private=True))
+        '0o600'
+    """
+    if private:
+        return PRIVATE_FILE_MODE
+    probe = os.path.join(folder, f".nebula-mode-{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        fd = create_file(probe, PUBLIC_FILE_MODE, exclusive=True)
+    except OSError as exc:  # the folder refused it: said of the folder
+        raise OSError(exc.errno, exc.strerror, folder) from exc
+    try:
+        return os.fstat(fd).st_mode & 0o7777
+    finally:
+        os.close(fd)
+        os.unlink(probe)
 
 
 def create_file(path: str, mode: int, *, exclusive: bool = False) -> int:

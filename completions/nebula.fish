@@ -1,0 +1,1 @@
+complete --command nebula --no-files --arguments "(env _NEBULA_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) nebula)" --condition "env _NEBULA_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) nebula"
