@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from nebulaml.errors import CheckpointExistsError, InvalidArgumentError, TooManyItemsError
-from nebulaml.format.names import validate_name
+from nebulaml.format.names import step_of, validate_name
 from nebulaml.format.serialization import MapLocation
 from nebulaml.protocol.leases import HandleHolds
 from nebulaml.protocol.tiers import TierSet
@@ -93,6 +93,23 @@ class Checkpoint:
             # Dropped unreleased: its holds go with it (or expire, at exit).
             weakref.finalize(handle, holds.release).atexit = False
         return handle
+
+    @property
+    def step(self) -> int | None:
+        """The training step the tag names, None for a tag that names none (`"best"`).
+
+        The rule nebula orders checkpoints by ("latest" is the highest step): the number
+        after `global_step` (nebula's and DeepSpeed's tags), else after Lightning's
+        `step=`, in ASCII digits. A job resumes its loop from it.
+
+        Example:
+            >>> import nebulaml as nm
+            >>> nm.Checkpoint("global_step500").step, nm.Checkpoint("epoch=1-step=80").step
+            (500, 80)
+            >>> nm.Checkpoint("best").step is None
+            True
+        """
+        return step_of(self.tag)
 
     def release(self) -> None:
         """Let go of the checkpoint: retention and prune may delete it again (a handle

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -166,9 +167,26 @@ def test_get_checkpoint_by_tag_and_latest_ordering(root: Path) -> None:
     assert nm.get_checkpoint("global_step11") is None
 
 
-def test_list_checkpoints_is_json_serialisable_and_names_tiers(root: Path) -> None:
-    import json
+def test_a_handle_names_its_step_as_listings_and_ordering_do(root: Path) -> None:
+    # Catches: a handle without `.step` (a resume had to parse the tag itself), or one
+    # whose step is not the one "latest" ordered by and the listing and manifest record.
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=10)
+    for tag in ("global_step90", "epoch=3-step=120", "best", "global_step1000"):
+        nm.Checkpoint(tag).save("m", {"v": 1})
+        nm.flush_persistence()
+    latest = nm.get_latest_checkpoint()
+    assert (latest.tag, latest.step) == ("global_step1000", 1000)
+    listed = {c["tag"]: c["step"] for c in nm.list_checkpoints()}
+    assert listed == {"global_step1000": 1000, "epoch=3-step=120": 120, "global_step90": 90,
+                      "best": None}  # fmt: skip
+    for tag, step in listed.items():
+        assert nm.get_checkpoint(tag).step == step
+        assert json.loads((root / tag / "manifest.json").read_text())["step"] == step
+    assert nm.Checkpoint("global_step7").step == 7  # before any save, too
+    assert nm.Checkpoint("global_step٣").step is None  # ASCII digits only, as the order
 
+
+def test_list_checkpoints_is_json_serialisable_and_names_tiers(root: Path) -> None:
     nm.init(str(root), persistent_time_interval=0)
     nm.Checkpoint("global_step1", labels=["best"]).save("m", {"x": torch.ones(4)})
     nm.flush_persistence()

@@ -118,7 +118,7 @@ def write_checkpoint(
     """Save one training checkpoint as the tag `tag`: rank 0 saves `shared()` (what every
     rank holds alike: weights, optimizer, scheduler, the trainer's state), every rank saves
     `own()` (its RNG), and every rank commits, so the tag commits once every rank's part is
-    there (README, "Several ranks"). Saving a tag again replaces it."""
+    there (docs/guide.md, "Several ranks"). Saving a tag again replaces it."""
     session = ensure_session("save", world_size)
     if tag in session.persister.protected():
         # Its previous version is still queued or being persisted: replacing the memory

@@ -8,7 +8,7 @@ the file holds the header and each batch is an object of its own beside it, in
 `.checkpointHistories.csv.d/` (`Store.append_text`); `read_history` (ops/history.py) reads
 them together.
 
-Columns (also documented in the README):
+Columns (also documented in docs/benchmarks.md):
     tag, step, tier, rank, started_at, duration_s, blocking_s, size_bytes,
     throughput_mb_s, status, error, bytes_written, bytes_reused
 (a file started before the last two keeps its header, and its rows the first eleven).
