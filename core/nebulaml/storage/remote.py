@@ -233,7 +233,11 @@ _SILENCED_LOGGERS = ("asyncio", "aiohttp", "azure", "adlfs")
 
 def _silence_abandoned_requests() -> None:
     for name in _SILENCED_LOGGERS:
-        logging.getLogger(name).disabled = True
+        logger = logging.getLogger(name)
+        # disabled stops this logger's own records; the level also stops its children's
+        # (azure.core...), whose records would reach the root's handlers otherwise.
+        logger.disabled = True
+        logger.setLevel(logging.CRITICAL + 1)
     try:
         from fsspec import asyn
 
