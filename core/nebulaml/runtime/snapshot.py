@@ -18,7 +18,8 @@ as copying 0.4 GB.
 A fill copies with `memmove` (glibc's streaming stores use a third less CPU than torch's
 `copy_`), one 1 MiB piece of the file at a time: the piece's parts of each storage, then
 the piece's checksum leaf (checksum.py) while the piece is in the cache. Two workers take
-pieces in turn. 1.5 GB on 2 cores: 0.12 s and 0.23 CPU-seconds, against 0.145 s when one
+pieces in turn: the caller and a long-lived helper (crew.py), none when there are fewer
+than `_HELPED_PIECES` pieces to copy (a frozen base leaves a few). 1.5 GB on 2 cores: 0.12 s and 0.23 CPU-seconds, against 0.145 s when one
 worker hashed every piece in order (plain xxh3) and 0.15-0.18 s for `copy_` and a hash
 after it. A lazy save fills with the same two workers.
 
@@ -30,7 +31,8 @@ This module holds the runtime half: `plan_layout` and the `LayoutCache` (a sessi
 state), the fill's threads, hashing and CUDA copies, and pinning. What the file looks like
 (`Layout`, recording it under skip_data, the pickler's walk) is format/torchzip.py.
 
-May import: `nebulaml.format` (torchzip, checksum, serialization's `to_saveable`). Not
+May import: `nebulaml.format` (torchzip, checksum, serialization's `to_saveable`),
+runtime/crew.py and runtime/unchanged.py. Not
 for: torch's zip layout (format/torchzip.py), where the buffers live or how they are
 reused (slots.py), or the commit protocol (protocol/commit.py).
 """
@@ -51,6 +53,7 @@ from nebulaml.format.torchzip import (
     storages_and_signature,
     storages_in_pickle_order,
 )
+from nebulaml.runtime.crew import FILL_CREW, Job
 from nebulaml.runtime.unchanged import BufferMemory, FillRecord, marks_of, reusable
 
 # A fill's unit of work is one checksum leaf: small enough that a piece just copied is
@@ -58,6 +61,8 @@ from nebulaml.runtime.unchanged import BufferMemory, FillRecord, marks_of, reusa
 # costs nothing.
 _PIECE_BYTES = LEAF_BYTES
 FILL_WORKERS = 2  # threads per fill (a save waits for its copy; a lazy save's fence too)
+# A fill with fewer pieces to copy than this copies them alone: waking a helper costs more.
+_HELPED_PIECES = 4
 # Where a fill samples the storages it may skip: its own generator, never the user's.
 _SEEDS = random.Random()
 
@@ -263,14 +268,21 @@ def _fill_host(
                 ctypes.memmove(dst, src, n)
             leaves[i] = leaf_digest(view[i * _PIECE_BYTES : (i + 1) * _PIECE_BYTES])
 
-    helpers = [threading.Thread(target=work, daemon=True) for _ in range(workers - 1)]
-    for helper in helpers:
-        helper.start()
+    # The helpers are long-lived threads (crew.py): a helper that has not started when
+    # this thread has taken every piece is taken back, not waited for.
+    helpers: list[Job] = []
+    if sum(1 for i, parts in enumerate(pieces) if parts and not leaves[i]) >= _HELPED_PIECES:
+        for _ in range(workers - 1):
+            try:
+                helpers.append(FILL_CREW.submit(work))
+            except RuntimeError:  # interpreter exit: this thread copies alone
+                break
     try:
         work()
     finally:
         for helper in helpers:
-            helper.join()  # never leave a copy running into a buffer the caller reuses
+            if not helper.take_back():
+                helper.wait()  # never leave a copy running into a buffer the caller reuses
     if any(not leaf for leaf in leaves):  # a helper failed (it cannot raise here)
         raise RuntimeError("a fill worker stopped before its pieces were copied")
     return tree_hexdigest(leaves), leaves
