@@ -18,10 +18,11 @@ as copying 0.4 GB.
 A fill copies with `memmove` (glibc's streaming stores use a third less CPU than torch's
 `copy_`), one 1 MiB piece of the file at a time: the piece's parts of each storage, then
 the piece's checksum leaf (checksum.py) while the piece is in the cache. Two workers take
-pieces in turn: the caller and a long-lived helper (crew.py), none when there are fewer
-than `_HELPED_PIECES` pieces to copy (a frozen base leaves a few). 1.5 GB on 2 cores: 0.12 s and 0.23 CPU-seconds, against 0.145 s when one
-worker hashed every piece in order (plain xxh3) and 0.15-0.18 s for `copy_` and a hash
-after it. A lazy save fills with the same two workers.
+pieces in turn: the caller and a long-lived helper (crew.py; no helper when fewer than
+`_HELPED_PIECES` pieces have bytes to copy, as a frozen base leaves). 1.5 GB on 2 cores:
+0.12 s and 0.23 CPU-seconds, against 0.145 s when one worker hashed every piece in order
+(plain xxh3) and 0.15-0.18 s for `copy_` and a hash after it. A lazy save fills with the
+same two workers.
 
 The file is byte for byte what `torch.load(path, weights_only=True)` reads. Objects the
 layout cannot map exactly (anything but dicts, lists, tuples, plain values and dense
@@ -201,8 +202,9 @@ def _pieces(
 ) -> list[list[tuple[int, int, int]] | None]:
     """For each `_PIECE_BYTES` piece of the file, in order, the (destination address,
     source address, bytes) of the storages' parts that fall in it (none where the piece
-    holds only torch's own bytes); None for a piece whose every storage part is of a
-    storage in `keep` (already in the buffer), when there is one such part."""
+    holds only torch's own bytes), but those of storages in `keep` (already in the
+    buffer); None for a piece whose every storage part is of a storage in `keep`, when
+    there is one such part."""
     pieces: list[list[tuple[int, int, int]] | None] = [
         [] for _ in range(-(-layout.size_bytes // _PIECE_BYTES))
     ]
@@ -219,12 +221,12 @@ def _pieces(
             piece = at // _PIECE_BYTES
             n = min(end, (piece + 1) * _PIECE_BYTES) - at
             if index in keep:
-                kept[piece] = True
+                kept[piece] = True  # in the buffer already: hashed with its piece, not copied
             else:
                 touched[piece] = True
-            parts = pieces[piece]
-            assert parts is not None
-            parts.append((base + at, src + at, n))
+                parts = pieces[piece]
+                assert parts is not None
+                parts.append((base + at, src + at, n))
             at += n
     for i in range(len(pieces)):
         if kept[i] and not touched[i]:
@@ -271,7 +273,7 @@ def _fill_host(
     # The helpers are long-lived threads (crew.py): a helper that has not started when
     # this thread has taken every piece is taken back, not waited for.
     helpers: list[Job] = []
-    if sum(1 for i, parts in enumerate(pieces) if parts and not leaves[i]) >= _HELPED_PIECES:
+    if sum(1 for parts in pieces if parts) >= _HELPED_PIECES:
         for _ in range(workers - 1):
             try:
                 helpers.append(FILL_CREW.submit(work))

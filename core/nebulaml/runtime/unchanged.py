@@ -157,8 +157,8 @@ def reusable(memory: BufferMemory | None, layout: Layout, base: int, seed: int) 
         if storage.data_ptr() != mark.ptr or storage.nbytes() != mark.nbytes:
             continue
         versions = layout.versions[i]
-        if _confirmed_unseen(storage, versions) or versions != mark.versions:
-            continue
+        if versions != mark.versions or _confirmed_unseen(storage, versions):
+            continue  # a counted change (an audit's finding then is of an older save)
         offset, length = layout.regions[i]
         if not _samples_agree(storage.data_ptr(), base + offset, length, seed + i):
             _suspect(storage, "its bytes differ from the last save's where nebula looked")
