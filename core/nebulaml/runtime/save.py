@@ -169,6 +169,9 @@ class SaveJob:
         return self._commit_now(session)
 
     def _begin(self, session: Session, t0: float) -> None:
+        # The last commit's eviction, if the persister's thread has not run it yet: this
+        # save's buffers are the evicted copy's (slots.py), and its room is theirs.
+        session.persister.settle_eviction()
         tiers = session.tiers
         persistent = tiers.persistent
         # What the persistent tier holds, as the session knows it: never a request to the
@@ -345,6 +348,8 @@ class SaveJob:
             short = session.budget.filesystem_full(RECORDS_ROOM_BYTES)
             self._stream(session, "its manifest", short)
             return self._commit_streamed(session, t0)
+        # A part that committed the tag removed its writer marker with the commit.
+        marker_left = manifest is None
         if manifest is None and session.ranks.all_local:
             # The other ranks share this memory tier: wait (bounded) until their parts
             # are there and the checkpoint is committed, so that it loads on every rank.
@@ -357,7 +362,7 @@ class SaveJob:
                 timeout_s=session.config.rank_timeout_s,
                 sequence_floor=session.persister.sequence_floor(memory),
             )
-        row = self._finish_commit(session, memory, "memory", t0)
+        row = self._finish_commit(session, memory, "memory", t0, marker_left=marker_left)
         # This rank's part is committed (on a node without the other ranks, the memory
         # tier never holds the whole): it is what this rank's persister copies.
         session.persister.notify_committed(
@@ -391,10 +396,14 @@ class SaveJob:
         session.persister.notify_streamed(self.tag, row, leader=session.rank)
         return True
 
-    def _finish_commit(self, session: Session, store: Store, tier: str, t0: float) -> HistoryRow:
-        """After the commit on `store`: drop this rank's writer marker, mark the save
-        committed, and give the history row of the save."""
-        store.remove(self.tag, writer_marker_name(session.rank))
+    def _finish_commit(
+        self, session: Session, store: Store, tier: str, t0: float, *, marker_left: bool = True
+    ) -> HistoryRow:
+        """After the commit on `store`: drop this rank's writer marker (unless the commit
+        did: not `marker_left`), mark the save committed, and give the history row of the
+        save."""
+        if marker_left:
+            store.remove(self.tag, writer_marker_name(session.rank))
         self.committed = True
         self._blocking_s += time.perf_counter() - t0
         size = sum(item.size_bytes for item in self.items)

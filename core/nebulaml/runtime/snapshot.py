@@ -18,9 +18,11 @@ as copying 0.4 GB.
 A fill copies with `memmove` (glibc's streaming stores use a third less CPU than torch's
 `copy_`), one 1 MiB piece of the file at a time: the piece's parts of each storage, then
 the piece's checksum leaf (checksum.py) while the piece is in the cache. Two workers take
-pieces in turn. 1.5 GB on 2 cores: 0.12 s and 0.23 CPU-seconds, against 0.145 s when one
-worker hashed every piece in order (plain xxh3) and 0.15-0.18 s for `copy_` and a hash
-after it. A lazy save fills with the same two workers.
+pieces in turn: the caller and a long-lived helper (crew.py; no helper when fewer than
+`_HELPED_PIECES` pieces have bytes to copy, as a frozen base leaves). 1.5 GB on 2 cores:
+0.12 s and 0.23 CPU-seconds, against 0.145 s when one worker hashed every piece in order
+(plain xxh3) and 0.15-0.18 s for `copy_` and a hash after it. A lazy save fills with the
+same two workers.
 
 The file is byte for byte what `torch.load(path, weights_only=True)` reads. Objects the
 layout cannot map exactly (anything but dicts, lists, tuples, plain values and dense
@@ -30,7 +32,8 @@ This module holds the runtime half: `plan_layout` and the `LayoutCache` (a sessi
 state), the fill's threads, hashing and CUDA copies, and pinning. What the file looks like
 (`Layout`, recording it under skip_data, the pickler's walk) is format/torchzip.py.
 
-May import: `nebulaml.format` (torchzip, checksum, serialization's `to_saveable`). Not
+May import: `nebulaml.format` (torchzip, checksum, serialization's `to_saveable`),
+runtime/crew.py and runtime/unchanged.py. Not
 for: torch's zip layout (format/torchzip.py), where the buffers live or how they are
 reused (slots.py), or the commit protocol (protocol/commit.py).
 """
@@ -51,6 +54,7 @@ from nebulaml.format.torchzip import (
     storages_and_signature,
     storages_in_pickle_order,
 )
+from nebulaml.runtime.crew import FILL_CREW, Job
 from nebulaml.runtime.unchanged import BufferMemory, FillRecord, marks_of, reusable
 
 # A fill's unit of work is one checksum leaf: small enough that a piece just copied is
@@ -58,6 +62,8 @@ from nebulaml.runtime.unchanged import BufferMemory, FillRecord, marks_of, reusa
 # costs nothing.
 _PIECE_BYTES = LEAF_BYTES
 FILL_WORKERS = 2  # threads per fill (a save waits for its copy; a lazy save's fence too)
+# A fill with fewer pieces to copy than this copies them alone: waking a helper costs more.
+_HELPED_PIECES = 4
 # Where a fill samples the storages it may skip: its own generator, never the user's.
 _SEEDS = random.Random()
 
@@ -196,8 +202,9 @@ def _pieces(
 ) -> list[list[tuple[int, int, int]] | None]:
     """For each `_PIECE_BYTES` piece of the file, in order, the (destination address,
     source address, bytes) of the storages' parts that fall in it (none where the piece
-    holds only torch's own bytes); None for a piece whose every storage part is of a
-    storage in `keep` (already in the buffer), when there is one such part."""
+    holds only torch's own bytes), but those of storages in `keep` (already in the
+    buffer); None for a piece whose every storage part is of a storage in `keep`, when
+    there is one such part."""
     pieces: list[list[tuple[int, int, int]] | None] = [
         [] for _ in range(-(-layout.size_bytes // _PIECE_BYTES))
     ]
@@ -214,12 +221,12 @@ def _pieces(
             piece = at // _PIECE_BYTES
             n = min(end, (piece + 1) * _PIECE_BYTES) - at
             if index in keep:
-                kept[piece] = True
+                kept[piece] = True  # in the buffer already: hashed with its piece, not copied
             else:
                 touched[piece] = True
-            parts = pieces[piece]
-            assert parts is not None
-            parts.append((base + at, src + at, n))
+                parts = pieces[piece]
+                assert parts is not None
+                parts.append((base + at, src + at, n))
             at += n
     for i in range(len(pieces)):
         if kept[i] and not touched[i]:
@@ -263,14 +270,21 @@ def _fill_host(
                 ctypes.memmove(dst, src, n)
             leaves[i] = leaf_digest(view[i * _PIECE_BYTES : (i + 1) * _PIECE_BYTES])
 
-    helpers = [threading.Thread(target=work, daemon=True) for _ in range(workers - 1)]
-    for helper in helpers:
-        helper.start()
+    # The helpers are long-lived threads (crew.py): a helper that has not started when
+    # this thread has taken every piece is taken back, not waited for.
+    helpers: list[Job] = []
+    if sum(1 for parts in pieces if parts) >= _HELPED_PIECES:
+        for _ in range(workers - 1):
+            try:
+                helpers.append(FILL_CREW.submit(work))
+            except RuntimeError:  # interpreter exit: this thread copies alone
+                break
     try:
         work()
     finally:
         for helper in helpers:
-            helper.join()  # never leave a copy running into a buffer the caller reuses
+            if not helper.take_back():
+                helper.wait()  # never leave a copy running into a buffer the caller reuses
     if any(not leaf for leaf in leaves):  # a helper failed (it cannot raise here)
         raise RuntimeError("a fill worker stopped before its pieces were copied")
     return tree_hexdigest(leaves), leaves

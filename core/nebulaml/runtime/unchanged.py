@@ -41,7 +41,7 @@ tensor is reported within one save, never silent. Every `FULL_EVERY`-th fill of 
 buffer copies everything, and `reuse_unchanged=False` (`NEBULA_REUSE_UNCHANGED=0`) turns
 the skipping off. CUDA storages are always copied.
 
-May import: `nebulaml.format` (torchzip's `Layout`) and runtime/pages.py. Not for: the
+May import: `nebulaml.format` (torchzip's `Layout`) and runtime/crew.py. Not for: the
 copy and hashing (snapshot.py), or where buffers live (slots.py).
 """
 
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nebulaml.format.torchzip import Layout
-from nebulaml.runtime.pages import lower_priority
+from nebulaml.runtime.crew import AUDIT_CREW, Job
 
 log = logging.getLogger("nebulaml")
 
@@ -115,28 +115,25 @@ class BufferMemory:
     def __init__(self) -> None:
         self.record: FillRecord | None = None
         self.reused_bytes = 0  # of storages its last fill did not copy
-        self._audit: threading.Thread | None = None
+        self._audit: Job | None = None
 
     def settle(self) -> None:
         """Wait for the audit of the last fill (it reads the buffer)."""
         audit, self._audit = self._audit, None
         if audit is not None:
-            audit.join()
+            audit.wait()
 
     def audit_later(self, base: int, layout: Layout, skipped: list[int], label: str) -> None:
-        """Compare each skipped storage with the buffer in full, in a thread of its own
-        (module docstring); `label` names the item and checkpoint in a warning."""
+        """Compare each skipped storage with the buffer in full, on the audit thread
+        (crew.AUDIT_CREW, at low priority; module docstring); `label` names the item and
+        checkpoint in a warning."""
         if not skipped:
             return
         held = [(layout.storages[i], layout.regions[i], layout.versions[i]) for i in skipped]
-        thread = threading.Thread(
-            target=_audit, args=(base, held, label), name="nebula-audit", daemon=True
-        )
         try:
-            thread.start()
+            self._audit = AUDIT_CREW.submit(lambda: _audit(base, held, label))
         except RuntimeError:  # interpreter exit: no new thread; nothing is compared
             return
-        self._audit = thread
 
 
 def reusable(memory: BufferMemory | None, layout: Layout, base: int, seed: int) -> set[int]:
@@ -160,8 +157,8 @@ def reusable(memory: BufferMemory | None, layout: Layout, base: int, seed: int) 
         if storage.data_ptr() != mark.ptr or storage.nbytes() != mark.nbytes:
             continue
         versions = layout.versions[i]
-        if _confirmed_unseen(storage, versions) or versions != mark.versions:
-            continue
+        if versions != mark.versions or _confirmed_unseen(storage, versions):
+            continue  # a counted change (an audit's finding then is of an older save)
         offset, length = layout.regions[i]
         if not _samples_agree(storage.data_ptr(), base + offset, length, seed + i):
             _suspect(storage, "its bytes differ from the last save's where nebula looked")
@@ -226,8 +223,7 @@ def _samples_agree(src: int, dst: int, length: int, seed: int) -> bool:
 
 def _audit(base: int, held: list[tuple[Any, tuple[int, int], tuple[int, ...]]], label: str) -> None:
     """Compare each (storage, region, versions) with the buffer at `base`; remember the
-    storages that differ (module docstring). Runs at low priority."""
-    lower_priority()
+    storages that differ (module docstring). Runs at low priority (AUDIT_CREW)."""
     for storage, (offset, length), versions in held:
         ptr = storage.data_ptr()
         for at in range(0, length, _AUDIT_CHUNK_BYTES):

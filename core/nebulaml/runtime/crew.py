@@ -1,0 +1,132 @@
+"""Long-lived worker threads for the work a save hands off: no thread started per save.
+
+Starting a thread costs the caller about a millisecond on an idle machine and several on
+a busy one (`Thread.start` waits until the new thread runs), and a save of a frozen base
+used to start three: a fill helper per item and an audit. A `Crew` keeps its threads
+(started on first use, and again in a forked child) and runs the calls submitted to it in
+order. A `Job` not started yet can be taken back (`Job.take_back`): a fill whose caller
+finished every piece first does not wait for its helper to wake up.
+
+    FILL_CREW     the fill's helper (snapshot.py), at the caller's priority
+    AUDIT_CREW    the audits of what a fill did not copy (unchanged.py), at low priority
+    EVICT_CREW    the memory-tier eviction a commit asks for (persister.notify_committed),
+                  at low priority
+
+May import: runtime/pages.py (lower_priority). Not for: what the jobs do (snapshot.py,
+unchanged.py, persist_thread.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+from nebulaml.runtime.pages import lower_priority
+
+log = logging.getLogger("nebulaml")
+
+
+class Job:
+    """One call submitted to a `Crew`: waited for (`wait`), or taken back before it starts."""
+
+    __slots__ = ("_done", "_fn", "_lock", "_state")
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._fn = fn
+        self._state = "queued"  # queued -> running -> done, or queued -> taken back
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+
+    def _run(self) -> None:
+        with self._lock:
+            if self._state != "queued":
+                return
+            self._state = "running"
+        try:
+            self._fn()
+        except BaseException:  # the submitter sees what its call left undone
+            log.debug("a %s job failed", threading.current_thread().name, exc_info=True)
+        finally:
+            self._fn = _nothing  # drop what the call held (a buffer's view, its storages)
+            self._state = "done"
+            self._done.set()
+
+    def take_back(self) -> bool:
+        """True if the job had not started: it never will. False: it runs or ran
+        (`wait` for it)."""
+        with self._lock:
+            if self._state != "queued":
+                return False
+            self._state = "taken back"
+        self._fn = _nothing
+        self._done.set()
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until the job has run, or was taken back (True), or `timeout_s` passed."""
+        return self._done.wait(timeout_s)
+
+    def done(self) -> bool:
+        """Whether it ran, or was taken back."""
+        return self._done.is_set()
+
+
+def _nothing() -> None:
+    return None
+
+
+class Crew:
+    """`size` daemon threads named `name` that run submitted calls in order; with `nice`,
+    at low priority (pages.lower_priority). A call that raises is dropped (its submitter
+    checks what it left undone).
+
+    Example:
+        >>> crew = Crew("doc-crew", 1)
+        >>> out = []
+        >>> job = crew.submit(lambda: out.append(1))
+        >>> job.wait(5), out
+        (True, [1])
+    """
+
+    def __init__(self, name: str, size: int, *, nice: bool = False) -> None:
+        self.name = name
+        self.size = size
+        self.nice = nice
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: collections.deque[Job] = collections.deque()
+        self._threads: list[threading.Thread] = []
+        self._pid = os.getpid()
+
+    def submit(self, fn: Callable[[], object]) -> Job:
+        """Queue `fn`; raises RuntimeError when no thread can run it (the interpreter is
+        exiting): the caller does the work itself."""
+        job = Job(fn)
+        with self._cond:
+            if self._pid != os.getpid():  # a forked child: the parent's threads are not here
+                self._pid, self._threads, self._queue = os.getpid(), [], collections.deque()
+            self._threads = [t for t in self._threads if t.is_alive()]
+            if len(self._threads) < self.size:
+                thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+                thread.start()  # RuntimeError at interpreter exit: nothing was queued
+                self._threads.append(thread)
+            self._queue.append(job)
+            self._cond.notify()
+        return job
+
+    def _work(self) -> None:
+        if self.nice:
+            lower_priority()
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                job = self._queue.popleft()
+            job._run()
+
+
+FILL_CREW = Crew("nebula-fill", 1)
+AUDIT_CREW = Crew("nebula-audit", 1, nice=True)
+EVICT_CREW = Crew("nebula-evict", 1, nice=True)
