@@ -53,12 +53,7 @@ def test_a_save_returns_while_the_copy_it_supersedes_is_being_deleted(
         _save(1)
         assert nm.flush_persistence()
         done = threading.Event()
-
-        def second() -> None:
-            _save(2)
-            done.set()
-
-        saver = threading.Thread(target=second, daemon=True)
+        saver = threading.Thread(target=lambda: (_save(2), done.set()), daemon=True)
         saver.start()
         assert entered.wait(WAIT_S)  # global_step1's eviction has started
         assert done.wait(WAIT_S)  # and the save returned while it is held
