@@ -205,7 +205,10 @@ class Persister(PersistThread):
         it runs it): a save calls this before it takes its buffers, so that it finds the
         memory tier, its budget and the slot pool as if the eviction had run at the
         commit. A failure is warned about; the copy stays for the next eviction."""
-        self._evict_if_due()  # under the eviction's lock: one running is waited for
+        with self._cond:
+            if not self._evict_due:
+                return
+        self._evict_if_due()
 
     def notify_streamed(self, tag: str, row: HistoryRow, *, leader: int = 0) -> None:
         """A tag too large for the memory budget was committed straight to the persistent
