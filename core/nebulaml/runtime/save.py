@@ -169,9 +169,6 @@ class SaveJob:
         return self._commit_now(session)
 
     def _begin(self, session: Session, t0: float) -> None:
-        # The last commit's eviction, if the persister's thread has not run it yet: this
-        # save's buffers are the evicted copy's (slots.py), and its room is theirs.
-        session.persister.settle_eviction()
         tiers = session.tiers
         persistent = tiers.persistent
         # What the persistent tier holds, as the session knows it: never a request to the
