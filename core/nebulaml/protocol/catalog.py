@@ -290,10 +290,13 @@ def _read_each(
         except UnsupportedSchemaError as exc:
             return tag, exc
 
-    if tree is None or len(tags) < 2:
-        return [one(tag) for tag in tags]
-    with ThreadPoolExecutor(_REMOTE_READERS, thread_name_prefix="nebula-list") as pool:
-        return list(pool.map(one, tags))
+    if tree is not None and len(tags) > 1:
+        try:
+            with ThreadPoolExecutor(_REMOTE_READERS, thread_name_prefix="nebula-list") as pool:
+                return list(pool.map(one, tags))
+        except RuntimeError:  # the interpreter is exiting (an exit persist): no new thread
+            pass
+    return [one(tag) for tag in tags]
 
 
 def highest_sequence(store: Store) -> int:

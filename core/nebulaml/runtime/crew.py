@@ -9,11 +9,9 @@ finished every piece first does not wait for its helper to wake up.
 
     FILL_CREW     the fill's helper (snapshot.py), at the caller's priority
     AUDIT_CREW    the audits of what a fill did not copy (unchanged.py), at low priority
-    EVICT_CREW    the memory-tier eviction a commit asks for (persister.notify_committed),
-                  at low priority
 
 May import: runtime/pages.py (lower_priority). Not for: what the jobs do (snapshot.py,
-unchanged.py, persist_thread.py).
+unchanged.py).
 """
 
 from __future__ import annotations
@@ -129,4 +127,3 @@ class Crew:
 
 FILL_CREW = Crew("nebula-fill", 1)
 AUDIT_CREW = Crew("nebula-audit", 1, nice=True)
-EVICT_CREW = Crew("nebula-evict", 1, nice=True)
