@@ -20,9 +20,10 @@ is advised no shorter than it.
 
 M is given, or estimated: the job's running time over the interruptions the root shows.
 An interruption is a save of a step at or below one saved before (the job resumed from an
-earlier checkpoint), a save more than `GAP_FACTOR` times the usual spacing after the one
-before (the job stopped and started again), or a job that took the root's hold over from
-a dead one (its generation: protocol/holds.py). A root that shows none gives no MTBF.
+earlier checkpoint), a save more than `GAP_FACTOR` times the usual spacing (and at least
+`GAP_MIN_S`) after the one before (the job stopped and started again), or a job that took
+the root's hold over from a dead one (its generation: protocol/holds.py). A root that shows
+none gives no MTBF.
 
 May import: `nebulaml.errors`, `nebulaml.storage`, `nebulaml.protocol` and ops.history.
 Not for: reading the history file (ops/history.py), or rendering (the CLI's `advise`).
@@ -49,8 +50,12 @@ if TYPE_CHECKING:
 
 PathLike = str | os.PathLike[str]
 
-# A save more than this many times the median spacing after the one before marks a stop.
+# A save more than this many times the median spacing after the one before marks a stop,
+# if it also came at least GAP_MIN_S after it: a restarted job starts Python, imports torch
+# and initialises, never in under a few seconds; a shorter pause is the job's own jitter
+# (a load, an evaluation, a busy machine), whatever its saves' usual spacing.
 GAP_FACTOR = 3.0
+GAP_MIN_S = 5.0
 PERSIST_QUANTILE = 0.95  # the persist time the persistent interval must not be below
 
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -244,13 +249,17 @@ def advise(
         )
     persist_times, persist_starts = _persists(df)
     stalls = [s.stall_s for s in saves]
-    cost = statistics.fmean(stalls)
+    # The figures the advice is computed from are those it reports (to the microsecond):
+    # the advice can be worked out again from them.
+    cost = round(statistics.fmean(stalls), 6)
     persist_p = _quantile(persist_times, PERSIST_QUANTILE) if persist_times else None
     spacings = [b.started_s - a.started_s for a, b in itertools.pairwise(saves)]
     usual = statistics.median(spacings) if spacings else None
     interruptions, broken, running = _interruptions(saves, spacings, usual)
     steady = _steady(saves, broken)
     seconds_per_step = _seconds_per_step(steady)
+    if seconds_per_step is not None:
+        seconds_per_step = round(seconds_per_step, 6) or None
     held = _hold(store)
     if held is not None:
         interruptions.append(held)
@@ -393,7 +402,7 @@ def _interruptions(
                     "earlier checkpoint")))  # fmt: skip
                 broken.add(i)
                 running += min(spacing, usual)
-            elif spacing > GAP_FACTOR * usual:
+            elif spacing > max(GAP_FACTOR * usual, GAP_MIN_S):
                 found.append(Interruption("gap", save.started_at, (
                     f"{save.tag} came {format_duration(spacing)} after {before.tag} "
                     f"(usually {format_duration(usual)})")))  # fmt: skip
