@@ -78,7 +78,7 @@ test: venv $(AZURITE) $(AZURITE_COPY)
 		wait; cat $(TYPES_LOG); grep -q '^mypy exit 0 ' $(TYPES_LOG) || rc=1; \
 		echo "pytest and mypy: $$(( $$(date +%s) - start )) s"; exit $$rc
 
-# The fast loop for developers (about 2 minutes on a quiet 2-core machine): ruff and the
+# The fast loop for developers (about 3 minutes on a quiet 2-core machine): ruff and the
 # tests not marked slow. make test and CI run everything.
 check: venv $(AZURITE) $(AZURITE_COPY)
 	$(VENV)/bin/ruff check .
