@@ -115,16 +115,18 @@ def delete_checkpoints(store: Store, tags: Iterable[str]) -> dict[str, bool | St
                 if MANIFEST_NAME not in files:
                     out[tag] = delete_checkpoint(store, tag)
                     continue
-                if claims.enter_context(delete_claim(store, tag)):
-                    out[tag] = False
-                    continue
-                try:
-                    _claim(store, tag, 0)  # before the manifest goes, as delete_checkpoint
-                except MissingFileError:
-                    out[tag] = True  # another deleter was quicker
-                    continue
-                store.remove(tag, MANIFEST_NAME, durable=False)  # durable below
-                unsynced.append((tag, files))
+                with contextlib.ExitStack() as claim:
+                    if claim.enter_context(delete_claim(store, tag)):
+                        out[tag] = False  # its claim goes now: the reader is not kept waiting
+                        continue
+                    try:
+                        _claim(store, tag, 0)  # before the manifest goes, as delete_checkpoint
+                    except MissingFileError:
+                        out[tag] = True  # another deleter was quicker
+                        continue
+                    store.remove(tag, MANIFEST_NAME, durable=False)  # durable below
+                    unsynced.append((tag, files))
+                    claims.enter_context(claim.pop_all())  # held until its data is gone
             except StorageError as exc:
                 out[tag] = exc
         synced = []
