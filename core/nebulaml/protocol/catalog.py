@@ -291,11 +291,13 @@ def _read_each(
             return tag, exc
 
     if tree is not None and len(tags) > 1:
-        try:
-            with ThreadPoolExecutor(_REMOTE_READERS, thread_name_prefix="nebula-list") as pool:
-                return list(pool.map(one, tags))
-        except RuntimeError:  # the interpreter is exiting (an exit persist): no new thread
-            pass
+        with ThreadPoolExecutor(_REMOTE_READERS, thread_name_prefix="nebula-list") as pool:
+            try:
+                reads = [pool.submit(one, tag) for tag in tags]
+            except RuntimeError:  # the interpreter is exiting (an exit persist): no thread
+                reads = []
+            if reads:
+                return [read.result() for read in reads]
     return [one(tag) for tag in tags]
 
 

@@ -76,14 +76,11 @@ def delete_checkpoint(
             return False
         _remove_checkpoint(store, tag, files, discard)
         return True
-    with delete_claim(store, tag, replacing=replacing, own_holds=own_holds) as readers:
-        if readers:
-            return False
-        try:
-            _claim(store, tag, 0)  # before the manifest goes: no moment without a claim
-        except MissingFileError:
-            return True  # another deleter (prune, retention, eviction) was quicker
-        _remove_checkpoint(store, tag, files, discard)
+    with contextlib.ExitStack() as claims:
+        taken = _take_down(store, tag, claims, replacing=replacing, own_holds=own_holds)
+        if taken is not None:
+            return taken
+        _remove_data(store, tag, files, discard)
     return True
 
 
@@ -115,18 +112,11 @@ def delete_checkpoints(store: Store, tags: Iterable[str]) -> dict[str, bool | St
                 if MANIFEST_NAME not in files:
                     out[tag] = delete_checkpoint(store, tag)
                     continue
-                with contextlib.ExitStack() as claim:
-                    if claim.enter_context(delete_claim(store, tag)):
-                        out[tag] = False  # its claim goes now: the reader is not kept waiting
-                        continue
-                    try:
-                        _claim(store, tag, 0)  # before the manifest goes, as delete_checkpoint
-                    except MissingFileError:
-                        out[tag] = True  # another deleter was quicker
-                        continue
-                    store.remove(tag, MANIFEST_NAME, durable=False)  # durable below
-                    unsynced.append((tag, files))
-                    claims.enter_context(claim.pop_all())  # held until its data is gone
+                taken = _take_down(store, tag, claims, durable=False)  # durable below
+                if taken is not None:
+                    out[tag] = taken
+                    continue
+                unsynced.append((tag, files))
             except StorageError as exc:
                 out[tag] = exc
         synced = []
@@ -211,6 +201,34 @@ def _remove_part(
     # Leases (our claim among them) are no other rank's files.
     if not keep_folder and not [n for n in store.list_files(tag) if not is_lease_file(n)]:
         _remove_folder(store, tag, files)
+
+
+def _take_down(
+    store: Store,
+    tag: str,
+    claims: contextlib.ExitStack,
+    *,
+    replacing: bool = False,
+    own_holds: bool = True,
+    durable: bool = True,
+) -> bool | None:
+    """Make the committed `tag` invisible: publish this thread's delete claim, and unless
+    a reader holds the tag, write our writer marker (no moment without a claim) and
+    remove the manifest (fsynced unless `durable=False`: the caller then syncs the folder
+    before any data goes). None once the manifest is gone, the claim left in `claims`
+    until the data is; else the delete's outcome, the claim gone at once: False while a
+    reader holds the tag, True when another deleter (prune, retention, eviction) was
+    quicker."""
+    with contextlib.ExitStack() as claim:
+        if claim.enter_context(delete_claim(store, tag, replacing=replacing, own_holds=own_holds)):
+            return False
+        try:
+            _claim(store, tag, 0)
+        except MissingFileError:
+            return True
+        store.remove(tag, MANIFEST_NAME, durable=durable)
+        claims.enter_context(claim.pop_all())
+    return None
 
 
 def _claim(store: Store, tag: str, rank: int) -> None:

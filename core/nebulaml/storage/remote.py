@@ -91,7 +91,7 @@ class RemoteBackend:
         version)}} as `list_versions` gives them, from one listing of the whole root (an
         object store pages it: a request per few thousand files, where listing a folder
         at a time costs a request per folder). Deeper files are left out."""
-        base = self.root.rstrip("/") + "/"
+        prefix = self.root.strip("/") + "/"
         try:
             found = self.fs.find(self.root, detail=True, withdirs=False)
         except FileNotFoundError:
@@ -99,9 +99,9 @@ class RemoteBackend:
         out: dict[str, dict[str, tuple[int, str | None]]] = {}
         for path, entry in found.items():
             rel = str(path).lstrip("/")
-            if entry.get("type") != "file" or not rel.startswith(base.lstrip("/")):
+            if entry.get("type") != "file" or not rel.startswith(prefix):
                 continue
-            parts = rel[len(base.lstrip("/")) :].split("/")
+            parts = rel[len(prefix) :].split("/")
             if len(parts) == 2 and all(parts):
                 out.setdefault(parts[0], {})[parts[1]] = _sized_version(entry)
         return out
