@@ -19,6 +19,8 @@ import struct
 import threading
 from dataclasses import dataclass
 
+from azurite import ACCOUNT, KEY
+
 
 @dataclass
 class Fault:
@@ -43,6 +45,15 @@ class FaultProxy:
         self._closed = False
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
+
+    @property
+    def connection_string(self) -> str:
+        """An Azure connection string (Azurite's account and key) whose blob endpoint is
+        this proxy: a root opened with it reaches Azurite through here."""
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};"
+            f"BlobEndpoint=http://127.0.0.1:{self.port}/{ACCOUNT};"
+        )
 
     # control -------------------------------------------------------------------------------
     def inject(self, fault: Fault) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from azurite import ACCOUNT, KEY, Azurite
+from azurite import Azurite
 from faultproxy import FaultProxy
 
 import nebulaml as nm
@@ -48,10 +48,7 @@ def proxy(azure_env: Azurite) -> Iterator[FaultProxy]:
 
 def _through(proxy: FaultProxy) -> dict[str, object]:
     return {
-        "connection_string": (
-            f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};"
-            f"BlobEndpoint=http://127.0.0.1:{proxy.port}/{ACCOUNT};"
-        ),
+        "connection_string": proxy.connection_string,
         "nebula_block_bytes": 64 << 10,
     }
 

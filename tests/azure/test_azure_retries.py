@@ -19,7 +19,7 @@ from azure.core.exceptions import (
     ServiceRequestError,
     ServiceResponseError,
 )
-from azurite import ACCOUNT, KEY, Azurite
+from azurite import KEY, Azurite
 from faultproxy import Fault, FaultProxy
 
 import nebulaml as nm
@@ -42,10 +42,7 @@ def options(proxy: FaultProxy) -> dict[str, object]:
     """Storage options that reach Azurite through the proxy, with short retries and small
     blocks (so that a 1 MB item is uploaded as 16 blocks)."""
     return {
-        "connection_string": (
-            f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};"
-            f"BlobEndpoint=http://127.0.0.1:{proxy.port}/{ACCOUNT};"
-        ),
+        "connection_string": proxy.connection_string,
         "nebula_retries": RETRIES,
         "nebula_retry_base_s": 0.01,
         "nebula_retry_max_s": 0.05,

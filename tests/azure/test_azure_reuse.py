@@ -68,12 +68,7 @@ def proxy(staging: Azurite) -> Iterator[FaultProxy]:
 
 
 def _through(proxy: FaultProxy) -> dict[str, object]:
-    return {
-        "connection_string": (
-            f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};"
-            f"BlobEndpoint=http://127.0.0.1:{proxy.port}/{ACCOUNT};"
-        )
-    }
+    return {"connection_string": proxy.connection_string}
 
 
 def _model() -> dict[str, torch.Tensor]:
