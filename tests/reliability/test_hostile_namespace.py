@@ -283,3 +283,70 @@ def test_a_lease_dated_in_the_future_does_not_keep_a_tag_for_ever(root: Path) ->
     assert nm.flush_persistence() is True
     assert not (root / "global_step1").exists()  # retention went on
     nm.shutdown()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["before", "during"])
+@pytest.mark.parametrize("planted", ["fifo", "link", "folder"])
+def test_something_planted_where_a_manifest_goes_never_fails_the_persist(
+    root: Path,
+    tmp_path: Path,
+    planted: str,
+    when: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the junk campaign: a FIFO, a link or a folder planted at manifest.json in
+    the folder of a tag being persisted (`during`: after its items are copied) made its
+    create-only publish fail as "committed by another writer first": never retried,
+    flush_persistence() raised, the job exited 1. Planted `before` the persist, the tag
+    was taken for a committed one and its deletion failed on the folder. It is no commit:
+    removed by name (the link's target untouched), and the persist commits."""
+    import nebulaml.protocol.transfer as transfer
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("keep me")
+    before = tree_digest(outside)
+    spot = root / "global_step2" / "manifest.json"
+
+    def plant() -> None:
+        spot.parent.mkdir(parents=True, exist_ok=True)
+        if planted == "fifo":
+            os.mkfifo(spot)
+        elif planted == "link":
+            os.symlink(outside, spot)
+        else:
+            spot.mkdir()
+
+    copy_item = transfer.copy_item
+
+    def copy_then_plant(src: Store, dst: Store, tag: str, *args: object) -> object:
+        note = copy_item(src, dst, tag, *args)  # type: ignore[arg-type]
+        if tag == "global_step2" and dst.is_local and Path(dst.root) == root:
+            plant()
+        return note
+
+    nm.init(str(root), persistent_time_interval=0)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
+    assert nm.flush_persistence(timeout_s=20) is True
+    if when == "before":
+        plant()
+    else:
+        monkeypatch.setattr(transfer, "copy_item", copy_then_plant)
+    nm.Checkpoint("global_step2").save("model", {"w": torch.ones(3) * 2})
+    assert nm.flush_persistence(timeout_s=20) is True
+    nm.shutdown(timeout_s=20)
+    assert spot.is_file() and not spot.is_symlink()
+    assert tree_digest(outside) == before
+    said = [r.getMessage() for r in caplog.records if "was not a file" in r.getMessage()]
+    assert said and str(spot) in said[0], said
+    results = nm.ops.verify_checkpoints(str(root))
+    assert {(r["tag"], r["status"]) for r in results} == {
+        ("global_step1", "ok"),
+        ("global_step2", "ok"),
+    }, results
+    newest = nm.get_latest_checkpoint(str(root))
+    assert newest is not None and newest.tag == "global_step2"
+    with newest:
+        assert torch.equal(newest.load("model")["w"], torch.ones(3) * 2)

@@ -114,7 +114,7 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
     recovery can tell a live writer from a dead one.
     """
     validate_name("tag", tag)
-    if store.exists(tag, MANIFEST_NAME):
+    if store.exists(tag, MANIFEST_NAME) and not squatter_removed(store, tag):
         if not overwrite:
             raise CheckpointExistsError(store.url, tag)
         # A handle's hold does not keep a tag from its own writer (leases.py): a read does.
@@ -359,7 +359,7 @@ def publish_manifest(
         sequence=reserve_sequence(store, sequence_floor),
     )
     try:
-        store.publish((tag, MANIFEST_NAME), manifest.to_bytes(), create_only=True)
+        publish_new_manifest(store, tag, manifest.to_bytes())
     except CommitConflictError:
         # Two ranks saw every marker at once: the other one's manifest, if it is valid
         # and lists the same items, is the commit.
@@ -368,6 +368,33 @@ def publish_manifest(
             raise
         return info.manifest
     return manifest
+
+
+def publish_new_manifest(store: Store, tag: str, data: bytes) -> None:
+    """Publish `tag`'s manifest `data`, create-only: `CommitConflictError` if another
+    writer's is there. A name there that is no file at all (a FIFO, a symbolic link, an
+    empty folder another hand put in a local root) is no commit: it is removed by name
+    (never through the link), said in a warning, and the publish tried once more."""
+    try:
+        store.publish((tag, MANIFEST_NAME), data, create_only=True)
+    except CommitConflictError:
+        if not squatter_removed(store, tag):
+            raise
+        store.publish((tag, MANIFEST_NAME), data, create_only=True)
+
+
+def squatter_removed(store: Store, tag: str) -> bool:
+    """Whether something that is no file (a FIFO, a symbolic link, an empty folder) was
+    at `tag`'s manifest name on a local root, and is removed now (by name, never through
+    a link), said in a warning: another hand's, and no commit."""
+    if not store.clear_squatter(tag, MANIFEST_NAME):
+        return False
+    log.warning(
+        "%s was not a file (a FIFO, a link or a folder put there by another hand): "
+        "removed, since nebula writes the checkpoint's manifest there",
+        store.display(tag, MANIFEST_NAME),
+    )
+    return True
 
 
 def reserve_sequence(store: Store, floor: int = 0) -> int:

@@ -48,6 +48,7 @@ from nebulaml.protocol.commit import (
     begin_tag,
     note_sequence,
     publish_manifest,
+    publish_new_manifest,
     read_markers,
 )
 from nebulaml.protocol.markers import describe_writer, read_writers, writer_alive, writer_record
@@ -183,7 +184,7 @@ def copy_checkpoint(
         sequence=_sequence_at(src.manifest.sequence, dst, same_root),
     )
     note_sequence(dst, manifest.sequence)
-    dst.publish((tag, MANIFEST_NAME), manifest.to_bytes(), create_only=True)
+    publish_new_manifest(dst, tag, manifest.to_bytes())
     dst.remove(tag, writer_marker_name(0))
     return CopyResult(
         manifest,

@@ -374,6 +374,30 @@ class LocalBackend:
         except FileNotFoundError:
             return
 
+    def clear_squatter(self, parts: Parts) -> bool:
+        """Remove what sits at `parts` if it is not a regular file: a FIFO, a symbolic
+        link (the name, never what it points to) or an empty folder. Whether it removed
+        one; False for a regular file, a folder with files in it, or nothing there."""
+        try:
+            with self._parent(parts) as folder:
+                mode = os.lstat(parts[-1], dir_fd=folder).st_mode
+                if stat.S_ISREG(mode):
+                    return False
+                if stat.S_ISDIR(mode):
+                    try:
+                        os.rmdir(parts[-1], dir_fd=folder)  # a link is not a folder
+                    except OSError as exc:
+                        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                            return False
+                        raise
+                else:
+                    os.unlink(parts[-1], dir_fd=folder)
+                if self.durable:
+                    os.fsync(folder)
+                return True
+        except FileNotFoundError:
+            return False
+
     def sync_dir(self, parts: Parts) -> None:
         """fsync the folder `parts` (when durable), opened one folder at a time from the
         root as `_parent` opens them: never through a symbolic link."""

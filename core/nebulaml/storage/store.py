@@ -516,6 +516,16 @@ class Store:
             return
         self._call(parts, lambda: self._backend.remove(parts))
 
+    def clear_squatter(self, *parts: str) -> bool:
+        """On a local root, remove what another hand put at `parts` where nebula writes a
+        file of its own, if it is not a regular file (a FIFO, a symbolic link, an empty
+        folder): a create-only publish would take it for a file written first. Whether
+        it removed one; False elsewhere (an object store's name is always a blob)."""
+        backend = self._backend
+        if not isinstance(backend, LocalBackend):
+            return False
+        return self._call(parts, lambda: backend.clear_squatter(parts))
+
     def sync_folder(self, *parts: str) -> None:
         """Make what was removed from (or added to) the folder `parts` durable: on a local
         disk the folder is fsynced; object stores have nothing to do (a request that
