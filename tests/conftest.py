@@ -10,6 +10,7 @@ from pathlib import Path
 import azurite as azurite_server
 import pytest
 import shared_setup
+import warm
 from azurite import Azurite
 
 
@@ -17,6 +18,15 @@ from azurite import Azurite
 def root(tmp_path: Path) -> Path:
     """A persistent root on the local filesystem (not created: nebula creates it)."""
     return tmp_path / "persistent"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote(scratch_folder: str) -> Iterator[None]:
+    """Children of the suite's that run nebula and torch start warm (tests/warm.py): the
+    worker's zygote listens in its scratch folder, and ends with the worker."""
+    warm.place(scratch_folder)
+    yield
+    warm.stop()
 
 
 @pytest.fixture(scope="session")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import azurite as azurite_server
 import pytest
+import warm
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 
@@ -20,7 +20,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 def run_lora(tmp_path: Path, mb: int, *methods: str) -> dict[str, Any]:
     """`bench.py --workloads lora` at `mb` MB of state, one round of one timed save."""
     out = tmp_path / "lora.json"
-    done = subprocess.run(
+    done = warm.run(
         [sys.executable, str(BENCH), "--workloads", "lora", "--lora-mb", str(mb),
          "--lora-rounds", "1", "--lora-saves", "1", "--methods", *methods,
          "--work", str(tmp_path / "work"), "--json", str(out)],

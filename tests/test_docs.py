@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -194,7 +195,7 @@ def quickstart() -> str:
 
 
 def run(folder: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return warm.run(
         [sys.executable, *args], cwd=folder, env=env, capture_output=True, text=True, timeout=240
     )
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm
 from azurite import ACCOUNT, KEY, Azurite
 from typer.testing import CliRunner
 
@@ -46,7 +46,7 @@ os._exit(0)  # a crash: global_step4 stays in the memory tier only
 
 
 def crash_a_job(root: str, options: dict[str, str]) -> None:
-    subprocess.run([sys.executable, "-c", CRASHING_JOB, root, json.dumps(options)],
+    warm.run([sys.executable, "-c", CRASHING_JOB, root, json.dumps(options)],
                    check=True, timeout=120)  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import warm
 from azurite import Azurite
 from faultproxy import FaultProxy
 
@@ -60,7 +61,7 @@ def test_two_processes_racing_for_a_tag_one_commits(az_url: str, azure_env: Azur
     Store(az_url, options).make_dir()
     start_at = time.time() + 3.0  # both are connected and waiting by then
     racers = [
-        subprocess.Popen(
+        warm.Popen(
             [sys.executable, "-c", RACER, az_url, json.dumps(options), who, str(start_at)],
             stdout=subprocess.PIPE,
             text=True,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 import nebulaml as nm
 from nebulaml.storage.store import Store
@@ -32,7 +33,7 @@ def test_exit_persists_the_last_checkpoint_to_azure(
     az_url: str, memory_tier: Path, how: str, status: int
 ) -> None:
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
+    proc = warm.Popen(
         [sys.executable, str(CHILD), az_url, how],
         env=env,
         stdout=subprocess.PIPE,

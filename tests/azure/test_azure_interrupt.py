@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 from azurite import Azurite
 
 import nebulaml as nm
@@ -61,7 +62,7 @@ def test_ctrl_c_during_a_copy_to_azure_is_one_line_and_130(
         return blobs.get_blob_client(f"{prefix}/global_step1/{name}").exists()
 
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
+    proc = warm.Popen(
         [sys.executable, "-c", CLI, "copy", str(local_root), "global_step1", az_url, "--quiet"],
         env=env,
         stdout=subprocess.PIPE,

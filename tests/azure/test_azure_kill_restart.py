@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 from azurite import Azurite
 
 import nebulaml as nm
@@ -87,7 +88,7 @@ def test_azurite_killed_mid_persist_and_restarted(
     for var in ("AZURE_STORAGE_CONNECTION_STRING", "NEBULA_STORAGE_RETRIES"):
         env.pop(var, None)
     with open(tmp_path / "child.stderr", "w") as stderr:
-        proc = subprocess.Popen(
+        proc = warm.Popen(
             [sys.executable, str(CHILD), url, server.connection_string, str(SIZE_MB)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -10,11 +10,11 @@ from __future__ import annotations
 import base64
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm
 from azurite import Azurite
 
 import nebulaml as nm
@@ -79,7 +79,7 @@ def test_two_accounts_never_share_a_memory_tier(
 
     env = dict(os.environ, AZURE_STORAGE_CONNECTION_STRING=a,
                NEBULA_MEMORY_TIER_PATH=str(memory_tier))  # fmt: skip
-    job = subprocess.run([sys.executable, "-c", CRASHING_JOB, URL], env=env,
+    job = warm.run([sys.executable, "-c", CRASHING_JOB, URL], env=env,
                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert job.returncode == -signal.SIGKILL, job.stderr
     assert blobs(b) == []

@@ -7,12 +7,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm
 from cli_helpers import TAGS, in_a_pipe, populate
 
 import nebulaml as nm
@@ -223,7 +223,7 @@ def test_permission_denied_is_one_line_naming_the_path_once(
     }
     try:
         for path, args in cases.items():
-            out = subprocess.run([*exe, *args], capture_output=True, text=True, env=env,
+            out = warm.run([*exe, *args], capture_output=True, text=True, env=env,
                                  timeout=60)  # fmt: skip
             assert out.returncode == 1, out.stderr
             [line] = out.stderr.splitlines()

@@ -12,7 +12,6 @@ import errno
 import json
 import os
 import socket
-import subprocess
 import sys
 import uuid
 from collections import Counter
@@ -22,6 +21,7 @@ from typing import Any, ClassVar
 import fsspec
 import pytest
 import torch
+import warm
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 from typer.testing import CliRunner
@@ -309,14 +309,14 @@ def test_as_a_real_command(root: Path, tmp_path: Path, memory_tier: Path) -> Non
     nm.shutdown()  # the job ends: global_step2 persisted too
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier), COLUMNS="200")
     dest = tmp_path / "backup"
-    out = subprocess.run([EXE, "copy", str(root), "global_step1", str(dest)], capture_output=True,
+    out = warm.run([EXE, "copy", str(root), "global_step1", str(dest)], capture_output=True,
                          text=True, env=env, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"Copied global_step1 from the persistent tier {root} to {dest}")
     assert "verified and committed" in out.stdout
     assert out.stderr == ""  # off a terminal, progress lines only for a copy that takes a while
     assert_same_files(dest, 1)
-    out = subprocess.run([EXE, "copy", str(root), "--latest", str(dest), "--json"],
+    out = warm.run([EXE, "copy", str(root), "--latest", str(dest), "--json"],
                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm
 from typer.testing import CliRunner
 
 import nebulaml as nm
@@ -43,7 +43,7 @@ def env(memory_tier: Path) -> dict[str, str]:
 
 
 def crash_a_job(root: Path, memory_tier: Path) -> None:
-    subprocess.run([sys.executable, "-c", CRASHING_JOB, str(root)], env=env(memory_tier),
+    warm.run([sys.executable, "-c", CRASHING_JOB, str(root)], env=env(memory_tier),
                    check=True, timeout=60)  # fmt: skip
     tiers = {c["tag"]: c["tiers"] for c in nm.list_checkpoints(str(root))}
     assert tiers == {"global_step2": ["memory"], "global_step1": ["persistent"]}
@@ -79,10 +79,10 @@ def test_flush_persists_what_the_crashed_job_left(root: Path, memory_tier: Path)
 def test_flush_as_a_real_command(root: Path, memory_tier: Path) -> None:
     crash_a_job(root, memory_tier)
     run = [EXE, "flush", str(root)]
-    out = subprocess.run(run, capture_output=True, text=True, env=env(memory_tier), timeout=60)
+    out = warm.run(run, capture_output=True, text=True, env=env(memory_tier), timeout=60)
     assert out.returncode == 0, out.stderr
     assert (out.stdout, out.stderr) == (f"Persisted global_step2 to {root}\n", "")
-    out = subprocess.run(run, capture_output=True, text=True, env=env(memory_tier), timeout=60)
+    out = warm.run(run, capture_output=True, text=True, env=env(memory_tier), timeout=60)
     assert (out.returncode, out.stdout, out.stderr) == (0, "Nothing to flush\n", "")
     loaded = nm.get_checkpoint("global_step2", str(root)).load("model")
     assert torch.equal(loaded["w"], expected_w(2))

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 from typer.testing import CliRunner
 
 import nebulaml as nm
@@ -268,7 +268,7 @@ def test_table_and_summary_as_a_real_command(root: Path, memory_tier: Path) -> N
     # failures missing from the table, the summary missing.
     _populate(root)
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier), COLUMNS="200")
-    out = subprocess.run([NEBULA, "history", str(root)], capture_output=True, text=True,
+    out = warm.run([NEBULA, "history", str(root)], capture_output=True, text=True,
                          env=env, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
@@ -320,7 +320,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(root: Path, tmp_path: Pa
     # Catches: a traceback, a generic message, or a plot attempted after the table.
     _timed_history(root)
     png = tmp_path / "history.png"
-    out = subprocess.run(
+    out = warm.run(
         [sys.executable, "-c", _WITHOUT_MATPLOTLIB, "history", str(root), "--plot", str(png)],
         capture_output=True,
         text=True,

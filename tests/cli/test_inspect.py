@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+import warm
 from typer.testing import CliRunner
 
 import nebulaml as nm
@@ -136,14 +136,14 @@ def test_real_command_never_runs_the_pickle(root: Path, memory_tier: Path, tmp_p
     nm.flush_persistence()
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier), COLUMNS="120")
     exe = Path(sys.executable).parent / "nebula"
-    out = subprocess.run([exe, "inspect", str(root), "global_step1", "--item", "evil", "--json"],
+    out = warm.run([exe, "inspect", str(root), "global_step1", "--item", "evil", "--json"],
                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     entries = {e["path"]: e for e in json.loads(out.stdout)["entries"]}
     assert entries["x"]["value"] == f"<object {os.system.__module__}.system (not loaded)>"
     assert entries["w"]["shape"] == [3]
     assert not canary.exists()
-    table = subprocess.run([exe, "inspect", str(root), "global_step1", "--item", "evil"],
+    table = warm.run([exe, "inspect", str(root), "global_step1", "--item", "evil"],
                            capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
     assert table.returncode == 0 and "not loaded" in table.stdout and table.stderr == ""
     assert not canary.exists()

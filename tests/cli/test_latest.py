@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm
 from typer.testing import CliRunner
 
 import nebulaml as nm
@@ -96,11 +96,11 @@ def test_a_real_shell_substitution_loads_the_latest_item(root: Path, memory_tier
         f"print(torch.load(sys.argv[1], weights_only=True)['w'][0].item())\" "
         f'"$("{exe}" latest "{root}" --path model)"'
     )
-    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env,
+    out = warm.run(["bash", "-c", script], capture_output=True, text=True, env=env,
                          timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout == "200.0\n"
-    missing = subprocess.run([exe, "latest", str(root / "nope")], capture_output=True, text=True,
+    missing = warm.run([exe, "latest", str(root / "nope")], capture_output=True, text=True,
                              env=env, timeout=60)  # fmt: skip
     assert missing.returncode == 3 and missing.stdout == ""
     assert missing.stderr.startswith("nebula: error: ") and "Traceback" not in missing.stderr

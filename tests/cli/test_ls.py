@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm
 from typer.testing import CliRunner
 
 import nebulaml as nm
@@ -59,7 +59,7 @@ def test_ls_table_as_a_real_command(root: Path, memory_tier: Path) -> None:
     _populate(root)
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier), COLUMNS="120")
     exe = Path(sys.executable).parent / "nebula"
-    out = subprocess.run([exe, "ls", str(root)], capture_output=True, text=True, env=env,
+    out = warm.run([exe, "ls", str(root)], capture_output=True, text=True, env=env,
                          timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
@@ -172,7 +172,7 @@ def test_an_azure_root_without_credentials_says_one_line(memory_tier: Path, verb
     args = ["verify", "az://ckpt/run1", "--storage-option", "account_name=devstoreaccount1",
             "--storage-option", "account_url=https://127.0.0.1:9/devstoreaccount1",
             *(["--verbose"] if verbose else [])]  # fmt: skip
-    out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=60,
+    out = warm.run([exe, *args], capture_output=True, text=True, timeout=60,
                          env=_no_credential_env(memory_tier))  # fmt: skip
     assert out.returncode == 1 and out.stdout == ""
     lines = out.stderr.splitlines()
@@ -181,6 +181,6 @@ def test_an_azure_root_without_credentials_says_one_line(memory_tier: Path, verb
         assert any("Attempted credentials" in line for line in lines[:-1]), out.stderr
     else:
         assert lines == lines[-1:], out.stderr
-    ls = subprocess.run([exe, "ls", *args[1:6]], capture_output=True, text=True, timeout=60,
+    ls = warm.run([exe, "ls", *args[1:6]], capture_output=True, text=True, timeout=60,
                         env=_no_credential_env(memory_tier))  # fmt: skip
     assert ls.returncode == 1 and len(ls.stderr.splitlines()) == 1, ls.stderr

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 from cli_helpers import on_a_terminal
 from typer.testing import CliRunner
 
@@ -84,7 +85,7 @@ def killed_job(memory_tier: Path) -> Iterator[Callable[..., subprocess.Popen[str
     def start(root: Path, first: int = 1) -> subprocess.Popen[str]:
         env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier))
         cmd = [sys.executable, "-c", KILLED_JOB, str(root), str(first)]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+        proc = warm.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
         started.append(proc)
         assert proc.stdout is not None and proc.stdout.readline() == "committed\n"
         return proc

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm
 from cli_helpers import EXE, in_a_pipe
 
 import nebulaml as nm
@@ -113,7 +113,7 @@ def test_a_quick_operation_in_a_pipe_prints_no_progress(big: Path) -> None:
 def test_flush_reports_progress(root: Path, memory_tier: Path, every_report: None) -> None:
     # main: `flush` said nothing until it was done.
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier))
-    subprocess.run([sys.executable, "-c", CRASHING_JOB, str(root)], env=env, check=True,
+    warm.run([sys.executable, "-c", CRASHING_JOB, str(root)], env=env, check=True,
                    timeout=60)  # fmt: skip
     run = in_a_pipe("flush", str(root))
     assert run.code == 0, run.stderr
@@ -149,7 +149,7 @@ def test_each_retry_is_a_line_and_quiet_hides_them(command: str) -> None:
     env = dict(os.environ, NEBULA_STORAGE_RETRIES="2", NEBULA_STORAGE_RETRY_BASE_S="0.01",
                NEBULA_STORAGE_RETRY_MAX_S="0.02")  # fmt: skip
     args = [EXE, command, "az://container/run1", "--storage-option", UNREACHABLE]
-    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    out = warm.run(args, capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 1 and out.stdout == ""
     lines = out.stderr.splitlines()
     retries = [line for line in lines if line.startswith("nebula: retrying: az://container/run1")]
@@ -157,7 +157,7 @@ def test_each_retry_is_a_line_and_quiet_hides_them(command: str) -> None:
     assert retries[0].endswith("retry 1 of 2 in 0.01 s") or "retry 1 of 2" in retries[0]
     assert lines[-1].startswith("nebula: error: ") and "Eby8vdM02" not in out.stderr
     if command == "verify":
-        quiet = subprocess.run([*args, "--quiet"], capture_output=True, text=True, env=env,
+        quiet = warm.run([*args, "--quiet"], capture_output=True, text=True, env=env,
                                timeout=120)  # fmt: skip
         assert quiet.returncode == 1
         assert quiet.stderr.splitlines() == [lines[-1]]

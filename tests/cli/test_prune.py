@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 from typer.testing import CliRunner
 
 import nebulaml as nm
@@ -62,7 +63,7 @@ def leftover(root: Path, tag: str, pid: int, host: str | None = None) -> Path:
 
 
 def dead_pid() -> int:
-    out = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+    out = warm.run([sys.executable, "-c", "import os; print(os.getpid())"],
                          capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
     return int(out.stdout)
 
@@ -225,7 +226,7 @@ def _env(memory_tier: Path) -> dict[str, str]:
 
 def test_as_a_real_command(root: Path, memory_tier: Path) -> None:
     populate(root, steps=3)
-    out = subprocess.run([EXE, "prune", str(root), "--keep", "2", "--yes"], capture_output=True,
+    out = warm.run([EXE, "prune", str(root), "--keep", "2", "--yes"], capture_output=True,
                          text=True, env=_env(memory_tier), timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
@@ -239,7 +240,7 @@ def test_asks_on_a_terminal(root: Path, memory_tier: Path, answer: str, code: in
     populate(root, steps=2)
     master, slave = pty.openpty()
     try:
-        proc = subprocess.Popen([EXE, "prune", str(root), "--keep", "1", "--json"], stdin=slave,
+        proc = warm.Popen([EXE, "prune", str(root), "--keep", "1", "--json"], stdin=slave,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=_env(memory_tier))  # fmt: skip
         os.close(slave)
@@ -282,7 +283,7 @@ def test_ctrl_c_at_the_prompt_is_an_interruption(
     populate(root, steps=2)
     master, slave = pty.openpty()
     try:
-        proc = subprocess.Popen([EXE, "prune", str(root), "--keep", "1"], stdin=slave,
+        proc = warm.Popen([EXE, "prune", str(root), "--keep", "1"], stdin=slave,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=_env(memory_tier))  # fmt: skip
         os.close(slave)

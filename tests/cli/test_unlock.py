@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 from cli_helpers import in_a_pipe
 
 import nebulaml as nm
@@ -84,7 +85,7 @@ def test_a_job_running_on_this_host_is_not_unlocked_without_force(
         "print('READY', flush=True)\n"
         "time.sleep(120)\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = warm.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "READY"
         before = _holds(root)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm
 from typer.testing import CliRunner
 
 import nebulaml as nm
@@ -135,7 +136,7 @@ def test_real_command_table_and_exit_1(root: Path, memory_tier: Path) -> None:
     _flip_byte(memory / "optimizer")
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier), COLUMNS="200")
     exe = Path(sys.executable).parent / "nebula"
-    out = subprocess.run([exe, "verify", str(root)], capture_output=True, text=True, env=env,
+    out = warm.run([exe, "verify", str(root)], capture_output=True, text=True, env=env,
                          timeout=60)  # fmt: skip
     assert out.returncode == 1
     assert out.stdout.count(" ok ") == 5 and out.stdout.count("corrupt") == 1
@@ -153,7 +154,7 @@ def test_progress_goes_to_a_terminal_stderr_never_to_stdout(root: Path, memory_t
     exe = Path(sys.executable).parent / "nebula"
     primary, secondary = pty.openpty()
     try:
-        proc = subprocess.Popen([exe, "verify", str(root), "--json"], stdout=subprocess.PIPE,
+        proc = warm.Popen([exe, "verify", str(root), "--json"], stdout=subprocess.PIPE,
                                 stderr=secondary, env=env)  # fmt: skip
         os.close(secondary)
         stdout, _ = proc.communicate(timeout=60)

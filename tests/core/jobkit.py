@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import warm
 from children.crashkit import Child
 
 JOBS_CHILD = Path(__file__).parent / "children" / "jobs_child.py"
@@ -22,7 +23,7 @@ class JobChild(Child):
     def __init__(self, scenario: str, *args: object, env: dict[str, str], stderr_path: Path):
         self._stderr_path = stderr_path
         with open(stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(
+            self.proc = warm.Popen(
                 [sys.executable, str(JOBS_CHILD), scenario, *map(str, args)],
                 stdout=subprocess.PIPE,
                 stderr=err,

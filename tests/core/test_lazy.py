@@ -10,7 +10,6 @@ an exit that drops a queued snapshot.
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
 import textwrap
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 import nebulaml as nm
 from nebulaml.runtime import session as nm_session
@@ -102,7 +102,7 @@ def test_lazy_saves_queued_at_exit_are_committed_and_persisted(tmp_path: Path) -
             nm.Checkpoint(f"global_step{{step}}").save("model", {{"w": torch.full((10,), step)}})
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = warm.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert (root / "global_step3" / "manifest.json").exists()
     nm.init(str(root))

@@ -13,7 +13,6 @@ import contextlib
 import json
 import re
 import socket
-import subprocess
 import sys
 import threading
 import uuid
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm
 from typer.testing import CliRunner
 
 import nebulaml as nm
@@ -72,7 +72,7 @@ def this_host() -> str:
 
 
 def dead_pid() -> int:
-    out = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+    out = warm.run([sys.executable, "-c", "import os; print(os.getpid())"],
                          capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
     return int(out.stdout)
 
@@ -446,12 +446,11 @@ def test_a_zombie_is_not_a_live_process() -> None:
     """Found by the elastic campaign: a SIGKILLed rank torchrun had not reaped yet still
     counted as the live writer of its tag, and the survivor's exit persist was refused
     ("being written by pid ...")."""
-    import subprocess
     import time as time_
 
     from nebulaml.protocol.leases import process_alive
 
-    child = subprocess.Popen(["sleep", "0.05"])
+    child = warm.Popen(["sleep", "0.05"])
     try:
         deadline = time_.monotonic() + 10
         while process_alive(child.pid):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 from children import crashkit
 from children.crashkit import committed_tags
 from typer.testing import CliRunner
@@ -129,7 +130,7 @@ def test_verify_fails_when_two_tiers_hold_other_bytes_under_one_tag(
 ) -> None:
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier))
     command = [sys.executable, "-c", RESAVED_THEN_KILLED, str(root)]
-    job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    job = warm.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert job.returncode == -signal.SIGKILL, job.stderr
     results = nm.verify_checkpoints(str(root), "global_step5")
     assert [r["status"] for r in results] == ["ok", "ok", "differs"]
@@ -189,7 +190,7 @@ def test_a_clean_exit_keeps_what_another_process_is_reading(root: Path, reader: 
     nm.Checkpoint("global_step1").save("model", {"w": torch.full((4,), 2.0)})
     nm.flush_persistence()
     folder = Path(nm.memory_tier_path())
-    child = subprocess.Popen(
+    child = warm.Popen(
         [sys.executable, "-c", READS_AND_WAITS[reader], str(folder), str(root)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

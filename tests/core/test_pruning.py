@@ -13,12 +13,12 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 import nebulaml as nm
 from nebulaml.ops.pruning import Leftover, PruneDecision, PruneListing, plan_prune
@@ -177,7 +177,7 @@ def leftover(root: Path, tag: str, host: str, pid: int) -> Path:
 
 
 def dead_pid() -> int:
-    out = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+    out = warm.run([sys.executable, "-c", "import os; print(os.getpid())"],
                          capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
     return int(out.stdout)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+
+import warm
 import sys
 import time
 from pathlib import Path
@@ -48,7 +50,7 @@ def _run(
             OMP_NUM_THREADS="1",
         )
         procs.append(
-            subprocess.Popen(
+            warm.Popen(
                 [sys.executable, str(child), scenario, str(root), str(port)],
                 env=env,
                 stdout=subprocess.PIPE,

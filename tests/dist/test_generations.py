@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+
+import warm
 import sys
 from pathlib import Path
 
@@ -31,7 +33,7 @@ def _torchrun(root: Path, outdir: Path, nodes: int) -> subprocess.CompletedProce
         "--standalone", "--max-restarts", "1", "--monitor-interval", "0.5",
         str(CHILD), str(root), str(outdir), str(nodes),
     ]  # fmt: skip
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+    return warm.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
 def _restarts(tag_dir: Path) -> set[int]:

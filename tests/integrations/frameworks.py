@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import warm
 from rendezvous import rendezvous
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,7 +94,7 @@ def _run_ranks(
             LOCAL_WORLD_SIZE=str(world_size),
         )
         procs.append(
-            subprocess.Popen(
+            warm.Popen(
                 argv,
                 env=rank_env,
                 cwd=REPO,
@@ -117,7 +118,7 @@ def _run_ranks(
 
 
 def run_script(argv: list[str], env: dict[str, str], *, timeout_s: float = 240) -> Finished:
-    done = subprocess.run(
+    done = warm.run(
         [sys.executable, *argv],
         env=env,
         cwd=REPO,

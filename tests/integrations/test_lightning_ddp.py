@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import warm
 from frameworks import REPO, require
 from rendezvous import rendezvous
 
@@ -45,7 +46,7 @@ def _run(
 
 
 def _launch(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return warm.run(
         [sys.executable, *argv],
         env=env,
         cwd=REPO,

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm
 from frameworks import REPO, Finished, child_env, require, run_ranks
 
 import nebulaml as nm
@@ -68,7 +69,7 @@ def _spec(tmp_path: Path, run: str, root: str, **kwargs: Any) -> dict[str, Any]:
 def _children(mode: str, specs: list[Any], env: dict[str, str]) -> list[Finished]:
     """Run one child per spec, at the same time; wait for all."""
     procs = [
-        subprocess.Popen(
+        warm.Popen(
             [sys.executable, str(CHILD), mode, json.dumps(spec)],
             env=env,
             cwd=REPO,

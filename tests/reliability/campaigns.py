@@ -329,6 +329,8 @@ def crash_campaign(work: Path, kills: int, seed: int = 0, *, lazy: bool = False)
     import subprocess
     import sys
 
+    import warm
+
     figures = Figures("crash (lazy)" if lazy else "crash")
     rng = random.Random(seed)
     work.mkdir(parents=True, exist_ok=True)
@@ -339,7 +341,7 @@ def crash_campaign(work: Path, kills: int, seed: int = 0, *, lazy: bool = False)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for kill in range(kills):
         point = KILL_POINTS[kill % len(KILL_POINTS)]
-        proc = subprocess.Popen(
+        proc = warm.Popen(
             [sys.executable, "-W", "ignore", str(script), str(root), str(journal), point,
              str(rng.randint(1, 3)), "lazy" if lazy else "sync"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

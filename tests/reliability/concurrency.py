@@ -284,6 +284,8 @@ def _watch(actor: Actor, stop: threading.Event) -> None:
 def concurrency_campaign(work: Path, rounds: int, seed: int = 0) -> Figures:
     """`rounds` saves by a training child while another child and threads here load and
     prune the same root; see the module docstring for what is checked."""
+    import warm  # tests/: the campaign's side only (its children run this module)
+
     work.mkdir(parents=True, exist_ok=True)
     root, stop_file = str(work / "root"), work / "stop"
     # One node: both children and this process see the same memory tier.
@@ -294,7 +296,7 @@ def concurrency_campaign(work: Path, rounds: int, seed: int = 0) -> Figures:
     def child(role: str, *args: object) -> subprocess.Popen[bytes]:
         with open(work / f"{role}.stderr", "wb") as err:
             command = [sys.executable, "-W", "ignore", __file__, role, root, *map(str, args)]
-            return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err)
+            return warm.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err)
 
     saver = child("saver", rounds, seed + 1, work / "saver.json")
     reader = child("reader", seed + 2, stop_file, work / "reader.json")

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+import warm
 from campaigns import Figures
 from elastic_worker import check_loaded
 
@@ -304,7 +305,7 @@ def run_job(job: Job) -> int | None:
         str(WORKER), str(job.root), str(job.journals), str(MAX_STEP), str(PAUSE_S),
     ]  # fmt: skip
     with open(job.log, "wb") as out:
-        job.proc = subprocess.Popen(argv, env=_env(job), stdout=out, stderr=subprocess.STDOUT)
+        job.proc = warm.Popen(argv, env=_env(job), stdout=out, stderr=subprocess.STDOUT)
         killer = threading.Thread(target=_killer, args=(job,), name=f"killer-{job.name}")
         killer.start()
         try:

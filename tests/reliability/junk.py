@@ -22,6 +22,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import warm
 from campaigns import Figures
 
 TIMEOUT_S = 120.0  # a child or a command that takes longer has hung
@@ -101,7 +102,7 @@ def _command(args: list[str], env: dict[str, str]) -> tuple[int | None, str]:
     """(exit code or None if it hung, stderr) of `nebula ARGS`."""
     nebula = [str(Path(sys.executable).with_name("nebula"))]
     try:
-        done = subprocess.run([*nebula, *args], capture_output=True, env=env,
+        done = warm.run([*nebula, *args], capture_output=True, env=env,
                               timeout=TIMEOUT_S, check=False)  # fmt: skip
     except subprocess.TimeoutExpired:
         return None, ""
@@ -125,7 +126,7 @@ def junk_campaign(work: Path, rounds: int, seed: int = 29) -> Figures:
         root, journal = work / f"root{round_}", work / f"journal{round_}"
         root.mkdir(parents=True)
         steps = rng.randint(6, 12)
-        child = subprocess.Popen(
+        child = warm.Popen(
             [sys.executable, "-c", JOB, str(root), str(steps), str(journal)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
@@ -168,7 +169,7 @@ def _check_root(root: Path, acked: list[int], figures: Figures, round_: int,
         "print(latest.tag.removeprefix('global_step') if latest else 0, "
         "float(latest.load('model')['w'][0]) if latest else 0)\n"
     )
-    done = subprocess.run([sys.executable, "-c", check, str(root)], capture_output=True,
+    done = warm.run([sys.executable, "-c", check, str(root)], capture_output=True,
                           text=True, env=env, timeout=TIMEOUT_S, check=False)  # fmt: skip
     try:
         step, value = done.stdout.split()

@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import warm
 from campaigns import Figures
 
 import nebulaml as nm
@@ -101,7 +102,7 @@ class _Disk:
         self.where = where
         where.mkdir(parents=True, exist_ok=True)
         mount = ["mount", "-t", "tmpfs", "-o", f"size={DISK_MB << 20}", "tmpfs", str(where)]
-        done = subprocess.run(mount, capture_output=True, text=True, check=False)
+        done = warm.run(mount, capture_output=True, text=True, check=False)
         self.mounted = done.returncode == 0
         self.why = done.stderr.strip()
         self.filler = where / "filler"
@@ -122,7 +123,7 @@ class _Disk:
 
     def close(self) -> None:
         if self.mounted:
-            subprocess.run(["umount", "-l", str(self.where)], check=False)
+            warm.run(["umount", "-l", str(self.where)], check=False)
 
 
 class _Store:
@@ -213,7 +214,7 @@ def _round(
         env.update(store.env())
     begin = rng.randint(3, steps // 3)
     end = min(steps - 2, begin + rng.randint(5, steps // 2))
-    child = subprocess.Popen(
+    child = warm.Popen(
         [sys.executable, "-c", TRAINER, root, str(journal), str(steps)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip

@@ -20,6 +20,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+# tests/: the campaigns start their children through tests/warm.py (cold here: no zygote)
+sys.path.insert(1, str(Path(__file__).parents[1]))
 
 from campaigns import Figures, corruption_campaign, crash_campaign, hostile_pickle_campaign
 from clock_steps import clock_steps_campaign

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+import warm
 from campaigns import Figures
 
 import nebulaml as nm
@@ -39,7 +39,7 @@ for step in range(1, steps + 1):
 
 
 def _run(root: Path, run: int, steps: int, kill_after: int, env: dict[str, str]) -> tuple:
-    done = subprocess.run(
+    done = warm.run(
         [sys.executable, "-c", JOB, str(root), str(run), str(steps), str(kill_after)],
         capture_output=True, text=True, env=env, timeout=300, check=False,
     )  # fmt: skip

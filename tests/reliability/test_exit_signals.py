@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 import nebulaml as nm
 
@@ -50,7 +51,7 @@ def test_pending_checkpoint_is_persisted_on_every_kind_of_exit(
     script.write_text(CHILD)
     root = tmp_path / "root"
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
+    proc = warm.Popen(
         [sys.executable, str(script), str(root), how],
         env=env,
         stdout=subprocess.PIPE,
@@ -85,7 +86,7 @@ def test_an_application_sigterm_handler_is_left_alone(tmp_path: Path, memory_tie
         "print(signal.getsignal(signal.SIGTERM) is handler)\n"
     )
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier))
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "root")], env=env,
+    out = warm.run([sys.executable, str(script), str(tmp_path / "root")], env=env,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
 
@@ -102,7 +103,7 @@ def test_a_second_signal_during_the_exit_persist_does_not_lose_the_checkpoint(
     root = tmp_path / "root"
     numel = 32 << 20
     env = dict(os.environ, NEBULA_MEMORY_TIER_PATH=str(memory_tier), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
+    proc = warm.Popen(
         [sys.executable, str(script), str(root), "sigterm", str(numel)],
         env=env,
         stdout=subprocess.PIPE,

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import warm
 from campaigns import Figures, _digest_of
 
 import nebulaml as nm
@@ -95,7 +96,7 @@ class Trainer:
                  interval: float = 0.2, pause: float = 0.01) -> None:  # fmt: skip
         self.journal, self.out_path = journal, out
         self._out = open(out, "wb")  # noqa: SIM115 - closed by wait()/kill()
-        self.proc = subprocess.Popen(
+        self.proc = warm.Popen(
             [sys.executable, "-W", "ignore", str(script), str(root), str(journal),
              str(interval), str(pause)],
             env=env, stdout=self._out, stderr=subprocess.STDOUT,

@@ -252,9 +252,11 @@ class Child:
     """
 
     def __init__(self, scenario: str, *args: object, env: dict[str, str], stderr_path: Path):
+        import warm  # tests/: the test's side only (the children import this module too)
+
         self._stderr_path = stderr_path
         with open(stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(
+            self.proc = warm.Popen(
                 [sys.executable, str(CHILD_SCRIPT), scenario, *map(str, args)],
                 stdout=subprocess.PIPE,
                 stderr=err,
