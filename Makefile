@@ -18,9 +18,11 @@ AZURITE_COPY := .azurite-$(AZURITE_COPY_VERSION)/node_modules/.bin/azurite-blob
 # The suite runs in parallel workers (pytest-xdist): each starts with an even share of the
 # tests, in the order they are collected, and a worker that runs out takes half of the
 # longest queue. 2 workers on 2 cores: the suite is bound by CPU (child processes that
-# import torch and the frameworks), and more workers only add contention (rank timeouts
+# run torch and the frameworks), and more workers only add contention (rank timeouts
 # under load). What several tests share (a built wheel, a DeepSpeed job) is made once for
-# the run: tests/shared_setup.py.
+# the run: tests/shared_setup.py. The children that run nebula and torch start warm,
+# forked from a process per worker that imported torch once (tests/warm.py);
+# NEBULA_TESTS_COLD=1 starts each as a real `python` instead.
 WORKERS ?= 2
 PYTEST  := $(PY) -m pytest -n $(WORKERS) --dist worksteal
 
@@ -78,7 +80,7 @@ test: venv $(AZURITE) $(AZURITE_COPY)
 		wait; cat $(TYPES_LOG); grep -q '^mypy exit 0 ' $(TYPES_LOG) || rc=1; \
 		echo "pytest and mypy: $$(( $$(date +%s) - start )) s"; exit $$rc
 
-# The fast loop for developers (about 3 minutes on a quiet 2-core machine): ruff and the
+# The fast loop for developers (about 2.5 minutes on a quiet 2-core machine): ruff and the
 # tests not marked slow. make test and CI run everything.
 check: venv $(AZURITE) $(AZURITE_COPY)
 	$(VENV)/bin/ruff check .

@@ -368,7 +368,8 @@ def _serve(path: str) -> dict[str, Any]:
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
-    while not stopping:
+    parent = os.getppid()
+    while not stopping and os.getppid() == parent:  # a worker that died ends its zygote
         for key, _ in sel.select(timeout=1.0):
             if key.fileobj == wake_r:
                 with contextlib.suppress(BlockingIOError):
