@@ -117,8 +117,8 @@ def stop() -> None:
     ZYGOTE.stop()
 
 
-def _python_args(args: Any) -> list[str] | None:
-    """`args` less the interpreter, if it runs this interpreter as the zygote can."""
+def _python_spec(args: Any) -> dict[str, Any] | None:
+    """What `args` runs (`_parse`), if it runs this interpreter as the zygote can."""
     if isinstance(args, (str, bytes, os.PathLike)):
         return None
     args = [os.fspath(a) for a in args]
@@ -126,7 +126,7 @@ def _python_args(args: Any) -> list[str] | None:
         return None
     if os.path.realpath(args[0]) != os.path.realpath(sys.executable) and args[0] != sys.executable:
         return None
-    return _parse(args[1:]) and args[1:]
+    return _parse(args[1:])
 
 
 def _parse(args: list[str]) -> dict[str, Any] | None:
@@ -200,8 +200,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
     ) -> None:
         restore_signals, gid, gids, uid, umask, start_new_session = rest[:6]
         process_group = rest[6] if len(rest) > 6 else -1
-        path = ZYGOTE.ready()
-        python = None if shell or executable is not None else _python_args(args)
+        spec = None if shell or executable is not None else _python_spec(args)
         child_env = dict(os.environ if env is None else env)
         plain = (
             preexec_fn is None
@@ -212,7 +211,9 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
             and restore_signals
         )
         conn = None
-        if path is not None and python is not None and plain and _env_fits(child_env):
+        # The zygote is started (on first use) only for a launch it can take.
+        path = ZYGOTE.ready() if spec is not None and plain else None
+        if path is not None and _env_fits(child_env):
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 conn.connect(path)
@@ -228,7 +229,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
             return
         # str keys and values only, as os.environ takes them
         doc = {
-            "args": python,
+            "spec": spec,
             "env": {os.fsdecode(k): os.fsdecode(v) for k, v in child_env.items()},
             "cwd": os.fsdecode(cwd) if cwd is not None else os.getcwd(),
             "session": bool(start_new_session),
@@ -298,15 +299,12 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
 
 def _read_doc(conn: socket.socket) -> dict[str, Any]:
     """One length-prefixed JSON document from `conn` (BlockingIOError if none is there
-    yet on a non-blocking socket; ValueError if the connection closed)."""
-    header = conn.recv(4, socket.MSG_PEEK)
-    if len(header) < 4:
-        if not header:
-            raise ValueError("closed")
-        conn.setblocking(True)
-    header = _read_exactly(conn, 4)
-    (size,) = struct.unpack("!I", header)
+    yet on a non-blocking socket; ValueError if the connection closed). Once its first
+    byte is there, the rest is waited for."""
+    if not conn.recv(1, socket.MSG_PEEK):
+        raise ValueError("closed")
     conn.setblocking(True)
+    (size,) = struct.unpack("!I", _read_exactly(conn, 4))
     return json.loads(_read_exactly(conn, size))
 
 
@@ -430,11 +428,8 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
         raise ValueError("short request")
     (size,) = struct.unpack("!I", msg[:4])
     data = msg[4:]
-    while len(data) < size:
-        part = conn.recv(size - len(data))
-        if not part:
-            raise ValueError("short request")
-        data += part
+    if len(data) < size:
+        data += _read_exactly(conn, size - len(data))
     if len(fds) != 3:
         raise ValueError(f"{len(fds)} descriptors, not 3")
     return json.loads(data), list(fds)
@@ -457,8 +452,7 @@ def _become(doc: dict[str, Any], fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(doc["env"])
     os.chdir(doc["cwd"])
-    spec = _parse(doc["args"])
-    assert spec is not None
+    spec = doc["spec"]
     unbuffered = spec["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdin = sys.__stdin__ = _stream(0, unbuffered=False)
     sys.stdout = sys.__stdout__ = _stream(1, unbuffered=unbuffered)
@@ -497,8 +491,7 @@ def _run_child(doc: dict[str, Any]) -> None:
     import runpy
     import types
 
-    spec = _parse(doc["args"])
-    assert spec is not None
+    spec = doc["spec"]
     sys.argv[:] = spec["argv"]
     if spec["mode"] == "-c":
         sys.path[0] = ""
