@@ -192,6 +192,7 @@ def test_acts_on_root_not_on_its_memory_tier(root: Path, memory_tier: Path) -> N
         nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.ones(4)})
         nm.flush_persistence()
     nm.Checkpoint("global_step3").save("model", {"w": torch.ones(4)})  # memory tier only
+    nm.list_checkpoints()  # the job's listing: after its commit's eviction (its own thread)
     memory_before = tree(memory_tier)
     code, out, err = prune(str(root), "--keep", "1", "--yes", "--json")
     assert code == 0, err

@@ -20,6 +20,7 @@ from nebulaml.protocol.catalog import read_committed
 from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.history import HISTORY_FILE
 from nebulaml.protocol.transfer import copy_checkpoint as commit_copy
+from nebulaml.runtime import session
 from nebulaml.storage.store import Store
 
 STATE = {"w": torch.arange(50_000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.float64)}
@@ -35,6 +36,9 @@ def populate(root: Path) -> None:
     ckpt = nm.Checkpoint("global_step2", 2)
     ckpt.save("model", STATE)
     ckpt.save("optimizer", {"lr": 0.25})
+    live = session.live()
+    assert live is not None
+    live.persister.settle_eviction()  # global_step2's eviction of 1 runs on its own thread
 
 
 def assert_loads(root: str, tag: str, lr: float) -> None:

@@ -167,6 +167,7 @@ def test_a_queued_labelled_checkpoint_stays_in_the_memory_tier(
     persister = current("test").persister
     assert "global_step200" in persister.protected()
     assert "global_step300" not in persister.protected()
+    persister.settle_eviction()  # 400's eviction runs on its own thread
     assert _memory_tags() == ["global_step100", "global_step200", "global_step400"]
     gate.set()
     nm.shutdown()

@@ -20,6 +20,9 @@ def _tags(path: Path) -> list[str]:
 
 
 def _memory_tags() -> list[str]:
+    """The memory tier's checkpoints once the last commit's eviction (on its own thread)
+    has run."""
+    current("test").persister.settle_eviction()
     return [info.tag for info in list_committed(current("test").tiers.memory)]
 
 
@@ -87,6 +90,8 @@ def test_memory_only_retention(tmp_path: Path, monkeypatch) -> None:
     nm.init(num_of_version_in_retention=2)
     for step in range(1, 5):
         nm.Checkpoint(f"global_step{step}").save("m", {"v": step})
+    # The job's own listing, right after its save, sees what retention keeps.
+    assert [c["tag"] for c in nm.list_checkpoints()] == ["global_step4", "global_step3"]
     assert _memory_tags() == ["global_step3", "global_step4"]
 
 

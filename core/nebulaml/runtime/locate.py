@@ -48,15 +48,20 @@ log = logging.getLogger("nebulaml")
 def tiers_for(persist_path: PathLike | None, what: str) -> TierSet:
     """The tiers of `persist_path` on this node, or of the session when it is None
     (`NotInitializedError` names `what` if there is none). The live session's own tiers
-    when `persist_path` is its persistent root. Package-internal."""
+    when `persist_path` is its persistent root, after its last commit's eviction of the
+    copies it superseded (which runs on a thread of its own: a listing by this process
+    right after a save sees what retention keeps). Package-internal."""
     if persist_path is None:
-        return _session.current(what).tiers
+        live = _session.current(what)
+        live.persister.settle_eviction()  # this process reads its tiers as of its commits
+        return live.tiers
     live = _session.current_or_none()
     options: dict[str, Any] = {}
     if live is not None:
         options = dict(live.config.storage_options)
         persistent = live.tiers.persistent
         if persistent is not None and Store(persist_path, options).location == persistent.location:
+            live.persister.settle_eviction()
             return live.tiers
     return open_tiers(persist_path, options)
 

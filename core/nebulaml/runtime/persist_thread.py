@@ -75,6 +75,8 @@ class PersistThread:
     _removing: str | None
     _saving: set[str]
     _evicting: set[str]
+    _evict_due: bool
+    _evict_lock: threading.Lock
     watch: OutageWatch
     _cond: threading.Condition
     _retention_lock: threading.Lock
@@ -205,6 +207,20 @@ class PersistThread:
                 with self._cond:
                     self._evicting.discard(tag)
                     self._cond.notify_all()
+
+    def _evict_if_due(self) -> None:
+        """The eviction a commit asked for (`Persister.notify_committed`), once: on the
+        eviction thread (crew.EVICT_CREW), or on the training thread at its next save
+        (`settle_eviction`), whichever comes first; the other waits for it."""
+        with self._evict_lock:
+            with self._cond:
+                if not self._evict_due:
+                    return
+                self._evict_due = False
+            try:
+                self.evict_memory()
+            except NebulaError as exc:
+                log.warning("could not evict old memory-tier copies: %s", exc)
 
     def _superseded(self, tag: str) -> bool:
         """Whether the persistent tier holds `tag`, or a newer checkpoint, committed, as

@@ -20,7 +20,7 @@ outage like any other.
 This module holds the queue (pending, forced, labelled, followers' candidates) and what
 the training thread and the operators' calls do with it; persist_thread.py the thread that
 works it (the two are one state machine under one lock). May import: every layer below
-runtime, and runtime.outage, persist_thread, ranks, slots, upkeep. Not for: the thread
+runtime, and runtime.crew, outage, persist_thread, ranks, slots, upkeep. Not for: the thread
 (persist_thread.py), one persist's copy (persist_step.py), retention and the history
 (upkeep.py), the commit protocol itself (commit.py) or process-wide state (session.py).
 """
@@ -40,6 +40,7 @@ from nebulaml.protocol.memory_tier import write_removals
 from nebulaml.protocol.retention import Version
 from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet
+from nebulaml.runtime.crew import EVICT_CREW
 from nebulaml.runtime.outage import OutageWatch
 from nebulaml.runtime.persist_thread import Connect, PersistThread
 from nebulaml.runtime.ranks import RankInfo
@@ -126,6 +127,10 @@ class Persister(PersistThread):
         self._saving: set[str] = set()
         self._evicting: set[str] = set()
         self._retention_lock = threading.Lock()  # the thread and a streamed commit apply it
+        # A commit's eviction of the copies it superseded: asked for by `notify_committed`,
+        # run by the eviction thread or by the next save (`settle_eviction`), once.
+        self._evict_due = False
+        self._evict_lock = threading.Lock()
         # What the persistent tier holds committed, with each one's order and labels, as
         # read once (upkeep.retire): retention reads only the manifests it has not read.
         self._retained: dict[str, Version] = {}
@@ -185,8 +190,22 @@ class Persister(PersistThread):
                         self._pending = tag
                     elif tag not in self._forced:
                         self._forced.append(tag)
+            # The copies this commit supersedes are evicted on the eviction thread, not
+            # here: the save returns without waiting for their deletion (a persist in
+            # flight does not hold it up either); the next save settles it first.
+            self._evict_due = True
             self._cond.notify_all()
-        self.evict_memory()
+        try:
+            EVICT_CREW.submit(self._evict_if_due)
+        except RuntimeError:  # interpreter exit: no thread for it
+            self._evict_if_due()
+
+    def settle_eviction(self) -> None:
+        """Run the eviction a commit asked for, if the thread has not yet (or wait while
+        it runs it): a save calls this before it takes its buffers, so that it finds the
+        memory tier, its budget and the slot pool as if the eviction had run at the
+        commit. A failure is warned about; the copy stays for the next eviction."""
+        self._evict_if_due()  # under the eviction's lock: one running is waited for
 
     def notify_streamed(self, tag: str, row: HistoryRow, *, leader: int = 0) -> None:
         """A tag too large for the memory budget was committed straight to the persistent
@@ -314,6 +333,7 @@ class Persister(PersistThread):
         is raised once `timeout_s` (None: `give_up_s` into the outage) has passed, or at
         once without `wait_out` (the memory budget's flush: training must not wait).
         """
+        self.settle_eviction()  # the memory tier as of the last commit, when it returns
         self.raise_pending_error()
         with self._cond:
             if tag is None and self._pending is not None:
@@ -426,6 +446,7 @@ class Persister(PersistThread):
                 self._pending = None
             self._cond.notify_all()
         self._thread.join(timeout_s)
+        self.settle_eviction()  # the last commit's, if its thread has not run it yet
         with self._cond:
             if self._thread.is_alive() or self._gave_up:
                 return self._inflight or (self._forced[0] if self._forced else self._pending)

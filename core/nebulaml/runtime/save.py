@@ -10,7 +10,7 @@ copy on the snapshot worker and returns at once. The commit publishes this rank'
 tag to the persister with the history row of the save.
 
 May import: every layer below runtime, and the runtime modules a save uses (session,
-budget, fence, slots, snapshot). Not for: the user's checks on the handle (checkpoint.py),
+budget, crew, fence, slots, snapshot). Not for: the user's checks on the handle (checkpoint.py),
 persisting (persister.py), or loading (load.py).
 """
 
@@ -44,6 +44,7 @@ from nebulaml.protocol.history import HistoryRow, make_row
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.protocol.transfer import copy_item
 from nebulaml.runtime.budget import RECORDS_ROOM_BYTES, Shortfall
+from nebulaml.runtime.crew import QUIET
 from nebulaml.runtime.fence import Taken
 from nebulaml.runtime.session import Session
 from nebulaml.runtime.slots import write_snapshot
@@ -108,7 +109,12 @@ class SaveJob:
         return self.ranks
 
     def add(self, session: Session, name: str, obj: Any, t0: float) -> None:
-        """Write item `name` (or, lazily, queue its copy); the save began at `t0`."""
+        """Write item `name` (or, lazily, queue its copy); the save began at `t0`. The
+        low-priority threads (audits, evictions) wait while it runs (crew.QUIET)."""
+        with QUIET.saving():
+            self._add(session, name, obj, t0)
+
+    def _add(self, session: Session, name: str, obj: Any, t0: float) -> None:
         if session.snapshots is not None:
             session.snapshots.raise_error()  # an earlier lazy save's failure, once
         writers = self.writers(session)
@@ -166,9 +172,13 @@ class SaveJob:
             self.sealed = True  # no more saves; the commit runs after the copies
             session.snapshots.submit(lambda: self._commit_lazily(session), copies=False)
             return True
-        return self._commit_now(session)
+        with QUIET.saving():
+            return self._commit_now(session)
 
     def _begin(self, session: Session, t0: float) -> None:
+        # The last commit's eviction, if the persister's thread has not run it yet: this
+        # save's buffers are the evicted copy's (slots.py), and its room is theirs.
+        session.persister.settle_eviction()
         tiers = session.tiers
         persistent = tiers.persistent
         # What the persistent tier holds, as the session knows it: never a request to the

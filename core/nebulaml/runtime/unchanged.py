@@ -32,10 +32,11 @@ A storage is skipped only with all of this evidence, gathered at the save:
    copied at every save of the process from then on.
 
 What 3 can miss is a partial write PyTorch does not count. So after each fill, a
-background thread (`audit_later`, at low priority) compares every skipped storage with the
-buffer in full. A storage that differs is remembered with its version counters of that
-save; at the next save, if its counters are still those (the difference was not a
-counted change made after the save), the write is confirmed: nebula warns, naming the
+background thread (`audit_later`, at low priority, pausing while a save runs) compares
+every skipped storage with the buffer in full. A storage that differs is remembered with
+its version counters of that save; at the next save, if its counters are still those (the
+difference was not a counted change made after the save), the write is confirmed: nebula
+warns, naming the
 checkpoint that may hold the older bytes, and copies the storage from then on. So a stale
 tensor is reported within one save, never silent. Every `FULL_EVERY`-th fill of a
 buffer copies everything, and `reuse_unchanged=False` (`NEBULA_REUSE_UNCHANGED=0`) turns
@@ -55,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nebulaml.format.torchzip import Layout
-from nebulaml.runtime.crew import AUDIT_CREW, Job
+from nebulaml.runtime.crew import AUDIT_CREW, QUIET, Job
 
 log = logging.getLogger("nebulaml")
 
@@ -121,7 +122,8 @@ class BufferMemory:
         """Wait for the audit of the last fill (it reads the buffer)."""
         audit, self._audit = self._audit, None
         if audit is not None:
-            audit.wait()
+            with QUIET.hurry():  # it waits for saves to end, and this is one
+                audit.wait()
 
     def audit_later(self, base: int, layout: Layout, skipped: list[int], label: str) -> None:
         """Compare each skipped storage with the buffer in full, on the audit thread
@@ -227,6 +229,7 @@ def _audit(base: int, held: list[tuple[Any, tuple[int, int], tuple[int, ...]]], 
     for storage, (offset, length), versions in held:
         ptr = storage.data_ptr()
         for at in range(0, length, _AUDIT_CHUNK_BYTES):
+            QUIET.pause_point()  # not beside a save (crew.py)
             # A storage resized meanwhile is not read any further (its memory may be gone).
             if storage.data_ptr() != ptr or storage.nbytes() != length:
                 break

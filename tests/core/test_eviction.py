@@ -1,0 +1,106 @@
+"""The eviction a commit asks for: off the save, and settled before the next save begins."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import nebulaml as nm
+from nebulaml.protocol.catalog import list_committed
+from nebulaml.runtime import persist_thread
+from nebulaml.runtime.session import current
+
+WAIT_S = 30
+
+
+def _save(step: int) -> None:
+    ckpt = nm.Checkpoint(f"global_step{step}", 2)
+    ckpt.save("model", {"w": torch.full((256, 256), float(step))})
+    ckpt.save("optimizer", {"lr": 0.1 * step})
+
+
+def _memory_tags() -> list[str]:
+    return [info.tag for info in list_committed(current("test").tiers.memory)]
+
+
+@pytest.fixture
+def held_deletes(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Evictions' deletes wait for `release` (set `entered` when one starts)."""
+    entered, release = threading.Event(), threading.Event()
+    delete = persist_thread.delete_checkpoint
+
+    def held(*args: Any, **kwargs: Any) -> bool:
+        entered.set()
+        assert release.wait(WAIT_S)
+        return delete(*args, **kwargs)
+
+    monkeypatch.setattr(persist_thread, "delete_checkpoint", held)
+    return entered, release
+
+
+def test_a_save_returns_while_the_copy_it_supersedes_is_being_deleted(
+    root: Path, held_deletes: tuple[threading.Event, threading.Event]
+) -> None:
+    # Catches: the eviction run inside the save again (the save would wait for the delete,
+    # and `done` would not be set while the delete is held).
+    entered, release = held_deletes
+    nm.init(str(root), persistent_time_interval=0)
+    try:
+        _save(1)
+        assert nm.flush_persistence()
+        done = threading.Event()
+
+        def second() -> None:
+            _save(2)
+            done.set()
+
+        saver = threading.Thread(target=second, daemon=True)
+        saver.start()
+        assert entered.wait(WAIT_S)  # global_step1's eviction has started
+        assert done.wait(WAIT_S)  # and the save returned while it is held
+        assert "global_step2" in _memory_tags()
+        release.set()
+        current("test").persister.settle_eviction()
+        assert _memory_tags() == ["global_step2"]
+    finally:
+        release.set()
+        nm.shutdown()
+
+
+def test_the_next_save_waits_for_an_eviction_in_flight(
+    root: Path, held_deletes: tuple[threading.Event, threading.Event]
+) -> None:
+    # Catches: a save that begins while the last commit's eviction runs on its thread and
+    # goes on without it (settle_eviction returning because the eviction was no longer
+    # "due"): it would size its room, and take its buffers, with the old copy still there.
+    entered, release = held_deletes
+    nm.init(str(root), persistent_time_interval=0)
+    try:
+        _save(1)
+        assert nm.flush_persistence()
+        _save(2)
+        assert entered.wait(WAIT_S)  # global_step1's eviction runs, held
+        begun = threading.Event()
+        done = threading.Event()
+
+        def third() -> None:
+            begun.set()
+            _save(3)
+            done.set()
+
+        saver = threading.Thread(target=third, daemon=True)
+        saver.start()
+        assert begun.wait(WAIT_S)
+        assert not done.wait(0.5)  # waits for the eviction in flight
+        assert not current("test").tiers.memory.exists("global_step3")
+        release.set()
+        assert done.wait(WAIT_S)
+        current("test").persister.settle_eviction()
+        assert _memory_tags() == ["global_step3"]
+    finally:
+        release.set()
+        nm.shutdown()
