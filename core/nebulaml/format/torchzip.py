@@ -187,6 +187,7 @@ def storages_and_signature(
     """
     import torch
 
+    tensor_type, parameter_type, strided = torch.Tensor, torch.nn.Parameter, torch.strided
     found: dict[int, Any] = {}
     storage_index: dict[int, int] = {}
     seen: dict[int, int] = {}
@@ -209,14 +210,17 @@ def storages_and_signature(
             if kind not in _PLAIN:
                 describable = False  # a subclass may pickle in its own way
             return True
-        if kind in (torch.Tensor, torch.nn.Parameter):
-            if value.layout != torch.strided or value.is_quantized or value.__dict__:
+        if kind is tensor_type or kind is parameter_type:
+            if value.layout is not strided or value.is_quantized or value.__dict__:
                 return False
-            if value.device.type not in ("cpu", "cuda"):
+            device = value.device  # a torch.device: compared and hashed as its string
+            if device.type not in ("cpu", "cuda"):
                 return False
             storage = value.untyped_storage()
-            key = storage_index.setdefault(storage._cdata, len(storage_index))
-            found.setdefault(storage._cdata, storage)
+            cdata = storage._cdata
+            key = storage_index.setdefault(cdata, len(storage_index))
+            if key == len(found):
+                found[cdata] = storage
             if versions is not None:
                 if key == len(versions):
                     versions.append([])
@@ -226,9 +230,9 @@ def storages_and_signature(
                     kind,
                     key,
                     storage.nbytes(),
-                    str(value.device),
+                    device,
                     value.dtype,
-                    tuple(value.shape),
+                    value.shape,  # a torch.Size: a tuple
                     value.stride(),
                     value.storage_offset(),
                     value.requires_grad,
@@ -236,15 +240,15 @@ def storages_and_signature(
                     value.is_neg(),
                 )
             )
-            if kind is torch.nn.Parameter or value._backward_hooks:
+            if kind is parameter_type or value._backward_hooks:
                 describable = False
             return True
         if isinstance(value, dict) and kind.__module__ in ("builtins", "collections"):
-            if kind not in (dict, OrderedDict):
+            if kind is not dict and kind is not OrderedDict:
                 describable = False  # defaultdict's factory, a Counter's class, ...
             sig.append((kind, len(value)))
             return all(walk(k) and walk(v) for k, v in value.items())
-        if kind in (list, tuple):
+        if kind is list or kind is tuple:
             sig.append((kind, len(value)))
             return all(walk(v) for v in value)
         if isinstance(value, (torch.dtype, torch.Size, torch.device)):

@@ -76,6 +76,7 @@ class PersistThread:
     _saving: set[str]
     _evicting: set[str]
     _evict_due: bool
+    _after_evict: Callable[[], object] | None
     _evict_lock: threading.Lock
     watch: OutageWatch
     _cond: threading.Condition
@@ -217,10 +218,16 @@ class PersistThread:
                 if not self._evict_due:
                     return
                 self._evict_due = False
+                then, self._after_evict = self._after_evict, None
             try:
                 self.evict_memory()
             except NebulaError as exc:
                 log.warning("could not evict old memory-tier copies: %s", exc)
+            if then is not None:
+                try:
+                    then()
+                except (NebulaError, OSError) as exc:
+                    log.debug("after the eviction: %s", exc)
 
     def _superseded(self, tag: str) -> bool:
         """Whether the persistent tier holds `tag`, or a newer checkpoint, committed, as

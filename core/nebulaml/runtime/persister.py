@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from nebulaml.errors import NebulaError, PersistError, PersistTimeoutError, RankTimeoutError
 from nebulaml.format.manifest import utc_now
@@ -130,6 +131,7 @@ class Persister(PersistThread):
         # A commit's eviction of the copies it superseded: asked for by `notify_committed`,
         # run by the eviction thread or by the next save (`settle_eviction`), once.
         self._evict_due = False
+        self._after_evict: Callable[[], object] | None = None
         self._evict_lock = threading.Lock()
         # What the persistent tier holds committed, with each one's order and labels, as
         # read once (upkeep.retire): retention reads only the manifests it has not read.
@@ -164,11 +166,14 @@ class Persister(PersistThread):
         *,
         labels: tuple[str, ...] = (),
         leader: int = 0,
+        then: Callable[[], object] | None = None,
     ) -> None:
         """A tag was committed in the memory tier: it becomes the one to persist next,
         superseding the pending one. A labelled tag (`labels`) is queued instead: it is
         persisted without waiting for the interval and is never superseded. `leader`:
-        the lowest rank that writes the tag, which decides whether it is persisted."""
+        the lowest rank that writes the tag, which decides whether it is persisted.
+        `then` runs after the eviction of what the tag superseded, with it (the next
+        save's spare buffers: slots.SlotPool.prepare)."""
         if row is not None:
             self.history.add(row)
         with self._cond:
@@ -194,6 +199,7 @@ class Persister(PersistThread):
             # here: the save returns without waiting for their deletion (a persist in
             # flight does not hold it up either); the next save settles it first.
             self._evict_due = True
+            self._after_evict = then
             self._cond.notify_all()
         try:
             EVICT_CREW.submit(self._evict_if_due)

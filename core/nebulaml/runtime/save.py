@@ -372,11 +372,16 @@ class SaveJob:
         row = self._finish_commit(session, memory, "memory", t0, marker_left=marker_left)
         # This rank's part is committed (on a node without the other ranks, the memory
         # tier never holds the whole): it is what this rank's persister copies.
+        # The next save's buffers, made while training runs (the cold start: slots.py),
+        # once the copies this commit supersedes are evicted (their buffers are reused).
+        items = list(self.items)
         session.persister.notify_committed(
-            self.tag, row, labels=self.labels, leader=min(self.writers(session))
+            self.tag,
+            row,
+            labels=self.labels,
+            leader=min(self.writers(session)),
+            then=lambda: session.pool.prepare(items, fits=session.budget.spare_fits),
         )
-        # The next save's buffers, made while training runs (the cold start: slots.py).
-        session.pool.prepare(self.items, fits=session.budget.spare_fits)
         return True
 
     def _commit_part(self, session: Session, store: Store) -> Manifest | None:

@@ -176,10 +176,13 @@ def fill(
         memory.settle()
         keep = reusable(memory, layout, base, _SEEDS.randrange(1 << 30))
         record, memory.record = memory.record, None  # the buffer is being written
-    for offset, data in layout.segments:
-        view[offset : offset + len(data)] = data
-    for offset, length in layout.gaps:
-        view[offset : offset + length] = bytes(length)
+    if record is None or record.segments is not layout.segments or not keep:
+        # torch's own bytes, and zeros between: there already when the buffer's last fill
+        # was of this very layout and held on to (the same evidence as a kept storage's)
+        for offset, data in layout.segments:
+            view[offset : offset + len(data)] = data
+        for offset, length in layout.gaps:
+            view[offset : offset + length] = bytes(length)
     if any(s.device.type != "cpu" for s in layout.storages):
         _fill_devices(buffer, layout, ready)
         digest = checksum_of(view)
