@@ -46,7 +46,10 @@ def crash_a_job(root: Path, memory_tier: Path) -> None:
     warm.run([sys.executable, "-c", CRASHING_JOB, str(root)], env=env(memory_tier),
                    check=True, timeout=60)  # fmt: skip
     tiers = {c["tag"]: c["tiers"] for c in nm.list_checkpoints(str(root))}
-    assert tiers == {"global_step2": ["memory"], "global_step1": ["persistent"]}
+    # global_step1 is persisted; its memory copy may be left too (the eviction a commit
+    # asks for runs on a thread of its own, which a crash may not let run).
+    assert tiers["global_step2"] == ["memory"]
+    assert "persistent" in tiers["global_step1"] and set(tiers) == {"global_step1", "global_step2"}
 
 
 def expected_w(step: int) -> torch.Tensor:

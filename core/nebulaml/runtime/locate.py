@@ -52,9 +52,9 @@ def tiers_for(persist_path: PathLike | None, what: str) -> TierSet:
     copies it superseded (which runs on a thread of its own: a listing by this process
     right after a save sees what retention keeps). Package-internal."""
     if persist_path is None:
-        live = _session.current(what)
-        live.persister.settle_eviction()  # this process reads its tiers as of its commits
-        return live.tiers
+        own = _session.current(what)
+        own.persister.settle_eviction()  # this process reads its tiers as of its commits
+        return own.tiers
     live = _session.current_or_none()
     options: dict[str, Any] = {}
     if live is not None:
