@@ -202,3 +202,41 @@ def test_an_optimizers_state_is_copied_every_step(tmp_path: Path) -> None:
         assert torch.equal(model_saved["adapter.weight"], model.adapter.weight)
     assert _pool().reused_bytes > 0  # the base was still skipped
     nm.shutdown()
+
+
+def test_a_piece_hashed_from_its_kept_head_hashes_the_bytes_of_each_fill() -> None:
+    # Catches: a piece whose head the fill did not write hashed from a hasher state kept
+    # for another head (the fill's first copy in that piece begins elsewhere now): its
+    # leaf then covers the wrong bytes, and the item's checksum is not the buffer's.
+    from nebulaml.format.checksum import checksum_of
+    from nebulaml.runtime.snapshot import LayoutCache, fill
+    from nebulaml.runtime.unchanged import BufferMemory
+
+    torch.manual_seed(5)
+    # Small tensors between 1.5 MiB frozen ones: pieces whose copies begin mid-piece.
+    state = {
+        "a": torch.randn(5_000),
+        "frozen1": torch.randn(393_216),
+        "b": torch.randn(7_000),
+        "c": torch.randn(3_000),
+        "frozen2": torch.randn(393_216),
+        "d": torch.randn(11_000),
+    }
+    cache, memory = LayoutCache(), BufferMemory()
+    layout = cache.plan("item", state)
+    assert layout is not None
+    buffer = torch.empty(layout.size_bytes, dtype=torch.uint8)
+    view = memoryview(buffer.numpy()).cast("B")
+    changes = [(), ("b",), ("b",), ("c",), ("b", "c"), ("a", "d"), ("b",), ("b",), ("d",)]
+    for step, changed in enumerate(changes):
+        for name in changed:
+            with torch.no_grad():
+                state[name].add_(1.0)
+        layout = cache.plan("item", state)
+        assert layout is not None
+        digest = fill(buffer, view, layout, memory=memory)
+        memory.settle()
+        assert digest == checksum_of(bytes(view)), (step, changed)
+    record = memory.record
+    assert record is not None and record.prefixes  # heads were kept and used
+    assert memory.reused_bytes >= 2 * 393_216 * 4

@@ -52,7 +52,7 @@ import ctypes
 import logging
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nebulaml.format.torchzip import Layout
@@ -92,6 +92,9 @@ class FillRecord:
     marks: tuple[StorageMark | None, ...]  # None: a storage never skipped (CUDA)
     leaves: list[bytes]
     fills_since_full: int
+    # Of each piece hashed in part from the buffer's older bytes: (where, in the piece,
+    # the fill's first copy began; the leaf hasher's state over the bytes before it).
+    prefixes: dict[int, tuple[int, Any]] = field(default_factory=dict)
 
 
 class _Watch:
