@@ -53,7 +53,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from nebulaml.format.torchzip import Layout
 from nebulaml.runtime.crew import AUDIT_CREW, QUIET, Job
@@ -71,10 +71,9 @@ _memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 _memcmp.restype = ctypes.c_int
 
 
-@dataclass(frozen=True, slots=True)
-class StorageMark:
+class StorageMark(NamedTuple):
     """Who a storage was at a fill: its object (weakly), address, size, and the version
-    counters of the tensors that viewed it."""
+    counters of the tensors that viewed it. (A tuple: a save makes one per storage.)"""
 
     ref: Any  # weakref.ref to the torch.UntypedStorage
     ptr: int
@@ -156,14 +155,17 @@ def reusable(memory: BufferMemory | None, layout: Layout, base: int, seed: int) 
     ):
         return set()
     keep: set[int] = set()
-    for i, (storage, mark) in enumerate(zip(layout.storages, record.marks, strict=True)):
-        if mark is None or storage.device.type != "cpu" or mark.ref() is not storage:
-            continue
+    for i, (storage, mark, versions) in enumerate(
+        zip(layout.storages, record.marks, layout.versions, strict=True)
+    ):
+        # Cheapest first: a changed storage's counters moved. A mark is of a CPU storage,
+        # and the same storage object is still on it.
+        if mark is None or versions != mark.versions or mark.ref() is not storage:
+            continue  # a counted change (an audit's finding then is of an older save)
         if storage.data_ptr() != mark.ptr or storage.nbytes() != mark.nbytes:
             continue
-        versions = layout.versions[i]
-        if versions != mark.versions or _confirmed_unseen(storage, versions):
-            continue  # a counted change (an audit's finding then is of an older save)
+        if _confirmed_unseen(storage, versions):
+            continue
         offset, length = layout.regions[i]
         if not _samples_agree(storage.data_ptr(), base + offset, length, seed + i):
             _suspect(storage, "its bytes differ from the last save's where nebula looked")
@@ -176,8 +178,9 @@ def marks_of(layout: Layout) -> tuple[StorageMark | None, ...]:
     """The marks of `layout`'s storages as they are now (the record of this fill)."""
     if not layout.versions:
         return tuple(None for _ in layout.storages)
+    ref, mark = weakref.ref, StorageMark
     return tuple(
-        StorageMark(weakref.ref(s), s.data_ptr(), s.nbytes(), v) if s.device.type == "cpu" else None
+        mark(ref(s), s.data_ptr(), s.nbytes(), v) if not s.is_cuda else None
         for s, v in zip(layout.storages, layout.versions, strict=True)
     )
 
