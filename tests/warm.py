@@ -466,8 +466,15 @@ def _become(doc: dict[str, Any], fds: list[int]) -> None:
     import torch
 
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
-                          else (os.cpu_count() or 1))  # fmt: skip
+    # The thread this may start must take no signal: a signal for the process that it
+    # took instead of the main thread (SIGINT, say) would not wake the main thread's
+    # sleep, and the child ran on (a fresh process has no such thread before its code).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
+                              else (os.cpu_count() or 1))  # fmt: skip
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _stream(fd: int, *, unbuffered: bool) -> io.TextIOWrapper:

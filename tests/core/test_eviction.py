@@ -23,6 +23,19 @@ def _save(step: int) -> None:
     ckpt.save("optimizer", {"lr": 0.1 * step})
 
 
+def _save_in_thread(step: int) -> tuple[threading.Event, threading.Event]:
+    """Save `step` on a thread of its own: (set when it begins, set when it returned)."""
+    begun, done = threading.Event(), threading.Event()
+
+    def save() -> None:
+        begun.set()
+        _save(step)
+        done.set()
+
+    threading.Thread(target=save, daemon=True).start()
+    return begun, done
+
+
 def _memory_tags() -> list[str]:
     return [info.tag for info in list_committed(current("test").tiers.memory)]
 
@@ -52,14 +65,7 @@ def test_a_save_returns_while_the_copy_it_supersedes_is_being_deleted(
     try:
         _save(1)
         assert nm.flush_persistence()
-        done = threading.Event()
-
-        def second() -> None:
-            _save(2)
-            done.set()
-
-        saver = threading.Thread(target=second, daemon=True)
-        saver.start()
+        _begun, done = _save_in_thread(2)
         assert entered.wait(WAIT_S)  # global_step1's eviction has started
         assert done.wait(WAIT_S)  # and the save returned while it is held
         assert "global_step2" in _memory_tags()
@@ -84,16 +90,7 @@ def test_the_next_save_waits_for_an_eviction_in_flight(
         assert nm.flush_persistence()
         _save(2)
         assert entered.wait(WAIT_S)  # global_step1's eviction runs, held
-        begun = threading.Event()
-        done = threading.Event()
-
-        def third() -> None:
-            begun.set()
-            _save(3)
-            done.set()
-
-        saver = threading.Thread(target=third, daemon=True)
-        saver.start()
+        begun, done = _save_in_thread(3)
         assert begun.wait(WAIT_S)
         assert not done.wait(0.5)  # waits for the eviction in flight
         assert not current("test").tiers.memory.exists("global_step3")
