@@ -226,7 +226,7 @@ class PersistThread:
             if then is not None:
                 try:
                     then()
-                except (NebulaError, OSError) as exc:
+                except Exception as exc:  # noqa: BLE001 - spare buffers: never a save's failure
                     log.debug("after the eviction: %s", exc)
 
     def _superseded(self, tag: str) -> bool:
