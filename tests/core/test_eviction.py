@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,49 +56,52 @@ def held_deletes(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, thre
     return entered, release
 
 
-def test_a_save_returns_while_the_copy_it_supersedes_is_being_deleted(
+@pytest.fixture
+def first_persisted(
     root: Path, held_deletes: tuple[threading.Event, threading.Event]
-) -> None:
-    # Catches: the eviction run inside the save again (the save would wait for the delete,
-    # and `done` would not be set while the delete is held).
-    entered, release = held_deletes
+) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """A session on `root` whose global_step1 is saved and persisted; evictions' deletes
+    held (`held_deletes`), released and the session shut down at the end."""
+    release = held_deletes[1]
     nm.init(str(root), persistent_time_interval=0)
     try:
         _save(1)
         assert nm.flush_persistence()
-        _begun, done = _save_in_thread(2)
-        assert entered.wait(WAIT_S)  # global_step1's eviction has started
-        assert done.wait(WAIT_S)  # and the save returned while it is held
-        assert "global_step2" in _memory_tags()
-        release.set()
-        current("test").persister.settle_eviction()
-        assert _memory_tags() == ["global_step2"]
+        yield held_deletes
     finally:
         release.set()
         nm.shutdown()
 
 
+def test_a_save_returns_while_the_copy_it_supersedes_is_being_deleted(
+    first_persisted: tuple[threading.Event, threading.Event],
+) -> None:
+    # Catches: the eviction run inside the save again (the save would wait for the delete,
+    # and `done` would not be set while the delete is held).
+    entered, release = first_persisted
+    _begun, done = _save_in_thread(2)
+    assert entered.wait(WAIT_S)  # global_step1's eviction has started
+    assert done.wait(WAIT_S)  # and the save returned while it is held
+    assert "global_step2" in _memory_tags()
+    release.set()
+    current("test").persister.settle_eviction()
+    assert _memory_tags() == ["global_step2"]
+
+
 def test_the_next_save_waits_for_an_eviction_in_flight(
-    root: Path, held_deletes: tuple[threading.Event, threading.Event]
+    first_persisted: tuple[threading.Event, threading.Event],
 ) -> None:
     # Catches: a save that begins while the last commit's eviction runs on its thread and
     # goes on without it (settle_eviction returning because the eviction was no longer
     # "due"): it would size its room, and take its buffers, with the old copy still there.
-    entered, release = held_deletes
-    nm.init(str(root), persistent_time_interval=0)
-    try:
-        _save(1)
-        assert nm.flush_persistence()
-        _save(2)
-        assert entered.wait(WAIT_S)  # global_step1's eviction runs, held
-        begun, done = _save_in_thread(3)
-        assert begun.wait(WAIT_S)
-        assert not done.wait(0.5)  # waits for the eviction in flight
-        assert not current("test").tiers.memory.exists("global_step3")
-        release.set()
-        assert done.wait(WAIT_S)
-        current("test").persister.settle_eviction()
-        assert _memory_tags() == ["global_step3"]
-    finally:
-        release.set()
-        nm.shutdown()
+    entered, release = first_persisted
+    _save(2)
+    assert entered.wait(WAIT_S)  # global_step1's eviction runs, held
+    begun, done = _save_in_thread(3)
+    assert begun.wait(WAIT_S)
+    assert not done.wait(0.5)  # waits for the eviction in flight
+    assert not current("test").tiers.memory.exists("global_step3")
+    release.set()
+    assert done.wait(WAIT_S)
+    current("test").persister.settle_eviction()
+    assert _memory_tags() == ["global_step3"]

@@ -36,11 +36,10 @@ background thread (`audit_later`, at low priority, pausing while a save runs) co
 every skipped storage with the buffer in full. A storage that differs is remembered with
 its version counters of that save; at the next save, if its counters are still those (the
 difference was not a counted change made after the save), the write is confirmed: nebula
-warns, naming the
-checkpoint that may hold the older bytes, and copies the storage from then on. So a stale
-tensor is reported within one save, never silent. Every `FULL_EVERY`-th fill of a
-buffer copies everything, and `reuse_unchanged=False` (`NEBULA_REUSE_UNCHANGED=0`) turns
-the skipping off. CUDA storages are always copied.
+warns, naming the checkpoint that may hold the older bytes, and copies the storage from
+then on. So a stale tensor is reported within one save, never silent. Every
+`FULL_EVERY`-th fill of a buffer copies everything, and `reuse_unchanged=False`
+(`NEBULA_REUSE_UNCHANGED=0`) turns the skipping off. CUDA storages are always copied.
 
 May import: `nebulaml.format` (torchzip's `Layout`) and runtime/crew.py. Not for: the
 copy and hashing (snapshot.py), or where buffers live (slots.py).
@@ -158,10 +157,11 @@ def reusable(memory: BufferMemory | None, layout: Layout, base: int, seed: int) 
     for i, (storage, mark, versions) in enumerate(
         zip(layout.storages, record.marks, layout.versions, strict=True)
     ):
-        # Cheapest first: a changed storage's counters moved. A mark is of a CPU storage,
-        # and the same storage object is still on it.
+        # Cheapest first: a changed storage's counters moved (a counted change; an audit's
+        # finding then is of an older save). A mark is of a CPU storage, so the same
+        # storage object on it needs no device check.
         if mark is None or versions != mark.versions or mark.ref() is not storage:
-            continue  # a counted change (an audit's finding then is of an older save)
+            continue
         if storage.data_ptr() != mark.ptr or storage.nbytes() != mark.nbytes:
             continue
         if _confirmed_unseen(storage, versions):
