@@ -100,6 +100,10 @@ def crash_with_a_removal_pending(protocol: str, folder: str) -> None:
     nm.flush_persistence()
     fs.mode = "block"  # the FaultFS prints PERSISTING once the persister is stuck
     crashkit.save_step(2)
+    # Removed only once the thread is stuck in global_step2's persist: a removal asked for
+    # before that persist began was taken by the thread first (the save returns sooner
+    # since its eviction left it), and global_step1 was gone before the kill.
+    assert fs.blocked.wait(60)
     live = session.live()
     assert live is not None
     live.persister.forget("global_step1")
