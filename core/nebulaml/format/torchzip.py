@@ -82,10 +82,17 @@ class Layout:
     # For each storage, the version counters of the tensors that view it, when the
     # object was planned (`storages_and_signature`); () when not taken.
     versions: tuple[tuple[int, ...], ...] = ()
+    # Every storage is in host memory (known when the layout was recorded; a layout reused
+    # for an object of the same signature has the same devices). False: not known.
+    host: bool = False
 
     @property
     def tensor_bytes(self) -> int:
         return sum(size for _, size in self.regions)
+
+    def on_host(self) -> bool:
+        """Whether every storage is in host memory (no CUDA copy to make)."""
+        return self.host or all(s.device.type == "cpu" for s in self.storages)
 
 
 class _Recorder(io.RawIOBase):
@@ -192,24 +199,22 @@ def storages_and_signature(
     storage_index: dict[int, int] = {}
     seen: dict[int, int] = {}
     sig: list[Any] = []
+    append = sig.append
     describable = True
+    # A save walks every state dict it writes, after a training step has taken the
+    # caches: the common cases (str keys, plain tensors, dicts) are taken first, inline.
 
     def walk(value: Any) -> bool:
         nonlocal describable
         if value is None or value is True or value is False:
-            sig.append(value)
+            append(value)
             return True
         first = seen.get(id(value))
         if first is not None:
-            sig.append(("again", first))  # the same object as an earlier one
+            append(("again", first))  # the same object as an earlier one
             return True
         seen[id(value)] = len(seen)
         kind = type(value)
-        if isinstance(value, _PLAIN):
-            sig.append((kind, value.hex() if isinstance(value, float) else value))
-            if kind not in _PLAIN:
-                describable = False  # a subclass may pickle in its own way
-            return True
         if kind is tensor_type or kind is parameter_type:
             if value.layout is not strided or value.is_quantized or value.__dict__:
                 return False
@@ -225,7 +230,7 @@ def storages_and_signature(
                 if key == len(versions):
                     versions.append([])
                 versions[key].append(value._version)
-            sig.append(
+            append(
                 (
                     kind,
                     key,
@@ -243,16 +248,38 @@ def storages_and_signature(
             if kind is parameter_type or value._backward_hooks:
                 describable = False
             return True
-        if isinstance(value, dict) and kind.__module__ in ("builtins", "collections"):
-            if kind is not dict and kind is not OrderedDict:
-                describable = False  # defaultdict's factory, a Counter's class, ...
-            sig.append((kind, len(value)))
-            return all(walk(k) and walk(v) for k, v in value.items())
+        if kind is dict or kind is OrderedDict:
+            append((kind, len(value)))
+            for k, v in value.items():
+                if type(k) is str:  # a key met again is one the pickler memoised too
+                    again = seen.get(id(k))
+                    if again is None:
+                        seen[id(k)] = len(seen)
+                        append((str, k))
+                    else:
+                        append(("again", again))
+                elif not walk(k):
+                    return False
+                if not walk(v):
+                    return False
+            return True
+        if isinstance(value, _PLAIN):
+            append((kind, value.hex() if isinstance(value, float) else value))
+            if kind not in _PLAIN:
+                describable = False  # a subclass may pickle in its own way
+            return True
         if kind is list or kind is tuple:
-            sig.append((kind, len(value)))
-            return all(walk(v) for v in value)
+            append((kind, len(value)))
+            for v in value:  # noqa: SIM110 - a loop: no generator per container
+                if not walk(v):
+                    return False
+            return True
+        if isinstance(value, dict) and kind.__module__ in ("builtins", "collections"):
+            describable = False  # defaultdict's factory, a Counter's class, ...
+            append((kind, len(value)))
+            return all(walk(k) and walk(v) for k, v in value.items())
         if isinstance(value, (torch.dtype, torch.Size, torch.device)):
-            sig.append((kind, value))
+            append((kind, value))
             return True
         return False
 
@@ -292,6 +319,7 @@ def record_layout(saveable: Any, storages: list[Any]) -> Layout | None:
         regions=regions,
         gaps=_gaps(recorder.segments, regions, size),
         storages=tuple(storages),
+        host=all(s.device.type == "cpu" for s in storages),
     )
 
 

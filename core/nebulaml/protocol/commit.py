@@ -238,7 +238,10 @@ def commit_rank(
         generation=generation,
     )
     store.publish((tag, marker_name(rank)), marker.to_bytes(), create_only=False)
-    markers = read_markers(store, tag, marker.writers, generation)
+    if marker.writers == (rank,):
+        markers: list[RankMarker] | None = [marker]  # this rank writes it alone
+    else:
+        markers = read_markers(store, tag, marker.writers, generation)
     if markers is None:
         return None  # another rank's part is not written yet; the last rank commits
     manifest = publish_manifest(store, tag, world_size, markers, sequence_floor=sequence_floor)

@@ -172,16 +172,26 @@ class Crew:
         exiting): the caller does the work itself."""
         job = Job(fn)
         with self._cond:
-            if self._pid != os.getpid():  # a forked child: the parent's threads are not here
-                self._pid, self._threads, self._queue = os.getpid(), [], collections.deque()
-            self._threads = [t for t in self._threads if t.is_alive()]
-            if len(self._threads) < self.size:
-                thread = threading.Thread(target=self._work, name=self.name, daemon=True)
-                thread.start()  # RuntimeError at interpreter exit: nothing was queued
-                self._threads.append(thread)
+            self._staff()  # RuntimeError at interpreter exit: nothing was queued
             self._queue.append(job)
             self._cond.notify()
         return job
+
+    def start(self) -> None:
+        """Start the crew's threads now, before its first job: starting one costs the
+        caller a millisecond or more, which a save that submits a job should not pay.
+        Raises RuntimeError at interpreter exit."""
+        with self._cond:
+            self._staff()
+
+    def _staff(self) -> None:
+        if self._pid != os.getpid():  # a forked child: the parent's threads are not here
+            self._pid, self._threads, self._queue = os.getpid(), [], collections.deque()
+        self._threads = [t for t in self._threads if t.is_alive()]
+        while len(self._threads) < self.size:
+            thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def _work(self) -> None:
         if self.nice:

@@ -525,7 +525,7 @@ def write_snapshot(
     the way (snapshot.fill); the copy is done when this returns (the caller's tensors may
     change). Returns the item's manifest entry."""
     buffer = pool.open_item(tag, name, layout.size_bytes)
-    if any(s.device.type == "cuda" for s in layout.storages):
+    if not layout.on_host():
         buffer.pin()  # once per buffer: it is reused from one checkpoint to the next
     memory = buffer.memory if pool.reuse_unchanged else None
     label = f"item {name!r} of checkpoint {tag!r}"

@@ -40,6 +40,7 @@ reused (slots.py), or the commit protocol (protocol/commit.py).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import random
 import threading
@@ -60,8 +61,14 @@ from nebulaml.format.torchzip import (
     storages_and_signature,
     storages_in_pickle_order,
 )
-from nebulaml.runtime.crew import FILL_CREW, Job
-from nebulaml.runtime.unchanged import BufferMemory, FillRecord, marks_of, reusable
+from nebulaml.runtime.crew import AUDIT_CREW, FILL_CREW, Job
+from nebulaml.runtime.unchanged import (
+    BufferMemory,
+    FillRecord,
+    PiecePlan,
+    marks_of,
+    reusable,
+)
 
 # A fill's unit of work is one checksum leaf: small enough that a piece just copied is
 # still in the cache when it is hashed, large enough that the Python around each call
@@ -72,6 +79,8 @@ FILL_WORKERS = 2  # threads per fill (a save waits for its copy; a lazy save's f
 # two threads taking turns at the GIL, cost more (a LoRA save's 15 pieces spread over a
 # 188 MB frozen base: 2.5 ms alone, 3.0 ms with the helper, on 2 cores).
 _HELPED_PIECES = 16
+# The most hasher states a fill keeps for the next one (each ~0.6 kB: `_HostFill._hash`).
+_PREFIX_STATES = 4096
 # Where a fill samples the storages it may skip: its own generator, never the user's.
 _SEEDS = random.Random()
 
@@ -87,13 +96,34 @@ def plan_layout(obj: Any) -> Layout | None:
         >>> plan_layout({"f": print}) is None   # not plain data: torch.save writes it
         True
     """
-    saveable = to_saveable(obj)
-    versions: list[list[int]] = []
-    walked = storages_and_signature(saveable, versions)
+    walked = _walked(obj)
     if walked is None:
         return None
-    layout = record_layout(saveable, walked[0])
-    return None if layout is None else replace(layout, versions=_frozen(versions))
+    saveable, storages, _, versions = walked
+    layout = record_layout(saveable, storages)
+    return None if layout is None else replace(layout, versions=versions)
+
+
+def _walked(
+    obj: Any,
+) -> tuple[Any, list[Any], tuple[Any, ...] | None, tuple[tuple[int, ...], ...]] | None:
+    """(what is written for `obj` (`to_saveable`), its storages, its signature, their
+    version counters: torchzip.storages_and_signature), or None if the layout cannot map
+    it. Plain data (dicts, lists, tuples, plain values and tensors: a state dict) is
+    written as it is, and walked once: `to_saveable` would copy its containers, and
+    changes only what the walk refuses (a module, an optimizer)."""
+    versions: list[list[int]] = []
+    walked = storages_and_signature(obj, versions)
+    saveable = obj
+    if walked is None:
+        saveable = to_saveable(obj)
+        if saveable is obj:
+            return None
+        versions = []
+        walked = storages_and_signature(saveable, versions)
+        if walked is None:
+            return None
+    return saveable, walked[0], walked[1], _frozen(versions)
 
 
 class LayoutCache:
@@ -122,18 +152,16 @@ class LayoutCache:
 
     def plan(self, name: str, obj: Any) -> Layout | None:
         """`plan_layout(obj)`, from the last layout of `name` when `obj` matches it."""
-        saveable = to_saveable(obj)
-        versions: list[list[int]] = []
-        walked = storages_and_signature(saveable, versions)
+        walked = _walked(obj)
         if walked is None:
             return None
-        storages, signature = walked
+        saveable, storages, signature, versions = walked
         with self._lock:
             last = self._last.get(name)
         if last is not None and signature is not None and last[0] == signature:
             with self._lock:
                 self.hits += 1
-            return replace(last[1], storages=tuple(storages), versions=_frozen(versions))
+            return replace(last[1], storages=tuple(storages), versions=versions)
         layout = record_layout(saveable, storages)
         with self._lock:
             self.misses += 1
@@ -141,7 +169,7 @@ class LayoutCache:
                 self._last.pop(name, None)
             else:
                 self._last[name] = (signature, replace(layout, storages=()))
-        return None if layout is None else replace(layout, versions=_frozen(versions))
+        return None if layout is None else replace(layout, versions=versions)
 
 
 def _frozen(versions: list[list[int]]) -> tuple[tuple[int, ...], ...]:
@@ -184,6 +212,11 @@ def fill(
         memory.settle()
         keep = reusable(memory, layout, base, _SEEDS.randrange(1 << 30))
         record, memory.record = memory.record, None  # the buffer is being written
+        if record is None:
+            # Its next fill may skip storages, and have them audited: the audit's thread
+            # is started by this one (a cold save), not by that one.
+            with contextlib.suppress(RuntimeError):  # interpreter exit
+                AUDIT_CREW.start()
     if record is None or record.segments is not layout.segments or not keep:
         # torch's own bytes, and zeros between: there already when the buffer's last fill
         # was of this very layout and held on to (the same evidence as a kept storage's)
@@ -191,23 +224,26 @@ def fill(
             view[offset : offset + len(data)] = data
         for offset, length in layout.gaps:
             view[offset : offset + length] = bytes(length)
-    if any(s.device.type != "cpu" for s in layout.storages):
+    if not layout.on_host():
         _fill_devices(buffer, layout, ready)
-        digest = checksum_of(view)
-        leaves: list[bytes] = []
-    else:
-        old = record if record is not None and keep else None
-        digest, leaves, prefixes = _fill_host(base, view, layout, max(1, workers), keep, old)
-    if memory is not None and leaves:
-        since = record.fills_since_full + 1 if record is not None and keep else 0
+        return checksum_of(view)
+    # Each storage's address and size, read once: the copies, the record's marks and the
+    # piece plan's key take them from here.
+    spans = tuple((s.data_ptr(), s.nbytes()) for s in layout.storages)
+    old = record if record is not None and keep else None
+    job = _HostFill(base, view, layout, keep, old, spans, record)
+    job.run(max(1, workers))
+    digest = job.checksum()
+    if memory is not None:
         memory.record = FillRecord(
             layout.size_bytes,
             layout.regions,
             layout.segments,
-            marks_of(layout),
-            leaves,
-            since,
-            prefixes,
+            marks_of(layout, spans, keep, old.marks if old is not None else None),
+            job.leaves,
+            old.fills_since_full + 1 if old is not None else 0,
+            job.prefixes,
+            job.plan,
         )
         memory.reused_bytes = sum(layout.regions[i][1] for i in keep)
         memory.audit_later(base, layout, sorted(keep), label)
@@ -215,35 +251,43 @@ def fill(
 
 
 def _pieces(
-    base: int, layout: Layout, keep: set[int] | frozenset[int] = frozenset()
+    base: int,
+    layout: Layout,
+    keep: set[int] | frozenset[int] = frozenset(),
+    spans: tuple[tuple[int, int], ...] | None = None,
 ) -> list[list[tuple[int, int, int]] | None]:
     """For each `_PIECE_BYTES` piece of the file, in order, the (destination address,
     source address, bytes) of the storages' parts that fall in it (none where the piece
     holds only torch's own bytes), but those of storages in `keep` (already in the
     buffer); None for a piece whose every storage part is of a storage in `keep`, when
-    there is one such part."""
+    there is one such part. `spans`: each storage's (address, size), if read already."""
+    if spans is None:
+        spans = tuple((s.data_ptr(), s.nbytes()) for s in layout.storages)
     pieces: list[list[tuple[int, int, int]] | None] = [
         [] for _ in range(-(-layout.size_bytes // _PIECE_BYTES))
     ]
     touched = [False] * len(pieces)  # a storage to copy falls in it
     kept = [False] * len(pieces)
-    for index, ((offset, length), storage) in enumerate(
-        zip(layout.regions, layout.storages, strict=True)
+    for index, ((offset, length), (ptr, nbytes)) in enumerate(
+        zip(layout.regions, spans, strict=True)
     ):
-        if storage.nbytes() != length:  # memmove checks nothing: neither may we skip it
-            raise ValueError(f"a storage of {storage.nbytes()} bytes laid out as {length}")
-        src = storage.data_ptr() - offset  # the source address of file offset `at`: src + at
+        if nbytes != length:  # memmove checks nothing: neither may we skip it
+            raise ValueError(f"a storage of {nbytes} bytes laid out as {length}")
+        if not length:
+            continue
+        if index in keep:  # in the buffer already: hashed with its pieces, not copied
+            for piece in range(offset // _PIECE_BYTES, (offset + length - 1) // _PIECE_BYTES + 1):
+                kept[piece] = True
+            continue
+        src = ptr - offset  # the source address of file offset `at`: src + at
         at, end = offset, offset + length
         while at < end:
             piece = at // _PIECE_BYTES
             n = min(end, (piece + 1) * _PIECE_BYTES) - at
-            if index in keep:
-                kept[piece] = True  # in the buffer already: hashed with its piece, not copied
-            else:
-                touched[piece] = True
-                parts = pieces[piece]
-                assert parts is not None
-                parts.append((base + at, src + at, n))
+            touched[piece] = True
+            parts = pieces[piece]
+            assert parts is not None
+            parts.append((base + at, src + at, n))
             at += n
     for i in range(len(pieces)):
         if kept[i] and not touched[i]:
@@ -251,82 +295,121 @@ def _pieces(
     return pieces
 
 
-def _fill_host(
-    base: int,
-    view: memoryview,
-    layout: Layout,
-    workers: int,
-    keep: set[int] | None = None,
-    old: FillRecord | None = None,
-) -> tuple[str, list[bytes], dict[int, tuple[int, Any]]]:
-    """Copy host storages into the buffer at `base`, piece by piece, and hash each piece
-    after its copies: `workers` threads (this one included) take the next piece in turn.
-    The storages `keep` names are already there: not copied, and a piece made of them
-    alone (and torch's own bytes, the same as before) keeps its leaf from `old`, the
-    buffer's record of its last fill (of this layout). A piece whose first copy begins
-    where it began at that fill hashes from there on, from the hasher's state the fill
-    kept over the bytes before it (bytes no fill has written since: kept storages and
-    torch's own). Returns the checksum, the pieces' leaves, and those states."""
-    pieces = _pieces(base, layout, keep or set())
-    leaves = [b""] * len(pieces)
-    old_prefixes: dict[int, tuple[int, Any]] = {}
-    if keep and old is not None and len(old.leaves) == len(pieces):
-        old_prefixes = old.prefixes
-        for i, parts in enumerate(pieces):
-            if parts is None:
-                leaves[i] = old.leaves[i]
-    prefixes: dict[int, tuple[int, Any]] = {}
-    lock = threading.Lock()
-    taken = 0
+class _HostFill:
+    """One fill of host storages into the buffer at `base`, piece by piece: each piece's
+    copies, then its hash (its leaf). The storages `keep` names are already there: not
+    copied, and a piece made of them alone (and torch's own bytes, the same as before)
+    keeps its leaf from `old`, the buffer's record of its last fill (of this layout). A
+    piece whose first copy begins where it began at that fill hashes from there on, from
+    the hasher's state the fill kept over the bytes before it (bytes no fill has written
+    since: kept storages and torch's own): `prefixes`, for the next fill. The piece plan
+    is `last`'s (the buffer's record of its last fill, of any layout) when it was made for
+    the same storages, addresses and `keep`. `spans`: each storage's (address, size)."""
 
-    def work() -> None:
-        nonlocal taken
-        while True:
-            with lock:
-                i = taken
-                taken += 1
-            if i >= len(pieces):
-                return
-            if leaves[i]:
-                continue  # kept: its storages are there, its leaf too
-            parts = pieces[i] or ()
-            for dst, src, n in parts:
-                ctypes.memmove(dst, src, n)
-            start = i * _PIECE_BYTES
-            end = min(start + _PIECE_BYTES, len(view))
-            first = min(dst for dst, _, _ in parts) - base - start if parts else 0
-            if first <= 0:
-                leaves[i] = leaf_digest(view[start:end])
-                continue
+    def __init__(
+        self,
+        base: int,
+        view: memoryview,
+        layout: Layout,
+        keep: set[int],
+        old: FillRecord | None,
+        spans: tuple[tuple[int, int], ...],
+        last: FillRecord | None,
+    ) -> None:
+        key = (base, layout.regions, frozenset(keep), spans)
+        if last is not None and last.plan is not None and last.plan.key == key:
+            pieces = last.plan.pieces  # never changed once made
+        else:
+            pieces = _pieces(base, layout, key[2], spans)
+        self.base, self.view, self.pieces = base, view, pieces
+        self.plan = PiecePlan(key, pieces)
+        self.leaves = [b""] * len(pieces)
+        self.old_prefixes: dict[int, dict[int, Any]] = {}
+        if keep and old is not None and len(old.leaves) == len(pieces):
+            self.old_prefixes = old.prefixes
+            for i, parts in enumerate(pieces):
+                if parts is None:
+                    self.leaves[i] = old.leaves[i]
+        self.prefixes: dict[int, dict[int, Any]] = {}
+        self.states_left = _PREFIX_STATES  # hasher states this fill may keep
+
+    def copying(self) -> int:
+        """How many pieces have storage bytes to copy."""
+        return sum(1 for parts in self.pieces if parts)
+
+    def run(self, workers: int) -> None:
+        """Copy and hash every piece: `workers` threads (this one included) take the next
+        piece in turn, each hashed after its copies while it is in the cache."""
+        lock = threading.Lock()
+        taken = 0
+        pieces, leaves = self.pieces, self.leaves
+
+        def work() -> None:
+            nonlocal taken
+            while True:
+                with lock:
+                    i = taken
+                    taken += 1
+                if i >= len(pieces):
+                    return
+                if leaves[i]:
+                    continue  # kept: its storages are there, its leaf too
+                for dst, src, n in pieces[i] or ():
+                    ctypes.memmove(dst, src, n)
+                self._hash(i)
+
+        # The helpers are long-lived threads (crew.py): a helper that has not started
+        # when this thread has taken every piece is taken back, not waited for.
+        helpers: list[Job] = []
+        if self.copying() >= _HELPED_PIECES:
+            for _ in range(workers - 1):
+                try:
+                    helpers.append(FILL_CREW.submit(work))
+                except RuntimeError:  # interpreter exit: this thread copies alone
+                    break
+        try:
+            work()
+        finally:
+            for helper in helpers:
+                if not helper.take_back():
+                    helper.wait()  # never leave a copy running into a buffer the caller reuses
+
+    def _hash(self, i: int) -> None:
+        parts = self.pieces[i] or ()
+        view, base = self.view, self.base
+        start = i * _PIECE_BYTES
+        end = min(start + _PIECE_BYTES, len(view))
+        first = min(dst for dst, _, _ in parts) - base - start if parts else 0
+        if first > 0:
             # Bytes this fill did not write begin the piece: their hash is kept for the
             # next fill, whose copies begin there too while the same storages change.
-            kept = old_prefixes.get(i)
-            if kept is not None and kept[0] == first:
-                hasher = kept[1].copy()
-            else:
-                hasher = leaf_hasher(view[start : start + first])
-            prefixes[i] = (first, hasher.copy())
+            kept = self.old_prefixes.get(i, {}).get(first)
+            hasher = kept.copy() if kept is not None else leaf_hasher(view[start : start + first])
+            self.prefixes[i] = {first: hasher.copy()}
             hasher.update(view[start + first : end])
-            leaves[i] = hasher.digest()
+            self.leaves[i] = hasher.digest()
+            return
+        # Hashed from its first byte. Where a later copy begins, the hasher's state is
+        # kept too: if only that storage and those after it change by the next fill, its
+        # copies begin there (a fine-tune's first save after a full one).
+        cuts = sorted({dst - base - start for dst, _, _ in parts if dst - base > start})
+        if not cuts or self.states_left < len(cuts):
+            self.leaves[i] = leaf_digest(view[start:end])
+            return
+        self.states_left -= len(cuts)
+        hasher = leaf_hasher(view[start : start + cuts[0]])
+        states = {}
+        for at, to in zip(cuts, [*cuts[1:], end - start], strict=True):
+            states[at] = hasher.copy()
+            hasher.update(view[start + at : start + to])
+        self.prefixes[i] = states
+        self.leaves[i] = hasher.digest()
 
-    # The helpers are long-lived threads (crew.py): a helper that has not started when
-    # this thread has taken every piece is taken back, not waited for.
-    helpers: list[Job] = []
-    if sum(1 for parts in pieces if parts) >= _HELPED_PIECES:
-        for _ in range(workers - 1):
-            try:
-                helpers.append(FILL_CREW.submit(work))
-            except RuntimeError:  # interpreter exit: this thread copies alone
-                break
-    try:
-        work()
-    finally:
-        for helper in helpers:
-            if not helper.take_back():
-                helper.wait()  # never leave a copy running into a buffer the caller reuses
-    if any(not leaf for leaf in leaves):  # a helper failed (it cannot raise here)
-        raise RuntimeError("a fill worker stopped before its pieces were copied")
-    return tree_hexdigest(leaves), leaves, prefixes
+    def checksum(self) -> str:
+        """The item's checksum, every piece hashed."""
+        if any(not leaf for leaf in self.leaves):  # a helper failed (it cannot raise here)
+            raise RuntimeError("a fill worker stopped before its pieces were copied")
+        return tree_hexdigest(self.leaves)
 
 
 def _fill_devices(buffer: Any, layout: Layout, ready: Any) -> None:

@@ -90,9 +90,20 @@ class FillRecord:
     marks: tuple[StorageMark | None, ...]  # None: a storage never skipped (CUDA)
     leaves: list[bytes]
     fills_since_full: int
-    # Of each piece hashed in part from the buffer's older bytes: (where, in the piece,
-    # the fill's first copy began; the leaf hasher's state over the bytes before it).
-    prefixes: dict[int, tuple[int, Any]] = field(default_factory=dict)
+    # Of pieces the next fill may hash in part (snapshot._HostFill): {where, in the piece,
+    # a copy of this fill began: the leaf hasher's state over the bytes before it}.
+    prefixes: dict[int, dict[int, Any]] = field(default_factory=dict)
+    # What the fill copied where (snapshot._pieces), for the next fill of the same plan.
+    plan: PiecePlan | None = None
+
+
+class PiecePlan(NamedTuple):
+    """A fill's copies, piece by piece (snapshot._pieces), and what they were made for:
+    (the buffer's address, the layout's regions, the storages kept, each storage's
+    (address, size)). A fill whose key is equal copies the same ranges."""
+
+    key: tuple[Any, ...]
+    pieces: list[Any]
 
 
 class _Watch:
@@ -174,15 +185,32 @@ def reusable(memory: BufferMemory | None, layout: Layout, base: int, seed: int) 
     return keep
 
 
-def marks_of(layout: Layout) -> tuple[StorageMark | None, ...]:
-    """The marks of `layout`'s storages as they are now (the record of this fill)."""
+def marks_of(
+    layout: Layout,
+    spans: tuple[tuple[int, int], ...] | None = None,
+    keep: set[int] | frozenset[int] = frozenset(),
+    last: tuple[StorageMark | None, ...] | None = None,
+) -> tuple[StorageMark | None, ...]:
+    """The marks of `layout`'s storages as they are now (the record of this fill).
+    `spans`: each storage's (address, size), if read already; a storage in `keep` (the
+    evidence found it as `last`, the previous fill's marks, say) keeps its mark there."""
     if not layout.versions:
         return tuple(None for _ in layout.storages)
+    if spans is None:
+        spans = tuple((s.data_ptr(), s.nbytes()) for s in layout.storages)
+    host = layout.on_host()
     ref, mark = weakref.ref, StorageMark
-    return tuple(
-        mark(ref(s), s.data_ptr(), s.nbytes(), v) if not s.is_cuda else None
-        for s, v in zip(layout.storages, layout.versions, strict=True)
-    )
+    marks: list[StorageMark | None] = []
+    for i, (s, (ptr, nbytes), v) in enumerate(
+        zip(layout.storages, spans, layout.versions, strict=True)
+    ):
+        if last is not None and i in keep:
+            marks.append(last[i])  # the same storage, address, size and counters
+        elif host or s.device.type == "cpu":
+            marks.append(mark(ref(s), ptr, nbytes, v))
+        else:
+            marks.append(None)
+    return tuple(marks)
 
 
 def _confirmed_unseen(storage: Any, versions: tuple[int, ...]) -> bool:

@@ -28,7 +28,15 @@ from typing import BinaryIO
 
 from nebulaml.errors import StorageError
 from nebulaml.storage.backend import Parts, Written
-from nebulaml.storage.mapped_reads import Lender, LocalRead, map_view, open_regular, read_in
+from nebulaml.storage.mapped_reads import (
+    Lender,
+    LocalRead,
+    map_view,
+    open_regular,
+    open_regular_fd,
+    read_all,
+    read_in,
+)
 from nebulaml.storage.redaction import redact
 from nebulaml.storage.streams import (
     PRIVATE_FILE_MODE,
@@ -37,6 +45,7 @@ from nebulaml.storage.streams import (
     LocalWriter,
     create_file,
     fsync_dir,
+    write_all,
     write_view_chunks,
 )
 
@@ -144,8 +153,11 @@ class LocalBackend:
         return datetime.fromtimestamp(mtime, timezone.utc)
 
     def read_bytes(self, parts: Parts) -> bytes:
-        with self._open(parts) as f:
-            return f.read()
+        fd = open_regular_fd(self._local(parts, leaf_may_link=True), self.path(parts))
+        try:
+            return read_all(fd)
+        finally:
+            os.close(fd)
 
     def open_read(self, parts: Parts) -> BinaryIO:
         return self._open(parts)
@@ -312,12 +324,15 @@ class LocalBackend:
         path = self._local(parts, leaf_may_link=True)
         folder = os.path.dirname(path)
         tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+        fd = create_file(tmp, self.file_mode, exclusive=True)
+        renamed = False  # the temporary name is gone
         try:
-            with os.fdopen(create_file(tmp, self.file_mode, exclusive=True), "wb") as f:
-                f.write(data)
-                f.flush()
+            try:
+                write_all(fd, data)
                 if self.durable:
-                    os.fsync(f.fileno())
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             if create_only:
                 try:
                     os.link(tmp, path)
@@ -330,13 +345,16 @@ class LocalBackend:
                     if os.path.exists(path):
                         raise FileExistsError(errno.EEXIST, "exists", path) from exc
                     os.replace(tmp, path)
+                    renamed = True
             else:
                 os.replace(tmp, path)
+                renamed = True
             if self.durable:
                 fsync_dir(folder)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            if not renamed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
 
     def append(self, parts: Parts, data: bytes, *, append_id: str) -> None:
         """One O_APPEND write (whole lines from concurrent writers stay whole), fsynced."""

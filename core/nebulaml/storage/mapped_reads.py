@@ -71,8 +71,18 @@ _LOAD_HASH_WORKERS = HASH_WORKERS
 def open_regular(path: str, where: str) -> BinaryIO:
     """Open a local file for reading only if it is a regular file, not through a symlink:
     a FIFO would block the reader forever, and a link could read outside the root."""
+    fd = open_regular_fd(path, where)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_regular_fd(path: str, where: str) -> int:
+    """`open_regular`'s descriptor, for a caller that reads with os.read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise StorageError(
@@ -82,10 +92,20 @@ def open_regular(path: str, where: str) -> BinaryIO:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise StorageError(f"{where}: not a regular file; nebula reads only its own files")
-        return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
+    return fd
+
+
+def read_all(fd: int) -> bytes:
+    """Every byte from `fd`'s position to its end."""
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 def _read_whole(f: BinaryIO, size: int) -> tuple[mmap.mmap, int]:

@@ -167,6 +167,13 @@ def create_file(path: str, mode: int, *, exclusive: bool = False) -> int:
     return os.open(path, flags, mode)
 
 
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write every byte of `data` to `fd` (os.write may take fewer at once)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 class LocalWriter(io.RawIOBase):
     """A buffered local file whose close() flushes and (when durable) fsyncs."""
 
