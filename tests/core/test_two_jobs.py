@@ -9,6 +9,7 @@ two jobs on one node share the root's memory tier.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -166,9 +167,9 @@ def test_the_holder_renews_its_hold_and_says_when_it_lost_it(
     # A job elsewhere judged this one gone and took the root over: the next call says so.
     write_hold(root, 99, host="node-elsewhere", age_s=0)
     deadline = time.monotonic() + 10
-    while True:
+    for step in itertools.count(1):  # a save before the renewal saw it is a new tag each time
         try:
-            save_step(1)
+            save_step(step)
         except nm.RootInUseError as exc:
             assert "taken over by job job-elsewhere" in str(exc)
             break

@@ -49,6 +49,7 @@ from nebulaml.runtime.fence import Taken
 from nebulaml.runtime.session import Session
 from nebulaml.runtime.slots import write_snapshot
 from nebulaml.runtime.snapshot import Layout, cuda_ready_event
+from nebulaml.runtime.unchanged import start_audits
 from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
@@ -172,8 +173,11 @@ class SaveJob:
             self.sealed = True  # no more saves; the commit runs after the copies
             session.snapshots.submit(lambda: self._commit_lazily(session), copies=False)
             return True
-        with QUIET.saving():
-            return self._commit_now(session)
+        try:
+            with QUIET.saving():
+                return self._commit_now(session)
+        finally:
+            start_audits()  # of this checkpoint's fills: between saves, not beside one
 
     def _begin(self, session: Session, t0: float) -> None:
         # The last commit's eviction, if the persister's thread has not run it yet: this
@@ -321,6 +325,12 @@ class SaveJob:
         self._store = persistent
 
     def _commit_lazily(self, session: Session) -> None:
+        try:
+            self._commit_or_discard(session)
+        finally:
+            start_audits()
+
+    def _commit_or_discard(self, session: Session) -> None:
         if self._lazy_error is None:
             self._commit_now(session)
             return

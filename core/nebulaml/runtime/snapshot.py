@@ -66,6 +66,7 @@ from nebulaml.runtime.unchanged import (
     BufferMemory,
     FillRecord,
     PiecePlan,
+    holds_layout_bytes,
     marks_of,
     reusable,
 )
@@ -217,9 +218,11 @@ def fill(
             # is started by this one (a cold save), not by that one.
             with contextlib.suppress(RuntimeError):  # interpreter exit
                 AUDIT_CREW.start()
-    if record is None or record.segments is not layout.segments or not keep:
-        # torch's own bytes, and zeros between: there already when the buffer's last fill
-        # was of this very layout and held on to (the same evidence as a kept storage's)
+    # torch's own bytes, and zeros between: there already when the buffer's last fill was
+    # of this very layout (the same evidence as a kept storage's), but at every
+    # FULL_EVERY-th fill that relies on the buffer (unchanged.py), which writes them again.
+    relies = holds_layout_bytes(record, layout)
+    if not relies:
         for offset, data in layout.segments:
             view[offset : offset + len(data)] = data
         for offset, length in layout.gaps:
@@ -241,7 +244,7 @@ def fill(
             layout.segments,
             marks_of(layout, spans, keep, old.marks if old is not None else None),
             job.leaves,
-            old.fills_since_full + 1 if old is not None else 0,
+            record.fills_since_full + 1 if record is not None and (keep or relies) else 0,
             job.prefixes,
             job.plan,
         )
