@@ -5,7 +5,9 @@ received it is neither copied nor hashed again (its bytes and its pieces' digest
                      where, how large, its version counters) and each piece's digest
     BufferMemory     one buffer's record, kept on its mapping (slots.MappedFile)
     reusable         which storages of a layout the buffer still holds, by the evidence
-    audit_later      the background check of what a fill did not copy
+    audit_later      the background check of what a fill did not copy, started by
+                     `start_audits` (a commit)
+    holds_layout_bytes  whether a buffer still holds torch's own bytes of a layout
 
 A frozen base model, an embedding table that does not train, a teacher or an EMA copy
 updated every N steps: most of a fine-tuning checkpoint does not change from one save to
@@ -32,13 +34,15 @@ A storage is skipped only with all of this evidence, gathered at the save:
    copied at every save of the process from then on.
 
 What 3 can miss is a partial write PyTorch does not count. So after each fill, a
-background thread (`audit_later`, at low priority, pausing while a save runs) compares
-every skipped storage with the buffer in full. A storage that differs is remembered with
+background thread (`audit_later`, at low priority, pausing while a save runs, started
+once the checkpoint is committed: `start_audits`) compares every skipped storage with
+the buffer in full. A storage that differs is remembered with
 its version counters of that save; at the next save, if its counters are still those (the
 difference was not a counted change made after the save), the write is confirmed: nebula
 warns, naming the checkpoint that may hold the older bytes, and copies the storage from
 then on. So a stale tensor is reported within one save, never silent. Every
-`FULL_EVERY`-th fill of a buffer copies everything, and `reuse_unchanged=False`
+`FULL_EVERY`-th fill of a buffer copies everything (torch's own bytes too:
+`holds_layout_bytes`), and `reuse_unchanged=False`
 (`NEBULA_REUSE_UNCHANGED=0`) turns the skipping off. CUDA storages are always copied.
 
 May import: `nebulaml.format` (torchzip's `Layout`) and runtime/crew.py. Not for: the
