@@ -200,6 +200,8 @@ def reusable(memory: BufferMemory | None, layout: Layout, base: int, seed: int) 
     ):
         return set()
     keep: set[int] = set()
+    with WATCH.lock:  # most processes have no storage under watch: not asked per storage
+        watched = bool(WATCH.suspects) or bool(WATCH.differed)
     for i, (storage, mark, versions) in enumerate(
         zip(layout.storages, record.marks, layout.versions, strict=True)
     ):
@@ -210,7 +212,7 @@ def reusable(memory: BufferMemory | None, layout: Layout, base: int, seed: int) 
             continue
         if storage.data_ptr() != mark.ptr or storage.nbytes() != mark.nbytes:
             continue
-        if _confirmed_unseen(storage, versions):
+        if watched and _confirmed_unseen(storage, versions):
             continue
         offset, length = layout.regions[i]
         if not _samples_agree(storage.data_ptr(), base + offset, length, seed + i):
