@@ -240,3 +240,92 @@ def test_a_piece_hashed_from_its_kept_head_hashes_the_bytes_of_each_fill() -> No
     record = memory.record
     assert record is not None and record.prefixes  # heads were kept and used
     assert memory.reused_bytes >= 2 * 393_216 * 4
+
+
+def test_the_first_fill_that_skips_after_a_full_one_hashes_no_head(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Catches: a full fill that keeps no hash state where a later copy in a piece begins:
+    # the next fill, the first to skip storages (the first save after a start, or after
+    # the periodic full fill), hashes every such piece's head again.
+    import nebulaml.runtime.snapshot as snapshot
+    from nebulaml.format.checksum import checksum_of
+    from nebulaml.runtime.snapshot import LayoutCache, fill
+    from nebulaml.runtime.unchanged import BufferMemory
+
+    torch.manual_seed(6)
+    state = {
+        "frozen1": torch.randn(393_216),
+        "b": torch.randn(7_000),
+        "frozen2": torch.randn(393_216),
+    }
+    cache, memory = LayoutCache(), BufferMemory()
+    layout = cache.plan("item", state)
+    assert layout is not None
+    buffer = torch.empty(layout.size_bytes, dtype=torch.uint8)
+    view = memoryview(buffer.numpy()).cast("B")
+    fill(buffer, view, layout, memory=memory)  # full: the buffer held nothing
+    heads: list[int] = []
+    real = snapshot.leaf_hasher
+    monkeypatch.setattr(snapshot, "leaf_hasher", lambda head: heads.append(len(head)) or real(head))
+    with torch.no_grad():
+        state["b"].add_(1.0)
+    layout = cache.plan("item", state)
+    assert layout is not None
+    digest = fill(buffer, view, layout, memory=memory)
+    memory.settle()
+    assert digest == checksum_of(bytes(view))
+    assert memory.reused_bytes == 2 * 393_216 * 4  # both frozen tensors skipped
+    assert heads == []  # b's piece hashed on from the state the full fill kept
+
+
+def test_a_checkpoints_audits_start_once_it_is_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Catches: an audit started as an item's fill ends, which then runs beside the
+    # checkpoint's next item's copy (on 2 cores, a share of the frozen-base save).
+    from nebulaml.runtime.crew import AUDIT_CREW
+
+    model = Model()
+    _warm(tmp_path, model)
+    started: list[bool] = []
+    real = AUDIT_CREW.submit
+    monkeypatch.setattr(AUDIT_CREW, "submit", lambda fn: started.append(True) or real(fn))
+    checkpoint = nm.Checkpoint("global_step5", 2)
+    checkpoint.save("model", model.state_dict())  # the base skipped: its audit is due
+    assert started == []
+    checkpoint.save("extra", {"step": torch.tensor(5)})  # the second item commits
+    assert started == [True]
+    _pool().settle_audits()
+    assert nm.flush_persistence()
+    assert torch.equal(_saved_base(tmp_path, 5), model.base.weight)
+    nm.shutdown()
+
+
+def test_the_periodic_full_fill_writes_torchs_own_bytes_again() -> None:
+    # Catches: a fill that never writes torch's own bytes (the zip headers, the pickle)
+    # again once its buffer holds them: a byte changed there by any hand would be in every
+    # later checkpoint, its checksum taken over it.
+    import io
+
+    from nebulaml.format.checksum import checksum_of
+    from nebulaml.runtime.snapshot import LayoutCache, fill
+    from nebulaml.runtime.unchanged import FULL_EVERY, BufferMemory
+
+    state = {"w": torch.zeros(1_000)}
+    cache, memory = LayoutCache(), BufferMemory()
+    layout = cache.plan("item", state)
+    assert layout is not None
+    buffer = torch.empty(layout.size_bytes, dtype=torch.uint8)
+    view = memoryview(buffer.numpy()).cast("B")
+    fill(buffer, view, layout, memory=memory)
+    view[0] ^= 0xFF  # the zip's first header byte, torch's own
+    for _ in range(FULL_EVERY):
+        with torch.no_grad():
+            state["w"].add_(1.0)  # every storage changes: nothing is skipped
+        layout = cache.plan("item", state)
+        assert layout is not None
+        digest = fill(buffer, view, layout, memory=memory)
+    assert digest == checksum_of(bytes(view))
+    loaded = torch.load(io.BytesIO(bytes(view)), weights_only=True)
+    assert torch.equal(loaded["w"], state["w"])

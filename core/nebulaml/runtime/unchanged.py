@@ -164,6 +164,8 @@ class BufferMemory:
     def _start(self) -> None:
         with _DUE_LOCK:
             due, self._due = self._due, None
+            if due is not None and self in _DUE:
+                _DUE.remove(self)  # settled before the commit: not held on to
         if due is None:
             return
         try:
