@@ -9,6 +9,7 @@ import logging
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,6 +53,21 @@ def _warm(root: Path, model: Model, **options: object) -> None:
 
 def _saved_base(root: Path, step: int) -> torch.Tensor:
     return torch.load(root / f"global_step{step}" / "model", weights_only=True)["base.weight"]
+
+
+def _buffer_for(
+    state: dict[str, torch.Tensor],
+) -> tuple[Any, Any, Any, torch.Tensor, memoryview]:
+    """A layout cache that has planned `state` as "item", a buffer's memory, that layout,
+    and a buffer of the item's size (a tensor, and a view of its bytes)."""
+    from nebulaml.runtime.snapshot import LayoutCache
+    from nebulaml.runtime.unchanged import BufferMemory
+
+    cache = LayoutCache()
+    layout = cache.plan("item", state)
+    assert layout is not None
+    buffer = torch.empty(layout.size_bytes, dtype=torch.uint8)
+    return cache, BufferMemory(), layout, buffer, memoryview(buffer.numpy()).cast("B")
 
 
 def test_a_frozen_base_is_not_copied_again_and_stays_right(tmp_path: Path) -> None:
@@ -209,8 +225,7 @@ def test_a_piece_hashed_from_its_kept_head_hashes_the_bytes_of_each_fill() -> No
     # for another head (the fill's first copy in that piece begins elsewhere now): its
     # leaf then covers the wrong bytes, and the item's checksum is not the buffer's.
     from nebulaml.format.checksum import checksum_of
-    from nebulaml.runtime.snapshot import LayoutCache, fill
-    from nebulaml.runtime.unchanged import BufferMemory
+    from nebulaml.runtime.snapshot import fill
 
     torch.manual_seed(5)
     # Small tensors between 1.5 MiB frozen ones: pieces whose copies begin mid-piece.
@@ -222,11 +237,7 @@ def test_a_piece_hashed_from_its_kept_head_hashes_the_bytes_of_each_fill() -> No
         "frozen2": torch.randn(393_216),
         "d": torch.randn(11_000),
     }
-    cache, memory = LayoutCache(), BufferMemory()
-    layout = cache.plan("item", state)
-    assert layout is not None
-    buffer = torch.empty(layout.size_bytes, dtype=torch.uint8)
-    view = memoryview(buffer.numpy()).cast("B")
+    cache, memory, layout, buffer, view = _buffer_for(state)
     changes = [(), ("b",), ("b",), ("c",), ("b", "c"), ("a", "d"), ("b",), ("b",), ("d",)]
     for step, changed in enumerate(changes):
         for name in changed:
@@ -250,8 +261,7 @@ def test_the_first_fill_that_skips_after_a_full_one_hashes_no_head(
     # the periodic full fill), hashes every such piece's head again.
     import nebulaml.runtime.snapshot as snapshot
     from nebulaml.format.checksum import checksum_of
-    from nebulaml.runtime.snapshot import LayoutCache, fill
-    from nebulaml.runtime.unchanged import BufferMemory
+    from nebulaml.runtime.snapshot import fill
 
     torch.manual_seed(6)
     state = {
@@ -259,11 +269,7 @@ def test_the_first_fill_that_skips_after_a_full_one_hashes_no_head(
         "b": torch.randn(7_000),
         "frozen2": torch.randn(393_216),
     }
-    cache, memory = LayoutCache(), BufferMemory()
-    layout = cache.plan("item", state)
-    assert layout is not None
-    buffer = torch.empty(layout.size_bytes, dtype=torch.uint8)
-    view = memoryview(buffer.numpy()).cast("B")
+    cache, memory, layout, buffer, view = _buffer_for(state)
     fill(buffer, view, layout, memory=memory)  # full: the buffer held nothing
     heads: list[int] = []
     real = snapshot.leaf_hasher
@@ -309,15 +315,11 @@ def test_the_periodic_full_fill_writes_torchs_own_bytes_again() -> None:
     import io
 
     from nebulaml.format.checksum import checksum_of
-    from nebulaml.runtime.snapshot import LayoutCache, fill
-    from nebulaml.runtime.unchanged import FULL_EVERY, BufferMemory
+    from nebulaml.runtime.snapshot import fill
+    from nebulaml.runtime.unchanged import FULL_EVERY
 
     state = {"w": torch.zeros(1_000)}
-    cache, memory = LayoutCache(), BufferMemory()
-    layout = cache.plan("item", state)
-    assert layout is not None
-    buffer = torch.empty(layout.size_bytes, dtype=torch.uint8)
-    view = memoryview(buffer.numpy()).cast("B")
+    cache, memory, layout, buffer, view = _buffer_for(state)
     fill(buffer, view, layout, memory=memory)
     view[0] ^= 0xFF  # the zip's first header byte, torch's own
     for _ in range(FULL_EVERY):

@@ -100,7 +100,7 @@ def open_regular_fd(path: str, where: str) -> int:
 
 def read_all(fd: int) -> bytes:
     """Every byte from `fd`'s position to its end."""
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         chunk = os.read(fd, 1 << 20)
         if not chunk:
