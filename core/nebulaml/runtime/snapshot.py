@@ -334,7 +334,9 @@ class _HostFill:
                 if parts is None:
                     self.leaves[i] = old.leaves[i]
         self.prefixes: dict[int, dict[int, Any]] = {}
-        self.states_left = _PREFIX_STATES  # hasher states this fill may keep
+        # Hasher states this fill may keep (a bound on memory, not on correctness: two
+        # workers may each take the last ones).
+        self.states_left = _PREFIX_STATES
 
     def copying(self) -> int:
         """How many pieces have storage bytes to copy."""
