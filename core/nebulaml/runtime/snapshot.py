@@ -213,11 +213,6 @@ def fill(
         memory.settle()
         keep = reusable(memory, layout, base, _SEEDS.randrange(1 << 30))
         record, memory.record = memory.record, None  # the buffer is being written
-        if record is None:
-            # Its next fill may skip storages, and have them audited: the audit's thread
-            # is started by this one (a cold save), not by that one.
-            with contextlib.suppress(RuntimeError):  # interpreter exit
-                AUDIT_CREW.start()
     # torch's own bytes, and zeros between: there already when the buffer's last fill was
     # of this very layout (the same evidence as a kept storage's), but at every
     # FULL_EVERY-th fill that relies on the buffer (unchanged.py), which writes them again.
@@ -238,6 +233,11 @@ def fill(
     job.run(max(1, workers))
     digest = job.checksum()
     if memory is not None:
+        if record is None:
+            # The buffer's next fill may skip storages and have them audited: the audit's
+            # thread is started by this fill (a cold save), not by that one.
+            with contextlib.suppress(RuntimeError):  # interpreter exit
+                AUDIT_CREW.start()
         memory.record = FillRecord(
             layout.size_bytes,
             layout.regions,
@@ -254,18 +254,13 @@ def fill(
 
 
 def _pieces(
-    base: int,
-    layout: Layout,
-    keep: set[int] | frozenset[int] = frozenset(),
-    spans: tuple[tuple[int, int], ...] | None = None,
+    base: int, layout: Layout, keep: frozenset[int], spans: tuple[tuple[int, int], ...]
 ) -> list[list[tuple[int, int, int]] | None]:
     """For each `_PIECE_BYTES` piece of the file, in order, the (destination address,
     source address, bytes) of the storages' parts that fall in it (none where the piece
     holds only torch's own bytes), but those of storages in `keep` (already in the
     buffer); None for a piece whose every storage part is of a storage in `keep`, when
-    there is one such part. `spans`: each storage's (address, size), if read already."""
-    if spans is None:
-        spans = tuple((s.data_ptr(), s.nbytes()) for s in layout.storages)
+    there is one such part. `spans`: each storage's (address, size)."""
     pieces: list[list[tuple[int, int, int]] | None] = [
         [] for _ in range(-(-layout.size_bytes // _PIECE_BYTES))
     ]

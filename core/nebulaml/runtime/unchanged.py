@@ -131,9 +131,8 @@ class BufferMemory:
     one). A fill waits for the audit of the buffer's previous fill before it writes.
 
     An audit is due when its fill ends, and starts once the checkpoint is committed
-    (`start_audits`): on 2 cores, an audit started between a checkpoint's items ran
-    beside the next item's copy (crew.QUIET pauses it only between its chunks) and cost
-    the save 0.5-1 ms of a 6 ms frozen-base save."""
+    (`start_audits`): one started between a checkpoint's items would run beside the next
+    item's copy until its next chunk (crew.QUIET pauses it only between chunks)."""
 
     def __init__(self) -> None:
         self.record: FillRecord | None = None
@@ -197,7 +196,7 @@ def reusable(memory: BufferMemory | None, layout: Layout, base: int, seed: int) 
         or not layout.versions
         or record.size_bytes != layout.size_bytes
         or record.regions != layout.regions
-        or record.fills_since_full >= FULL_EVERY - 1
+        or _full_fill_due(record)
         or (record.segments is not layout.segments and record.segments != layout.segments)
     ):
         return set()
@@ -228,26 +227,26 @@ def holds_layout_bytes(record: FillRecord | None, layout: Layout) -> bool:
     """Whether the buffer whose last fill `record` describes still holds torch's own bytes
     and the zeros of `layout`: that fill was of this very layout (its cache's object), and
     this is not the FULL_EVERY-th fill since they were last written."""
-    return (
-        record is not None
-        and record.segments is layout.segments
-        and record.fills_since_full < FULL_EVERY - 1
-    )
+    return record is not None and record.segments is layout.segments and not _full_fill_due(record)
+
+
+def _full_fill_due(record: FillRecord) -> bool:
+    """Whether the fill after `record` is the FULL_EVERY-th: it relies on nothing the
+    buffer holds (every storage copied, torch's own bytes written)."""
+    return record.fills_since_full >= FULL_EVERY - 1
 
 
 def marks_of(
     layout: Layout,
-    spans: tuple[tuple[int, int], ...] | None = None,
-    keep: set[int] | frozenset[int] = frozenset(),
-    last: tuple[StorageMark | None, ...] | None = None,
+    spans: tuple[tuple[int, int], ...],
+    keep: set[int],
+    last: tuple[StorageMark | None, ...] | None,
 ) -> tuple[StorageMark | None, ...]:
-    """The marks of `layout`'s storages as they are now (the record of this fill).
-    `spans`: each storage's (address, size), if read already; a storage in `keep` (the
-    evidence found it as `last`, the previous fill's marks, say) keeps its mark there."""
+    """The marks of `layout`'s storages as they are now (the record of this fill), from
+    `spans`, each storage's (address, size); a storage in `keep` (the evidence found it
+    as `last`, the previous fill's marks) keeps its mark there."""
     if not layout.versions:
         return tuple(None for _ in layout.storages)
-    if spans is None:
-        spans = tuple((s.data_ptr(), s.nbytes()) for s in layout.storages)
     host = layout.on_host()
     ref, mark = weakref.ref, StorageMark
     marks: list[StorageMark | None] = []
