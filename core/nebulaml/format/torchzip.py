@@ -195,7 +195,8 @@ def storages_and_signature(
     import torch
 
     tensor_type, parameter_type, strided = torch.Tensor, torch.nn.Parameter, torch.strided
-    found: dict[int, Any] = {}
+    found: list[Any] = []
+    cpu = torch.device("cpu")
     storage_index: dict[int, int] = {}
     seen: dict[int, int] = {}
     sig: list[Any] = []
@@ -203,6 +204,46 @@ def storages_and_signature(
     describable = True
     # A save walks every state dict it writes, after a training step has taken the
     # caches: the common cases (str keys, plain tensors, dicts) are taken first, inline.
+
+    def tensor(value: Any, kind: Any) -> bool:
+        nonlocal describable
+        if value.layout is not strided or value.is_quantized or value.__dict__:
+            return False
+        if value.is_cpu:
+            device = cpu
+        else:
+            device = value.device  # a torch.device: compared and hashed as its string
+            if device.type != "cuda":
+                return False
+        storage = value.untyped_storage()
+        # PyTorch keeps one Python object per live storage: its id names it while `found`
+        # holds it.
+        sid = id(storage)
+        key = storage_index.setdefault(sid, len(storage_index))
+        if key == len(found):
+            found.append(storage)
+        if versions is not None:
+            if key == len(versions):
+                versions.append([])
+            versions[key].append(value._version)
+        append(
+            (
+                kind,
+                key,
+                storage.nbytes(),
+                device,
+                value.dtype,
+                value.shape,  # a torch.Size: a tuple
+                value.stride(),
+                value.storage_offset(),
+                value.requires_grad,
+                value.is_conj(),
+                value.is_neg(),
+            )
+        )
+        if kind is parameter_type or value._backward_hooks:
+            describable = False
+        return True
 
     def walk(value: Any) -> bool:
         nonlocal describable
@@ -216,38 +257,7 @@ def storages_and_signature(
         seen[id(value)] = len(seen)
         kind = type(value)
         if kind is tensor_type or kind is parameter_type:
-            if value.layout is not strided or value.is_quantized or value.__dict__:
-                return False
-            device = value.device  # a torch.device: compared and hashed as its string
-            if device.type not in ("cpu", "cuda"):
-                return False
-            storage = value.untyped_storage()
-            cdata = storage._cdata
-            key = storage_index.setdefault(cdata, len(storage_index))
-            if key == len(found):
-                found[cdata] = storage
-            if versions is not None:
-                if key == len(versions):
-                    versions.append([])
-                versions[key].append(value._version)
-            append(
-                (
-                    kind,
-                    key,
-                    storage.nbytes(),
-                    device,
-                    value.dtype,
-                    value.shape,  # a torch.Size: a tuple
-                    value.stride(),
-                    value.storage_offset(),
-                    value.requires_grad,
-                    value.is_conj(),
-                    value.is_neg(),
-                )
-            )
-            if kind is parameter_type or value._backward_hooks:
-                describable = False
-            return True
+            return tensor(value, kind)
         if kind is dict or kind is OrderedDict:
             append((kind, len(value)))
             for k, v in value.items():
@@ -260,7 +270,11 @@ def storages_and_signature(
                         append(("again", again))
                 elif not walk(k):
                     return False
-                if not walk(v):
+                if type(v) is tensor_type and id(v) not in seen:
+                    seen[id(v)] = len(seen)
+                    if not tensor(v, tensor_type):
+                        return False
+                elif not walk(v):
                     return False
             return True
         if isinstance(value, _PLAIN):
@@ -285,7 +299,7 @@ def storages_and_signature(
 
     if not walk(obj):
         return None
-    return list(found.values()), (tuple(sig) if describable else None)
+    return found, (tuple(sig) if describable else None)
 
 
 def record_layout(saveable: Any, storages: list[Any]) -> Layout | None:

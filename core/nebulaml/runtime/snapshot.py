@@ -207,11 +207,14 @@ def fill(
     if buffer.numel() != layout.size_bytes or len(view) != layout.size_bytes:
         raise ValueError(f"a buffer of {len(view)} bytes for an item of {layout.size_bytes}")
     base = buffer.data_ptr()
+    # Each storage's address and size, read once: the evidence, the copies, the record's
+    # marks and the piece plan's key take them from here.
+    spans = tuple((s.data_ptr(), s.nbytes()) for s in layout.storages)
     keep: set[int] = set()
     record = None
     if memory is not None:
         memory.settle()
-        keep = reusable(memory, layout, base, _SEEDS.randrange(1 << 30))
+        keep = reusable(memory, layout, base, _SEEDS.randrange(1 << 30), spans)
         record, memory.record = memory.record, None  # the buffer is being written
     # torch's own bytes, and zeros between: there already when the buffer's last fill was
     # of this very layout (the same evidence as a kept storage's), but at every
@@ -225,9 +228,6 @@ def fill(
     if not layout.on_host():
         _fill_devices(buffer, layout, ready)
         return checksum_of(view)
-    # Each storage's address and size, read once: the copies, the record's marks and the
-    # piece plan's key take them from here.
-    spans = tuple((s.data_ptr(), s.nbytes()) for s in layout.storages)
     old = record if record is not None and keep else None
     job = _HostFill(base, view, layout, keep, old, spans, record)
     job.run(max(1, workers))
@@ -316,57 +316,66 @@ class _HostFill:
     ) -> None:
         key = (base, layout.regions, frozenset(keep), spans)
         if last is not None and last.plan is not None and last.plan.key == key:
-            pieces = last.plan.pieces  # never changed once made
+            plan = last.plan  # never changed once made
         else:
             pieces = _pieces(base, layout, key[2], spans)
-        self.base, self.view, self.pieces = base, view, pieces
-        self.plan = PiecePlan(key, pieces)
-        self.leaves = [b""] * len(pieces)
+            todo = [i for i, parts in enumerate(pieces) if parts is not None]
+            plan = PiecePlan(key, pieces, todo, sum(1 for parts in pieces if parts))
+        self.base, self.view, self.plan, self.pieces = base, view, plan, plan.pieces
         self.old_prefixes: dict[int, dict[int, Any]] = {}
-        if keep and old is not None and len(old.leaves) == len(pieces):
+        self.todo = plan.todo
+        if keep and old is not None and len(old.leaves) == len(self.pieces):
+            # A piece of kept storages alone keeps its leaf; the others are made below.
             self.old_prefixes = old.prefixes
-            for i, parts in enumerate(pieces):
-                if parts is None:
-                    self.leaves[i] = old.leaves[i]
+            self.leaves = old.leaves.copy()
+            for i in plan.todo:
+                self.leaves[i] = b""
+        else:
+            self.leaves = [b""] * len(self.pieces)
+            if len(self.todo) < len(self.pieces):  # no leaf to keep: every piece hashed
+                self.todo = list(range(len(self.pieces)))
         self.prefixes: dict[int, dict[int, Any]] = {}
         # Hasher states this fill may keep (a bound on memory, not on correctness: two
         # workers may each take the last ones).
         self.states_left = _PREFIX_STATES
 
-    def copying(self) -> int:
-        """How many pieces have storage bytes to copy."""
-        return sum(1 for parts in self.pieces if parts)
-
     def run(self, workers: int) -> None:
-        """Copy and hash every piece: `workers` threads (this one included) take the next
-        piece in turn, each hashed after its copies while it is in the cache."""
+        """Copy and hash every piece of the plan's `todo`: `workers` threads (this one
+        included) take the next piece in turn, each hashed after its copies while it is
+        in the cache."""
+        pieces, todo = self.pieces, self.todo
+        memmove, hash_piece = ctypes.memmove, self._hash
+        # The helpers are long-lived threads (crew.py): a helper that has not started
+        # when this thread has taken every piece is taken back, not waited for.
+        helpers: list[Job] = []
         lock = threading.Lock()
         taken = 0
-        pieces, leaves = self.pieces, self.leaves
 
         def work() -> None:
             nonlocal taken
             while True:
                 with lock:
-                    i = taken
+                    k = taken
                     taken += 1
-                if i >= len(pieces):
+                if k >= len(todo):
                     return
-                if leaves[i]:
-                    continue  # kept: its storages are there, its leaf too
+                i = todo[k]
                 for dst, src, n in pieces[i] or ():
-                    ctypes.memmove(dst, src, n)
-                self._hash(i)
+                    memmove(dst, src, n)
+                hash_piece(i)
 
-        # The helpers are long-lived threads (crew.py): a helper that has not started
-        # when this thread has taken every piece is taken back, not waited for.
-        helpers: list[Job] = []
-        if self.copying() >= _HELPED_PIECES:
+        if self.plan.copying >= _HELPED_PIECES:
             for _ in range(workers - 1):
                 try:
                     helpers.append(FILL_CREW.submit(work))
                 except RuntimeError:  # interpreter exit: this thread copies alone
                     break
+        if not helpers:  # alone: no turns to take
+            for i in todo:
+                for dst, src, n in pieces[i] or ():
+                    memmove(dst, src, n)
+                hash_piece(i)
+            return
         try:
             work()
         finally:
