@@ -285,6 +285,47 @@ def test_the_first_fill_that_skips_after_a_full_one_hashes_no_head(
     assert heads == []  # b's piece hashed on from the state the full fill kept
 
 
+def test_a_kept_bias_before_an_adapter_costs_no_head_either(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Catches: a piece whose first copy does not begin at its start (the zeros and
+    # headers the layout puts before a LoRA layer's small records) keeping the hash state
+    # at that copy alone: the next fill, which keeps the bias and copies the adapter
+    # after it, hashes the piece's head again.
+    import nebulaml.runtime.snapshot as snapshot
+    from nebulaml.format.checksum import checksum_of
+    from nebulaml.runtime.snapshot import fill
+
+    torch.manual_seed(8)
+    state = {
+        "a0": torch.randn(5_000),
+        "w1": torch.randn(4 << 20),
+        "bias": torch.randn(1_000),
+        "adapter": torch.randn(5_000),
+        "w2": torch.randn(4 << 20),
+    }
+    cache, memory, layout, buffer, view = _buffer_for(state)
+    piece = snapshot._PIECE_BYTES
+    bias_at = layout.regions[2][0]
+    assert bias_at % piece > 0 and layout.regions[1][0] + layout.regions[1][1] <= bias_at - (
+        bias_at % piece
+    )  # the bias's piece begins with bytes no fill copies
+    fill(buffer, view, layout, memory=memory)  # full: the buffer held nothing
+    heads: list[int] = []
+    real = snapshot.leaf_hasher
+    monkeypatch.setattr(snapshot, "leaf_hasher", lambda head: heads.append(len(head)) or real(head))
+    with torch.no_grad():
+        state["adapter"].add_(1.0)
+        state["a0"].add_(1.0)
+    layout = cache.plan("item", state)
+    assert layout is not None
+    digest = fill(buffer, view, layout, memory=memory)
+    memory.settle()
+    assert digest == checksum_of(bytes(view))
+    assert memory.reused_bytes == 2 * (4 << 20) * 4 + 1_000 * 4  # w1, w2 and the bias
+    assert heads == []
+
+
 def test_a_checkpoints_audits_start_once_it_is_committed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

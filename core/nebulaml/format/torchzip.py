@@ -7,6 +7,8 @@ pickle of the object, whose tensors name their storages by key, and one member
 - planning an item's file without copying a tensor byte (`record_layout`: `torch.save`
   under `torch.serialization.skip_data` into a recorder that keeps only what torch itself
   writes), giving a `Layout`: torch's own bytes and the place of every storage's bytes;
+  on request with large records moved to block boundaries (`align_large_records`: zeros
+  between members, the central directory's offsets rewritten);
 - mirroring the pickler's walk (`storages_and_signature`), so that a layout can be reused
   for an object of the same structure, and refusing what it cannot mirror;
 - finding the storages' records in an archive (`data_records`) and reading `data.pkl`
@@ -302,10 +304,15 @@ def storages_and_signature(
     return found, (tuple(sig) if describable else None)
 
 
-def record_layout(saveable: Any, storages: list[Any]) -> Layout | None:
+def record_layout(saveable: Any, storages: list[Any], *, align: int = 0) -> Layout | None:
     """Lay out the file `torch.save(saveable)` writes, copying no tensor byte: `storages`
     are `saveable`'s, as `storages_and_signature` found them. None if torch's records do
     not match them (the caller then writes with plain torch.save).
+
+    With `align`, each storage of at least `ALIGN_MIN_UNITS` x `align` bytes that follows
+    smaller ones starts on a multiple of `align`, zeros put before those smaller records
+    (`align_large_records`): a LoRA adapter between two frozen weights then ends where
+    a weight's `align`-sized block begins.
 
     Example:
         >>> import torch
@@ -320,8 +327,18 @@ def record_layout(saveable: Any, storages: list[Any]) -> Layout | None:
     recorder = _Recorder()
     with zip_crc_off(), torch.serialization.skip_data():
         torch.save(saveable, recorder)  # type: ignore[arg-type]  # a file-like writer
-    size = recorder.end
-    records = data_records(recorder.segments, size)
+    segments, size = recorder.segments, recorder.end
+    if align:
+        aligned = align_large_records(segments, size, align)
+        if aligned is not None:
+            laid = _laid_out(aligned[0], aligned[1], storages)
+            if laid is not None:
+                return laid
+    return _laid_out(segments, size, storages)
+
+
+def _laid_out(segments: list[tuple[int, bytes]], size: int, storages: list[Any]) -> Layout | None:
+    records = data_records(segments, size)
     if records is None or len(records) != len(storages):
         return None
     regions = tuple(records[i] for i in range(len(storages)))
@@ -329,12 +346,150 @@ def record_layout(saveable: Any, storages: list[Any]) -> Layout | None:
         return None
     return Layout(
         size_bytes=size,
-        segments=tuple(recorder.segments),
+        segments=tuple(segments),
         regions=regions,
-        gaps=_gaps(recorder.segments, regions, size),
+        gaps=_gaps(segments, regions, size),
         storages=tuple(storages),
         host=all(s.device.type == "cpu" for s in storages),
     )
+
+
+# A record is aligned when it is at least this many `align` units: the zeros put before
+# the records ahead of it are then under 1/ALIGN_MIN_UNITS of its size.
+ALIGN_MIN_UNITS = 16
+_CD_ENTRY, _EOCD64, _LOCATOR64, _EOCD = b"PK\x01\x02", b"PK\x06\x06", b"PK\x06\x07", b"PK\x05\x06"
+_NO_OFFSET = 0xFFFFFFFF  # a 32-bit field that says "in the zip64 extra field"
+
+
+def align_large_records(
+    segments: list[tuple[int, bytes]], size: int, align: int
+) -> tuple[list[tuple[int, bytes]], int] | None:
+    """The zip whose bytes are `segments` (offset, bytes; zeros elsewhere) with zeros
+    inserted between members, so that each storage record of at least ALIGN_MIN_UNITS x
+    `align` bytes that follows smaller members (since the last such record) has its
+    data at a multiple of `align`: (segments, size). The zeros go before the first of
+    those smaller members, so they end where the large record's block begins. None when
+    nothing moves, or the archive is not as torch writes it.
+
+    Zip readers find members by the central directory, whose offsets are rewritten here;
+    bytes between members belong to none (torch.load and zipfile read them past).
+    `align` is a multiple of 64, so torch's 64-byte data alignment stays.
+
+    Example:
+        >>> import torch
+        >>> obj = {"w": torch.zeros(4 << 20), "b": torch.zeros(3), "v": torch.zeros(4 << 20)}
+        >>> layout = record_layout(obj, storages_and_signature(obj)[0], align=1 << 20)
+        >>> w, b, v = layout.regions   # v starts a block; b ends at v's zip header
+        >>> v[0] % (1 << 20), v[0] - (b[0] + b[1]) < 256
+        (0, True)
+    """
+    if align <= 0 or align % 64:
+        return None
+    reader = _SparseReader(segments, size)
+    try:
+        with zipfile.ZipFile(reader) as archive:
+            infos = sorted(archive.infolist(), key=lambda i: i.header_offset)
+            cd_start = archive.start_dir
+        members = []
+        for info in infos:
+            reader.seek(info.header_offset)
+            header = reader.read(30)
+            name_len = int.from_bytes(header[26:28], "little")
+            extra_len = int.from_bytes(header[28:30], "little")
+            parts = info.filename.split("/")
+            is_data = len(parts) == 3 and parts[1] == "data"
+            data_at = info.header_offset + 30 + name_len + extra_len
+            members.append((info.header_offset, data_at, info.file_size, is_data))
+    except (zipfile.BadZipFile, ValueError, OSError):
+        return None
+    # Where zeros go (a member's header offset) and how many.
+    inserts: list[tuple[int, int]] = []
+    shift = 0
+    start = next((j for j, m in enumerate(members) if m[3]), len(members))
+    for j, (_, data_at, length, is_data) in enumerate(members):
+        if not is_data or length < ALIGN_MIN_UNITS * align:
+            continue
+        if start < j:  # smaller members since the last large one: put zeros before them
+            gap = -(data_at + shift) % align
+            if gap:
+                inserts.append((members[start][0], gap))
+                shift += gap
+        start = j + 1
+    if not inserts:
+        return None
+    ats = [at for at, _ in inserts]
+    before = [0]
+    for _, gap in inserts:
+        before.append(before[-1] + gap)
+
+    def moved(offset: int) -> int:
+        return offset + before[bisect.bisect_right(ats, offset)]
+
+    moved_segments: list[tuple[int, bytes]] = []
+    tail = bytearray(size - cd_start)
+    for offset, data in segments:
+        end = offset + len(data)
+        if offset >= cd_start:
+            tail[offset - cd_start : end - cd_start] = data
+            continue
+        if end > cd_start or (data and moved(offset) + len(data) - 1 != moved(end - 1)):
+            return None  # a write across a member's start: not as torch writes
+        moved_segments.append((moved(offset), data))
+    if not _moved_directory(tail, moved, shift):
+        return None
+    moved_segments.append((cd_start + shift, bytes(tail)))
+    return moved_segments, size + shift
+
+
+def _moved_directory(tail: bytearray, moved: Any, shift: int) -> bool:
+    """Rewrite, in `tail` (the central directory and the end records), every member's
+    header offset by `moved`, and the directory's own by `shift`; False when `tail` is
+    not as torch writes it or an offset no longer fits its field."""
+    p = 0
+    while tail[p : p + 4] == _CD_ENTRY:
+        if p + 46 > len(tail):
+            return False
+        usize, csize, offset = (
+            int.from_bytes(tail[p + 24 : p + 28], "little"),
+            int.from_bytes(tail[p + 20 : p + 24], "little"),
+            int.from_bytes(tail[p + 42 : p + 46], "little"),
+        )
+        name_len, extra_len, comment_len = (
+            int.from_bytes(tail[p + k : p + k + 2], "little") for k in (28, 30, 32)
+        )
+        if offset != _NO_OFFSET:
+            new = moved(offset)
+            if new >= _NO_OFFSET:
+                return False
+            tail[p + 42 : p + 46] = new.to_bytes(4, "little")
+        else:  # in the zip64 extra field, after the sizes that are there too
+            q, end = p + 46 + name_len, p + 46 + name_len + extra_len
+            while q + 4 <= end and int.from_bytes(tail[q : q + 2], "little") != 1:
+                q += 4 + int.from_bytes(tail[q + 2 : q + 4], "little")
+            at = q + 4 + 8 * ((usize == _NO_OFFSET) + (csize == _NO_OFFSET))
+            if q + 4 > end or at + 8 > end:
+                return False
+            new = moved(int.from_bytes(tail[at : at + 8], "little"))
+            tail[at : at + 8] = new.to_bytes(8, "little")
+        p += 46 + name_len + extra_len + comment_len
+    zip64 = tail[p : p + 4] == _EOCD64
+    if zip64:
+        cd = int.from_bytes(tail[p + 48 : p + 56], "little")
+        tail[p + 48 : p + 56] = (cd + shift).to_bytes(8, "little")
+        p += 12 + int.from_bytes(tail[p + 4 : p + 12], "little")
+        if tail[p : p + 4] != _LOCATOR64:
+            return False
+        where = int.from_bytes(tail[p + 8 : p + 16], "little")
+        tail[p + 8 : p + 16] = (where + shift).to_bytes(8, "little")
+        p += 20
+    if tail[p : p + 4] != _EOCD or p + 22 > len(tail):
+        return False
+    cd = int.from_bytes(tail[p + 16 : p + 20], "little")
+    if cd != _NO_OFFSET:
+        if cd + shift >= _NO_OFFSET and not zip64:
+            return False
+        tail[p + 16 : p + 20] = min(cd + shift, _NO_OFFSET).to_bytes(4, "little")
+    return True
 
 
 def data_records(segments: list[tuple[int, Any]], size: int) -> dict[int, tuple[int, int]]:

@@ -101,7 +101,7 @@ def plan_layout(obj: Any) -> Layout | None:
     if walked is None:
         return None
     saveable, storages, _, versions = walked
-    layout = record_layout(saveable, storages)
+    layout = record_layout(saveable, storages, align=_PIECE_BYTES)
     return None if layout is None else replace(layout, versions=versions)
 
 
@@ -163,7 +163,7 @@ class LayoutCache:
             with self._lock:
                 self.hits += 1
             return replace(last[1], storages=tuple(storages), versions=versions)
-        layout = record_layout(saveable, storages)
+        layout = record_layout(saveable, storages, align=_PIECE_BYTES)
         with self._lock:
             self.misses += 1
             if layout is None or signature is None:
@@ -388,29 +388,31 @@ class _HostFill:
         view, base = self.view, self.base
         start = i * _PIECE_BYTES
         end = min(start + _PIECE_BYTES, len(view))
-        first = min(dst for dst, _, _ in parts) - base - start if parts else 0
+        offsets = sorted({dst - base - start for dst, _, _ in parts})
+        first = offsets[0] if offsets else 0
+        cuts = offsets[1:]  # where later copies begin
         if first > 0:
             # Bytes this fill did not write begin the piece: their hash is kept for the
             # next fill, whose copies begin there too while the same storages change.
             kept = self.old_prefixes.get(i, {}).get(first)
             hasher = kept.copy() if kept is not None else leaf_hasher(view[start : start + first])
-            self.prefixes[i] = {first: hasher.copy()}
-            hasher.update(view[start + first : end])
-            self.leaves[i] = hasher.digest()
-            return
-        # Hashed from its first byte. Where a later copy begins, the hasher's state is
-        # kept too: if only that storage and those after it change by the next fill, its
-        # copies begin there (a fine-tune's first save after a full one).
-        cuts = sorted({dst - base - start for dst, _, _ in parts if dst - base > start})
-        if not cuts or self.states_left < len(cuts):
+            states = {first: hasher.copy()}
+        elif not cuts or self.states_left < len(cuts):
             self.leaves[i] = leaf_digest(view[start:end])
             return
-        self.states_left -= len(cuts)
-        hasher = leaf_hasher(view[start : start + cuts[0]])
-        states = {}
-        for at, to in zip(cuts, [*cuts[1:], end - start], strict=True):
-            states[at] = hasher.copy()
-            hasher.update(view[start + at : start + to])
+        else:
+            hasher, states = leaf_hasher(b""), {}
+        # Where a later copy begins, the hasher's state is kept too: if only that storage
+        # and those after it change by the next fill, its copies begin there (a
+        # fine-tune's first save after a full one, or a bias kept before an adapter).
+        pos = first
+        if cuts and self.states_left >= len(cuts):
+            self.states_left -= len(cuts)
+            for at in cuts:
+                hasher.update(view[start + pos : start + at])
+                states[at] = hasher.copy()
+                pos = at
+        hasher.update(view[start + pos : end])
         self.prefixes[i] = states
         self.leaves[i] = hasher.digest()
 
