@@ -114,7 +114,8 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
     recovery can tell a live writer from a dead one.
     """
     validate_name("tag", tag)
-    if store.exists(tag, MANIFEST_NAME) and not squatter_removed(store, tag):
+    folder = store.exists(tag)  # none: a new tag, nothing to look for in it
+    if folder and store.exists(tag, MANIFEST_NAME) and not squatter_removed(store, tag):
         if not overwrite:
             raise CheckpointExistsError(store.url, tag)
         # A handle's hold does not keep a tag from its own writer (leases.py): a read does.
@@ -128,7 +129,7 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
         if not deleted:
             readers = ", ".join(lease.describe() for lease in live_leases(store, tag))
             raise CheckpointBusyError(store.url, tag, readers or "a reader", activity="read")
-    elif store.exists(tag):
+    elif folder:
         for writer in read_writers(store, tag):
             # Another live process on this host is writing this part (a copy, a second
             # job): clearing its files would corrupt that write.

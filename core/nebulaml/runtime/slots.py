@@ -161,6 +161,8 @@ class SlotPool:
         self._pool = os.path.join(root, POOL_DIR)
         self._maps: dict[tuple[int, int], MappedFile] = {}
         self._opened: dict[str, int] = {}  # item name: the size of its last buffer
+        # The pool files `free_bytes` last listed: (name, size, paths), for `open_item`.
+        self._peeked: tuple[str, int, list[str]] | None = None
         self._spares: dict[str, _Spare] = {}  # by item name, while being made
         self._closed = False  # no spare is made once the pool is closed
         # The training thread fills buffers while the persister thread recycles them and
@@ -190,7 +192,12 @@ class SlotPool:
         self._await_spare(name)
         with self._lock, translate_errors(self.store.display(tag, name)):
             self._sweep()
-            for candidate in self._free_files(name, size_bytes):
+            peeked, self._peeked = self._peeked, None
+            if peeked is not None and peeked[:2] == (name, size_bytes):
+                candidates = peeked[2]  # free_bytes just listed them (the budget's look)
+            else:
+                candidates = self._free_files(name, size_bytes)
+            for candidate in candidates:
                 try:
                     os.rename(candidate, dest)  # atomic: another rank may take it first
                     break
@@ -305,8 +312,12 @@ class SlotPool:
             return 0
 
     def free_bytes(self, name: str, size_bytes: int) -> int:
-        """Size of the pool file `open_item(tag, name, size_bytes)` would take (0: none)."""
-        for path in self._free_files(name, size_bytes):
+        """Size of the pool file `open_item(tag, name, size_bytes)` would take (0: none).
+        That call takes its candidates from this list: one that is gone meanwhile (taken
+        by another rank) is passed over there, as one taken after it looked."""
+        paths = self._free_files(name, size_bytes)
+        self._peeked = (name, size_bytes, paths)
+        for path in paths:
             with contextlib.suppress(FileNotFoundError):
                 return os.lstat(path).st_size
         return 0
