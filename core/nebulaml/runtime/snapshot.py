@@ -248,7 +248,11 @@ def fill(
             job.prefixes,
             job.plan,
         )
-        memory.reused_bytes = sum(layout.regions[i][1] for i in keep)
+        # What this fill did not write: the storages kept, and torch's own bytes and the
+        # zeros when the buffer held them.
+        memory.reused_bytes = sum(layout.regions[i][1] for i in keep) + (
+            layout.size_bytes - layout.tensor_bytes if relies else 0
+        )
         memory.audit_later(base, layout, sorted(keep), label)
     return digest
 

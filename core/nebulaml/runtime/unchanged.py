@@ -143,7 +143,7 @@ class BufferMemory:
 
     def __init__(self) -> None:
         self.record: FillRecord | None = None
-        self.reused_bytes = 0  # of storages its last fill did not copy
+        self.reused_bytes = 0  # what its last fill did not write (kept storages, torch's bytes)
         self._due: Callable[[], None] | None = None  # the audit, not started yet
         self._audit: Job | None = None
 
