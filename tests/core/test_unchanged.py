@@ -328,6 +328,44 @@ def test_a_kept_bias_before_an_adapter_costs_no_head_either(
     assert heads == []
 
 
+def test_a_fill_of_thin_parts_copies_alone_and_a_full_one_is_helped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Catches: a helper woken for a fill whose parts are spread thin over many pieces (a
+    # LoRA's adapters between frozen weights), where taking turns at the GIL costs more
+    # than the second core gains; or a full fill that is never helped.
+    import nebulaml.runtime.snapshot as snapshot
+    from nebulaml.format import checksum
+    from nebulaml.format.checksum import checksum_of
+    from nebulaml.runtime.crew import FILL_CREW
+    from nebulaml.runtime.snapshot import fill
+
+    monkeypatch.setattr(snapshot, "_PIECE_BYTES", 4096 + 8)
+    monkeypatch.setattr(checksum, "LEAF_BYTES", 4096 + 8)
+    torch.manual_seed(9)
+    state: dict[str, torch.Tensor] = {}
+    for i in range(100):
+        state[f"w{i}"] = torch.randn(4_104)  # four pieces, frozen
+        state[f"a{i}"] = torch.randn(200)  # 800 bytes, trained
+    cache, memory, layout, buffer, view = _buffer_for(state)
+    helped: list[bool] = []
+    real = FILL_CREW.submit
+    monkeypatch.setattr(FILL_CREW, "submit", lambda fn: helped.append(True) or real(fn))
+    fill(buffer, view, layout, memory=memory)  # every byte: 1.7 MB in full pieces
+    assert helped
+    helped.clear()
+    with torch.no_grad():
+        for i in range(100):
+            state[f"a{i}"].add_(1.0)
+    layout = cache.plan("item", state)
+    assert layout is not None
+    digest = fill(buffer, view, layout, memory=memory)  # 80 kB, 800 bytes a piece
+    memory.settle()
+    assert digest == checksum_of(bytes(view))
+    assert memory.reused_bytes >= 100 * 4_104 * 4
+    assert helped == []
+
+
 def test_a_checkpoints_audits_start_once_it_is_committed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

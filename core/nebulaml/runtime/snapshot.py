@@ -18,8 +18,9 @@ as copying 0.4 GB.
 A fill copies with `memmove` (glibc's streaming stores use a third less CPU than torch's
 `copy_`), one 1 MiB piece of the file at a time: the piece's parts of each storage, then
 the piece's checksum leaf (checksum.py) while the piece is in the cache. Two workers take
-pieces in turn: the caller and a long-lived helper (crew.py; no helper when fewer than
-`_HELPED_PIECES` pieces have bytes to copy, as a frozen base leaves). 1.5 GB on 2 cores:
+pieces in turn: the caller and a long-lived helper (crew.py; no helper for less than
+`_HELPED_PIECES` pieces' worth of bytes to copy, or parts spread thin over many pieces,
+as a frozen base leaves). 1.5 GB on 2 cores:
 0.12 s and 0.23 CPU-seconds, against 0.145 s when one worker hashed every piece in order
 (plain xxh3) and 0.15-0.18 s for `copy_` and a hash after it. A lazy save fills with the
 same two workers.
@@ -76,9 +77,12 @@ from nebulaml.runtime.unchanged import (
 # costs nothing.
 _PIECE_BYTES = LEAF_BYTES
 FILL_WORKERS = 2  # threads per fill (a save waits for its copy; a lazy save's fence too)
-# A fill with fewer pieces to copy than this copies them alone: waking a helper, and the
-# two threads taking turns at the GIL, cost more (a LoRA save's 15 pieces spread over a
-# 188 MB frozen base: 2.5 ms alone, 3.0 ms with the helper, on 2 cores).
+# A fill copies alone unless it copies at least this many pieces' worth of bytes, in
+# pieces at least half full on average: waking a helper, and the two threads taking turns
+# at the GIL, cost more than they gain for less (a LoRA save's 15 pieces spread over a
+# 188 MB frozen base: 2.5 ms alone, 3.0 ms with the helper, on 2 cores) or for parts
+# spread thin (a 1 GB LoRA's 57 adapters of 0.3 MB: 2.8-3.2 ms alone, 3.2-4.1 helped;
+# its 33 MB of Adam state in full pieces: 5.8-8.7 ms alone, 4.6-5.3 helped).
 _HELPED_PIECES = 16
 # The most hasher states a fill keeps for the next one (each ~0.6 kB: `_HostFill._hash`).
 _PREFIX_STATES = 4096
@@ -324,7 +328,10 @@ class _HostFill:
         else:
             pieces = _pieces(base, layout, key[2], spans)
             todo = [i for i, parts in enumerate(pieces) if parts is not None]
-            plan = PiecePlan(key, pieces, todo, sum(1 for parts in pieces if parts))
+            copying = sum(1 for parts in pieces if parts)
+            copy_bytes = sum(n for parts in pieces if parts for _, _, n in parts)
+            helped = copy_bytes >= max(_HELPED_PIECES, copying / 2) * _PIECE_BYTES
+            plan = PiecePlan(key, pieces, todo, helped)
         self.base, self.view, self.plan, self.pieces = base, view, plan, plan.pieces
         self.old_prefixes: dict[int, dict[int, Any]] = {}
         self.todo = plan.todo
@@ -368,7 +375,7 @@ class _HostFill:
                     memmove(dst, src, n)
                 hash_piece(i)
 
-        if self.plan.copying >= _HELPED_PIECES:
+        if self.plan.helped:
             for _ in range(workers - 1):
                 try:
                     helpers.append(FILL_CREW.submit(work))

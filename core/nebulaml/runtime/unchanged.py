@@ -109,13 +109,13 @@ class PiecePlan(NamedTuple):
     """A fill's copies, piece by piece (snapshot._pieces), and what they were made for:
     (the buffer's address, the layout's regions, the storages kept, each storage's
     (address, size)). A fill whose key is equal copies the same ranges. `todo`: the
-    pieces the fill copies or hashes (all but those of kept storages alone); `copying`:
-    how many of them have storage bytes to copy."""
+    pieces the fill copies or hashes (all but those of kept storages alone); `helped`:
+    whether a second worker copies beside the caller (enough bytes, in full pieces)."""
 
     key: tuple[Any, ...]
     pieces: list[Any]
     todo: list[int]
-    copying: int
+    helped: bool
 
 
 class _Watch:
