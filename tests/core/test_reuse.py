@@ -93,6 +93,50 @@ def test_unchanged_bytes_are_taken_from_the_previous_version(tmp_path: Path) -> 
     assert "reused from earlier versions" in shown.stdout
 
 
+def test_a_lora_layout_persists_its_adapters_alone_and_loads_whole(tmp_path: Path) -> None:
+    # Catches: the zeros the layout puts before a LoRA layer's small records (so that the
+    # frozen weight after them starts on a piece) breaking what reads the item after the
+    # memory tier (the persist's reuse, torch.load, verify), or sent again every version.
+    import zipfile
+
+    root = tmp_path / "ckpt"
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=2)
+    g = torch.Generator().manual_seed(5)
+    model = {}
+    for layer in range(2):  # bias and adapter, then the frozen weight: as PEFT orders them
+        model[f"l{layer}.bias"] = torch.randn(1_000, generator=g)
+        model[f"l{layer}.adapter"] = torch.randn(ADAPTER_ELEMENTS, generator=g)
+        model[f"l{layer}.base"] = torch.randn(BASE_ELEMENTS, generator=g)
+    saved = []
+    for step in range(1, 5):
+        if step > 1:
+            for layer in range(2):
+                model[f"l{layer}.adapter"].add_(1.0)
+        nm.Checkpoint(f"global_step{step}").save("model", model)
+        assert nm.flush_persistence()
+        saved.append({k: v.clone() for k, v in model.items()})
+    nm.shutdown()
+    with zipfile.ZipFile(root / "global_step4" / "model") as archive:
+        bases = [i for i in archive.infolist() if i.file_size == BASE_ELEMENTS * 4]
+        with open(root / "global_step4" / "model", "rb") as f:
+            for info in bases:
+                f.seek(info.header_offset + 26)
+                lengths = f.read(4)
+                data_at = info.header_offset + 30 + int.from_bytes(lengths[:2], "little")
+                data_at += int.from_bytes(lengths[2:], "little")
+                assert data_at % LEAF_BYTES == 0, info.filename
+    assert len(bases) == 2
+    for row in _persist_rows(root)[1:]:
+        assert row["bytes_written"] <= 2 * ADAPTER_ELEMENTS * 4 + 4 * BLOCK_BYTES, row
+    for tag in ("global_step3", "global_step4"):
+        loaded = torch.load(root / tag / "model", weights_only=True)
+        expected = saved[int(tag.removeprefix("global_step")) - 1]
+        assert list(loaded) == list(expected)
+        assert all(torch.equal(loaded[k], expected[k]) for k in expected), tag
+    report = nm.verify_checkpoints(str(root))
+    assert report and all(r["status"] == "ok" for r in report), report
+
+
 def test_a_version_pruned_meanwhile_is_not_a_base(tmp_path: Path) -> None:
     # Catches: ranges cloned from a version that is no longer committed (an operator's
     # prune between two persists): the file is gone, or worse, another file in its place.
