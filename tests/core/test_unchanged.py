@@ -70,6 +70,32 @@ def _buffer_for(
     return cache, BufferMemory(), layout, buffer, memoryview(buffer.numpy()).cast("B")
 
 
+def _heads_hashed_again(
+    monkeypatch: pytest.MonkeyPatch, state: dict[str, torch.Tensor], changed: list[str]
+) -> tuple[list[int], Any, Any]:
+    """Fill a buffer with `state` in full, change the tensors `changed` in place, and fill
+    it again: (the lengths of the piece heads the second fill hashed again, the buffer's
+    memory, the second layout). The second fill's checksum is checked against its bytes."""
+    import nebulaml.runtime.snapshot as snapshot
+    from nebulaml.format.checksum import checksum_of
+    from nebulaml.runtime.snapshot import fill
+
+    cache, memory, layout, buffer, view = _buffer_for(state)
+    fill(buffer, view, layout, memory=memory)  # full: the buffer held nothing
+    heads: list[int] = []
+    real = snapshot.leaf_hasher
+    monkeypatch.setattr(snapshot, "leaf_hasher", lambda head: heads.append(len(head)) or real(head))
+    with torch.no_grad():
+        for name in changed:
+            state[name].add_(1.0)
+    layout = cache.plan("item", state)
+    assert layout is not None
+    digest = fill(buffer, view, layout, memory=memory)
+    memory.settle()
+    assert digest == checksum_of(bytes(view))
+    return heads, memory, layout
+
+
 def test_a_frozen_base_is_not_copied_again_and_stays_right(tmp_path: Path) -> None:
     # Catches: reuse that never happens (the stall stays that of a full copy), or a
     # reused buffer whose bytes or checksum are not the tensor's (a load that differs).
@@ -259,9 +285,6 @@ def test_the_first_fill_that_skips_after_a_full_one_hashes_no_head(
     # Catches: a full fill that keeps no hash state where a later copy in a piece begins:
     # the next fill, the first to skip storages (the first save after a start, or after
     # the periodic full fill), hashes every such piece's head again.
-    import nebulaml.runtime.snapshot as snapshot
-    from nebulaml.format.checksum import checksum_of
-    from nebulaml.runtime.snapshot import fill
 
     torch.manual_seed(6)
     state = {
@@ -269,18 +292,7 @@ def test_the_first_fill_that_skips_after_a_full_one_hashes_no_head(
         "b": torch.randn(7_000),
         "frozen2": torch.randn(393_216),
     }
-    cache, memory, layout, buffer, view = _buffer_for(state)
-    fill(buffer, view, layout, memory=memory)  # full: the buffer held nothing
-    heads: list[int] = []
-    real = snapshot.leaf_hasher
-    monkeypatch.setattr(snapshot, "leaf_hasher", lambda head: heads.append(len(head)) or real(head))
-    with torch.no_grad():
-        state["b"].add_(1.0)
-    layout = cache.plan("item", state)
-    assert layout is not None
-    digest = fill(buffer, view, layout, memory=memory)
-    memory.settle()
-    assert digest == checksum_of(bytes(view))
+    heads, memory, layout = _heads_hashed_again(monkeypatch, state, ["b"])
     torchs = layout.size_bytes - layout.tensor_bytes  # the pickle and zip headers: held too
     assert memory.reused_bytes == 2 * 393_216 * 4 + torchs  # both frozen tensors skipped
     assert heads == []  # b's piece hashed on from the state the full fill kept
@@ -294,8 +306,6 @@ def test_a_kept_bias_before_an_adapter_costs_no_head_either(
     # at that copy alone: the next fill, which keeps the bias and copies the adapter
     # after it, hashes the piece's head again.
     import nebulaml.runtime.snapshot as snapshot
-    from nebulaml.format.checksum import checksum_of
-    from nebulaml.runtime.snapshot import fill
 
     torch.manual_seed(8)
     state = {
@@ -305,24 +315,12 @@ def test_a_kept_bias_before_an_adapter_costs_no_head_either(
         "adapter": torch.randn(5_000),
         "w2": torch.randn(4 << 20),
     }
-    cache, memory, layout, buffer, view = _buffer_for(state)
+    heads, memory, layout = _heads_hashed_again(monkeypatch, state, ["adapter", "a0"])
     piece = snapshot._PIECE_BYTES
     bias_at = layout.regions[2][0]
     assert bias_at % piece > 0 and layout.regions[1][0] + layout.regions[1][1] <= bias_at - (
         bias_at % piece
     )  # the bias's piece begins with bytes no fill copies
-    fill(buffer, view, layout, memory=memory)  # full: the buffer held nothing
-    heads: list[int] = []
-    real = snapshot.leaf_hasher
-    monkeypatch.setattr(snapshot, "leaf_hasher", lambda head: heads.append(len(head)) or real(head))
-    with torch.no_grad():
-        state["adapter"].add_(1.0)
-        state["a0"].add_(1.0)
-    layout = cache.plan("item", state)
-    assert layout is not None
-    digest = fill(buffer, view, layout, memory=memory)
-    memory.settle()
-    assert digest == checksum_of(bytes(view))
     torchs = layout.size_bytes - layout.tensor_bytes  # zeros, pickle and headers: held too
     assert memory.reused_bytes == 2 * (4 << 20) * 4 + 1_000 * 4 + torchs  # w1, w2, the bias
     assert heads == []
