@@ -392,13 +392,9 @@ def align_large_records(
             cd_start = archive.start_dir
         members = []
         for info in infos:
-            reader.seek(info.header_offset)
-            header = reader.read(30)
-            name_len = int.from_bytes(header[26:28], "little")
-            extra_len = int.from_bytes(header[28:30], "little")
             parts = info.filename.split("/")
             is_data = len(parts) == 3 and parts[1] == "data"
-            data_at = info.header_offset + 30 + name_len + extra_len
+            data_at = _data_offset(reader, info)
             members.append((info.header_offset, data_at, info.file_size, is_data))
     except (zipfile.BadZipFile, ValueError, OSError):
         return None
@@ -505,13 +501,18 @@ def data_records(segments: list[tuple[int, Any]], size: int) -> dict[int, tuple[
                 continue
             if info.compress_type != zipfile.ZIP_STORED:
                 return {}
-            reader.seek(info.header_offset)
-            header = reader.read(30)
-            name_len = int.from_bytes(header[26:28], "little")
-            extra_len = int.from_bytes(header[28:30], "little")
-            offset = info.header_offset + 30 + name_len + extra_len
-            records[key] = (offset, info.file_size)
+            records[key] = (_data_offset(reader, info), info.file_size)
     return records
+
+
+def _data_offset(reader: _SparseReader, info: zipfile.ZipInfo) -> int:
+    """Where member `info`'s bytes begin: after its local header, whose name and extra
+    field lengths are its own (not the central directory's)."""
+    reader.seek(info.header_offset)
+    header = reader.read(30)
+    name_len = int.from_bytes(header[26:28], "little")
+    extra_len = int.from_bytes(header[28:30], "little")
+    return info.header_offset + 30 + name_len + extra_len
 
 
 def _gaps(

@@ -354,8 +354,7 @@ class _HostFill:
         """Copy and hash every piece of the plan's `todo`: `workers` threads (this one
         included) take the next piece in turn, each hashed after its copies while it is
         in the cache."""
-        pieces, todo = self.pieces, self.todo
-        memmove, hash_piece = ctypes.memmove, self._hash
+        todo, piece = self.todo, self._piece
         # The helpers are long-lived threads (crew.py): a helper that has not started
         # when this thread has taken every piece is taken back, not waited for.
         helpers: list[Job] = []
@@ -370,10 +369,7 @@ class _HostFill:
                     taken += 1
                 if k >= len(todo):
                     return
-                i = todo[k]
-                for dst, src, n in pieces[i] or ():
-                    memmove(dst, src, n)
-                hash_piece(i)
+                piece(todo[k])
 
         if self.plan.helped:
             for _ in range(workers - 1):
@@ -383,9 +379,7 @@ class _HostFill:
                     break
         if not helpers:  # alone: no turns to take
             for i in todo:
-                for dst, src, n in pieces[i] or ():
-                    memmove(dst, src, n)
-                hash_piece(i)
+                piece(i)
             return
         try:
             work()
@@ -393,6 +387,12 @@ class _HostFill:
             for helper in helpers:
                 if not helper.take_back():
                     helper.wait()  # never leave a copy running into a buffer the caller reuses
+
+    def _piece(self, i: int) -> None:
+        """Copy piece `i`'s parts, then hash it while it is in the cache."""
+        for dst, src, n in self.pieces[i] or ():
+            ctypes.memmove(dst, src, n)
+        self._hash(i)
 
     def _hash(self, i: int) -> None:
         parts = self.pieces[i] or ()
