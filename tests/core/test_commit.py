@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 import nebulaml as nm
-from nebulaml.protocol.catalog import list_committed, read_committed
-from nebulaml.protocol.commit import begin_tag, commit_rank, write_item
+from nebulaml.format.names import SEQUENCE_FILE, writer_marker_name
+from nebulaml.protocol.catalog import list_committed, read_committed, read_sequence_file
+from nebulaml.protocol.commit import (
+    SequenceReservation,
+    begin_tag,
+    commit_rank,
+    reserve_sequence,
+    write_item,
+)
 from nebulaml.protocol.delete import delete_checkpoint, delete_checkpoints
 from nebulaml.protocol.leases import hold_tag, is_lease_file
+from nebulaml.protocol.markers import writer_record
 from nebulaml.protocol.recovery import list_incomplete
 from nebulaml.protocol.transfer import copy_part
 from nebulaml.storage.store import Store
@@ -277,3 +287,108 @@ def test_a_persist_between_its_last_part_and_its_manifest_is_not_a_leftover(
     assert committed is not None and len(committed.manifest.items) == 2
     assert nm.get_checkpoint("global_step1", root.url).load("model-1")["w"].sum() == 4
     assert not [f for f in root.list_files("global_step1") if f.startswith(".writer-")]
+
+
+# A save's writer marker, linked ---------------------------------------------------------
+def _prepared(store: Store, name: str = ".writer-0-prepared.json") -> tuple[str, str]:
+    store.make_dir(".writers")
+    store.publish((".writers", name), writer_record(0), create_only=False)
+    return (".writers", name)
+
+
+def test_a_new_tags_writer_marker_is_the_prepared_file_linked(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "mem"), durable=False)
+    marker = _prepared(store)
+    assert begin_tag(store, "global_step1", rank=0, overwrite=False, marker=marker)
+    written = tmp_path / "mem" / "global_step1" / writer_marker_name(0)
+    assert written.stat().st_ino == (tmp_path / "mem" / marker[0] / marker[1]).stat().st_ino
+    assert json.loads(written.read_bytes())["pid"] == os.getpid()
+    # A folder there already goes the long way: its leftovers are cleared first.
+    (tmp_path / "mem" / "global_step2").mkdir()
+    (tmp_path / "mem" / "global_step2" / "model").write_bytes(b"a dead save's")
+    assert begin_tag(store, "global_step2", rank=0, overwrite=False, marker=marker)
+    assert sorted(store.list_files("global_step2")) == [writer_marker_name(0)]
+
+
+@pytest.mark.parametrize("prepared", ["gone", "a symbolic link", "a folder"])
+def test_a_prepared_marker_that_is_no_file_is_written_instead(
+    tmp_path: Path, prepared: str
+) -> None:
+    store = Store(str(tmp_path / "mem"), durable=False)
+    store.make_dir(".writers")
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_bytes(b'{"host": "other", "pid": 1}')
+    where = tmp_path / "mem" / ".writers" / "w.json"
+    if prepared == "a symbolic link":
+        where.symlink_to(elsewhere)
+    elif prepared == "a folder":
+        where.mkdir()
+    assert not begin_tag(
+        store, "global_step1", rank=0, overwrite=False, marker=(".writers", "w.json")
+    )
+    written = tmp_path / "mem" / "global_step1" / writer_marker_name(0)
+    assert written.is_file() and not written.is_symlink()
+    assert json.loads(written.read_bytes())["pid"] == os.getpid()
+    assert elsewhere.read_bytes() == b'{"host": "other", "pid": 1}'
+
+
+def test_a_save_links_its_marker_and_shutdown_removes_the_prepared_file(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=3600, keep_memory_tier=True)
+    memory = Path(nm.memory_tier_path(str(root)))
+    dead = memory / ".writers" / ".writer-0-4194304.json"  # above pid_max: no such process
+    dead.parent.mkdir(parents=True, exist_ok=True)
+    dead.write_bytes(writer_record(0))
+    ckpt = nm.Checkpoint("global_step1", 2)
+    ckpt.save("model", {"w": torch.ones(4)})
+    [prepared] = (memory / ".writers").iterdir()  # this process's; the dead one's removed
+    assert prepared.name == f".writer-0-{os.getpid()}.json"
+    written = memory / "global_step1" / writer_marker_name(0)
+    assert written.stat().st_ino == prepared.stat().st_ino and prepared.stat().st_nlink == 2
+    ckpt.save("optimizer", {"step": 1})  # the commit removes the tag's name alone
+    assert not written.exists() and prepared.stat().st_nlink == 1
+    prepared.unlink()  # another hand's: the next save writes its marker, and prepares again
+    nm.Checkpoint("global_step2").save("model", {"w": torch.ones(4)})
+    nm.Checkpoint("global_step3").save("model", {"w": torch.ones(4)})
+    assert prepared.exists()
+    assert nm.get_latest_checkpoint().tag == "global_step3"
+    nm.shutdown()
+    assert not list((memory / ".writers").iterdir())
+
+
+# The commit sequence, reserved ahead ------------------------------------------------------
+def test_a_reserved_sequence_is_taken_without_writing_the_file_again(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "mem"), durable=False)
+    store.make_dir()
+    reservation = SequenceReservation(store)
+    first = reservation.take(0)  # nothing reserved: reserved now, as reserve_sequence does
+    assert first == 1 and read_sequence_file(store) == 1
+    reservation.reserve_after(first)  # between saves: the file holds the next one first
+    assert read_sequence_file(store) == 2
+    identity = store.file_identity(SEQUENCE_FILE)
+    assert reservation.take(0) == 2
+    assert store.file_identity(SEQUENCE_FILE) == identity  # the commit left the file alone
+    assert reservation.take(0) == 3  # taken once: the next one is reserved afresh
+    assert read_sequence_file(store) == 3
+
+
+def test_another_writers_commit_voids_a_reservation(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "mem"), durable=False)
+    store.make_dir()
+    reservation = SequenceReservation(store)
+    reservation.reserve_after(reservation.take(0))  # 2 reserved
+    assert reserve_sequence(store) == 3  # another writer on this tier (a copy, a CLI)
+    assert reservation.take(0) == 4  # after theirs, never the 2 it had reserved
+    reservation.reserve_after(4)
+    assert reservation.take(floor=9) == 10  # the persistent tier holds 9 already
+
+
+def test_saves_number_their_commits_one_after_another(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=3600)
+    memory = Store(nm.memory_tier_path(str(root)), durable=False)
+    sequences = []
+    for step in range(1, 5):
+        nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.ones(4)})
+        info = read_committed(memory, f"global_step{step}")
+        assert info is not None
+        sequences.append(info.manifest.sequence)
+    assert sequences == [1, 2, 3, 4]

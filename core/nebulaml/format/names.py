@@ -48,6 +48,7 @@ RANK_LOCK_PREFIX = ".nebula-rank-"  # in a memory tier: `<rank>.lock`, locked by
 REMOVALS_PREFIX = ".nebula-removals-"  # in a memory tier: `<rank>.json`, the checkpoints a
 # framework removed that are not yet deleted from every tier (protocol/memory_tier.py)
 SLOTS_DIR = ".slots"  # in a memory tier: the pool of reused item files (runtime/slots.py)
+WRITERS_DIR = ".writers"  # in a memory tier: the writer markers saves link (runtime/slots.py)
 JOB_PREFIX = ".nebula-job-"  # the job that writes a root: `.nebula-job-<n>.json` in a
 # persistent root, `.nebula-job-<id digest>.lock` in a memory tier (protocol/holds.py)
 JOB_CLAIM_FILE = ".nebula-claim"  # in a memory tier: locked while a job claims it
@@ -104,9 +105,13 @@ def validate_name(kind: str, name: object) -> str:
         raise InvalidNameError(kind, name, "must not contain a path separator")
     if ".." in name:
         raise InvalidNameError(kind, name, "must not contain '..'")
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        raise InvalidNameError(kind, name, "must not contain control characters")
-    if not name.isascii():
+    if name.isascii():
+        # ASCII: printable is 32-126, so this refuses exactly the control characters.
+        if not name.isprintable():
+            raise InvalidNameError(kind, name, "must not contain control characters")
+    else:
+        if any(ord(c) < 32 or ord(c) == 127 for c in name):
+            raise InvalidNameError(kind, name, "must not contain control characters")
         for c in name:
             category = unicodedata.category(c)
             if category == "Cc":

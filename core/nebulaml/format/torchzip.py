@@ -33,6 +33,7 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, BinaryIO
 
 from nebulaml.errors import CorruptCheckpointError
@@ -66,6 +67,9 @@ def zip_crc_off() -> Iterator[None]:
         config.save.compute_crc32 = previous
 
 
+_second = itemgetter(1)
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
     """Where every byte of one item's file goes.
@@ -90,7 +94,7 @@ class Layout:
 
     @property
     def tensor_bytes(self) -> int:
-        return sum(size for _, size in self.regions)
+        return sum(map(_second, self.regions))
 
     def on_host(self) -> bool:
         """Whether every storage is in host memory (no CUDA copy to make)."""

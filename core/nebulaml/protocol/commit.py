@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -103,7 +104,15 @@ def _host() -> str:
     return socket.gethostname()
 
 
-def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size: int = 1) -> None:
+def begin_tag(
+    store: Store,
+    tag: str,
+    *,
+    rank: int,
+    overwrite: bool,
+    world_size: int = 1,
+    marker: tuple[str, ...] | None = None,
+) -> bool:
     """Prepare the folder of `tag` for this rank's items.
 
     A committed tag is refused (`CheckpointExistsError`) unless `overwrite`, in which case
@@ -112,10 +121,20 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
     (`CheckpointBusyError`). With several ranks the folder is shared: a rank removes only
     its own files, never another rank's. A writer marker records who is writing, so that
     recovery can tell a live writer from a dead one.
+
+    `marker`: a file on `store` that holds this process's writer marker for `rank`
+    (`writer_record`), linked into a new folder instead of written there (a save's next
+    tag: two system calls). Returns False if it was given and could not be linked (gone):
+    the marker was written instead.
     """
     validate_name("tag", tag)
-    folder = store.exists(tag)  # none: a new tag, nothing to look for in it
-    if folder and store.exists(tag, MANIFEST_NAME) and not squatter_removed(store, tag):
+    if store.make_new_dir(tag):  # new: nothing in it to look for or clear
+        name = writer_marker_name(rank)
+        if marker is not None and store.link(marker, (tag, name)):
+            return True
+        store.publish((tag, name), writer_record(rank), create_only=False)
+        return marker is None
+    if store.exists(tag, MANIFEST_NAME) and not squatter_removed(store, tag):
         if not overwrite:
             raise CheckpointExistsError(store.url, tag)
         # A handle's hold does not keep a tag from its own writer (leases.py): a read does.
@@ -129,7 +148,7 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
         if not deleted:
             readers = ", ".join(lease.describe() for lease in live_leases(store, tag))
             raise CheckpointBusyError(store.url, tag, readers or "a reader", activity="read")
-    elif folder:
+    else:
         for writer in read_writers(store, tag):
             # Another live process on this host is writing this part (a copy, a second
             # job): clearing its files would corrupt that write.
@@ -145,6 +164,7 @@ def begin_tag(store: Store, tag: str, *, rank: int, overwrite: bool, world_size:
     # Whole or not at all: a deleter reading a half-written marker would take the tag for
     # a dead writer's leftover (the concurrency campaign caught a prune doing so).
     store.publish((tag, writer_marker_name(rank)), writer_record(rank), create_only=False)
+    return True
 
 
 def claim_item(
@@ -221,12 +241,13 @@ def commit_rank(
     ranks: Sequence[int] | None = None,
     generation: str | None = None,
     sequence_floor: int = 0,
+    reserved: SequenceReservation | None = None,
 ) -> Manifest | None:
     """Publish this rank's marker, then the manifest if the marker of every rank that
     writes the tag (`ranks`; None: every rank of the job) is present, of `generation`.
 
     Returns the manifest if this call committed the tag, else None (other ranks pending).
-    `sequence_floor`: see `publish_manifest`.
+    `sequence_floor` and `reserved`: see `publish_manifest`.
     """
     marker = RankMarker(
         tag,
@@ -245,7 +266,9 @@ def commit_rank(
         markers = read_markers(store, tag, marker.writers, generation)
     if markers is None:
         return None  # another rank's part is not written yet; the last rank commits
-    manifest = publish_manifest(store, tag, world_size, markers, sequence_floor=sequence_floor)
+    manifest = publish_manifest(
+        store, tag, world_size, markers, sequence_floor=sequence_floor, reserved=reserved
+    )
     store.remove(tag, writer_marker_name(rank))
     return manifest
 
@@ -322,6 +345,7 @@ def publish_manifest(
     markers: list[RankMarker],
     *,
     sequence_floor: int = 0,
+    reserved: SequenceReservation | None = None,
 ) -> Manifest | None:
     """Publish the manifest from the markers of the ranks that write `tag` (create-only);
     None if another writer's manifest, with other items, won.
@@ -333,7 +357,8 @@ def publish_manifest(
     The manifest's `sequence` (its place in "newest" order: names.order_key) is 1 + the
     highest on `store` or `sequence_floor`, whichever is higher: the caller's floor is the
     highest it knows on the root's other tiers (a memory tier's commit comes after what
-    the persistent tier holds).
+    the persistent tier holds). `reserved`: this writer's `SequenceReservation` on
+    `store`, whose number recorded ahead is taken when it still holds.
     """
     where = store.display(tag)
     if any(m.world_size != world_size or m.tag != tag for m in markers):
@@ -360,7 +385,11 @@ def publish_manifest(
         producer=producer(),
         labels=tuple(sorted({label for m in markers for label in m.labels})),
         ranks=markers[0].ranks if markers else None,
-        sequence=reserve_sequence(store, sequence_floor),
+        sequence=(
+            reserve_sequence(store, sequence_floor)
+            if reserved is None
+            else reserved.take(sequence_floor)
+        ),
     )
     try:
         publish_new_manifest(store, tag, manifest.to_bytes())
@@ -431,6 +460,56 @@ def note_sequence(store: Store, sequence: int) -> None:
     elif recorded >= sequence:
         return
     _record_sequence(store, max(recorded, sequence))
+
+
+class SequenceReservation:
+    """One writer's next commit sequence on `store`, recorded in `SEQUENCE_FILE` ahead of
+    its commit, so that the commit itself neither reads nor writes that file.
+
+    After a commit, `reserve_after(used)` records the next number (1 + the highest the
+    file or `used` holds), off the training thread, and remembers the file's identity
+    (inode, size, time: `Store.file_identity`). The next commit `take`s it if the file
+    is still the one it wrote: any other writer's reservation replaces the file (a
+    `publish` renames a new one into place), and then `take` reserves afresh, as
+    `reserve_sequence` does. The file holds the number before a manifest takes it, as
+    ever; a reservation no commit takes leaves a gap, as a commit that dies does.
+
+    Example:
+        >>> import tempfile
+        >>> store = Store(tempfile.mkdtemp())
+        >>> reservation = SequenceReservation(store)
+        >>> first = reservation.take(0)        # nothing reserved yet: reserved now
+        >>> reservation.reserve_after(first)   # the next one, between saves
+        >>> first, reservation.take(0), reserve_sequence(store)
+        (1, 2, 3)
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._next: tuple[int, tuple[int, int, int]] | None = None  # (sequence, identity)
+
+    def take(self, floor: int = 0) -> int:
+        """The sequence of a manifest about to be published on the store: the one
+        reserved ahead when the file still holds it and it is above `floor`, else one
+        reserved now (`reserve_sequence`)."""
+        with self._lock:
+            ahead, self._next = self._next, None
+        if ahead is not None:
+            sequence, identity = ahead
+            if sequence > floor and self.store.file_identity(SEQUENCE_FILE) == identity:
+                return sequence
+        return reserve_sequence(self.store, floor)
+
+    def reserve_after(self, used: int) -> None:
+        """Record the sequence after `used` (or after the highest reserved, if higher)
+        for this writer's next commit."""
+        sequence = 1 + max(used, highest_sequence(self.store))
+        _record_sequence(self.store, sequence)
+        identity = self.store.file_identity(SEQUENCE_FILE)
+        if identity is not None:  # an object store has none: its commits reserve
+            with self._lock:
+                self._next = (sequence, identity)
 
 
 def _record_sequence(store: Store, sequence: int) -> None:

@@ -26,6 +26,7 @@ from nebulaml.errors import (
     MemoryBudgetError,
     MemoryTierFullError,
     SnapshotChangedError,
+    StorageError,
     StorageFullError,
     memory_tier_advice,
 )
@@ -197,13 +198,20 @@ class SaveJob:
         if self.overwrite:
             session.persister.release(self.tag)  # never rewrite what is being copied
         try:
-            begin_tag(
+            # This process's writer marker, linked into a new tag folder (slots.py).
+            try:
+                marker: tuple[str, ...] | None = session.pool.writer_marker(session.rank)
+            except StorageError:
+                marker = None  # begin_tag writes it, and says why it cannot
+            if not begin_tag(
                 tiers.memory,
                 self.tag,
                 rank=session.rank,
                 overwrite=self.overwrite,
                 world_size=session.world_size,
-            )
+                marker=marker,
+            ):
+                session.pool.forget_writer_marker(session.rank)
         except StorageFullError:
             self._memory_full = True  # the first item goes to the persistent tier (_write)
         self.tiers = tiers
@@ -385,12 +393,18 @@ class SaveJob:
         # The next save's buffers, made while training runs (the cold start: slots.py),
         # once the copies this commit supersedes are evicted (their buffers are reused).
         items = list(self.items)
+        # And the commit sequence of this process's next commit on the memory tier.
+        used = manifest.sequence if manifest is not None and not marker_left else None
+
+        def then() -> None:
+            try:
+                session.pool.prepare(items, fits=session.budget.spare_fits)
+            finally:
+                if used is not None:
+                    session.sequences.reserve_after(used)
+
         session.persister.notify_committed(
-            self.tag,
-            row,
-            labels=self.labels,
-            leader=min(self.writers(session)),
-            then=lambda: session.pool.prepare(items, fits=session.budget.spare_fits),
+            self.tag, row, labels=self.labels, leader=min(self.writers(session)), then=then
         )
         return True
 
@@ -408,6 +422,7 @@ class SaveJob:
             ranks=self.ranks,
             generation=self._generation,
             sequence_floor=session.persister.sequence_floor(store),
+            reserved=session.sequences if store is session.tiers.memory else None,
         )
 
     def _commit_streamed(self, session: Session, t0: float) -> bool:

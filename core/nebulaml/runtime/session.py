@@ -27,7 +27,7 @@ from nebulaml.errors import NebulaError, NotInitializedError, RootInUseError
 from nebulaml.format.manifest import RankMarker
 from nebulaml.format.names import order_key
 from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed
-from nebulaml.protocol.commit import read_markers
+from nebulaml.protocol.commit import SequenceReservation, read_markers
 from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.memory_tier import (
     RankPresence,
@@ -116,6 +116,8 @@ class Session:
             self.tiers.memory, limit_bytes=limit, reuse_unchanged=config.reuse_unchanged
         )
         self.layouts = LayoutCache()  # each item name's last layout (snapshot.py)
+        # This process's next commit sequence on the memory tier, recorded between saves.
+        self.sequences = SequenceReservation(self.tiers.memory)
         self.persister = Persister(
             self.tiers,
             interval_s=config.persistent_time_interval_s,

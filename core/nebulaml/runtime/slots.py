@@ -38,6 +38,7 @@ import contextlib
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 import uuid
@@ -46,8 +47,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nebulaml.format.manifest import ItemEntry
-from nebulaml.format.names import SLOTS_DIR, validate_name
+from nebulaml.format.names import SLOTS_DIR, WRITER_PREFIX, WRITERS_DIR, validate_name
 from nebulaml.format.torchzip import Layout
+from nebulaml.protocol.leases import process_alive
+from nebulaml.protocol.markers import writer_record
 from nebulaml.runtime.pages import Population, lower_priority, populate
 from nebulaml.runtime.snapshot import fill
 from nebulaml.runtime.unchanged import BufferMemory
@@ -158,12 +161,14 @@ class SlotPool:
         # the fills of this pool did not copy.
         self.reuse_unchanged = reuse_unchanged
         self.reused_bytes = 0
+        self._root = root
         self._pool = os.path.join(root, POOL_DIR)
         self._maps: dict[tuple[int, int], MappedFile] = {}
         self._opened: dict[str, int] = {}  # item name: the size of its last buffer
         # The pool files `free_bytes` last listed: (name, size, paths), for `open_item`.
-        self._peeked: tuple[str, int, list[str]] | None = None
+        self._peeked: tuple[str, int, list[os.DirEntry[str]]] | None = None
         self._spares: dict[str, _Spare] = {}  # by item name, while being made
+        self._markers: dict[int, str] = {}  # by rank: this process's writer marker file
         self._closed = False  # no spare is made once the pool is closed
         # The training thread fills buffers while the persister thread recycles them and
         # spare buffers are made in threads of their own.
@@ -191,7 +196,6 @@ class SlotPool:
         assert dest is not None
         self._await_spare(name)
         with self._lock, translate_errors(self.store.display(tag, name)):
-            self._sweep()
             peeked, self._peeked = self._peeked, None
             if peeked is not None and peeked[:2] == (name, size_bytes):
                 candidates = peeked[2]  # free_bytes just listed them (the budget's look)
@@ -199,10 +203,18 @@ class SlotPool:
                 candidates = self._free_files(name, size_bytes)
             for candidate in candidates:
                 try:
-                    os.rename(candidate, dest)  # atomic: another rank may take it first
-                    break
+                    os.rename(candidate.path, dest)  # atomic: another rank may take it first
                 except FileNotFoundError:
                     continue
+                # A pool file's name is never given to another file, so the file moved is
+                # the one listed; mapped already, it needs no opening (the mapping holds
+                # its inode: no other file has that number meanwhile).
+                st = candidate.stat(follow_symlinks=False)
+                mapped = self._maps.get((st.st_dev, st.st_ino))
+                if mapped is not None and mapped.size_bytes == size_bytes == st.st_size:
+                    self._opened[name] = size_bytes
+                    return mapped
+                break
             fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
                 mapped = self._map(fd, size_bytes)
@@ -251,15 +263,55 @@ class SlotPool:
                 return None
             return mapped.view.toreadonly()
 
-    def _free_files(self, name: str, size_bytes: int) -> list[str]:
-        """Pool files for `name`, the one of the right size first."""
+    def _free_files(self, name: str, size_bytes: int) -> list[os.DirEntry[str]]:
+        """Pool files for `name` (regular files, their status read), the one of the right
+        size first."""
         try:
             entries = list(os.scandir(self._pool))
         except FileNotFoundError:
             return []
-        mine = [e for e in entries if e.name.rsplit(".", 1)[0] == name and e.is_file()]
-        mine.sort(key=lambda e: e.stat().st_size != size_bytes)
-        return [e.path for e in mine]
+        mine = []
+        for entry in entries:
+            if entry.name.rsplit(".", 1)[0] != name:
+                continue
+            with contextlib.suppress(FileNotFoundError):  # taken meanwhile
+                if stat.S_ISREG(entry.stat(follow_symlinks=False).st_mode):
+                    mine.append(entry)
+        mine.sort(key=lambda e: e.stat(follow_symlinks=False).st_size != size_bytes)
+        return mine
+
+    # writer markers --------------------------------------------------------------------
+    def writer_marker(self, rank: int) -> tuple[str, ...]:
+        """Where (parts on the pool's store, in `.writers/`) a file holds this process's
+        writer marker for `rank` (protocol.markers.writer_record), written on first use:
+        a save links it into its new tag folder (commit.begin_tag) instead of writing one
+        there. Those of dead processes are removed then. `forget_writer_marker` when the
+        link failed (the file gone: another hand's)."""
+        pid = os.getpid()  # a forked child writes its own
+        name = f"{WRITER_PREFIX}{rank}-{pid}.json"
+        if self._markers.get(rank) != name:
+            self._sweep_markers()
+            self.store.make_dir(WRITERS_DIR)
+            self.store.publish((WRITERS_DIR, name), writer_record(rank), create_only=False)
+            self._markers[rank] = name
+        return (WRITERS_DIR, name)
+
+    def forget_writer_marker(self, rank: int) -> None:
+        """The marker file of `rank` is gone: the next `writer_marker` writes it again."""
+        self._markers.pop(rank, None)
+
+    def _sweep_markers(self) -> None:
+        """Remove the writer marker files of processes that are gone."""
+        try:
+            entries = list(os.scandir(os.path.join(self._root, WRITERS_DIR)))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if not entry.name.startswith(WRITER_PREFIX):
+                continue
+            pid = entry.name.removesuffix(".json").rsplit("-", 1)[-1]
+            if not pid.isdigit() or not process_alive(int(pid)):
+                self._unlink(entry.path)
 
     # recycling -------------------------------------------------------------------------
     def recycle(self, tag: str, name: str) -> bool:
@@ -315,12 +367,9 @@ class SlotPool:
         """Size of the pool file `open_item(tag, name, size_bytes)` would take (0: none).
         That call takes its candidates from this list: one that is gone meanwhile (taken
         by another rank) is passed over there, as one taken after it looked."""
-        paths = self._free_files(name, size_bytes)
-        self._peeked = (name, size_bytes, paths)
-        for path in paths:
-            with contextlib.suppress(FileNotFoundError):
-                return os.lstat(path).st_size
-        return 0
+        entries = self._free_files(name, size_bytes)
+        self._peeked = (name, size_bytes, entries)
+        return entries[0].stat(follow_symlinks=False).st_size if entries else 0
 
     def trim(self, keep_name: str | None = None) -> int:
         """Delete the free files (but those of item `keep_name`); returns the bytes freed."""
@@ -368,6 +417,7 @@ class SlotPool:
         `pool_bytes` and the tier's usage; its unallocated bytes in `unallocated_bytes`)
         and is taken, or awaited, by `open_item`; `trim` cancels it. Returns the names of
         the items whose spare is being made."""
+        self._sweep()  # after the eviction: its files' pages go once no mapping holds them
         started = []
         for item in items:
             name, size = item.name, item.size_bytes
@@ -508,7 +558,9 @@ class SlotPool:
 
     # mappings --------------------------------------------------------------------------
     def _sweep(self) -> None:
-        """Forget mappings of files deleted meanwhile (by eviction, prune, recovery)."""
+        """Forget mappings of files deleted meanwhile (by eviction, prune, recovery): the
+        pages of a deleted file stay in RAM while a mapping holds them. (An open mapping
+        also keeps the file's inode, so no new file takes its number meanwhile.)"""
         with self._lock:
             for key in [k for k, m in list(self._maps.items()) if m.unlinked()]:
                 self._drop(key)
@@ -527,6 +579,11 @@ class SlotPool:
         with self._lock:
             for key in list(self._maps):
                 self._drop(key)
+            markers, self._markers = self._markers, {}
+        pid = os.getpid()
+        for name in markers.values():
+            if name.endswith(f"-{pid}.json"):  # a forked child's parent keeps its own
+                self._unlink(os.path.join(self._root, WRITERS_DIR, name))
 
 
 def write_snapshot(

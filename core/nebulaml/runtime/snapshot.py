@@ -178,7 +178,7 @@ class LayoutCache:
 
 
 def _frozen(versions: list[list[int]]) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(v) for v in versions)
+    return tuple(map(tuple, versions))
 
 
 def fill(
@@ -213,7 +213,7 @@ def fill(
     base = buffer.data_ptr()
     # Each storage's address and size, read once: the evidence, the copies, the record's
     # marks and the piece plan's key take them from here.
-    spans = tuple((s.data_ptr(), s.nbytes()) for s in layout.storages)
+    spans = tuple([(s.data_ptr(), s.nbytes()) for s in layout.storages])
     keep: set[int] = set()
     record = None
     if memory is not None:
@@ -429,7 +429,7 @@ class _HostFill:
 
     def checksum(self) -> str:
         """The item's checksum, every piece hashed."""
-        if any(not leaf for leaf in self.leaves):  # a helper failed (it cannot raise here)
+        if b"" in self.leaves:  # a helper failed (it cannot raise here)
             raise RuntimeError("a fill worker stopped before its pieces were copied")
         return tree_hexdigest(self.leaves)
 

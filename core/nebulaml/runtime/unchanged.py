@@ -260,19 +260,22 @@ def marks_of(
     `spans`, each storage's (address, size); a storage in `keep` (the evidence found it
     as `last`, the previous fill's marks) keeps its mark there."""
     if not layout.versions:
-        return tuple(None for _ in layout.storages)
+        return (None,) * len(layout.storages)
     host = layout.on_host()
-    ref, mark = weakref.ref, StorageMark
+    # tuple.__new__: a mark per storage per save, without NamedTuple's Python __new__.
+    ref, new, mark = weakref.ref, tuple.__new__, StorageMark
+    old = last if keep else None
     marks: list[StorageMark | None] = []
+    append = marks.append
     for i, (s, (ptr, nbytes), v) in enumerate(
         zip(layout.storages, spans, layout.versions, strict=True)
     ):
-        if last is not None and i in keep:
-            marks.append(last[i])  # the same storage, address, size and counters
+        if old is not None and i in keep:
+            append(old[i])  # the same storage, address, size and counters
         elif host or s.device.type == "cpu":
-            marks.append(mark(ref(s), ptr, nbytes, v))
+            append(new(mark, (ref(s), ptr, nbytes, v)))
         else:
-            marks.append(None)
+            append(None)
     return tuple(marks)
 
 

@@ -238,6 +238,38 @@ class LocalBackend:
             if self.durable:
                 fsync_dir(parent)
 
+    def make_new_dir(self, parts: Parts) -> bool:
+        """`make_dir`, and whether the folder `parts` is new: made by this call (False:
+        something was there, the folder made earlier or another hand's entry). A save's
+        next tag: one mkdir where its parent is there, no look first."""
+        path = self._local(parts)
+        mode = 0o700 if self.private else 0o777
+        try:
+            os.mkdir(path, mode)
+        except FileExistsError:
+            return False
+        except FileNotFoundError:  # the root or a folder on the way is missing
+            self.make_dir(parts)
+            return True
+        if self.durable:
+            fsync_dir(os.path.dirname(path))
+        return True
+
+    def link(self, source: Parts, parts: Parts) -> bool:
+        """Give the regular file `source` the name `parts` as well (a hard link: whole or
+        not at all), unless the name exists; False where it could not (no such file, a
+        name there, a filesystem without hard links): the caller writes the file instead.
+        Neither name is reached through a symbolic link, nor is a link linked."""
+        try:
+            src = self._local(source)
+            dst = self._local(parts, leaf_may_link=True)
+            os.link(src, dst, follow_symlinks=False)
+        except (OSError, StorageError):
+            return False
+        if self.durable:
+            fsync_dir(os.path.dirname(dst))
+        return True
+
     def open_write(self, parts: Parts, *, durable: bool = True) -> LocalWriter:
         """A buffered writer; its close() fsyncs (when durable, and the root is), its
         abort() removes."""

@@ -216,10 +216,14 @@ class Store:
     def _call(self, parts: Parts, fn: Callable[[], T]) -> T:
         """`fn()`, a backend call about the file or folder `parts`: retried on transient
         errors (network stores), and translated to `StorageError` naming `parts`."""
-        what = self.display(*parts)
         if self.is_local:
-            with self._translated(what):
+            try:
                 return fn()
+            except Exception:
+                # Named and translated once it failed: a save makes a dozen calls.
+                with self._translated(self.display(*parts)):
+                    raise
+        what = self.display(*parts)
         with translate_errors(what, self._secrets, remote=True, tries=self.policy.retries + 1):
             return call_with_retries(fn, self.policy, redact(what, self._secrets),
                                      describe=self._describe_error)  # fmt: skip
@@ -347,6 +351,32 @@ class Store:
         Object stores have no empty folders: there a folder appears with its first file
         (the container of an `az://` root is created if it is missing)."""
         self._call(parts, lambda: self._backend.make_dir(parts))
+
+    def make_new_dir(self, *parts: str) -> bool:
+        """`make_dir`, and whether the folder is new: True when this call made it, False
+        when something was at that name already (on an object store: a file under it).
+
+        Example:
+            >>> import tempfile
+            >>> store = Store(tempfile.mkdtemp())
+            >>> store.make_new_dir("t1"), store.make_new_dir("t1")
+            (True, False)
+        """
+        backend = self._backend
+        if isinstance(backend, LocalBackend):
+            return self._call(parts, lambda: backend.make_new_dir(parts))
+        existed = self.exists(*parts)
+        self.make_dir(*parts)
+        return not existed
+
+    def link(self, source: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+        """On a local root, give the file `source` the name `parts` too (a hard link: it
+        appears whole, as a `publish` does, with one system call); False where it cannot
+        (not local, no such file, the name taken, no hard links): write the file instead."""
+        backend = self._backend
+        if not isinstance(backend, LocalBackend):
+            return False
+        return self._call(parts, lambda: backend.link(source, parts))
 
     @contextlib.contextmanager
     def open_write(
