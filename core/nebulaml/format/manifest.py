@@ -20,7 +20,7 @@ do that).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -164,7 +164,11 @@ class Manifest:
             "world_size": self.world_size,
             "items": [item.to_json() for item in self.items],
             "total_bytes": self.total_bytes,
-            "producer": asdict(self.producer),
+            "producer": {
+                "nebula_version": self.producer.nebula_version,
+                "torch_version": self.producer.torch_version,
+                "host": self.producer.host,
+            },
             "labels": list(self.labels),
         }
         if self.ranks is not None:
@@ -549,4 +553,5 @@ def parse_utc(value: object) -> datetime | None:
 
 def utc_now() -> str:
     """The current time as ISO-8601 UTC with microseconds, e.g. 2026-11-29T09:24:01.123456Z."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    # isoformat is strftime's format here ("+00:00" for "Z"), at a fraction of its cost.
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")[:-6] + "Z"

@@ -9,6 +9,7 @@
                       is there (all ranks, or those the checkpoint names), of one generation
     await_commit      wait until those markers are there and the manifest published
     publish_manifest  the manifest from the writing ranks' markers (create-only)
+    SequenceReservation  a writer's next commit sequence, recorded between its commits
 
 A checkpoint's parts are written by every rank of the job, or by the ranks it names
 (`ranks`: the markers and the manifest record them); each part carries the generation of
@@ -93,11 +94,21 @@ GONE_POLL_S = 0.5  # await_commit: how often it asks whether a missing rank has 
 
 
 def producer() -> Producer:
-    import torch
+    """Who writes this process's manifests: nebula's and torch's versions, the host (read
+    once per process: a manifest's producer is for people, never for logic)."""
+    global _producer
+    pid = os.getpid()
+    if _producer is None or _producer[0] != pid:
+        import torch
 
-    from nebulaml._version import __version__
+        from nebulaml._version import __version__
 
-    return Producer(nebula_version=__version__, torch_version=torch.__version__, host=_host())
+        made = Producer(nebula_version=__version__, torch_version=torch.__version__, host=_host())
+        _producer = (pid, made)
+    return _producer[1]
+
+
+_producer: tuple[int, Producer] | None = None
 
 
 def _host() -> str:

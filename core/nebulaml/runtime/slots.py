@@ -25,6 +25,9 @@ budget and the filesystem hold one more buffer (budget.py). The second save take
 it would a recycled one (waiting for the rest, and helping, if it is not done yet); from
 the third save on, evicted checkpoints' files come back as before.
 
+It also keeps each live process's writer marker file (`<memory root>/.writers/`), which
+a save links into the tag it begins (protocol.commit.begin_tag) instead of writing one.
+
 This module and storage.py are the only ones that touch files; it deals only with the
 memory tier, which is always a local folder.
 
