@@ -20,7 +20,7 @@ do that).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -164,11 +164,7 @@ class Manifest:
             "world_size": self.world_size,
             "items": [item.to_json() for item in self.items],
             "total_bytes": self.total_bytes,
-            "producer": {
-                "nebula_version": self.producer.nebula_version,
-                "torch_version": self.producer.torch_version,
-                "host": self.producer.host,
-            },
+            "producer": asdict(self.producer),
             "labels": list(self.labels),
         }
         if self.ranks is not None:

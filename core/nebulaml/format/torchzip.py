@@ -33,7 +33,6 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any, BinaryIO
 
 from nebulaml.errors import CorruptCheckpointError
@@ -67,9 +66,6 @@ def zip_crc_off() -> Iterator[None]:
         config.save.compute_crc32 = previous
 
 
-_second = itemgetter(1)
-
-
 @dataclass(frozen=True, slots=True)
 class Layout:
     """Where every byte of one item's file goes.
@@ -94,7 +90,7 @@ class Layout:
 
     @property
     def tensor_bytes(self) -> int:
-        return sum(map(_second, self.regions))
+        return sum(size for _, size in self.regions)
 
     def on_host(self) -> bool:
         """Whether every storage is in host memory (no CUDA copy to make)."""
@@ -396,8 +392,7 @@ def align_large_records(
             cd_start = archive.start_dir
         members = []
         for info in infos:
-            parts = info.filename.split("/")
-            is_data = len(parts) == 3 and parts[1] == "data"
+            is_data = _storage_key(info) is not None
             data_at = _data_offset(reader, info)
             members.append((info.header_offset, data_at, info.file_size, is_data))
     except (zipfile.BadZipFile, ValueError, OSError):
@@ -499,14 +494,19 @@ def data_records(segments: list[tuple[int, Any]], size: int) -> dict[int, tuple[
     reader = _SparseReader(segments, size)
     with zipfile.ZipFile(reader) as archive:
         for info in archive.infolist():
-            parts = info.filename.split("/")
-            key = name_number(parts[2]) if len(parts) == 3 and parts[1] == "data" else None
+            key = _storage_key(info)
             if key is None:
                 continue
             if info.compress_type != zipfile.ZIP_STORED:
                 return {}
             records[key] = (_data_offset(reader, info), info.file_size)
     return records
+
+
+def _storage_key(info: zipfile.ZipInfo) -> int | None:
+    """The storage key of a `<archive>/data/<key>` member, None for any other member."""
+    parts = info.filename.split("/")
+    return name_number(parts[2]) if len(parts) == 3 and parts[1] == "data" else None
 
 
 def _data_offset(reader: _SparseReader, info: zipfile.ZipInfo) -> int:

@@ -515,8 +515,7 @@ class SequenceReservation:
     def reserve_after(self, used: int) -> None:
         """Record the sequence after `used` (or after the highest reserved, if higher)
         for this writer's next commit."""
-        sequence = 1 + max(used, highest_sequence(self.store))
-        _record_sequence(self.store, sequence)
+        sequence = reserve_sequence(self.store, used)
         identity = self.store.file_identity(SEQUENCE_FILE)
         if identity is not None:  # an object store has none: its commits reserve
             with self._lock:

@@ -168,7 +168,7 @@ class SlotPool:
         self._pool = os.path.join(root, POOL_DIR)
         self._maps: dict[tuple[int, int], MappedFile] = {}
         self._opened: dict[str, int] = {}  # item name: the size of its last buffer
-        # The pool files `free_bytes` last listed: (name, size, paths), for `open_item`.
+        # The pool files `free_bytes` last listed: (name, size, entries), for `open_item`.
         self._peeked: tuple[str, int, list[os.DirEntry[str]]] | None = None
         self._spares: dict[str, _Spare] = {}  # by item name, while being made
         self._markers: dict[int, str] = {}  # by rank: this process's writer marker file

@@ -246,11 +246,14 @@ class LocalBackend:
         mode = 0o700 if self.private else 0o777
         try:
             os.mkdir(path, mode)
+        except FileNotFoundError:  # the root or a folder on the way is missing
+            self.make_dir(parts[:-1])
+            try:
+                os.mkdir(path, mode)
+            except FileExistsError:
+                return False
         except FileExistsError:
             return False
-        except FileNotFoundError:  # the root or a folder on the way is missing
-            self.make_dir(parts)
-            return True
         if self.durable:
             fsync_dir(os.path.dirname(path))
         return True

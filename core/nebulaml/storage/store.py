@@ -361,6 +361,8 @@ class Store:
             >>> store = Store(tempfile.mkdtemp())
             >>> store.make_new_dir("t1"), store.make_new_dir("t1")
             (True, False)
+            >>> Store(tempfile.mkdtemp() + "/not/yet").make_new_dir("t1")  # the root made too
+            True
         """
         backend = self._backend
         if isinstance(backend, LocalBackend):
