@@ -215,6 +215,36 @@ def test_tier_words_name_the_roots_own_tiers(
     assert list(workdir.iterdir()) == []
 
 
+def _modes_under(folder: Path) -> set[tuple[str, int]]:
+    """("dir" or "file", permission bits) of `folder` and everything under it."""
+    found = {("dir", folder.stat().st_mode & 0o777)}
+    for path in folder.rglob("*"):
+        found.add(("dir" if path.is_dir() else "file", path.stat().st_mode & 0o777))
+    return found
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_private_copy_is_this_users_alone_whatever_the_umask(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, umask: int
+) -> None:
+    # catches: NEBULA_PRIVATE=1 nebula copy writing the destination by the umask (755/644
+    # under 022, 777/666 under 0): its Store was opened without `private`.
+    populate(root)
+    monkeypatch.setenv("NEBULA_PRIVATE", "1")
+    old = os.umask(umask)
+    try:
+        code, _, err = copy(str(root), "global_step1", str(tmp_path / "new" / "dest"))
+        (tmp_path / "existing").mkdir(0o777)
+        os.chmod(tmp_path / "existing", 0o777)
+        code2, _, err2 = copy(str(root), "global_step2", str(tmp_path / "existing"))
+    finally:
+        os.umask(old)
+    assert code == 0 and code2 == 0, err + err2
+    assert_same_files(tmp_path / "new" / "dest", 1)
+    assert _modes_under(tmp_path / "new") == {("dir", 0o700), ("file", 0o600)}
+    assert _modes_under(tmp_path / "existing") == {("dir", 0o700), ("file", 0o600)}
+
+
 def test_committed_destination_refused_unless_overwrite(root: Path, tmp_path: Path) -> None:
     populate(root)
     dest = tmp_path / "dest"

@@ -240,6 +240,24 @@ def test_exported_files_follow_the_umask_unless_private(
     assert (tmp_path / "private").stat().st_mode & 0o777 == 0o700
 
 
+@pytest.mark.parametrize("form", ["pt", "safetensors"])
+def test_private_export_under_umask_zero(
+    two, tmp_path: Path, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # catches: the folders a private export made above its destination followed the umask
+    # (0777 under umask 0): only the destination itself was made 0700.
+    root, _, _ = two
+    monkeypatch.setenv("NEBULA_PRIVATE", "1")
+    with _umask(0):
+        run = in_a_pipe("export", str(root), B, str(tmp_path / "a" / "b" / "out"), "-f", form,
+                        "--drop-non-tensors")  # fmt: skip
+    assert run.code == 0, run.stderr
+    for folder in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "out"):
+        assert folder.stat().st_mode & 0o777 == 0o700, folder
+    names = {f"{item}.{form}" for item in ("model", "optimizer", "frozen")}
+    assert _modes(tmp_path / "a" / "b" / "out") == dict.fromkeys(names, 0o600)
+
+
 def test_export_safetensors_of_tied_weights(root: Path, tmp_path: Path) -> None:
     # Catches: safetensors refusing tensors that share memory (tied embeddings, views).
     from safetensors.torch import load_file

@@ -83,7 +83,7 @@ from nebulaml.integrations.accelerate import (
 from nebulaml.protocol.catalog import list_committed
 from nebulaml.protocol.markers import own_parts
 from nebulaml.runtime import session as _session
-from nebulaml.storage.streams import new_file_mode
+from nebulaml.storage.streams import make_folders, new_file_mode
 
 log = logging.getLogger("nebulaml")
 
@@ -563,7 +563,8 @@ def export_pretrained(
 
     The files get the mode any program's new file gets (the umask: 0644 typically, so a
     serving process of another user reads them); with `private` (None: `NEBULA_PRIVATE`)
-    they are 0600, and a `dest` created here is 0700.
+    they are 0600, and a `dest` created here is 0700 (the folders above it that were
+    missing too).
 
     The model is built from the saved config (`model_class`, default the class named in
     `config.architectures`) and written with `save_pretrained`, so tied weights and
@@ -584,11 +585,7 @@ def export_pretrained(
         )
     dest_path = Path(dest)
     private = private_default() if private is None else private
-    if private and not dest_path.exists():
-        dest_path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            dest_path.mkdir(0o700)
-    dest_path.mkdir(parents=True, exist_ok=True)
+    make_folders(str(dest_path), private)  # private: 0700, the missing folders above it too
     with tempfile.TemporaryDirectory(prefix="nebula-export-") as scratch:
         Path(scratch, "config.json").write_text(config_text, encoding="utf-8")
         config = AutoConfig.from_pretrained(scratch, local_files_only=True)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nebulaml.config import private_default
 from nebulaml.errors import CheckpointNotFoundError, NebulaError, RootNotFoundError, StorageError
 from nebulaml.format.manifest import utc_now
 from nebulaml.format.names import step_of, validate_name
@@ -25,7 +26,7 @@ from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_commi
 from nebulaml.protocol.cowriters import copy_alongside
 from nebulaml.protocol.history import append_rows, make_row
 from nebulaml.protocol.leases import read_lease
-from nebulaml.protocol.tiers import TierSet, adopt_memory_tier
+from nebulaml.protocol.tiers import TierSet, adopt_memory_tier, tighten_root
 from nebulaml.protocol.transfer import CopyResult
 from nebulaml.runtime.locate import newest_first, tiers_for
 from nebulaml.storage.store import Store
@@ -44,6 +45,7 @@ def copy_checkpoint(
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
     verify_progress: Callable[[int, int], None] | None = None,
+    private: bool | None = None,
 ) -> dict[str, Any]:
     """Copy the committed checkpoint `tag` of `root` to `dest`, verified, committed last.
 
@@ -66,6 +68,10 @@ def copy_checkpoint(
     root; `nebula gc` releases the copy once no job holds the tier, the checkpoint being
     on `root`).
 
+    A local `dest` gets what any program's new files and folders get there (the umask);
+    with `private` (None: `NEBULA_PRIVATE`) it is this user's alone, as a private root of
+    `init` is: its folder 0700 (made so if it exists), what the copy writes 0600 and 0700.
+
     Returns a JSON-serialisable dict: `root`, `tag`, `source`, `source_tier`,
     `destination`, `destination_tier` (None for another root), `items`, `total_bytes`,
     `copied_items`, `copied_bytes`, `skipped_items`, `skipped_bytes`, `unchanged`,
@@ -86,7 +92,7 @@ def copy_checkpoint(
     tiers = tiers_for(root, "copy_checkpoint")
     if not any(store.exists() for _tier, store in tiers.stores):
         raise RootNotFoundError(tiers.display)
-    dst = _destination(tiers, dest)
+    dst = _destination(tiers, dest, private_default() if private is None else private)
     source_tier, src = _source(tiers, tag, dst)
     t0 = time.perf_counter()
     # Under a read lease on the source: prune, retention and eviction leave it alone.
@@ -158,7 +164,7 @@ def persist_memory_tier(
     return [newest.tag]
 
 
-def _destination(tiers: TierSet, dest: PathLike) -> Store:
+def _destination(tiers: TierSet, dest: PathLike, private: bool) -> Store:
     if dest == MEMORY:
         if not tiers.memory_usable:
             raise StorageError(f"{tiers.memory.url}: {tiers.memory_note}")
@@ -166,8 +172,13 @@ def _destination(tiers: TierSet, dest: PathLike) -> Store:
         return tiers.memory
     if dest == PERSISTENT:
         assert tiers.persistent is not None
-        return tiers.persistent
-    return Store(dest)
+        store = tiers.persistent
+        if private and not store.private and store.is_local:
+            store = Store(store.root, private=True)
+    else:
+        store = Store(dest, private=private)
+    tighten_root(store)  # a private root's folder 0700; nothing otherwise
+    return store
 
 
 def _tier_of(tiers: TierSet, store: Store) -> str | None:

@@ -35,7 +35,7 @@ from nebulaml.format.manifest import ItemEntry, Manifest
 from nebulaml.format.names import validate_name
 from nebulaml.runtime.load import load_item
 from nebulaml.runtime.locate import Copy, check_root, find_copy, tiers_for
-from nebulaml.storage.streams import create_file, new_file_mode, translate_errors
+from nebulaml.storage.streams import create_file, make_folders, new_file_mode, translate_errors
 
 PathLike = str | os.PathLike[str]
 Progress = Callable[[int, int], None]
@@ -62,7 +62,7 @@ def export_checkpoint(
 
     The files' mode is what any program's new file gets there (0666 less the umask:
     0644 typically); with `private` (None: `NEBULA_PRIVATE`) they are 0600, and a `dest`
-    created here is 0700.
+    created here is 0700, as are the folders above it that were missing.
 
     `format="pt"`: `<item>.pt`, the item's committed bytes, hashed on the way and checked
     against the manifest's size and checksum (a copy that does not match is passed over
@@ -122,11 +122,7 @@ def export_checkpoint(
 def _export_entries(tiers: Any, location: str, tag: str, entries: list[ItemEntry], folder: Path,
                     format: str, overwrite: bool, drop_non_tensors: bool, private: bool,
                     progress: Progress | None) -> dict[str, Any]:  # fmt: skip
-    if private and not folder.exists():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            folder.mkdir(0o700)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folders(str(folder), private)  # private: 0700, the missing folders above it too
     mode = new_file_mode(str(folder), private)
     total = sum(entry.size_bytes for entry in entries)
     done = 0

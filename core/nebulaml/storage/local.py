@@ -45,6 +45,7 @@ from nebulaml.storage.streams import (
     LocalWriter,
     create_file,
     fsync_dir,
+    make_folders,
     write_all,
     write_view_chunks,
 )
@@ -211,13 +212,14 @@ class LocalBackend:
     # writing -----------------------------------------------------------------------
     def make_dir(self, parts: Parts) -> None:
         """Create the root and the folders `parts` under it, as real folders (0700 in a
-        private store), each new entry made durable; never through a symbolic link."""
+        private store, the folders above a missing root too), each new entry made
+        durable; never through a symbolic link."""
         path = self._local(parts)
         if os.path.isdir(path) and not os.path.islink(path):
             return
         mode = 0o700 if self.private else 0o777
         if not os.path.isdir(self.root):
-            os.makedirs(os.path.dirname(self.root), exist_ok=True)
+            make_folders(os.path.dirname(self.root), self.private)
             try:
                 os.mkdir(self.root, mode)
                 if self.durable:

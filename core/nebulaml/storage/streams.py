@@ -160,6 +160,31 @@ def new_file_mode(folder: str, private: bool) -> int:
         os.unlink(probe)
 
 
+def make_folders(path: str, private: bool) -> None:
+    """Create the local folder `path` and each missing folder above it: 0700 when
+    `private` (whatever the umask), else as any program's (0777 less the umask).
+    `os.makedirs` gives its mode to the last folder alone.
+
+    Example:
+        >>> import tempfile
+        >>> base = tempfile.mkdtemp()
+        >>> make_folders(f"{base}/a/b", private=True)
+        >>> oct(os.stat(f"{base}/a").st_mode & 0o777), oct(os.stat(f"{base}/a/b").st_mode & 0o777)
+        ('0o700', '0o700')
+    """
+    parent = os.path.dirname(path)
+    if parent and parent != path and not os.path.isdir(parent):
+        make_folders(parent, private)
+    try:
+        os.mkdir(path, 0o700 if private else 0o777)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+        return
+    if private:
+        os.chmod(path, 0o700, follow_symlinks=False)  # a umask that takes the owner's bits
+
+
 def create_file(path: str, mode: int, *, exclusive: bool = False) -> int:
     """Open `path` for writing, created with `mode` (truncated if it exists), never
     through a symbolic link at `path` (ELOOP); returns the descriptor."""
