@@ -29,6 +29,7 @@ from ..output import (
     handles_errors,
     human_bytes,
     print_table,
+    printable,
     stdout,
     suggestion,
 )
@@ -179,9 +180,14 @@ def _figure_class() -> Any:
 
 
 def _write_csv(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    writer = csv.DictWriter(sys.stdout, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
+    """The rows as CSV, each text field (and a newer nebula's column names) `printable`:
+    a forged row's escape sequences never reach the terminal."""
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    writer.writerow([printable(name) for name in columns])
+    for row in rows:
+        values = (row.get(name) for name in columns)
+        writer.writerow(["" if v is None else printable(v) if isinstance(v, str) else v
+                         for v in values])  # fmt: skip
 
 
 def _seconds(value: float | None) -> str:
@@ -229,7 +235,8 @@ def _print_tables(location: str, records: list[dict[str, Any]], summary: dict[st
     for r in records:  # errors below the table, whole: they are long
         if r["status"] == "failed":
             where = f"{r['tag']} ({r['tier']}, {r['started_at']})"
-            out.print(f"[red]failed[/red] {escape(where)}: {escape(r['error'])}", highlight=False)
+            line = f"{escape(printable(where))}: {escape(printable(r['error']))}"
+            out.print(f"[red]failed[/red] {line}", highlight=False)
 
     stats = Table(title="summary", title_justify="left")
     for column in ("", "p50", "p95", "max"):

@@ -356,3 +356,47 @@ def test_skipped_persists_are_shown_and_counted(root: Path) -> None:
     assert [(r["tag"], r["tier"], r["error"]) for r in skipped] == [
         ("global_step2", "persistent", "superseded by global_step3")
     ]
+
+
+def _forge_history(root: Path) -> tuple[str, str]:
+    """A history whose header names a newer nebula's column and whose last row, written
+    by hand, carries escape sequences, BEL and a C1 control in its tag, error and that
+    column; returns the forged tag and error."""
+    tag, error = "evil\x1b[2J\x07", "boom\x1b]0;pwned\x07 \x9b31m"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / HISTORY_FILE, "w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow([*COLUMNS, "note\x1b[31m"])
+        writer.writerow(["global_step1", 1, "memory", 0, "2026-01-01T00:00:00Z", 0.5, 0.2,
+                         10, 0.0, "ok", "", 10, 0, "fine"])  # fmt: skip
+        writer.writerow([tag, 2, "persistent", 0, "2026-01-01T00:00:01Z", 1.0, 0.0, 10, 0.0,
+                         "failed", error, 0, 0, "\x1b[8m\x07"])  # fmt: skip
+    return tag, error
+
+
+def _controls(text: str) -> set[str]:
+    """The control characters of `text` other than a line break."""
+    return {c for c in text if (ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) < 0xA0}
+
+
+@pytest.mark.parametrize("args", [[], ["--csv"]], ids=["table", "csv"])
+def test_forged_rows_print_no_control_characters(root: Path, args: list[str]) -> None:
+    # Catches: the failure lines below the table and every --csv field printed raw, so a
+    # row someone wrote into checkpointHistories.csv could clear the screen, retitle the
+    # terminal or ring its bell (ls, inspect and verify escape what they print).
+    tag, error = _forge_history(root)
+    result = CliRunner().invoke(app, ["history", str(root), *args], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    assert _controls(result.stdout) == set()
+    assert "evil\\x1b[2J\\x07" in result.stdout  # escaped, not dropped
+    assert "boom\\x1b]0;pwned\\x07 \\x9b31m" in result.stdout
+    on_a_terminal = CliRunner().invoke(
+        app, ["history", str(root), *args],
+        env={"COLUMNS": "200", "TTY_COMPATIBLE": "1", "TERM": "xterm", "NO_COLOR": "1"},
+    )  # fmt: skip
+    assert on_a_terminal.exit_code == 0, on_a_terminal.stderr
+    for forged in ("\x07", "\x9b", "\x1b]", "\x1b[2J", "\x1b[8m"):
+        assert forged not in on_a_terminal.stdout
+    doc = json.loads(_invoke(str(root), "--json").stdout)  # JSON escapes them itself
+    assert _controls(_invoke(str(root), "--json").stdout) == set()
+    assert (doc["rows"][-1]["tag"], doc["rows"][-1]["error"]) == (tag, error)
