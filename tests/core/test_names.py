@@ -87,3 +87,31 @@ def test_step_and_order() -> None:
     assert order_key("global_step5", "2026-01-02T00:00:00Z") > order_key(
         "global_step5", "2026-01-01T00:00:00Z"
     )
+
+
+@pytest.mark.parametrize(
+    ("tag", "step"),
+    [
+        ("global_step12", 12),
+        ("global_step007", 7),
+        ("global_step12_best", 12),
+        ("global_step12.pt", 12),
+        ("epoch=1-step=200", 200),
+        ("epoch=1-step=200.ckpt", 200),
+        # A number that holds a digit other than ASCII's is no step, not its ASCII head.
+        ("global_step12\u00b2", None),  # superscript two
+        ("global_step1\u0662", None),  # Arabic-Indic two
+        ("global_step\u0661\u0662", None),
+        ("global_step12\u00bd", None),  # vulgar one half
+        ("global_step\uff11\uff12", None),  # full-width digits
+        ("epoch=1-step=200\u00b2", None),
+        ("best", None),
+    ],
+)
+def test_step_is_ascii_digits_alone(tag: str, step: int | None) -> None:
+    assert step_of(tag) == step
+
+
+def test_a_step_with_a_foreign_digit_sorts_among_tags_without_one() -> None:
+    tags = ["global_step12\u00b2", "global_step3", "best"]
+    assert sorted(tags, key=order_key) == ["best", "global_step12\u00b2", "global_step3"]

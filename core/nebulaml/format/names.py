@@ -151,15 +151,22 @@ def name_number(text: str) -> int | None:
 
 @functools.lru_cache(maxsize=1 << 16)
 def step_of(tag: str) -> int | None:
-    """The training step a tag names, in ASCII digits: the number after `global_step`
-    (DeepSpeed's and nebula's tags), else after a Lightning `step=`; else None.
+    """The training step a tag names, in ASCII digits alone: the number after
+    `global_step` (DeepSpeed's and nebula's tags), else after a Lightning `step=`; else
+    None. A number that goes on in a digit of another script (`global_step12²`,
+    `global_step1٢`) names no step: its ASCII head is not the number the tag spells.
 
     Example:
         >>> step_of("global_step1000"), step_of("epoch=1-step=200"), step_of("best")
         (1000, 200, None)
+        >>> step_of("global_step12²") is None
+        True
     """
     match = _STEP_RE.search(tag) or _LIGHTNING_STEP_RE.search(tag)
-    return int(match.group(1)) if match else None
+    if match is None:
+        return None
+    after = tag[match.end(1) : match.end(1) + 1]
+    return None if after.isnumeric() else int(match.group(1))
 
 
 def order_key(tag: str, committed_at: str = "", sequence: int = 0) -> OrderKey:
