@@ -108,15 +108,34 @@ def read_manifest(store: Store, tag: str) -> Manifest | None:
     return manifest
 
 
-# Manifests this process has read, by (root location, tag): the manifest file's identity
+# Manifests this process has read, by root location and tag: the manifest file's identity
 # when read (local: inode, size, mtime; an object store: size and the version its
 # listing gives, an ETag), and the manifest. A committed manifest is never changed in
 # place (a tag saved again is deleted and committed anew: another file), so while its
 # identity is the same it need not be read, parsed and checked again: listing a local
 # root of 10,000 checkpoints costs a few stats per tag, an Azure root one folder listing.
-_MANIFESTS: dict[tuple[str, str], tuple[tuple[Any, ...], Manifest]] = {}
+# Bounded by the tags that exist: each listing of a root's tags (`tag_folders`: retention
+# after a persist, `list_committed`) drops those no longer there (`_forget_absent`), so a
+# job that saves and retires tags for days keeps the manifests of what its roots hold
+# (and of what its last retention deleted); `_MANIFESTS_MAX` bounds a process that reads
+# many roots.
+_MANIFESTS: dict[str, dict[str, tuple[tuple[Any, ...], Manifest]]] = {}
 _MANIFESTS_MAX = 200_000
 _manifests_lock = threading.Lock()
+
+
+def _forget_absent(store: Store, tags: list[str]) -> None:
+    """Drop the cached manifests of `store`'s root whose tags are not among `tags` (a
+    listing of its folders): retired, pruned or evicted since they were read."""
+    present = set(tags)
+    with _manifests_lock:
+        cached = _MANIFESTS.get(store.location)
+        if cached is None:
+            return
+        for tag in [tag for tag in cached if tag not in present]:
+            del cached[tag]
+        if not cached:
+            del _MANIFESTS[store.location]
 
 
 def read_committed(
@@ -134,7 +153,6 @@ def read_committed(
     """
     if not _is_tag(tag):
         validate_name("tag", tag)  # raises, saying why
-    key = (store.location, tag)
     files: dict[str, int] | None = None  # the tag's folder, when listed here
     identity: tuple[Any, ...] | None
     if store.is_local:
@@ -150,7 +168,7 @@ def read_committed(
         identity = None if entry is None or entry[1] is None else entry
     if identity is not None:
         with _manifests_lock:
-            cached = _MANIFESTS.get(key)
+            cached = _MANIFESTS.get(store.location, {}).get(tag)
         if cached is not None and cached[0] == identity:
             manifest = cached[1]
             sized = (
@@ -163,9 +181,9 @@ def read_committed(
     info = _read_committed(store, tag, files)
     if info is not None and identity is not None:
         with _manifests_lock:
-            if len(_MANIFESTS) >= _MANIFESTS_MAX:
+            if sum(map(len, _MANIFESTS.values())) >= _MANIFESTS_MAX:
                 _MANIFESTS.clear()
-            _MANIFESTS[key] = (identity, info.manifest)
+            _MANIFESTS.setdefault(store.location, {})[tag] = (identity, info.manifest)
     return info
 
 
@@ -201,15 +219,19 @@ def _read_committed(
     return CheckpointInfo(store, manifest)
 
 
-def tag_folders(store: Store) -> list[str]:
-    """The folders of `store` whose names are tags (others are not folders nebula writes).
+def tag_folders(store: Store, tree: dict[str, Any] | None = None) -> list[str]:
+    """The folders of `store` whose names are tags (others are not folders nebula writes);
+    `tree`: an object store's listing of its root (`Store.list_tree`), else it is listed.
+    The cached manifests of its tags no longer there are dropped (`_forget_absent`).
 
     Example:
         >>> import tempfile
         >>> tag_folders(Store(tempfile.mkdtemp()))
         []
     """
-    return [name for name in store.list_dirs() if _is_tag(name)]
+    tags = [name for name in (store.list_dirs() if tree is None else tree) if _is_tag(name)]
+    _forget_absent(store, tags)
+    return tags
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -253,7 +275,7 @@ def list_committed(
         unsettled: list[str] = []  # folders that did not read as committed
         # An object store: one listing of the whole root, not one per folder.
         tree = store.list_tree()
-        folders = tag_folders(store) if tree is None else [t for t in tree if _is_tag(t)]
+        folders = tag_folders(store) if tree is None else tag_folders(store, tree)
         todo = [
             tag
             for tag in folders
