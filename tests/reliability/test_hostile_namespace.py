@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -197,6 +198,52 @@ def test_prune_skips_a_tag_swapped_for_a_link_and_prunes_the_rest(
     assert skipped.tag == "global_step2" and "symbolic link" in skipped.reason, skipped
     assert (root / "global_step2").is_symlink() and tree_digest(sentinel) == after_move
     assert before != after_move  # the sentinel did change: by the test's move, not prune
+
+
+@pytest.mark.parametrize("swapped", ["the newest", "a leftover"])
+def test_prune_deletes_the_rest_when_a_tag_it_reads_is_swapped_for_a_link(
+    root: Path, sentinel: Path, swapped: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue #43: after the plan, the folder of a tag that prune reads but does not delete
+    (the newest, whose manifest proves each deletion safe) or of a leftover it removes is
+    replaced by a symbolic link to another folder. Bugs caught: 0 of 39 deleted, rc 1 (the
+    newest's read raised for every tag); the leftovers after the linked one not removed."""
+    from nebulaml.ops.pruning import execute_prune, list_prune_candidates, plan_prune
+
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=100)
+    for step in range(1, 41):
+        nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.ones(3) * step})
+        assert nm.flush_persistence() is True
+    nm.shutdown()
+    for tag in ("global_step50", "global_step51"):  # what crashed saves on another node left
+        (root / tag).mkdir()
+        (root / tag / "model").write_bytes(b"partial")
+        doc = {"host": "another-node", "pid": 1, "rank": 0, "started_at": "2026-01-01T00:00:00Z"}
+        (root / tag / ".writer-0.json").write_text(json.dumps(doc))
+    plan = plan_prune(list_prune_candidates(str(root), incomplete=True), 1, grace_s=0)
+    assert len(plan.delete) == 39 and plan.newest == "global_step40"
+    assert [d.tag for d in plan.incomplete] == ["global_step50", "global_step51"]
+    victim = "global_step40" if swapped == "the newest" else "global_step50"
+    os.rename(root / victim, sentinel / "moved")  # the link points at a real tag folder
+    (root / victim).symlink_to(sentinel / "moved")
+    after_move = tree_digest(sentinel)
+
+    result = execute_prune(str(root), plan)
+
+    assert (root / victim).is_symlink() and tree_digest(sentinel) == after_move
+    skipped = {d.tag: d.reason for d in result.skipped}
+    if swapped == "the newest":
+        # The newest it can read decides now: global_step39, kept as the newest.
+        leftovers = ("global_step50", "global_step51")
+        assert result.deleted == (*(f"global_step{s}" for s in range(1, 39)), *leftovers)
+        assert skipped == {"global_step39": "it is now the newest committed"}
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert any("global_step40" in m and "symbolic link" in m for m in said), said
+    else:
+        assert result.deleted == (*(f"global_step{s}" for s in range(1, 40)), "global_step51")
+        assert list(skipped) == ["global_step50"]
+        assert "symbolic link" in skipped["global_step50"], skipped
+    assert not (root / "global_step51").exists() and not (root / "global_step1").exists()
 
 
 def test_names_with_non_ascii_digits_are_ignored_never_an_exception(root: Path) -> None:

@@ -10,13 +10,16 @@
 Never deleted: the newest committed checkpoint, a labelled one (unless the caller includes
 labelled ones), a tag a live process on this host is writing, a checkpoint being read (a
 live read lease, leases.py), a leftover that was written to within the grace period, and
-anything without our markers (docs/architecture.md, "The commit protocol").
+anything without our markers (docs/architecture.md, "The commit protocol"). A tag folder
+that cannot be read safely (a symbolic link put in its place) is never read through: it is
+kept and reported, and the rest is pruned.
 
 Not for: the job's own retention while it trains (retention.py, applied by the persister).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -38,6 +41,7 @@ from nebulaml.protocol.retention import Version
 from nebulaml.runtime.locate import tiers_for
 from nebulaml.storage.store import Store
 
+log = logging.getLogger("nebulaml")
 PathLike = str | os.PathLike[str]
 DEFAULT_GRACE_S = 3600.0
 BEING_READ = "being read"  # why execute_prune kept a tag a reader holds a lease on
@@ -227,6 +231,7 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
         validate_name("tag", decision.tag)
     store = _store(root)
     asker = threading.get_ident()
+    witness = _witness(store, plan.newest)
 
     def why_kept(decision: PruneDecision) -> PruneDecision | None:
         """None when the committed tag may still go, as planned; else why it stays."""
@@ -240,7 +245,7 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
             return PruneDecision(decision.tag, "no longer committed")
         if info.manifest.labels and not plan.include_labelled:
             return PruneDecision(decision.tag, "labelled since the plan was made")
-        if _newer_witness(store, plan.newest, info.sort_key) is None:
+        if _newer_witness(store, witness, info.sort_key) is None:
             return PruneDecision(decision.tag, "it is now the newest committed")
         return None
 
@@ -274,19 +279,31 @@ def execute_prune(root: PathLike, plan: PrunePlan) -> PruneResult:
     skipped = [why for why in outcomes if why is not None]
     now = datetime.now(timezone.utc)
     for decision in plan.incomplete:
-        leftover = _inspect_leftover(store, decision.tag, now)
-        if leftover is None:
-            skipped.append(PruneDecision(decision.tag, "no longer an incomplete tag", False))
-            continue
-        spare = _spare_leftover(leftover, plan.grace_s)
-        if spare is not None:
-            skipped.append(PruneDecision(decision.tag, spare, False))
-            continue
-        if not delete_checkpoint(store, decision.tag):
-            skipped.append(PruneDecision(decision.tag, BEING_READ, False))
-            continue
-        deleted.append(decision.tag)
+        try:
+            why = _remove_leftover(store, decision.tag, plan.grace_s, now)
+        except StorageError as exc:
+            # One leftover that cannot be read safely (a symbolic link put in its place)
+            # is skipped and said; the others are still removed.
+            why = f"not deleted: {exc}"
+        if why is None:
+            deleted.append(decision.tag)
+        else:
+            skipped.append(PruneDecision(decision.tag, why, False))
     return PruneResult(tuple(deleted), tuple(skipped))
+
+
+def _remove_leftover(store: Store, tag: str, grace_s: float, now: datetime) -> str | None:
+    """Delete the leftover `tag` if it still is one that may go: None once deleted, else
+    why it stays."""
+    leftover = _inspect_leftover(store, tag, now)
+    if leftover is None:
+        return "no longer an incomplete tag"
+    spare = _spare_leftover(leftover, grace_s)
+    if spare is not None:
+        return spare
+    if not delete_checkpoint(store, tag):
+        return BEING_READ
+    return None
 
 
 # helpers -------------------------------------------------------------------------------------
@@ -310,13 +327,33 @@ def _spare_leftover(leftover: Leftover, grace_s: float) -> str | None:
     return None
 
 
+def _witness(store: Store, newest: str | None) -> str | None:
+    """The tag whose manifest proves that a newer checkpoint than each planned one stays:
+    the plan's newest; where its folder cannot be read safely now (a symbolic link put in
+    its place since the plan), it proves nothing and is never read through (said once),
+    and the newest committed that can be read is the witness instead."""
+    if newest is None:
+        return None
+    try:
+        read_committed(store, newest)
+    except StorageError as exc:
+        log.warning("prune: the plan's newest checkpoint is not read, and kept: %s", exc)
+        found = list_committed(store)
+        return found[-1].tag if found else None
+    return newest
+
+
 def _newer_witness(store: Store, witness: str | None, key: OrderKey) -> str | None:
     """A tag committed on `store` that sorts after `key`, or None if there is none.
 
-    The plan's newest is checked first (one read); only if it has gone is the root listed.
+    The witness is checked first (one read); only if it has gone, or cannot be read
+    safely any more (a symbolic link in its place), is the root listed.
     """
     if witness is not None:
-        info = read_committed(store, witness)
+        try:
+            info = read_committed(store, witness)
+        except StorageError:
+            info = None  # swapped for a link since `_witness`: it proves nothing
         if info is not None and info.sort_key > key:
             return witness
     newest = list_committed(store)
