@@ -40,6 +40,7 @@ _STYLE = {
     "missing": "bold red",
     "differs": "bold red",
     "unchecked": "bold yellow",
+    "unreadable": "bold red",
 }
 
 
@@ -56,7 +57,8 @@ def verify_command(
 
     Also reports manifests that are present but unreadable, and items that are missing
     or of the wrong size, and checkpoints it could not read (`unchecked`: a delete of it
-    is claimed and did not end). Exit 1 on any of these, naming the file, the expected
+    is claimed and did not end; `unreadable`: a tag folder this user may not read, the
+    others checked). Exit 1 on any of these, naming the file, the expected
     and the actual value; exit 3 when TAG does not exist. With --json, `expected` and `actual`
     are objects: {size_bytes, algo, checksum}.
 

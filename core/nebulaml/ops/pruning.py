@@ -11,8 +11,9 @@ Never deleted: the newest committed checkpoint, a labelled one (unless the calle
 labelled ones), a tag a live process on this host is writing, a checkpoint being read (a
 live read lease, leases.py), a leftover that was written to within the grace period, and
 anything without our markers (docs/architecture.md, "The commit protocol"). A tag folder
-that cannot be read safely (a symbolic link put in its place) is never read through: it is
-kept and reported, and the rest is pruned.
+that cannot be read safely (a symbolic link put in its place) is never read through, and
+one this user may not read (another user's, mode 000) is not listed: each is kept and
+reported, and the rest is pruned.
 
 Not for: the job's own retention while it trains (retention.py, applied by the persister).
 """
@@ -70,17 +71,28 @@ class Leftover:
 
 
 @dataclass(frozen=True, slots=True)
+class UnreadableTag:
+    """A tag folder this user may not read (another user's, mode 000), as seen when the
+    root was listed, and the error that says so: never deleted."""
+
+    tag: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
 class PruneListing:
     """What `list_prune_candidates` found on one root."""
 
     root: str
     versions: tuple[Version, ...]
     leftovers: tuple[Leftover, ...] = ()
+    unreadable: tuple[UnreadableTag, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class PruneDecision:
-    """One tag and why the plan keeps or deletes it; `committed` is False for leftovers."""
+    """One tag and why the plan keeps or deletes it; `committed` is False for leftovers
+    and for folders that could not be read."""
 
     tag: str
     reason: str
@@ -93,7 +105,8 @@ class PrunePlan:
 
     `delete`: committed tags to delete, oldest first. `incomplete`: leftovers to remove.
     `keep`: committed tags kept by the count. `protected`: tags that may not be deleted
-    (the newest, labelled ones, leftovers being written or within the grace period).
+    (the newest, labelled ones, leftovers being written or within the grace period,
+    folders this user may not read).
     The options the plan was made with are kept so that the execution re-checks by them.
     """
 
@@ -136,7 +149,8 @@ def list_prune_candidates(root: PathLike, *, incomplete: bool = False) -> PruneL
     """List `root` itself (not its memory tier) for `plan_prune`.
 
     Committed checkpoints always; with `incomplete`, also the tag folders that carry our
-    markers but no valid manifest. Folders without our markers are never listed. Raises
+    markers but no valid manifest. Folders without our markers are never listed; tag
+    folders this user may not read are listed apart (`unreadable`), said once. Raises
     `RootNotFoundError` when `root` does not exist.
 
     Example:
@@ -145,16 +159,18 @@ def list_prune_candidates(root: PathLike, *, incomplete: bool = False) -> PruneL
         ()
     """
     store = _store(root)
+    refused: list[tuple[str, StorageError]] = []
     versions = tuple(
         Version(info.tag, info.committed_at, info.manifest.labels, info.sequence)
-        for info in list_committed(store)
+        for info in list_committed(store, unreadable=refused)
     )
+    unreadable = tuple(UnreadableTag(tag, str(exc)) for tag, exc in refused)
     leftovers: tuple[Leftover, ...] = ()
     if incomplete:
         now = datetime.now(timezone.utc)
         found = (_inspect_leftover(store, tag, now) for tag in list_incomplete(store))
         leftovers = tuple(lo for lo in found if lo is not None)
-    return PruneListing(store.url, versions, leftovers)
+    return PruneListing(store.url, versions, leftovers, unreadable)
 
 
 def plan_prune(
@@ -169,7 +185,8 @@ def plan_prune(
     The newest version is always kept and counts towards `keep`. Labelled versions are
     kept and do not count, unless `include_labelled`, which makes them ordinary versions.
     Leftovers in the listing are removed when no writer of theirs is alive on this host
-    and they have been idle for at least `grace_s` seconds. Pure: no I/O, no clock.
+    and they have been idle for at least `grace_s` seconds. Folders that could not be read
+    are protected, saying why. Pure: no I/O, no clock.
 
     Example:
         >>> vs = tuple(Version(f"global_step{i}", "") for i in range(3))
@@ -204,6 +221,9 @@ def plan_prune(
             incomplete.append(PruneDecision(leftover.tag, reason, committed=False))
         else:
             protected.append(PruneDecision(leftover.tag, spare, committed=False))
+    for unreadable in sorted(listing.unreadable, key=lambda u: u.tag):
+        reason = f"not deleted: it could not be read ({unreadable.why})"
+        protected.append(PruneDecision(unreadable.tag, reason, committed=False))
     return PrunePlan(
         root=listing.root,
         keep_last=keep,

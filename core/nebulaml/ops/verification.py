@@ -1,7 +1,8 @@
 """Verifying checkpoints: every copy of every item, re-read and checked against its manifest.
 
 Unlike listing (catalog.py), which hides a tag whose manifest is unreadable or whose files
-are missing, verification reports each such copy as a failure: that is what it is for.
+are missing, or whose folder this user may not read, verification reports each such copy
+as a failure: that is what it is for.
 Items are hashed while they are read, in chunks, so memory stays flat for any item size.
 
 Not for: repairing anything, or choosing which copy to load (checkpoint.py).
@@ -14,11 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nebulaml.errors import CheckpointNotFoundError, InvalidNameError, ManifestError
+from nebulaml.errors import CheckpointNotFoundError, InvalidNameError, ManifestError, StorageError
 from nebulaml.format.checksum import KNOWN_CHECKSUM_ALGOS, hash_stream, unknown_algo
 from nebulaml.format.manifest import ItemEntry, Manifest
 from nebulaml.format.names import MANIFEST_NAME, OrderKey, order_key, validate_name
 from nebulaml.ops.inspection import list_tag_again, read_manifest_strict
+from nebulaml.protocol.catalog import is_unreadable
 from nebulaml.protocol.leases import delete_claims, read_lease
 from nebulaml.runtime.locate import check_root, tiers_for
 from nebulaml.storage.store import MissingFileError, Store
@@ -39,7 +41,7 @@ class _Copy:
     tag: str
     files: dict[str, int]
     manifest: Manifest | None
-    error: ManifestError | None
+    error: ManifestError | StorageError | None  # a StorageError: a folder it may not read
 
     @property
     def sort_key(self) -> OrderKey:
@@ -65,8 +67,9 @@ def verify_checkpoints(
 
     Returns one JSON-serialisable dict per item per tier, newest tag first: `tag`, `tier`,
     `item` (None for the manifest itself), `file` (where it is), `status` (`"ok"`,
-    `"corrupt"`, `"missing"`, or `"unchecked"`: committed, but a delete of it is claimed
-    and did not end, so it was not read), `expected` and `actual` (e.g. `"1829 bytes with xxh3_64
+    `"corrupt"`, `"missing"`, `"unchecked"`: committed, but a delete of it is claimed
+    and did not end, so it was not read, or `"unreadable"`: a tag folder this user may
+    not read, `file` naming the folder), `expected` and `actual` (e.g. `"1829 bytes with xxh3_64
     9f3c..."`), and the same as objects, `expected_checksum` and `actual_checksum`:
     `{size_bytes, algo, checksum}` (a field None where it is not known; the object None for
     no file, or for a manifest). Where two tiers hold one tag with different bytes for an
@@ -183,29 +186,43 @@ def _find_copies(root: PathLike, tag: str | None) -> list[_Copy]:
                 validate_name("tag", name)
             except InvalidNameError:
                 continue  # not a folder nebula writes
-            files = store.list_files(name)
-            if MANIFEST_NAME not in files and store.exists(name, MANIFEST_NAME):
-                # Committed just now, between the two looks; or a scan that missed it (a
-                # folder's entries changing under a scan may be skipped by it).
-                files = list_tag_again(store, name)
-            if MANIFEST_NAME not in files and _regular_after_all(store, name):
-                files = list_tag_again(store, name)  # a commit or an evict under our looks
-            if MANIFEST_NAME not in files:
-                if store.exists(name, MANIFEST_NAME) and not _regular_after_all(store, name):
-                    # A folder, FIFO or link in the manifest's place: not a save that never
-                    # committed, a checkpoint that cannot be checked (corrupt, exit 1).
-                    where = store.display(name, MANIFEST_NAME)
-                    bad = ManifestError(where, "not a regular file; nebula reads only its own")
-                    copies.append(_Copy(tier, store, name, files, None, bad))
-                continue  # never committed here: not a checkpoint (see `nebula ls --all`)
             try:
-                manifest, error = read_manifest_strict(store, name), None
-            except ManifestError as exc:
-                manifest, error = None, exc
-            if manifest is None and error is None:
-                continue  # deleted while we looked
-            copies.append(_Copy(tier, store, name, files, manifest, error))
+                copy = _find_copy(tier, store, name)
+            except StorageError as exc:
+                if not is_unreadable(exc):
+                    raise
+                # A folder this user may not read: a failure, and the others are checked.
+                copy = _Copy(tier, store, name, {}, None, exc)
+            if copy is not None:
+                copies.append(copy)
     return copies
+
+
+def _find_copy(tier: str, store: Store, name: str) -> _Copy | None:
+    """The copy of tag `name` on `store`; None where it is not a checkpoint (never
+    committed there, or deleted while we looked)."""
+    files = store.list_files(name)
+    if MANIFEST_NAME not in files and store.exists(name, MANIFEST_NAME):
+        # Committed just now, between the two looks; or a scan that missed it (a
+        # folder's entries changing under a scan may be skipped by it).
+        files = list_tag_again(store, name)
+    if MANIFEST_NAME not in files and _regular_after_all(store, name):
+        files = list_tag_again(store, name)  # a commit or an evict under our looks
+    if MANIFEST_NAME not in files:
+        if store.exists(name, MANIFEST_NAME) and not _regular_after_all(store, name):
+            # A folder, FIFO or link in the manifest's place: not a save that never
+            # committed, a checkpoint that cannot be checked (corrupt, exit 1).
+            where = store.display(name, MANIFEST_NAME)
+            bad = ManifestError(where, "not a regular file; nebula reads only its own")
+            return _Copy(tier, store, name, files, None, bad)
+        return None  # never committed here: not a checkpoint (see `nebula ls --all`)
+    try:
+        manifest, error = read_manifest_strict(store, name), None
+    except ManifestError as exc:
+        manifest, error = None, exc
+    if manifest is None and error is None:
+        return None  # deleted while we looked
+    return _Copy(tier, store, name, files, manifest, error)
 
 
 def _regular_after_all(store: Store, tag: str) -> bool:
@@ -234,6 +251,9 @@ def _result(copy: _Copy, item: str | None, file: str, status: str, expected: str
 
 def _verify_copy(copy: _Copy, advance: Callable[[int], None]) -> list[dict[str, Any]]:
     store, tag = copy.store, copy.tag
+    if isinstance(copy.error, StorageError):
+        return [_result(copy, None, store.display(tag), "unreadable",
+                        "a tag folder it may read", str(copy.error))]  # fmt: skip
     if copy.manifest is None:
         assert copy.error is not None
         where = store.display(tag, MANIFEST_NAME)

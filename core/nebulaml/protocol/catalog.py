@@ -3,7 +3,9 @@
 A checkpoint is visible only when its manifest is present and valid and every file it
 lists is there with its size ("committed or invisible": docs/architecture.md). A manifest of
 an unknown schema is an error; an unreadable one is reported with a warning and the tag
-treated as not committed.
+treated as not committed. A tag folder this user may not read (another user's, mode 000)
+is left out of listings with one warning naming it (`skip_unreadable`): the others are
+listed.
 
 May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: writing
 (commit.py), deleting (delete.py), or the leftovers of crashed saves (recovery.py).
@@ -22,7 +24,9 @@ from nebulaml.errors import (
     InvalidNameError,
     ManifestError,
     NebulaError,
+    StorageError,
     UnsupportedSchemaError,
+    exception_chain,
 )
 from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES, JsonBoundsError, load_json
 from nebulaml.format.manifest import Manifest, parse_manifest
@@ -40,16 +44,36 @@ _said: set[str] = set()  # what this process has said it ignores (a listing read
 _SAID_MAX = 10_000
 
 
-def _ignoring(message: str, *args: object) -> None:
-    """Warn that a checkpoint is ignored, once per process for one message: a listing
-    reads a tier up to `_LIST_PASSES` times, and a command lists more than once."""
+def _ignoring(message: str, *args: object, key: str | None = None) -> None:
+    """Warn that a checkpoint is ignored, once per process for one message (or `key`): a
+    listing reads a tier up to `_LIST_PASSES` times, and a command lists more than once."""
     text = message % args
-    if text in _said:
+    said = text if key is None else key
+    if said in _said:
         log.debug("%s", text)
         return
     if len(_said) < _SAID_MAX:
-        _said.add(text)
+        _said.add(said)
     log.warning("%s", text)
+
+
+def is_unreadable(exc: StorageError) -> bool:
+    """Whether `exc` is a permission refused (EACCES, EPERM): what this user may not read,
+    as opposed to a store that fails."""
+    return any(isinstance(cause, PermissionError) for cause in exception_chain(exc))
+
+
+def skip_unreadable(store: Store, tag: str, exc: StorageError) -> bool:
+    """Whether a listing goes on without `tag`, whose folder raised `exc`: True when this
+    user may not read it (`is_unreadable`), said once per process and folder, naming it
+    (a command lists a root several times, by several functions); False for any other
+    failure, which the caller raises."""
+    if not is_unreadable(exc):
+        return False
+    where = store.display(tag)
+    _ignoring("tag folder %s skipped: it could not be read (%s)", where, exc,
+              key=f"unreadable {where}")  # fmt: skip
+    return True
 
 
 _SEQUENCE_MAX_BYTES = 4096
@@ -246,7 +270,9 @@ def _is_tag(name: str) -> bool:
 
 
 def list_committed(
-    store: Store, unsupported: list[UnsupportedSchemaError] | None = None
+    store: Store,
+    unsupported: list[UnsupportedSchemaError] | None = None,
+    unreadable: list[tuple[str, StorageError]] | None = None,
 ) -> list[CheckpointInfo]:
     """Committed checkpoints on `store`, oldest first (see names.order_key).
 
@@ -261,7 +287,9 @@ def list_committed(
 
     A manifest of a schema this version cannot read raises `UnsupportedSchemaError`, or,
     when the caller passes an `unsupported` list (to look for another tier's readable
-    copy), is appended to it and left out.
+    copy), is appended to it and left out. A tag folder this user may not read is left
+    out with one warning (`skip_unreadable`), and appended as (tag, error) to
+    `unreadable` when the caller passes one (to report it).
 
     Example:
         >>> import tempfile
@@ -269,7 +297,7 @@ def list_committed(
         []
     """
     found: dict[str, CheckpointInfo] = {}
-    refused: set[str] = set()  # an unsupported schema, reported once
+    refused: set[str] = set()  # an unsupported schema or an unreadable folder, said once
     newest: OrderKey | None = None  # the sort key of the newest found so far
     for _ in range(_LIST_PASSES):
         unsettled: list[str] = []  # folders that did not read as committed
@@ -290,6 +318,10 @@ def list_committed(
                     raise info
                 unsupported.append(info)
                 refused.add(tag)
+            elif isinstance(info, StorageError):
+                if unreadable is not None:
+                    unreadable.append((tag, info))
+                refused.add(tag)
             elif info is not None:
                 found[tag] = info
             else:
@@ -300,16 +332,24 @@ def list_committed(
     return sorted(found.values(), key=lambda info: info.sort_key)
 
 
+_Read = CheckpointInfo | UnsupportedSchemaError | StorageError | None
+
+
 def _read_each(
     store: Store, tags: list[str], tree: dict[str, dict[str, tuple[int, str | None]]] | None
-) -> list[tuple[str, CheckpointInfo | UnsupportedSchemaError | None]]:
-    """`read_committed` of each tag, in order (a schema this version cannot read: its
-    error, not raised); an object store's (`tree`: its root's listing) several at once."""
+) -> list[tuple[str, _Read]]:
+    """`read_committed` of each tag, in order (a schema this version cannot read, or a
+    folder this user may not read, said by `skip_unreadable`: its error, not raised); an
+    object store's (`tree`: its root's listing) several at once."""
 
-    def one(tag: str) -> tuple[str, CheckpointInfo | UnsupportedSchemaError | None]:
+    def one(tag: str) -> tuple[str, _Read]:
         try:
             return tag, read_committed(store, tag, None if tree is None else tree[tag])
         except UnsupportedSchemaError as exc:
+            return tag, exc
+        except StorageError as exc:
+            if not skip_unreadable(store, tag, exc):
+                raise
             return tag, exc
 
     if tree is not None and len(tags) > 1:

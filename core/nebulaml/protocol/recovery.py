@@ -21,10 +21,10 @@ import os
 import socket
 from collections.abc import Callable
 
-from nebulaml.errors import NebulaError
+from nebulaml.errors import NebulaError, StorageError
 from nebulaml.format.manifest import RankMarker, parse_marker
 from nebulaml.format.names import MANIFEST_NAME, WRITER_PREFIX, marker_name
-from nebulaml.protocol.catalog import read_committed, tag_folders
+from nebulaml.protocol.catalog import read_committed, skip_unreadable, tag_folders
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.markers import is_marker, read_writers, writer_alive
 from nebulaml.storage.store import Store
@@ -32,6 +32,7 @@ from nebulaml.storage.store import Store
 
 def list_incomplete(store: Store) -> list[str]:
     """Tag folders that nebula started but never committed (leftovers of crashed saves).
+    A folder this user may not read is left out, said once (catalog's `skip_unreadable`).
 
     Example:
         >>> import tempfile
@@ -40,10 +41,14 @@ def list_incomplete(store: Store) -> list[str]:
     """
     out = []
     for tag in tag_folders(store):
-        files = store.list_files(tag)
-        ours = any(is_marker(name) for name in files)
-        if ours and read_committed(store, tag) is None:
-            out.append(tag)
+        try:
+            files = store.list_files(tag)
+            ours = any(is_marker(name) for name in files)
+            if ours and read_committed(store, tag) is None:
+                out.append(tag)
+        except StorageError as exc:
+            if not skip_unreadable(store, tag, exc):
+                raise
     return sorted(out)
 
 
