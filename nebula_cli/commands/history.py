@@ -120,7 +120,8 @@ def history_command(
     """Show recent checkpoint saves and persists and summarise them.
 
     Reads ROOT's checkpointHistories.csv (written at the persistent root, or at the
-    memory tier of a memory-only job). The summary gives stall (how long training
+    memory tier of a memory-only job), and checkpointHistories.csv.1, the rows it held
+    before it passed 4 MiB and was rotated. The summary gives stall (how long training
     waited per save), persist time and throughput (p50, p95, max), bytes written,
     skipped persists (checkpoints superseded before their turn) and failures.
 

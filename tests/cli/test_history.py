@@ -400,3 +400,24 @@ def test_forged_rows_print_no_control_characters(root: Path, args: list[str]) ->
     doc = json.loads(_invoke(str(root), "--json").stdout)  # JSON escapes them itself
     assert _controls(_invoke(str(root), "--json").stdout) == set()
     assert (doc["rows"][-1]["tag"], doc["rows"][-1]["error"]) == (tag, error)
+
+
+def test_history_reads_the_rotated_generation_too(root: Path) -> None:
+    # Catches: `nebula history` reading checkpointHistories.csv alone, so that its summary
+    # lost every row before the last rotation.
+    now = datetime.now(timezone.utc)
+    store = Store(root)
+    for step in range(1, 81):
+        row = make_row(tag=f"global_step{step}", step=step, tier="memory", rank=0,
+                       started_at=(now - timedelta(minutes=90 - step)).strftime(ISO),
+                       duration_s=0.5, blocking_s=0.25, size_bytes=1000)  # fmt: skip
+        append_rows(store, [row], max_bytes=4000)
+    assert (root / f"{HISTORY_FILE}.1").exists()
+    rotated = (root / f"{HISTORY_FILE}.1").read_text(encoding="utf-8")
+    rows = [*csv.DictReader(io.StringIO(rotated)), *_file_rows(root)]
+    doc = json.loads(_invoke(str(root), "--json", "--limit", "1000").stdout)
+    assert doc["summary"]["count"] == len(rows) == len(doc["rows"])
+    assert [r["tag"] for r in doc["rows"]] == [r["tag"] for r in rows]
+    assert doc["rows"][-1]["tag"] == "global_step80"
+    result = _invoke(str(root), "--csv")
+    assert list(csv.DictReader(io.StringIO(result.stdout))) == rows

@@ -4,10 +4,12 @@ and every way a file can fail to be a history (never skipped silently)."""
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from dataclasses import asdict
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -234,3 +236,123 @@ def test_a_skipped_row_is_written_as_the_reader_reads_it(tmp_path: Path) -> None
     text = (tmp_path / HISTORY_FILE).read_text()
     assert text == HEADER + _SKIPPED + "\n"
     assert nm.history_records(nm.read_history(str(tmp_path))) == [asdict(row)]
+
+
+# rotation ----------------------------------------------------------------------------------
+def _rows_of(thread: int, count: int) -> list[HistoryRow]:
+    # Started in order per thread; the tag says which row of which thread it is.
+    return [_row(f"t{thread}-{i}", "memory", i + thread / 100) for i in range(count)]
+
+
+def _kept(df: Any, thread: int) -> list[int]:
+    """The numbers of `thread`'s rows that the history still holds, in order."""
+    tags = [t for t in df["tag"] if t.startswith(f"t{thread}-")]
+    return sorted(int(t.split("-")[1]) for t in tags)
+
+
+def test_the_file_rotates_past_its_bound_and_reads_span_both(tmp_path: Path) -> None:
+    # Catches: checkpointHistories.csv never trimmed (1.1 MB per 5,000 saves), a rotation
+    # that keeps more than one generation or starts a file without its header, and a
+    # reader that loses the rotated rows (a summary cut short at each rotation).
+    store = Store(tmp_path)
+    for row in _rows_of(0, 120):
+        append_rows(store, [row], max_bytes=3000)
+    current, rotated = tmp_path / HISTORY_FILE, tmp_path / f"{HISTORY_FILE}.1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [HISTORY_FILE, rotated.name]
+    assert current.stat().st_size < 3000 + 200 and 3000 <= rotated.stat().st_size < 3000 + 200
+    for path in (current, rotated):
+        assert path.read_text().startswith(HEADER)
+    lines = len(current.read_text().splitlines()) + len(rotated.read_text().splitlines()) - 2
+    df = nm.read_history(str(tmp_path))
+    assert _kept(df, 0) == list(range(120 - lines, 120))  # the newest, none missing
+    assert nm.summarize_history(df)["count"] == lines > 120 // 4
+
+
+def test_an_older_files_header_is_kept_across_a_rotation(tmp_path: Path) -> None:
+    # Catches: the new file started with today's columns while the writers that read the
+    # old header go on appending rows of its eleven (refused as malformed at line 2).
+    old_header = ",".join(COLUMNS[:11]) + "\n"
+    (tmp_path / HISTORY_FILE).write_text(old_header)
+    for row in _rows_of(0, 60):
+        append_rows(Store(tmp_path), [row], max_bytes=2000)
+    assert (tmp_path / HISTORY_FILE).read_text().startswith(old_header)
+    assert (tmp_path / f"{HISTORY_FILE}.1").read_text().startswith(old_header)
+    assert _kept(nm.read_history(str(tmp_path)), 0)[-1] == 59
+
+
+def test_rotating_writers_take_turns(tmp_path: Path) -> None:
+    # Catches: two writers that both found the file full both rotating it (the second
+    # moving the first one's new file over the generation, or a file without a header).
+    import threading
+
+    def write(thread: int) -> None:
+        for row in _rows_of(thread, 150):
+            append_rows(Store(tmp_path), [row], max_bytes=4000)
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    df = nm.read_history(str(tmp_path))  # both files whole, each with its header
+    for n in range(4):
+        kept = _kept(df, n)
+        assert kept == list(range(150 - len(kept), 150)), n  # the newest, none missing
+
+
+def test_a_writer_rotates_only_the_file_it_found_full(tmp_path: Path) -> None:
+    # Catches: a rotator that does not wait for one already rotating (an exclusive flock
+    # on the file), and then moves that one's new file over the generation it kept.
+    import fcntl
+    import threading
+
+    current, rotated = tmp_path / HISTORY_FILE, tmp_path / f"{HISTORY_FILE}.1"
+    full = HEADER + "".join(
+        ",".join("" if v is None else str(v) for v in asdict(r).values()) + "\n"
+        for r in _rows_of(0, 40)
+    )
+    current.write_text(full)
+    other = os.open(current, os.O_WRONLY | os.O_APPEND)  # another writer, rotating
+    fcntl.flock(other, fcntl.LOCK_EX)
+    writer = threading.Thread(
+        target=append_rows, args=(Store(tmp_path), _rows_of(1, 1)), kwargs={"max_bytes": 1000}
+    )
+    writer.start()
+    writer.join(timeout=1.0)
+    assert writer.is_alive()  # waits its turn
+    os.link(current, rotated)  # the other writer's rotation: the file kept as generation 1
+    fresh = tmp_path / "fresh"
+    fresh.write_text(HEADER)
+    os.replace(fresh, current)
+    os.close(other)
+    writer.join()
+    assert rotated.read_text() == full  # not replaced by the new file
+    df = nm.read_history(str(tmp_path))
+    assert _kept(df, 0) == list(range(40)) and _kept(df, 1) == [0]
+
+
+def test_a_symbolic_link_at_the_history_is_never_rotated(tmp_path: Path) -> None:
+    # Catches: a rotation that renames, links or rewrites what a link there points to.
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere.csv"
+    root.mkdir()
+    elsewhere.write_text(HEADER + "x" * 5000 + "\n")
+    (root / HISTORY_FILE).symlink_to(elsewhere)
+    with pytest.raises(nm.StorageError, match="not a regular file"):
+        append_rows(Store(root), [_row("global_step1", "memory", 0)], max_bytes=1000)
+    assert (root / HISTORY_FILE).is_symlink()
+    assert elsewhere.read_text() == HEADER + "x" * 5000 + "\n"
+    assert sorted(p.name for p in root.iterdir()) == [HISTORY_FILE]
+
+
+def test_an_object_store_keeps_the_newest_batches_within_twice_the_bound() -> None:
+    # Catches: the appended objects of an object store never removed.
+    from nebulaml.format.names import segments_folder
+
+    url = f"memory://history-{uuid.uuid4().hex}"  # fsspec's memory store is global
+    store = Store(url)
+    for row in _rows_of(0, 200):
+        append_rows(store, [row], max_bytes=2000)
+    sizes = store.list_files(segments_folder(HISTORY_FILE))
+    assert sum(sizes.values()) <= 2 * 2000 + 2000 // 16 + 200  # checked each 1/16 of it
+    kept = _kept(nm.read_history(url), 0)
+    assert kept == list(range(200 - len(kept), 200)) and len(kept) > 200 // 4

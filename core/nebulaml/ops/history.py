@@ -1,8 +1,9 @@
 """Reading checkpointHistories.csv back: a typed DataFrame, a summary and JSON records.
 
-`read_history` reads a root's history (on object stores, the header file and the batches
-appended beside it, `Store.read_appended`) into a typed pandas DataFrame, oldest first,
-and refuses anything that is not nebula's history, naming the line (`HistoryFormatError`;
+`read_history` reads a root's history (the generation rotated out,
+`checkpointHistories.csv.1`, then the file; on object stores, the header file and the
+batches appended beside it, `Store.read_appended`) into a typed pandas DataFrame, oldest
+first, and refuses anything that is not nebula's history, naming the line (`HistoryFormatError`;
 `HistoryNotFoundError` when there is none). `summarize_history` gives stalls, persist
 times, throughput and counts; `history_records` the rows as JSON-ready dicts. They serve
 `nebula history` and operators (`nm.ops.read_history`, `nm.ops.summarize_history`); pandas is
@@ -21,7 +22,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError, NebulaError
-from nebulaml.protocol.history import COLUMNS, FIRST_COLUMNS, HISTORY_FILE
+from nebulaml.protocol.history import COLUMNS, FIRST_COLUMNS, HISTORY_FILE, ROTATED_FILE
 from nebulaml.storage.store import Store
 
 if TYPE_CHECKING:
@@ -59,7 +60,8 @@ def read_history(
     tag: str | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> pd.DataFrame:
-    """The rows of ROOT's checkpointHistories.csv as a typed DataFrame, oldest first.
+    """The rows of ROOT's checkpointHistories.csv as a typed DataFrame, oldest first:
+    those of the generation rotated out (`checkpointHistories.csv.1`) too.
 
     Columns: `tag`, `tier`, `status`, `error` (str); `step` (nullable Int64); `rank`,
     `size_bytes`, `bytes_written`, `bytes_reused` (int64); `duration_s`, `blocking_s`,
@@ -79,11 +81,16 @@ def read_history(
     """
     cutoff = _cutoff(since)
     store = Store(root, storage_options)
-    # The file, and on object stores the rows appended beside it (see Store.append_text).
-    data = store.read_appended(HISTORY_FILE)
-    if data is None:
+    # The generation rotated out first, then the file; on object stores each with the rows
+    # appended beside it (see Store.append_text). Each has its own header.
+    frames = []
+    for name in (ROTATED_FILE, HISTORY_FILE):
+        data = store.read_appended(name)
+        if data is not None:
+            frames.append(_parse(data, store.display(name)))
+    if not frames:
         raise HistoryNotFoundError(store.url)
-    df = _parse(data, store.display(HISTORY_FILE))
+    df = frames[0] if len(frames) == 1 else _joined(frames)
     if cutoff is not None:
         df = df[df["started_at"] >= cutoff]
     if tag is not None:
@@ -195,6 +202,21 @@ def _parse(data: bytes, where: str) -> pd.DataFrame:
 
 
 _FLOAT_COLUMNS = ("duration_s", "blocking_s", "throughput_mb_s")
+
+
+def _joined(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """Typed frames of two generations as one, oldest first; a newer nebula's column that
+    one of them lacks is empty text there."""
+    import pandas as pd
+
+    df = pd.concat(frames, ignore_index=True)
+    for name in df.columns:
+        if name not in _TYPED_COLUMNS:
+            df[name] = df[name].fillna("")
+    return df.sort_values("started_at", kind="stable").reset_index(drop=True)
+
+
+_TYPED_COLUMNS = frozenset(COLUMNS)
 
 
 # summarising -------------------------------------------------------------------------------

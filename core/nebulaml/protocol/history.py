@@ -8,13 +8,19 @@ the file holds the header and each batch is an object of its own beside it, in
 `.checkpointHistories.csv.d/` (`Store.append_text`); `read_history` (ops/history.py) reads
 them together.
 
+It is rotated (`Store.rotate_appended`): once it holds `HISTORY_MAX_BYTES` (4 MiB, about
+19,000 rows), it becomes `checkpointHistories.csv.1` (`ROTATED_FILE`: one generation
+kept, the one before removed) and a new file with the same header starts; on object
+stores the oldest batches beyond twice that are removed instead. `read_history` reads
+the rotated generation first, so summaries span the rotation.
+
 Columns (also documented in docs/benchmarks.md):
     tag, step, tier, rank, started_at, duration_s, blocking_s, size_bytes,
     throughput_mb_s, status, error, bytes_written, bytes_reused
 (a file started before the last two keeps its header, and its rows the first eleven).
 
 This module holds the writing half: the row (`HistoryRow`, `make_row`, `skipped_row`),
-the file's name and columns, and `append_rows`.
+the file's names and columns, and `append_rows` (which rotates the file).
 
 May import: `nebulaml.errors` and `nebulaml.storage`. Not for: reading the file back and
 summarising it (`read_history`, `summarize_history`: ops/history.py, for `nebula history`
@@ -26,12 +32,17 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import logging
 from dataclasses import astuple, dataclass, fields
 
 from nebulaml.errors import CommitConflictError, NebulaError
 from nebulaml.storage.store import Store
 
+log = logging.getLogger("nebulaml")
+
 HISTORY_FILE = "checkpointHistories.csv"
+ROTATED_FILE = f"{HISTORY_FILE}.1"  # the generation before, once the file passed the bound
+HISTORY_MAX_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +141,14 @@ def skipped_row(
     )
 
 
-def append_rows(store: Store, rows: list[HistoryRow]) -> None:
+def append_rows(
+    store: Store, rows: list[HistoryRow], *, max_bytes: int = HISTORY_MAX_BYTES
+) -> None:
     """Append rows to the root's history file, writing the header when it is new. A file
-    started with `FIRST_COLUMNS` gets rows of those columns (its readers' header)."""
+    started with `FIRST_COLUMNS` gets rows of those columns (its readers' header). A file
+    of `max_bytes` or more is rotated first (`ROTATED_FILE`; the new one keeps its header);
+    on object stores the batches beyond twice that are removed, looked for once this
+    process has appended a sixteenth of it since it last looked (a listing each time)."""
     if not rows:
         return
     store.make_dir()
@@ -150,11 +166,21 @@ def append_rows(store: Store, rows: list[HistoryRow]) -> None:
     writer = csv.writer(buf, lineterminator="\n")
     for row in rows:
         writer.writerow(["" if v is None else v for v in astuple(row)[:width]])
-    store.append_text((HISTORY_FILE,), buf.getvalue())
+    text = buf.getvalue()
+    unchecked = _unchecked.get(store.url)
+    if store.is_local or unchecked is None or unchecked >= max_bytes // 16:
+        header = io.StringIO()
+        csv.writer(header, lineterminator="\n").writerow(COLUMNS[:width])
+        if store.rotate_appended((HISTORY_FILE,), max_bytes, header.getvalue()):
+            log.info("%s passed %d bytes: rotated", store.display(HISTORY_FILE), max_bytes)
+        unchecked = 0
+    _unchecked[store.url] = unchecked + len(text)
+    store.append_text((HISTORY_FILE,), text)
 
 
 _HEADER_READ_BYTES = 4096
 _widths: dict[str, int] = {}  # by the store's URL: the columns its file's rows get
+_unchecked: dict[str, int] = {}  # by the store's URL: bytes appended since it was last checked
 
 
 def _header_width(store: Store) -> int:

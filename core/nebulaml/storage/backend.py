@@ -116,6 +116,12 @@ class Backend(Protocol):
     def read_appended(self, parts: Parts) -> bytes | None:
         """Everything `append` added to a file, in order; None if it was never written."""
 
+    def rotate_appended(self, parts: Parts, max_bytes: int, head: bytes) -> bool:
+        """Bound what `append` keeps of the file `parts`: a file (with its appends) of
+        `max_bytes` or more becomes `<file>.1`, replacing the one before, and a new file
+        starts with `head`; a store that keeps each append as an object removes instead
+        the oldest ones beyond `2 * max_bytes`. Whether it rotated or removed anything."""
+
     def remove(self, parts: Parts) -> None:
         """Remove one file (on local disks a symbolic link there: the name alone); a
         missing file is not an error."""

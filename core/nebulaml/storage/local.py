@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import stat
 import uuid
@@ -49,6 +50,8 @@ from nebulaml.storage.streams import (
     write_all,
     write_view_chunks,
 )
+
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class LocalBackend:
@@ -136,6 +139,13 @@ class LocalBackend:
         except (FileNotFoundError, NotADirectoryError):
             return {}  # no such folder (a file of that name is not a tag folder)
         return out
+
+    def list_non_files(self, parts: Parts) -> list[str]:
+        try:
+            with os.scandir(self._local(parts)) as it:
+                return [e.name for e in it if not e.is_file(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     def file_identity(self, parts: Parts) -> tuple[int, int, int] | None:
         try:
@@ -419,6 +429,54 @@ class LocalBackend:
                 os.fsync(fd)
         finally:
             os.close(fd)
+
+    def rotate_appended(self, parts: Parts, max_bytes: int, head: bytes) -> bool:
+        """Once the regular file `parts` holds `max_bytes`, it becomes `<name>.1` (linked
+        there, replacing the one before) and a new file holding `head` is renamed over its
+        name: the name is never missing, so an `append` meanwhile lands whole in one or
+        the other. Rotators take turns (an exclusive flock on the file), and each rotates
+        only the file it found full. Never a symbolic link, a FIFO or a folder: those
+        stay as they are. Whether it rotated."""
+        name = parts[-1]
+        rotated, staged, linked = f"{name}.1", f".{name}.{uuid.uuid4().hex}", None
+        flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        with self._parent(parts) as folder:
+            try:
+                fd = os.open(name, flags, dir_fd=folder)
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                    return False  # nothing there, or not a file nebula appends to
+                raise
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size < max_bytes:
+                    return False
+                fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes
+                now = os.stat(name, dir_fd=folder, follow_symlinks=False)
+                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    return False  # another process rotated it first
+                mode = self.file_mode if self.private else 0o644
+                out = os.open(staged, _NEW_FILE, mode, dir_fd=folder)
+                try:
+                    write_all(out, head)
+                    if self.durable:
+                        os.fsync(out)
+                finally:
+                    os.close(out)
+                linked = f"{staged}.1"
+                os.link(name, linked, src_dir_fd=folder, dst_dir_fd=folder,
+                        follow_symlinks=False)  # fmt: skip
+                os.replace(linked, rotated, src_dir_fd=folder, dst_dir_fd=folder)
+                os.replace(staged, name, src_dir_fd=folder, dst_dir_fd=folder)
+                if self.durable:
+                    os.fsync(folder)
+                return True
+            finally:
+                os.close(fd)
+                for leftover in (staged, linked):
+                    if leftover is not None:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(leftover, dir_fd=folder)
 
     def remove(self, parts: Parts, *, sync: bool = True) -> None:
         try:

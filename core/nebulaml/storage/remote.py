@@ -136,11 +136,16 @@ class RemoteBackend:
         if not names:
             return head
         paths = [self.path((*folder, name)) for name in names]
-        found = self.fs.cat(paths, on_error="raise")
+        found = self.fs.cat(paths, on_error="return")
         if len(found) != len(paths):
             raise OSError(errno.EIO, f"{len(paths)} appends listed, {len(found)} read")
+        for value in found.values():
+            # One removed since the listing is among the oldest (`rotate_appended`).
+            if isinstance(value, BaseException) and not isinstance(value, FileNotFoundError):
+                raise value
         pieces = [head] if head else []
-        pieces += [bytes(found[key]) for key in sorted(found)]  # one folder: by name
+        pieces += [bytes(found[key]) for key in sorted(found)  # one folder: by name
+                   if not isinstance(found[key], BaseException)]  # fmt: skip
         return b"".join(p if p.endswith(b"\n") else p + b"\n" for p in pieces if p)
 
     # writing -----------------------------------------------------------------------
@@ -164,6 +169,32 @@ class RemoteBackend:
         old = self.fs.cat_file(path) if self.fs.exists(path) else b""
         with self.fs.open(path, "wb") as f:
             f.write(bytes(old) + data)
+
+    def rotate_appended(self, parts: Parts, max_bytes: int, head: bytes) -> bool:
+        """On object stores, remove the oldest appended objects beyond `2 * max_bytes`
+        (several writers may do it at once: each removes what the others may, the oldest,
+        and a removed one is no error); elsewhere (one writer) a file of `max_bytes` or
+        more is copied to `<name>.1` and started again with `head`."""
+        if self.appends_as_objects:
+            folder = (*parts[:-1], segments_folder(parts[-1]))
+            sizes = self.list_files(folder)
+            kept, old = 0, []
+            for name in sorted(sizes, reverse=True):  # the newest first: names are times
+                kept += sizes[name]
+                if kept > 2 * max_bytes:
+                    old.append(name)
+            for name in old:
+                self.remove((*folder, name))
+            return bool(old)
+        path = self.path(parts)
+        try:
+            if self.fs.size(path) < max_bytes:
+                return False
+        except FileNotFoundError:
+            return False
+        self.publish((*parts[:-1], f"{parts[-1]}.1"), self.read_bytes(parts), create_only=False)
+        self.publish(parts, head, create_only=False)
+        return True
 
     def remove(self, parts: Parts) -> None:
         try:

@@ -537,6 +537,14 @@ class Store:
         data, append_id = text.encode("utf-8"), new_append_id()  # one id for every retry
         self._call(parts, lambda: self._backend.append(parts, data, append_id=append_id))
 
+    def rotate_appended(self, parts: tuple[str, ...], max_bytes: int, head: str) -> bool:
+        """Keep a file `append_text` writes to about twice `max_bytes`: once it holds
+        `max_bytes`, it becomes `<file>.1` (the one before removed) and a new file holding
+        `head` starts (local disks; never through a symbolic link); on object stores the
+        oldest appended objects beyond `2 * max_bytes` are removed. Whether it did."""
+        data = head.encode("utf-8")
+        return self._call(parts, lambda: self._backend.rotate_appended(parts, max_bytes, data))
+
     def remove(self, *parts: str, durable: bool = True) -> None:
         """Remove one file; a missing file is not an error. On a local disk the removal
         is durable on return (the folder fsynced) unless `durable=False`: a file that
