@@ -292,6 +292,43 @@ def test_a_failed_persist_keeps_the_tier(root: Path) -> None:
     shutil.rmtree(folder)
 
 
+def _hold_of_a_live_job_elsewhere(root: Path) -> None:
+    """The root held by another job, on another host, renewed just now."""
+    from datetime import datetime, timezone
+
+    from nebulaml.protocol.holds import Holder, lease_name
+
+    now = datetime.now(timezone.utc).isoformat()
+    root.mkdir(parents=True, exist_ok=True)
+    holder = Holder("job-elsewhere", "node-elsewhere", 4242, None, now, now)
+    (root / lease_name(1)).write_bytes(holder.to_bytes())
+
+
+def test_a_refused_init_leaves_no_memory_tier_behind(root: Path, memory_tier: Path) -> None:
+    # Catches: an init refused because another live job holds the root (RootInUseError)
+    # leaving its new memory-tier folder (hold, record and claim files) in the base folder.
+    _hold_of_a_live_job_elsewhere(root)
+    with pytest.raises(nm.RootInUseError, match="pid 4242 on node-elsewhere"):
+        nm.init(str(root))
+    assert list(memory_tier.iterdir()) == []
+    with pytest.raises(nm.InvalidArgumentError):  # a bad argument: refused before any
+        nm.init(str(root), persistent_time_interval="soon")
+    assert list(memory_tier.iterdir()) == []
+
+
+def test_a_refused_init_keeps_the_checkpoints_a_tier_holds(root: Path) -> None:
+    # Catches: the refusal giving back a tier that holds what an earlier job left there.
+    nm.init(str(root), persistent_time_interval=3600, keep_memory_tier=True)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
+    folder = Path(nm.memory_tier_path())
+    nm.shutdown()
+    _hold_of_a_live_job_elsewhere(root)
+    with pytest.raises(nm.RootInUseError):
+        nm.init(str(root))
+    assert committed_tags(Store(str(folder))) == ["global_step1"]
+    shutil.rmtree(folder)
+
+
 # files are private -------------------------------------------------------------------------
 def test_every_memory_tier_file_is_private(root: Path, memory_tier: Path) -> None:
     nm.init(str(root), keep_memory_tier=True)

@@ -18,7 +18,8 @@ and one job's lifetime:
   (`TierHold`), so anyone can tell whether a writer is alive; a session that ends with its
   checkpoints persisted releases the tier (`release_memory_tier`), all but what another
   process is reading (a read lease or hold, leases.py), which `nebula gc` or the root's
-  next `init` releases later.
+  next `init` releases later. A session refused as it starts (`TierHold.abandon`) removes
+  the folder it made, unless it holds a checkpoint or another session holds it.
 
 The file names are spelled in format/names.py.
 
@@ -306,8 +307,9 @@ class TierHold:
         False
     """
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, memory: Store | None = None) -> None:
         self._fd: int | None = fd
+        self._memory = memory  # the tier held, when `take` took it
 
     @classmethod
     def take(cls, memory: Store) -> TierHold:
@@ -325,7 +327,7 @@ class TierHold:
             except FileNotFoundError:
                 same = False
             if same:
-                return cls(fd)
+                return cls(fd, memory)
             os.close(fd)
             memory.make_dir()
         raise NebulaError(f"{memory.url}: could not hold the memory tier (released repeatedly)")
@@ -344,6 +346,18 @@ class TierHold:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    def abandon(self) -> None:
+        """Close the hold of a session refused as it started (another job holds the root,
+        say): the tier's folder goes too when it holds no checkpoint and no other session
+        holds it, so that a refused `init` leaves nothing in the base folder. What a
+        crashed job left there stays, for the next session to persist."""
+        memory = self._memory
+        try:
+            if memory is not None and self.try_exclusive() and not tag_folders(memory):
+                release_memory_tier(memory, self)
+        finally:
+            self.close()
 
 
 def _open_hold(path: str) -> int:

@@ -137,7 +137,9 @@ def claim_tiers(persistent: Store | None, root_id: str | None) -> tuple[TierSet,
     private (`UnsafeMemoryTierError` otherwise) and held (`TierHold`). A stale memory tier
     (an earlier root's at this location) is released first, with one warning naming the
     root, its tags and bytes; one that a live session of that earlier root still holds is
-    refused. The persistent tier itself is not asked anything."""
+    refused. The persistent tier itself is not asked anything. A session refused after
+    this (another job holds the root: job.py) gives the tier back with `hold.abandon()`,
+    which removes the folder unless it holds a checkpoint or another session holds it."""
     memory = Store(memory_root_for(persistent), durable=False, private=True)
     ensure_private_dir(os.path.dirname(memory.root))
     ensure_private_dir(memory.root)
@@ -167,6 +169,6 @@ def claim_tiers(persistent: Store | None, root_id: str | None) -> tuple[TierSet,
         except StorageFullError as exc:  # a full RAM disk: saves go around it (budget.py)
             log.warning("could not record the memory tier's root: %s", exc)
     except BaseException:
-        hold.close()
+        hold.abandon()  # the folder made here goes too, unless it holds what others need
         raise
     return TierSet(memory=memory, persistent=persistent), hold

@@ -98,7 +98,7 @@ class Session:
             self.job: JobHold
             self.job, reached = self._claim_job(reached)
         except BaseException:
-            self.hold.close()
+            self.hold.abandon()  # a refused init leaves no memory-tier folder behind
             raise
         # Leftovers of this node's crashed saves and persists; other nodes' are theirs.
         for _tier, store in self.tiers.stores if reached else [("memory", self.tiers.memory)]:
