@@ -406,6 +406,24 @@ def test_mapped_reads_only_on_local_disks(backend: Root) -> None:
     )
 
 
+def test_what_is_no_regular_file_is_listed_apart(backend: Root, tmp_path: Path) -> None:
+    # Catches: a FIFO, a link or a folder planted in a tag folder that no listing names
+    # (a delete could never empty the folder), or an object store that lists any.
+    store = backend.open()
+    store.make_dir("t")
+    store.write_bytes(("t", "a"), b"abc")
+    assert store.list_non_files("missing") == []
+    if backend.is_local:
+        folder = Path(os.path.join(store.root, "t"))
+        os.mkfifo(folder / ".lease-x.json")
+        (folder / "link").symlink_to(tmp_path)
+        (folder / "sub").mkdir()
+        assert sorted(store.list_non_files("t")) == [".lease-x.json", "link", "sub"]
+    else:
+        assert store.list_non_files("t") == []
+    assert store.list_files("t") == {"a": 3}
+
+
 def test_a_symbolic_link_is_never_followed(backend: Root, tmp_path: Path) -> None:
     # Catches: `ln -s ~/project ROOT/global_step9` making a listing, read, write, publish,
     # append or removal reach ~/project; an item that is a link read through it.

@@ -246,6 +246,63 @@ def test_prune_deletes_the_rest_when_a_tag_it_reads_is_swapped_for_a_link(
     assert not (root / "global_step51").exists() and not (root / "global_step1").exists()
 
 
+def _live_lease_name(kind: str) -> str:
+    """A lease's name that would count, were it a file: this host, this live process, now."""
+    import socket
+    from datetime import datetime, timezone
+
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    return f".lease-{kind}-{stamp}-{os.getpid()}-ab12cd34-{socket.gethostname()}.json"
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_lease_or_rank_marker_keeps_no_tag_and_fails_verify(root: Path) -> None:
+    """Issue #43: a FIFO planted at a lease's name (one that would count, were it a file)
+    or in place of a rank marker. Bugs caught: prune said "Deleted 0 of 2" and left both
+    folders for ever (the FIFO kept each folder from being emptied, and no later prune
+    saw a tag there); `nebula verify` passed the tag whose rank marker was a FIFO."""
+    from typer.testing import CliRunner
+
+    from nebula_cli.app import app
+
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=10)
+    for step in (1, 2, 3):
+        nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.ones(3) * step})
+        assert nm.flush_persistence() is True
+    nm.shutdown()
+    os.mkfifo(root / "global_step1" / _live_lease_name("read"))
+    os.mkfifo(root / "global_step1" / _live_lease_name("hold"))
+    (root / "global_step2" / ".rank-0.json").unlink()
+    os.mkfifo(root / "global_step2" / ".rank-0.json")
+
+    verified = CliRunner().invoke(app, ["verify", str(root), "--json"])
+    assert verified.exit_code == 1, verified.output
+    rows = json.loads(verified.stdout)["results"]
+    bad = [(r["tag"], r["item"], r["status"]) for r in rows if r["status"] != "ok"]
+    assert bad == [("global_step2", ".rank-0.json", "corrupt")], rows
+    assert f"{root}/global_step2/.rank-0.json" in verified.stderr
+
+    pruned = CliRunner().invoke(app, ["prune", str(root), "--keep", "1", "--yes", "--json"])
+    assert pruned.exit_code == 0, pruned.output
+    doc = json.loads(pruned.stdout)
+    assert (doc["deleted"], doc["skipped"]) == (["global_step1", "global_step2"], [])
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["global_step3"]
+
+
+@pytest.mark.timeout(60)
+def test_retention_deletes_a_tag_with_a_fifo_lease(root: Path) -> None:
+    """Issue #43: a FIFO at a live-looking lease's name is junk, not a reader: retention
+    deletes its tag, folder and all. Bug caught: the folder stayed for ever."""
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=1)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(3)})
+    assert nm.flush_persistence(timeout_s=20) is True
+    os.mkfifo(root / "global_step1" / _live_lease_name("read"))
+    nm.Checkpoint("global_step2").save("model", {"w": torch.ones(3) * 2})
+    assert nm.flush_persistence(timeout_s=20) is True
+    nm.shutdown(timeout_s=20)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["global_step2"]
+
+
 def test_names_with_non_ascii_digits_are_ignored_never_an_exception(root: Path) -> None:
     """`str.isdigit()` accepts "²", `int()` refuses it. Bugs caught: a `.nebula-job-².json`
     in a root made every init raise a bare ValueError; a lease `.lease-read-…-²-…` in a tag

@@ -18,7 +18,7 @@ from typing import Any
 from nebulaml.errors import CheckpointNotFoundError, InvalidNameError, ManifestError, StorageError
 from nebulaml.format.checksum import KNOWN_CHECKSUM_ALGOS, hash_stream, unknown_algo
 from nebulaml.format.manifest import ItemEntry, Manifest
-from nebulaml.format.names import MANIFEST_NAME, OrderKey, order_key, validate_name
+from nebulaml.format.names import MANIFEST_NAME, RANK_PREFIX, OrderKey, order_key, validate_name
 from nebulaml.ops.inspection import list_tag_again, read_manifest_strict
 from nebulaml.protocol.catalog import is_unreadable
 from nebulaml.protocol.leases import delete_claims, read_lease
@@ -66,7 +66,8 @@ def verify_checkpoints(
     (the root and its memory tier on this node), and check sizes and checksums.
 
     Returns one JSON-serialisable dict per item per tier, newest tag first: `tag`, `tier`,
-    `item` (None for the manifest itself), `file` (where it is), `status` (`"ok"`,
+    `item` (None for the manifest itself, the marker's name for a rank marker that is no
+    regular file, `"corrupt"`), `file` (where it is), `status` (`"ok"`,
     `"corrupt"`, `"missing"`, `"unchecked"`: committed, but a delete of it is claimed
     and did not end, so it was not read, or `"unreadable"`: a tag folder this user may
     not read, `file` naming the folder), `expected` and `actual` (e.g. `"1829 bytes with xxh3_64
@@ -261,7 +262,7 @@ def _verify_copy(copy: _Copy, advance: Callable[[int], None]) -> list[dict[str, 
     # Under a read lease: prune, retention and eviction leave the copy alone meanwhile.
     with read_lease(store, tag) as readable:
         if readable:
-            return _verify_items(copy, copy.manifest, advance)
+            return _verify_items(copy, copy.manifest, advance) + _planted_markers(copy)
     if not store.exists(tag, MANIFEST_NAME):
         return []  # deleted (evicted) since it was listed
     # Still committed, but a delete of it is claimed and did not end: it was not read
@@ -313,6 +314,18 @@ def _verify_items(
         out.append(_result(copy, item.name, where, "ok" if ok else "corrupt", expected, actual,
                            want, _fields(size, item.checksum_algo, checksum)))  # fmt: skip
     return out
+
+
+def _planted_markers(copy: _Copy) -> list[dict[str, Any]]:
+    """A `"corrupt"` result for each rank marker of the copy that is no regular file (a
+    FIFO, a link, a folder: what nebula never writes, so another hand's); it is not read."""
+    store, tag = copy.store, copy.tag
+    why = "not a regular file; nebula reads only its own"
+    return [
+        _result(copy, name, store.display(tag, name), "corrupt", "a regular file", why)
+        for name in sorted(store.list_non_files(tag))
+        if name.startswith(RANK_PREFIX)
+    ]
 
 
 def _hash_file(

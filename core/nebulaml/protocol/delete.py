@@ -7,7 +7,9 @@
 
 A deleter first writes a writer marker naming itself (its claim), so that a delete cut
 short leaves a leftover recovery knows to be a dead writer's (recovery.py), and publishes
-a delete claim, so that no reader's tag goes under it (leases.py).
+a delete claim, so that no reader's tag goes under it (leases.py). What another hand
+planted at a lease's or a marker's name that is no regular file (a FIFO, a link) is
+junk: no reader, no part; it goes with the folder, removed by name.
 
 May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, leases.py and
 markers.py. Not for: deciding what to delete (retention.py, ops/pruning.py) or replacing
@@ -25,7 +27,7 @@ from nebulaml.errors import NebulaError, StorageError
 from nebulaml.format.manifest import parse_marker
 from nebulaml.format.names import MANIFEST_NAME, marker_name, validate_name, writer_marker_name
 from nebulaml.protocol.leases import delete_claim, is_lease_file
-from nebulaml.protocol.markers import read_writers, writer_alive, writer_record
+from nebulaml.protocol.markers import is_marker, read_writers, writer_alive, writer_record
 from nebulaml.storage.store import MissingFileError, Store
 
 
@@ -285,7 +287,8 @@ def _remove_folder(store: Store, tag: str, known: Iterable[str] = (), tries: int
 
     A reader may create its lease between the listing and the removal of the folder (it
     then finds no manifest and leaves), or another deleter its claim (it then finds the
-    folder gone, or empties it too): the folder is not empty, so try again, a little later.
+    folder gone, or empties it too): the folder is not empty, so try again, a little later,
+    once what was planted at our names is cleared (`_clear_planted`).
     Files that were not there when the delete listed the folder (`known`), other than
     leases and claims, are a new writer's (the tag saved again): the folder is theirs then.
     So is it while another live process's writer marker (not a deleter's claim) is there:
@@ -306,5 +309,16 @@ def _remove_folder(store: Store, tag: str, known: Iterable[str] = (), tries: int
         except StorageError:
             if attempt == tries - 1:
                 raise
+        _clear_planted(store, tag)
         time.sleep(delay_s)
         delay_s *= 2
+
+
+def _clear_planted(store: Store, tag: str) -> None:
+    """Remove what is no regular file at a lease's or a marker's name in the folder of a
+    deleted tag (a FIFO, a socket, a link, a folder): nebula writes only regular files
+    there, and `list_files` does not show these, so the folder would never empty. By name,
+    never through a link (`Store.clear_squatter`); other names are left to their owner."""
+    for name in store.list_non_files(tag):
+        if is_lease_file(name) or is_marker(name):
+            store.clear_squatter(tag, name)

@@ -246,6 +246,16 @@ class Store:
         the folder is missing)."""
         return self._call(parts, lambda: self._backend.list_files(parts))
 
+    def list_non_files(self, *parts: str) -> list[str]:
+        """On a local root, the names directly inside the folder `parts` that are not
+        regular files (a FIFO, a socket, a device, a symbolic link, a folder; none if the
+        folder is missing): `list_files` leaves them out, and nebula writes none in a tag
+        folder. [] elsewhere: an object store holds only blobs."""
+        backend = self._backend
+        if not isinstance(backend, LocalBackend):
+            return []
+        return self._call(parts, lambda: backend.list_non_files(parts))
+
     def list_versions(self, *parts: str) -> dict[str, tuple[int, str | None]] | None:
         """On an object store, the files of folder `parts` as {name: (size, version)}
         from one listing, the version being what changes whenever the object is written
