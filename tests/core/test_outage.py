@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import subprocess
 import time
@@ -196,3 +197,41 @@ def test_a_long_outage_keeps_the_newest_and_the_labelled_within_the_budget(
     skipped = {r["tag"] for r in rows if r["status"] == "skipped"}
     failed = {r["tag"] for r in rows if r["status"] == "failed"}
     assert failed & skipped, rows  # a dropped one: its failed try, then its skip
+
+
+def test_checkpoints_dropped_during_one_outage_are_warned_about_once_then_counted(
+    small_disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bug caught: a full disk logged one "never persisted ... dropped" warning for each
+    checkpoint a newer one superseded, for as long as the outage lasted. Said once, and
+    the count when the tier works again."""
+    root = small_disk / "root"
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=2)
+    timed_save(1)
+    assert nm.flush_persistence() is True
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    (small_disk / "filler").write_bytes(b"\0" * max(0, free - MB // 2))
+    for step in range(2, 6):
+        timed_save(step)  # supersedes the one before, whose persist failed
+        _wait_failed(f"global_step{step}")  # its own try failed: one more to drop
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    dropped = [m for m in warned if "was never persisted" in m]
+    assert len(dropped) == 1 and "'global_step2'" in dropped[0], dropped
+    (small_disk / "filler").unlink()
+    wait_durable("global_step5")
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    ended = [m for m in warned if "works again" in m]
+    assert len(ended) == 1, ended
+    assert "3 checkpoint(s) superseded during it were never persisted" in ended[0], ended
+    assert "'global_step2'" in ended[0] and "'global_step4'" in ended[0], ended
+    nm.shutdown(timeout_s=30)
+    skipped = [r["tag"] for r in _history(root) if r["status"] == "skipped"]
+    assert skipped == ["global_step2", "global_step3", "global_step4"], skipped
+
+
+def _wait_failed(tag: str, timeout_s: float = 60) -> None:
+    """Until the persister's own try of `tag` has failed (`nm.persistence_status()`)."""
+    deadline = time.monotonic() + timeout_s
+    while f"'{tag}'" not in (nm.persistence_status().last_error or ""):
+        assert time.monotonic() < deadline, nm.persistence_status()
+        time.sleep(0.05)

@@ -8,8 +8,9 @@ persister keeps what it could not persist in the memory tier and tries again, ev
 once instead.
 
     OutageWatch  one persister's record of it: the outage, when to try next, the tags
-                 with a `failed` history row in it; warned once when it starts and once
-                 when it ends
+                 with a `failed` history row in it, those dropped never persisted (a
+                 newer one superseded them); warned once when it starts, once at the
+                 first drop, and once when it ends (with the count of drops)
 
 May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: what the
 persister queues and tries (persister.py).
@@ -139,6 +140,7 @@ class OutageWatch:
     backoff_s: float = RETRY_FIRST_S
     failed_rows: set[str] = field(default_factory=set)  # tags with a `failed` row in it
     failures: int = 0  # failed persists so far: a flush waits for one of its own
+    dropped: list[str] = field(default_factory=list)  # failed in it, then superseded
 
     def waiting(self) -> bool:
         """Whether the backoff after a failure is not over yet."""
@@ -173,13 +175,44 @@ class OutageWatch:
         self.retry_at = now + self.backoff_s
         self.backoff_s = next_backoff(self.backoff_s)
 
+    def superseded(self, tag: str, by: str) -> None:
+        """`tag`, whose persist failed in this outage, is superseded by the newer `by` and
+        dropped without ever being durable: warned at the first in an outage, counted
+        after (the count is said when it ends).
+
+        Example:
+            >>> watch = OutageWatch("/mnt/ckpt")
+            >>> watch.superseded("global_step2", "global_step3")
+            >>> watch.superseded("global_step3", "global_step4")
+            >>> watch.dropped
+            ['global_step2', 'global_step3']
+        """
+        self.dropped.append(tag)
+        if len(self.dropped) > 1:
+            log.debug("%r was never persisted and the newer %r supersedes it", tag, by)
+            return
+        log.warning(
+            "%r was never persisted (the persistent tier fails) and the newer %r "
+            "supersedes it: dropped from the memory tier, which keeps %r until it is "
+            "durable (others dropped so in this outage are counted, and said when it "
+            "ends)", tag, by, by,
+        )  # fmt: skip
+
     def landed(self, tag: str) -> None:
-        """`tag` is durable: an outage, if any, is over (warned)."""
+        """`tag` is durable: an outage, if any, is over (warned, with the checkpoints it
+        dropped)."""
         outage, self.outage = self.outage, None
+        dropped, self.dropped = self.dropped, []
         self.retry_at, self.backoff_s = None, RETRY_FIRST_S
         self.failed_rows.clear()
         if outage is not None:
+            lost = ""
+            if dropped:
+                first, last = dropped[0], dropped[-1]
+                span = repr(first) if first == last else f"{first!r} to {last!r}"
+                count = len(dropped)
+                lost = f"; {count} checkpoint(s) superseded during it were never persisted ({span})"
             log.warning(
-                "the persistent tier %s works again after %.0f s: %r is durable",
-                self.where, time.monotonic() - outage.started, tag,
+                "the persistent tier %s works again after %.0f s: %r is durable%s",
+                self.where, time.monotonic() - outage.started, tag, lost,
             )  # fmt: skip

@@ -481,14 +481,11 @@ class Persister(PersistThread):
 
     def _skip(self, old: str, by: str) -> None:
         """Under the lock: `old`'s persist is skipped for the newer `by` (its memory copy
-        goes at the next eviction). One that failed in this outage is warned about: it
-        was acknowledged and is dropped without ever being durable."""
+        goes at the next eviction). One that failed in this outage was acknowledged and
+        is dropped without ever being durable: the outage's record says so (once, then
+        the count when it ends)."""
         if old in self.watch.failed_rows:
-            log.warning(
-                "%r was never persisted (the persistent tier fails) and the newer %r "
-                "supersedes it: dropped from the memory tier, which keeps %r until it is "
-                "durable", old, by, by,
-            )  # fmt: skip
+            self.watch.superseded(old, by)  # warned once an outage, then counted
         else:
             log.debug("%r superseded by %r before its persist: skipped", old, by)
         if self._leaders.get(old, 0) == self.rank:
