@@ -166,6 +166,13 @@ def scratch_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+# The suite's own settings, not nebula's: where Azurite is, children started cold.
+_SUITE_SETTINGS = frozenset(
+    {"NEBULA_MEMORY_TIER_PATH", "NEBULA_TESTS_COLD", "NEBULA_AZURITE_BIN",
+     "NEBULA_AZURITE_STAGING_BIN"}
+)  # fmt: skip
+
+
 @pytest.fixture(autouse=True)
 def memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A private memory-tier base folder (never the user's real /dev/shm tiers)."""
@@ -174,22 +181,11 @@ def memory_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
 
     base = tmp_path / "memory-tier"
     monkeypatch.setenv("NEBULA_MEMORY_TIER_PATH", str(base))
-    for var in (
-        "NEBULA_PERSISTENT_STORAGE_PATH",
-        "NEBULA_PERSISTENT_TIME_INTERVAL",
-        "NEBULA_NUM_OF_VERSION_IN_RETENTION",
-        "NEBULA_MEMORY_BUFFER_SIZE",
-        "NEBULA_EXIT_TIMEOUT_S",
-        "NEBULA_LAZY_SNAPSHOT",
-        "NEBULA_KEEP_MEMORY_TIER",
-        "NEBULA_RANK_TIMEOUT_S",
-        "NEBULA_STORAGE_RETRIES",
-        "NEBULA_STORAGE_RETRY_BASE_S",
-        "NEBULA_STORAGE_RETRY_MAX_S",
-        "NEBULA_JOB_ID",
-        "NEBULA_ON_PERSIST_ERROR",
-    ):
-        monkeypatch.delenv(var, raising=False)
+    # Every NEBULA_* setting of the caller's environment is cleared, whatever its name (a
+    # list of names drifts as settings are added), but the suite's own.
+    for var in [name for name in os.environ if name.startswith("NEBULA_")]:
+        if var not in _SUITE_SETTINGS:
+            monkeypatch.delenv(var, raising=False)
     yield base
     # A test that provoked a background failure has already asserted on it.
     with contextlib.suppress(nm.NebulaError):

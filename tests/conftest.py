@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -72,6 +73,27 @@ def point_at_azurite(monkeypatch: pytest.MonkeyPatch) -> Callable[[Azurite], Azu
         return server
 
     return point
+
+
+@pytest.fixture
+def own_azurite(
+    tmp_path: Path, point_at_azurite: Callable[[Azurite], Azurite]
+) -> Iterator[Azurite]:
+    """An Azurite for this test alone (the test takes it away: outage_kit.store_away), its
+    container "outage" made and its credentials in the environment."""
+    if azurite_server.binary() is None:
+        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
+            pytest.fail(azurite_server.MISSING, pytrace=False)
+        pytest.skip(azurite_server.MISSING)
+    server = Azurite(tmp_path / "azurite", log_path=tmp_path / "azurite.log").start()
+    server.create_container(OUTAGE_CONTAINER)
+    yield point_at_azurite(server)
+    if server.proc is not None and server.proc.poll() is None:
+        os.killpg(server.proc.pid, signal.SIGCONT)
+    server.stop()
+
+
+OUTAGE_CONTAINER = "outage"
 
 
 @pytest.fixture

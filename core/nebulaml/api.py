@@ -25,6 +25,7 @@ from nebulaml.errors import (
     ManifestError,
     NebulaError,
     PersistTimeoutError,
+    StorageError,
 )
 from nebulaml.format.manifest import Manifest
 from nebulaml.format.names import validate_name
@@ -32,10 +33,11 @@ from nebulaml.protocol.catalog import CheckpointInfo, read_committed
 from nebulaml.protocol.leases import LISTINGS, HandleHolds, hold_tag
 from nebulaml.protocol.markers import read_writers
 from nebulaml.protocol.recovery import list_incomplete as catalog_list_incomplete
+from nebulaml.protocol.tiers import TierSet
 from nebulaml.runtime import exit as _exit
 from nebulaml.runtime import session as _session
+from nebulaml.runtime.locate import asking, find_copy, newest_first, out_of_reach, tiers_for
 from nebulaml.runtime.locate import check_root as check_root  # public: nm.check_root
-from nebulaml.runtime.locate import find_copy, newest_first, tiers_for
 from nebulaml.storage.store import Store
 
 PathLike = str | os.PathLike[str]
@@ -214,7 +216,7 @@ def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | 
         if not ordered:
             return None
         tag = ordered[0][0][1].tag
-        holds = _hold(tag, [info.store for _tier, info in ordered[0]])
+        holds = _hold(tiers, tag, [(tier, info.store) for tier, info in ordered[0]])
         if holds is not None:
             return Checkpoint._committed_handle(tag, tiers, holds)
         # Deleted between the listing and the hold (newer ones were committed): again,
@@ -228,12 +230,19 @@ def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | 
 _HOLD_WAIT_S = 30.0  # how long to keep listing while each newest found is deleted before held
 
 
-def _hold(tag: str, stores: list[Store]) -> HandleHolds | None:
-    """Hold `tag` on each of `stores` that still has it (leases.py); None if none does."""
+def _hold(tiers: TierSet, tag: str, copies: list[tuple[str, Store]]) -> HandleHolds | None:
+    """Hold `tag` on each of `copies` (tier, store) that still has it (leases.py); None if
+    none does. A tier out of reach is passed over (locate.py): the others hold it."""
     holds = HandleHolds(tag)
     there = False
-    for store in stores:
-        found, name = hold_tag(store, tag)
+    for tier, store in copies:
+        try:
+            with asking(tiers, store):
+                found, name = hold_tag(store, tag)
+        except StorageError as exc:
+            if not out_of_reach(tier, store, exc):
+                raise
+            continue
         there = there or found
         holds.add(store, name)
     if not there:
@@ -261,7 +270,7 @@ def get_checkpoint(tag: str, persist_path: PathLike | None = None) -> Checkpoint
     except CheckpointNotFoundError:
         return None
     # Held, as get_latest_checkpoint's handle is; gone meanwhile: there is none.
-    holds = _hold(tag, [store for _tier, store in tiers.stores])
+    holds = _hold(tiers, tag, tiers.stores)
     if holds is None:
         return None
     for _tier, store in tiers.stores:

@@ -18,6 +18,8 @@
     NEBULA_STORAGE_RETRIES              retries of a transient storage error (default 5)
     NEBULA_STORAGE_RETRY_BASE_S         the first backoff (s, default 0.5), doubling
     NEBULA_STORAGE_RETRY_MAX_S          the longest backoff (s, default 8)
+    NEBULA_STORAGE_CALL_TIMEOUT_S       how long one call to a network store may go
+                                        unanswered, its retries included (s, default 30)
     NEBULA_JOB_ID                       which job this process is of (runtime/job.py; default:
                                         from torchrun's or the rendezvous's variables)
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   torchrun's (runtime/ranks.py)
@@ -55,6 +57,7 @@ ENV_MEMORY_TIER_PATH = "NEBULA_MEMORY_TIER_PATH"
 ENV_STORAGE_RETRIES = "NEBULA_STORAGE_RETRIES"
 ENV_STORAGE_RETRY_BASE_S = "NEBULA_STORAGE_RETRY_BASE_S"
 ENV_STORAGE_RETRY_MAX_S = "NEBULA_STORAGE_RETRY_MAX_S"
+ENV_STORAGE_CALL_TIMEOUT_S = "NEBULA_STORAGE_CALL_TIMEOUT_S"
 # torchrun's (and most launchers'): who this process is in the job.
 ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"
@@ -298,7 +301,13 @@ def memory_tier_base() -> str | None:
 
 
 def storage_retry_env() -> dict[str, str]:
-    """The `NEBULA_STORAGE_RETRY*` variables that are set, by name (storage/retry.py's
-    `RetryPolicy.from_options` parses them, after the storage options)."""
-    names = (ENV_STORAGE_RETRIES, ENV_STORAGE_RETRY_BASE_S, ENV_STORAGE_RETRY_MAX_S)
+    """The `NEBULA_STORAGE_RETRY*` and `NEBULA_STORAGE_CALL_TIMEOUT_S` variables that are
+    set, by name (storage/retry.py's `RetryPolicy.from_options` parses them, after the
+    storage options)."""
+    names = (
+        ENV_STORAGE_RETRIES,
+        ENV_STORAGE_RETRY_BASE_S,
+        ENV_STORAGE_RETRY_MAX_S,
+        ENV_STORAGE_CALL_TIMEOUT_S,
+    )
     return {name: os.environ[name] for name in names if name in os.environ}

@@ -228,6 +228,11 @@ class StorageFullError(StorageError):
     """The storage ran out of space (ENOSPC or a quota)."""
 
 
+class StoreTimeoutError(StorageError, TimeoutError):
+    """A store did not answer a call within its deadline (a suspended server, a half-open
+    connection, a stuck network mount): like a store that is down, it may pass."""
+
+
 class UnsafeMemoryTierError(StorageError):
     """A memory-tier folder that is not this user's alone (another owner, a symbolic link,
     writable by others, not a folder): nebula neither writes nor deletes through it."""

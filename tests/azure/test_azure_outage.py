@@ -8,60 +8,17 @@ store is back the newest acknowledged checkpoint lands by itself and loads bit f
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
-import azurite as azurite_server
 import pytest
 import torch
 from azurite import Azurite
-from outage_kit import state, timed_save, wait_durable
+from outage_kit import state, store_away, timed_save, wait_durable
 
 import nebulaml as nm
 
 CONTAINER = "outage"
-
-
-@pytest.fixture
-def own_azurite(
-    tmp_path: Path, point_at_azurite: Callable[[Azurite], Azurite]
-) -> Iterator[Azurite]:
-    """An Azurite for this test alone (the test stops it), its credentials in the
-    environment."""
-    if azurite_server.binary() is None:
-        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
-            pytest.fail(azurite_server.MISSING, pytrace=False)
-        pytest.skip(azurite_server.MISSING)
-    server = Azurite(tmp_path / "azurite", log_path=tmp_path / "azurite.log").start()
-    server.create_container(CONTAINER)
-    yield point_at_azurite(server)
-    if server.proc is not None and server.proc.poll() is None:
-        os.killpg(server.proc.pid, signal.SIGCONT)
-    server.stop()
-
-
-@contextlib.contextmanager
-def _down(server: Azurite, how: str) -> Iterator[None]:
-    """The store away for the block: stopped cleanly (its data survives) and started
-    again on the same port, or suspended (SIGSTOP: requests hang) and resumed."""
-    proc = server.proc
-    assert proc is not None
-    if how == "stopped":
-        server.stop()
-    else:
-        os.killpg(proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        if how == "stopped":
-            server.restart()
-        else:
-            os.killpg(proc.pid, signal.SIGCONT)
 
 
 def _assert_durable_and_loads(url: str, step: int) -> None:
@@ -89,7 +46,7 @@ def test_an_outage_never_stops_training_and_the_newest_lands_when_the_store_is_b
     nm.init(url, persistent_time_interval=0, exit_timeout_s=60, on_persist_error="retry")
     healthy = [timed_save(step) for step in (1, 2, 3)]
     assert nm.flush_persistence(timeout_s=60) is True
-    with _down(own_azurite, how):
+    with store_away(own_azurite, how):
         during = []
         for step in range(4, 10):
             during.append(timed_save(step))
@@ -113,7 +70,7 @@ def test_a_store_down_at_init_starts_memory_only_and_persists_once_it_is_back(
     """Bugs caught (main): init raising StorageError after its retries (stopped) or
     hanging on them (suspended): the job could not even checkpoint to RAM."""
     url = f"az://{CONTAINER}/{uuid.uuid4().hex[:12]}"
-    with _down(own_azurite, how):
+    with store_away(own_azurite, how):
         t0 = time.perf_counter()
         nm.init(url, persistent_time_interval=0, exit_timeout_s=60)  # the default: retry
         took = time.perf_counter() - t0

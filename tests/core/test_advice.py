@@ -9,7 +9,9 @@ from __future__ import annotations
 import csv
 import itertools
 import math
+import os
 import statistics
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -221,6 +223,8 @@ def test_a_hold_taken_over_from_a_dead_job_gives_an_mtbf(root: Path) -> None:
     old = (datetime.now(timezone.utc) - timedelta(hours=1)).isoformat()
     dead = Holder("job-that-died", "node-gone", 4242, None, old, old)
     (root / lease_name(1)).write_bytes(dead.to_bytes())
+    gone = time.time() - 3600  # last written an hour ago, by the store's clock too
+    os.utime(root / lease_name(1), (gone, gone))
     nm.init(str(root), persistent_time_interval=0)  # takes it over: generation 2
     assert (root / lease_name(2)).exists()
     _save_steps((10, 20, 30))

@@ -153,6 +153,19 @@ def test_another_hosts_hold_counts_until_it_is_not_renewed(root: Path) -> None:
     assert hold_files(root) == []
 
 
+@pytest.mark.parametrize("skew_s", [-120, 120])
+def test_another_hosts_hold_is_judged_by_the_stores_clock_too(root: Path, skew_s: int) -> None:
+    """A hold renewed just now by a host whose clock runs 120 s behind or ahead of ours
+    (its renewed_at that far off, the store's time of the write now) counts: its job
+    lives. Bug caught (main): the store's time was asked only for unreadable holds, and
+    the skewed host's root was taken over while its holder lived."""
+    write_hold(root, 4, host="node-elsewhere", age_s=skew_s)
+    os.utime(root / lease_name(4))  # written now, by the store's clock
+    with pytest.raises(nm.RootInUseError, match="pid 4242 on node-elsewhere"):
+        nm.init(str(root))
+    assert hold_files(root) == [lease_name(4)]
+
+
 def test_the_holder_renews_its_hold_and_says_when_it_lost_it(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

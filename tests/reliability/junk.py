@@ -25,6 +25,8 @@ from pathlib import Path
 import warm
 from campaigns import Figures
 
+from nebulaml.protocol.holds import HOLD_TTL_S
+
 TIMEOUT_S = 120.0  # a child or a command that takes longer has hung
 
 JOB = r"""
@@ -78,6 +80,11 @@ def _plant(root: Path, rng: random.Random, outside: Path) -> str:
                    "started_at": future.isoformat(), "renewed_at": future.isoformat()}  # fmt: skip
             name = f".nebula-job-{rng.randrange(1, 99_999_999):08d}.json"
             (root / name).write_text(json.dumps(doc))
+            # Left by a job long gone whose clock ran ahead: by the store's clock it was
+            # last written past the hold's time to live (a hold written just now counts
+            # for that long, whatever its dates say: holds.lease_alive).
+            gone = time.time() - 2 * HOLD_TTL_S
+            os.utime(root / name, (gone, gone))
         elif kind == "future lease":
             lease = rng.choice(["read", "delete", "hold", "list"])
             name = f".lease-{lease}-{_stamp(future)}-4242-cafe-elsewhere.json"

@@ -227,7 +227,11 @@ def _holds(store: Store) -> list[_Found]:
             log.debug("ignoring %s: %s", store.display(name), exc)
             found.append(_Found(generation, name, None, None))
             continue
-        modified = None if holder is not None else store.modified_at(name)
+        # Another host's renewal time is by its clock, which may run ahead or behind
+        # ours: the store's time of the write is asked too, and the later one counts
+        # (`lease_alive`). A hold of this host is judged by its process.
+        here = holder is not None and holder.host == _host()
+        modified = None if here else store.modified_at(name)
         found.append(_Found(generation, name, holder, modified))
     return sorted(found, key=lambda f: f.generation)
 

@@ -3,7 +3,7 @@ later, in the background, before the persister's first persist.
 
     CONNECT_WAIT_S  how long init waits for the persistent tier to answer
     identify        make the root and read (or give) its identity
-    reach           `identify`, waited for at most a given time
+    reach           `identify`, answered within a given time, without retries
     adopt_root      the memory tier's record of its root, once the root is reached late
     keep_root       before each persist: the root still carries the identity the memory
                     tier records (given back if it was deleted, adopted if it changed)
@@ -20,19 +20,19 @@ once connected (session.py), or the retries (persister.py).
 from __future__ import annotations
 
 import logging
-import threading
 
-from nebulaml.errors import StorageError
+from nebulaml.errors import NebulaError, StorageError
 from nebulaml.protocol.memory_tier import read_record, root_identity, write_record
 from nebulaml.runtime.outage import may_pass
+from nebulaml.storage.deadline import within
 from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
 
 # A healthy store answers in well under a second (a first Azure request, with its
-# credential, in one or two); one that is down takes its retries (10-15 s) to say so, and
-# a hanging one may never: init goes on without it after this long.
-CONNECT_WAIT_S = 5.0
+# credential, in one or two); one that is down refuses at once (init does not retry), and
+# a hanging one may never answer: init goes on without it after this long.
+CONNECT_WAIT_S = 3.0
 
 
 def identify(persistent: Store) -> str | None:
@@ -56,9 +56,11 @@ def identify(persistent: Store) -> str | None:
 
 
 def reach(persistent: Store, wait_s: float) -> tuple[bool, str | None, BaseException | None]:
-    """`identify(persistent)`, waited for at most `wait_s` seconds: whether it answered,
-    the root's identity, and why not (a failure that may pass; None: no answer in time).
-    A failure that cannot pass is raised, as `identify` would.
+    """`identify(persistent)`, answered within `wait_s` seconds and without retries: a
+    store that refuses the connection says enough at once, and one that hangs is waited
+    for `wait_s` at most (storage/deadline.py). Returns whether it answered, the root's
+    identity, and why not (a failure that may pass). A failure that cannot pass is
+    raised, as `identify` would.
 
     Example:
         >>> import tempfile
@@ -66,26 +68,13 @@ def reach(persistent: Store, wait_s: float) -> tuple[bool, str | None, BaseExcep
         >>> reached, len(root_id), why
         (True, 32, None)
     """
-    box: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            box["id"] = identify(persistent)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            box["error"] = exc
-
-    worker = threading.Thread(target=run, name="nebula-connect", daemon=True)
-    worker.start()
-    worker.join(wait_s)
-    if worker.is_alive():
-        return False, None, None  # no answer: it may hang a long time (a suspended store)
-    error = box.get("error")
-    if isinstance(error, BaseException):
-        if may_pass(error):
-            return False, None, error
-        raise error
-    root_id = box.get("id")
-    return True, root_id if isinstance(root_id, str) else None, None
+    try:
+        with within(wait_s, retry=False):
+            return True, identify(persistent), None
+    except NebulaError as exc:
+        if may_pass(exc):
+            return False, None, exc
+        raise
 
 
 def adopt_root(memory: Store, persistent: Store, root_id: str | None) -> None:

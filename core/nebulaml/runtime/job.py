@@ -49,6 +49,7 @@ from nebulaml.protocol.holds import RENEW_S, NodeClaim, RootLease
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.runtime.outage import may_pass
 from nebulaml.runtime.ranks import RankInfo
+from nebulaml.storage.deadline import remaining, within
 
 log = logging.getLogger("nebulaml")
 JOB_KEY = "nebulaml/job"  # in the process group's store: the id the ranks agree on
@@ -149,7 +150,8 @@ class JobHold:
         assert lease is not None
         while not self._stop.wait(renew_s):
             try:
-                other = lease.renew()
+                with within(renew_s):  # a hung store: the next beat tries again
+                    other = lease.renew()
             except NebulaError as exc:  # a storage hiccup: the next beat tries again
                 log.warning("could not renew the hold on %s: %s", lease.store.url, exc)
                 continue
@@ -166,7 +168,10 @@ class JobHold:
         """Stop renewing and let the root go (this process's part of the hold)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            # A beat in flight ends within its own deadline; the release below is bounded
+            # by the caller's (session.close's), so nothing here waits on a hung store.
+            left = remaining()
+            self._thread.join(timeout=RENEW_S if left is None else min(left, RENEW_S))
         lease = self.lease
         try:
             if lease is not None:

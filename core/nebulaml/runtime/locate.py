@@ -5,6 +5,15 @@
     newest_first  every tier's committed checkpoints, newest first, each with its copies
     find_copy     the fastest tier's copy of a tag, or of one of its items, that works,
                   else the error that says why none does
+    asking        the deadline for a question to a tier the session knows is failing
+    out_of_reach  whether a tier's failure is the tier out of reach (down, hanging): the
+                  tier is passed over, said once, and what the others hold is the answer
+
+A store that is down or hangs does not keep a job from its own node's checkpoints (issue
+#43): listings, the latest, a tag, a load answer from the tiers that answer, so a job
+restarted during an outage resumes from its memory tier. A persistent tier the session
+knows is failing is given `FAILING_TIER_WAIT_S` to answer; any other at most its store's
+call deadline (storage/deadline.py).
 
 Every function that finds a tag or an item on a root goes through here: loading an item
 (load.py), describing one (ops/inspection.py), and the public functions that find a
@@ -20,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,6 +41,7 @@ from nebulaml.errors import (
     ManifestError,
     NebulaError,
     RootNotFoundError,
+    StorageError,
     UnsupportedSchemaError,
 )
 from nebulaml.format.manifest import ItemEntry, Manifest
@@ -38,11 +49,18 @@ from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_manif
 from nebulaml.protocol.leases import read_lease
 from nebulaml.protocol.tiers import TierSet, open_tiers
 from nebulaml.runtime import session as _session
+from nebulaml.runtime.outage import may_pass
+from nebulaml.storage.deadline import within
 from nebulaml.storage.store import MissingFileError, Store
 
 PathLike = str | os.PathLike[str]
 T = TypeVar("T")
 log = logging.getLogger("nebulaml")
+
+# How long a question to a persistent tier waits while the session knows it is failing
+# (down, hanging, never reached): a restart during an outage resumes from its memory tier
+# within seconds.
+FAILING_TIER_WAIT_S = 2.0
 
 
 def tiers_for(persist_path: PathLike | None, what: str) -> TierSet:
@@ -83,17 +101,65 @@ def check_root(persist_path: PathLike) -> str:
     return tiers.display
 
 
+_unseen: set[str] = set()  # the stores said to be out of reach, until one answers again
+_unseen_lock = threading.Lock()
+
+
+def asking(tiers: TierSet, store: Store) -> contextlib.AbstractContextManager[None]:
+    """The deadline for a question to `store`, one of `tiers`: `FAILING_TIER_WAIT_S` when
+    it is the live session's persistent tier and its persister knows that tier is
+    failing (or never reached it); else none beyond the store's own call deadline."""
+    live = _session.live()
+    if live is not None and store is live.tiers.persistent and live.persister.failing():
+        return within(FAILING_TIER_WAIT_S)
+    return contextlib.nullcontext()
+
+
+def out_of_reach(tier: str, store: Store, exc: BaseException) -> bool:
+    """Whether `exc`, raised by `store` (tier `tier`), is that tier out of reach (down,
+    hanging: a failure that may pass, other than a file gone), to be passed over for
+    the tiers that answer. Said once per store, until it answers again (`answered`).
+    The memory tier is never passed over: it is this node's own."""
+    if tier == "memory" or isinstance(exc, MissingFileError) or not may_pass(exc):
+        return False
+    with _unseen_lock:
+        first = store.url not in _unseen
+        _unseen.add(store.url)
+    if first:
+        log.warning(
+            "the %s tier %s does not answer (%s): answering from this node's memory tier "
+            "without it", tier, store.url, exc,
+        )  # fmt: skip
+    return True
+
+
+def answered(store: Store) -> None:
+    """`store` answered: the next time it does not, that is said again."""
+    if _unseen:
+        with _unseen_lock:
+            _unseen.discard(store.url)
+
+
 def newest_first(tiers: TierSet) -> list[list[tuple[str, CheckpointInfo]]]:
     """Committed checkpoints on every tier, newest first; each entry lists a tag's copies
     as (tier, info), fastest tier first. Package-internal, like `tiers_for`.
 
     A copy of a schema this version cannot read is an error, unless another tier holds a
-    readable copy of that tag (then the unreadable one is damaged, and said so).
+    readable copy of that tag (then the unreadable one is damaged, and said so). A
+    persistent tier out of reach is passed over (`out_of_reach`): the others answer.
     """
     found: dict[str, list[tuple[str, CheckpointInfo]]] = {}
     unsupported: list[UnsupportedSchemaError] = []
     for tier, store in tiers.stores:
-        for info in list_committed(store, unsupported):
+        try:
+            with asking(tiers, store):
+                listed = list_committed(store, unsupported)
+        except StorageError as exc:
+            if not out_of_reach(tier, store, exc):
+                raise
+            continue
+        answered(store)
+        for info in listed:
             found.setdefault(info.tag, []).append((tier, info))
     for exc in unsupported:
         if not any(copies for tag, copies in found.items() if f"/{tag}/" in exc.where):
@@ -138,7 +204,8 @@ def find_copy(
     it under a read lease: no prune, retention or eviction deletes that copy meanwhile,
     and a copy being deleted is passed over. A copy whose manifest raises `ManifestError`,
     or on which `use` raises `CorruptCheckpointError` or `MissingFileError`, is passed
-    over for the next tier's; any other error is raised at once.
+    over for the next tier's, and so is a tier out of reach (`out_of_reach`); any other
+    error is raised at once.
 
     When no copy works, raises the first failure of the first kind in `report` that
     occurred (default: the first failure), else `CheckpointNotFoundError` (naming `root`,
@@ -162,28 +229,34 @@ def find_copy(
     found_tag = False
     available: list[str] = []
     for tier, store in tiers.stores:
-        held = read_lease(store, tag) if lease else contextlib.nullcontext(True)
-        with held as readable:
-            if not readable:
-                continue  # gone from this tier, or being deleted
-            try:
-                found = manifest(store, tag)
-            except _MANIFEST_FAILURES as exc:
-                failures.append(exc)
-                continue
-            if found is None:
-                continue
-            found_tag = True
-            entry = None
-            if item is not None:
-                entry = found.item(item)
-                if entry is None:
-                    available = [each.name for each in found.items]
+        try:
+            with contextlib.ExitStack() as stack:
+                with asking(tiers, store):  # the lease and the manifest: a failing tier's
+                    held = read_lease(store, tag) if lease else contextlib.nullcontext(True)
+                    if not stack.enter_context(held):
+                        continue  # gone from this tier, or being deleted
+                    try:
+                        found = manifest(store, tag)
+                    except _MANIFEST_FAILURES as exc:
+                        failures.append(exc)
+                        continue
+                if found is None:
                     continue
-            try:
-                return use(Copy(tier, store, found, entry))
-            except _COPY_FAILURES as exc:
-                failures.append(exc)
+                found_tag = True
+                entry = None
+                if item is not None:
+                    entry = found.item(item)
+                    if entry is None:
+                        available = [each.name for each in found.items]
+                        continue
+                try:
+                    return use(Copy(tier, store, found, entry))
+                except _COPY_FAILURES as exc:
+                    failures.append(exc)
+        except StorageError as exc:
+            if not out_of_reach(tier, store, exc):
+                raise
+            failures.append(exc)
     for kind in report:
         for failure in failures:
             if isinstance(failure, kind):

@@ -33,6 +33,7 @@ from nebulaml.errors import (
     PersistError,
     RankTimeoutError,
     StorageFullError,
+    StoreTimeoutError,
     exception_chain,
 )
 from nebulaml.format.manifest import utc_now
@@ -80,9 +81,10 @@ def may_pass(error: BaseException) -> bool:
         True
     """
     for current in exception_chain(error):
-        if isinstance(current, (StorageFullError, CheckpointBusyError)):
-            # A full disk is freed or grown; another live writer of the tag finishes (a
-            # rank of the job copying this rank's part for it, a reader, an operator).
+        if isinstance(current, (StorageFullError, StoreTimeoutError, CheckpointBusyError)):
+            # A full disk is freed or grown; a store that hangs answers again; another
+            # live writer of the tag finishes (a rank of the job copying this rank's part
+            # for it, a reader, an operator).
             return True
         if isinstance(current, _HOPELESS):
             return False

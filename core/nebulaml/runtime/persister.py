@@ -47,6 +47,7 @@ from nebulaml.runtime.persist_thread import Connect, PersistThread
 from nebulaml.runtime.ranks import RankInfo
 from nebulaml.runtime.slots import SlotPool
 from nebulaml.runtime.upkeep import HistoryQueue, RemovalQueue
+from nebulaml.storage.deadline import within
 from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
@@ -392,7 +393,8 @@ class Persister(PersistThread):
             else:
                 target = None
             self._await_removals(timeout_s)
-        self.history.write()
+        with within(timeout_s):  # the rows wait for the next try if the store hangs
+            self.history.write()
         return target
 
     def _await_commit(self, tag: str) -> None:

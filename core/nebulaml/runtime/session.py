@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from nebulaml.config import Config, elastic_generation
@@ -54,9 +55,14 @@ from nebulaml.runtime.ranks import (
 )
 from nebulaml.runtime.slots import SlotPool
 from nebulaml.runtime.snapshot import LayoutCache
+from nebulaml.storage.deadline import within
 from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
+
+# What a close gives the release of its hold on the root (one or two requests) when the
+# persist before it took all of its time.
+CLOSE_GRACE_S = 2.0
 
 
 class Session:
@@ -343,10 +349,24 @@ class Session:
         return newest
 
     def close(self, timeout_s: float | None = None) -> str | None:
-        """Persist what is pending and stop; returns a tag left unpersisted, if any."""
+        """Persist what is pending and stop; returns a tag left unpersisted, if any.
+
+        The whole close takes at most `timeout_s` (and `CLOSE_GRACE_S` more for the
+        hold's release after a persist that took it all): what comes after the persist
+        (the memory tier's release, the job's hold on the root) asks the stores under
+        that deadline (storage/deadline.py), so a store that hangs never keeps a process
+        from ending."""
+        ends = None if timeout_s is None else time.monotonic() + timeout_s
         if self.snapshots is not None:
             self.snapshots.close()  # the lazy saves commit first, then are persisted
         left = self.persister.close(timeout_s)
+        rest = None if ends is None else max(CLOSE_GRACE_S, ends - time.monotonic())
+        with within(rest):
+            return self._release(left)
+
+    def _release(self, left: str | None) -> str | None:
+        """After the persist at close: the buffers, the memory tier (when everything in it
+        is persisted), the hold on the root."""
         # The free buffers are a cache of this process's; left behind they would hold RAM
         # (/dev/shm) after the job. The checkpoints themselves stay.
         self.pool.trim()

@@ -6,9 +6,12 @@ try again (exponential backoff with jitter, capped); `is_transient` says which e
 those are. Anything else (403, 404, a conflict, a bug) is raised at once.
 
 The policy comes from storage options (`nebula_retries`, `nebula_retry_base_s`,
-`nebula_retry_max_s`), else the environment (`NEBULA_STORAGE_RETRIES`,
-`NEBULA_STORAGE_RETRY_BASE_S`, `NEBULA_STORAGE_RETRY_MAX_S`), else the defaults: 5 retries,
-0.5 s doubling to at most 8 s (about 15 s of waiting in all).
+`nebula_retry_max_s`, `nebula_call_timeout_s`), else the environment
+(`NEBULA_STORAGE_RETRIES`, `NEBULA_STORAGE_RETRY_BASE_S`, `NEBULA_STORAGE_RETRY_MAX_S`,
+`NEBULA_STORAGE_CALL_TIMEOUT_S`), else the defaults: 5 retries, 0.5 s doubling to at most
+8 s (about 15 s of waiting in all), and a call of a network store answered within 30 s,
+its retries included (deadline.py). No retry starts that would end past the deadline of
+the block it runs in (`deadline.within`), nor any inside a block that forbids them.
 
 Not for: translating errors (streams.py) or deciding what an operation is (its caller).
 """
@@ -25,11 +28,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from nebulaml.config import (
+    ENV_STORAGE_CALL_TIMEOUT_S,
     ENV_STORAGE_RETRIES,
     ENV_STORAGE_RETRY_BASE_S,
     ENV_STORAGE_RETRY_MAX_S,
 )
 from nebulaml.errors import InvalidArgumentError, NebulaError, exception_chain
+from nebulaml.storage.deadline import retry_allowed
 
 log = logging.getLogger("nebulaml")
 
@@ -38,7 +43,8 @@ T = TypeVar("T")
 OPTION_RETRIES = "nebula_retries"
 OPTION_BASE_S = "nebula_retry_base_s"
 OPTION_MAX_S = "nebula_retry_max_s"
-OPTION_NAMES = (OPTION_RETRIES, OPTION_BASE_S, OPTION_MAX_S)
+OPTION_CALL_TIMEOUT_S = "nebula_call_timeout_s"
+OPTION_NAMES = (OPTION_RETRIES, OPTION_BASE_S, OPTION_MAX_S, OPTION_CALL_TIMEOUT_S)
 
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Outcomes that a retry cannot change, whatever caused them.
@@ -58,6 +64,7 @@ class RetryPolicy:
     retries: int = 5
     base_s: float = 0.5
     max_s: float = 8.0
+    call_timeout_s: float = 30.0  # one call of a network store, its retries included
 
     def delays(self, *, jitter: bool = True) -> Iterator[float]:
         """The wait before each retry: base_s doubling up to max_s, less up to half of it
@@ -89,11 +96,21 @@ class RetryPolicy:
                 raise InvalidArgumentError(f"{source} must not be negative, not {value!r}")
             return number
 
+        call_timeout_s = pick(
+            OPTION_CALL_TIMEOUT_S, ENV_STORAGE_CALL_TIMEOUT_S, float, default.call_timeout_s
+        )
         return cls(
             retries=pick(OPTION_RETRIES, ENV_STORAGE_RETRIES, int, default.retries),
             base_s=pick(OPTION_BASE_S, ENV_STORAGE_RETRY_BASE_S, float, default.base_s),
             max_s=pick(OPTION_MAX_S, ENV_STORAGE_RETRY_MAX_S, float, default.max_s),
+            call_timeout_s=call_timeout_s or _refuse_zero(),
         )
+
+
+def _refuse_zero() -> float:
+    raise InvalidArgumentError(
+        f"{OPTION_CALL_TIMEOUT_S} ({ENV_STORAGE_CALL_TIMEOUT_S}) must be more than 0 s"
+    )
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -185,7 +202,10 @@ async def call_async(
 def _next_delay(exc: BaseException, delays: Iterator[float]) -> float | None:
     if not is_transient(exc):
         return None
-    return next(delays, None)
+    delay = next(delays, None)
+    if delay is None or not retry_allowed(delay):
+        return None  # no retry left, or none that ends before the block's deadline
+    return delay
 
 
 def _log_retry(

@@ -9,10 +9,14 @@ is delegated to the root's backend (backend.py: local.py, remote.py or azure.py)
 It is also the storage boundary: backend exceptions are translated here, once, into
 `StorageError` (with secrets redacted from every message), and on network stores each
 operation is retried on transient errors (a timeout, a reset connection, a 5xx) under a
-bounded `RetryPolicy` (retry.py) before the error reaches the caller.
+bounded `RetryPolicy` (retry.py) before the error reaches the caller. No operation waits
+without bound (deadline.py): on a network store each is answered within the policy's
+`call_timeout_s` (a long upload: without progress for that long), and on any store
+within the deadline of the block it runs in (`deadline.within`), or raises
+`StoreTimeoutError`.
 
-A little over 400 lines: one short method per operation, each with the contract its
-callers rely on; the work is in the backends.
+One short method per operation, each with the contract its callers rely on; the work is
+in the backends.
 
 Not for: knowing what a checkpoint is (protocol/ builds on these primitives), or how one
 backend does an operation (local.py, remote.py, azure.py). May import: `nebulaml.errors`,
@@ -36,6 +40,7 @@ from nebulaml.errors import CommitConflictError, InvalidArgumentError, NebulaErr
 from nebulaml.storage import azure_auth
 from nebulaml.storage.azure import AzureBackend
 from nebulaml.storage.backend import Backend, Parts, Written, new_append_id
+from nebulaml.storage.deadline import Progress, bounded
 from nebulaml.storage.local import LocalBackend
 from nebulaml.storage.mapped_reads import Lender, LocalRead
 from nebulaml.storage.redaction import redact, secrets_in
@@ -218,15 +223,21 @@ class Store:
         errors (network stores), and translated to `StorageError` naming `parts`."""
         if self.is_local:
             try:
-                return fn()
+                return bounded(fn, lambda: self.display(*parts), None, key=self.location)
             except Exception:
                 # Named and translated once it failed: a save makes a dozen calls.
                 with self._translated(self.display(*parts)):
                     raise
-        what = self.display(*parts)
+        what = redact(self.display(*parts), self._secrets)
         with translate_errors(what, self._secrets, remote=True, tries=self.policy.retries + 1):
-            return call_with_retries(fn, self.policy, redact(what, self._secrets),
-                                     describe=self._describe_error)  # fmt: skip
+            return self._bounded(lambda: call_with_retries(
+                fn, self.policy, what, describe=self._describe_error), what)  # fmt: skip
+
+    def _bounded(self, fn: Callable[[], T], what: str, progress: Progress | None = None) -> T:
+        """`fn()`, a network store's call, answered within the policy's `call_timeout_s`
+        (with `progress`: without progress for that long) and the block's deadline."""
+        return bounded(fn, what, self.policy.call_timeout_s, key=self.location,
+                       progress=progress)  # fmt: skip
 
     def _describe_error(self, exc: BaseException) -> str:
         return redact(describe(exc), self._secrets)
@@ -420,7 +431,7 @@ class Store:
 
         def translated(fn: Callable[[], Any]) -> Any:
             with translate_errors(where, self._secrets, remote=True, tries=tries):
-                return fn()
+                return self._bounded(fn, redact(where, self._secrets))
 
         if sent is not None and hasattr(raw, "on_sent"):
             raw.on_sent, sent = sent, None  # the writer says when its uploads complete
@@ -493,8 +504,19 @@ class Store:
         if isinstance(self._backend, AzureBackend):
             # Each request is retried by the backend: its error is the last of those tries.
             tries = self.policy.retries + 1
-            with translate_errors(self.display(*parts), self._secrets, remote=True, tries=tries):
-                return self._backend.write_ranges(parts, view, list(ranges), base, base_stamp, sent)
+            where = self.display(*parts)
+            backend, progress = self._backend, Progress()
+
+            def write() -> Written:
+                def moved(n: int) -> None:
+                    progress.touch()
+                    if sent is not None:
+                        sent(n)
+
+                return backend.write_ranges(parts, view, list(ranges), base, base_stamp, moved)
+
+            with translate_errors(where, self._secrets, remote=True, tries=tries):
+                return self._bounded(write, redact(where, self._secrets), progress)
         self.write_view(parts, view, lambda _piece: None, sent)
         return Written(len(view), 0)
 
