@@ -6,7 +6,7 @@
                                   "ACKED", and the process kills itself (SIGKILL)
     outage_child.py resume URL    the README's resume: init, the latest checkpoint loaded;
                                   prints one JSON line (tag, the state's digest, seconds
-                                  taken), then ends as a script does
+                                  taken in all and by init), then ends as a script does
     outage_child.py exit URL      global_step1 saved and made durable, "READY"; once told
                                   on stdin, global_step2 saved, then the script ends with
                                   it unpersisted
@@ -47,14 +47,15 @@ def main() -> None:
     how, url = sys.argv[1], sys.argv[2]
     started = time.monotonic()
     nm.init(url, persistent_time_interval=0)
+    init_s = time.monotonic() - started
     if how == "resume":
         latest = nm.get_latest_checkpoint()
         assert latest is not None, "no checkpoint found"
         with latest:
             loaded = latest.load("model")
         took = time.monotonic() - started
-        print(json.dumps({"tag": latest.tag, "digest": digest(loaded), "took_s": took}),
-              flush=True)  # fmt: skip
+        print(json.dumps({"tag": latest.tag, "digest": digest(loaded), "took_s": took,
+                          "init_s": init_s}), flush=True)  # fmt: skip
         return
     first = (1, 2, 3) if how == "save" else (1,)
     for step in first:
