@@ -6,11 +6,13 @@
                 last rank out removes the folder
 
 A rank that persisted its part of the newest checkpoint waits (at most LEADER_WAIT_S, or
-the rank timeout) for its leader to commit it on the persistent tier: a follower done
-before the leader's commit kept its part, and nothing released it after the job.
+the rank timeout, and not for a leader of this node whose process has ended) for its
+leader to commit it on the persistent tier: a follower done before the leader's commit
+kept its part, and nothing released it after the job.
 
-May import: every layer below runtime, and runtime.persister and ranks (their types). Not
-for: releasing itself (protocol/memory_tier.py) or closing the session (session.py).
+May import: every layer below runtime, runtime.persist_step (a tag's leader), and
+runtime.persister and ranks (their types). Not for: releasing itself
+(protocol/memory_tier.py) or closing the session (session.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from nebulaml.format.names import marker_name, order_key
 from nebulaml.protocol.catalog import list_committed, read_committed
 from nebulaml.protocol.delete import delete_part
 from nebulaml.protocol.markers import own_parts
+from nebulaml.protocol.memory_tier import rank_gone
+from nebulaml.runtime.persist_step import leader_of
 
 if TYPE_CHECKING:
     from nebulaml.protocol.tiers import TierSet
@@ -84,7 +88,12 @@ def _await_leaders(
         if not persistent.exists(tag, marker_name(rank)):
             return  # this rank's part is not there: nothing of it will be committed
         deadline = time.monotonic() + min(LEADER_WAIT_S, rank_timeout_s)
+        # A leader of this node whose process has ended (a whole job stopped at once)
+        # commits nothing more: no wait for it.
+        leader = leader_of(tiers.memory, tag, rank)
         while read_committed(persistent, tag) is None and time.monotonic() < deadline:
+            if leader is not None and leader != rank and rank_gone(tiers.memory, leader):
+                return
             time.sleep(0.05)
     except NebulaError as exc:
         log.debug("could not wait for the commit of %r: %s", tag, exc)
