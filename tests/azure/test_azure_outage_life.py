@@ -48,6 +48,14 @@ def _expect(proc: subprocess.Popen[str], line: str) -> None:
         raise AssertionError(f"expected {line!r}, got {got!r}; stderr:\n{err}")
 
 
+def _tell_away(proc: subprocess.Popen[str], answer: str) -> None:
+    """Tell the child the store is away now, and wait for its `answer`."""
+    assert proc.stdin is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    _expect(proc, answer)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("how", ["stopped", "suspended"])
@@ -61,10 +69,7 @@ def test_a_job_restarted_during_an_outage_resumes_from_its_memory_tier(
     first = _child("save", url)
     _expect(first, "DURABLE")
     with store_away(own_azurite, how):
-        assert first.stdin is not None
-        first.stdin.write("go\n")
-        first.stdin.flush()
-        _expect(first, "ACKED")
+        _tell_away(first, "ACKED")
         first.wait(timeout=60)  # it killed itself: global_step5 only in RAM
         assert first.returncode == -9, first.returncode
         started = time.monotonic()
@@ -97,10 +102,7 @@ def test_a_process_ending_during_an_outage_ends_within_its_exit_timeout(
     proc = _child("exit", url)
     _expect(proc, "READY")
     with store_away(own_azurite, how):
-        assert proc.stdin is not None
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        _expect(proc, "SAVED")
+        _tell_away(proc, "SAVED")
         started = time.monotonic()
         try:
             _out, err = proc.communicate(timeout=EXIT_TIMEOUT_S + 60)
