@@ -382,6 +382,30 @@ def test_another_writers_commit_voids_a_reservation(tmp_path: Path) -> None:
     assert reservation.take(floor=9) == 10  # the persistent tier holds 9 already
 
 
+@pytest.mark.parametrize(
+    ("floor", "taken"),
+    [
+        (0, 2),  # the floor below the reservation: the reserved 2 is taken
+        (1, 2),  # just below: still taken
+        (2, 3),  # a tie: the other tier holds 2 already, so 2 would not come after it
+        (3, 4),  # above: reserved afresh, after the floor
+        (9, 10),
+    ],
+)
+def test_a_reserved_sequence_is_taken_only_above_the_floor(
+    tmp_path: Path, floor: int, taken: int
+) -> None:
+    # Catches: a reservation taken when it equals `sequence_floor` (>= for >): a memory-tier
+    # commit numbered the same as what the persistent tier holds, not after it.
+    store = Store(str(tmp_path / "mem"), durable=False)
+    store.make_dir()
+    reservation = SequenceReservation(store)
+    reservation.reserve_after(reservation.take(0))  # 1 taken, 2 reserved
+    assert read_sequence_file(store) == 2
+    assert reservation.take(floor) == taken
+    assert read_sequence_file(store) == taken
+
+
 def test_saves_number_their_commits_one_after_another(root: Path) -> None:
     nm.init(str(root), persistent_time_interval=3600)
     memory = Store(nm.memory_tier_path(str(root)), durable=False)

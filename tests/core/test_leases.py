@@ -33,6 +33,7 @@ from nebulaml.protocol.catalog import list_committed, read_committed
 from nebulaml.protocol.commit import begin_tag, commit_rank, write_item
 from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.leases import (
+    HOLD_TTL_S,
     LEASE_TTL_S,
     delete_claim,
     is_lease_file,
@@ -405,6 +406,34 @@ def test_another_hosts_lease_counts_until_its_ttl(tmp_path: Path) -> None:
     assert delete_checkpoint(store, TAG) is False
     fresh.unlink()
     assert delete_checkpoint(store, TAG) is True
+
+
+@pytest.mark.parametrize(
+    ("kind", "ahead_s", "counts"),
+    [
+        ("read", 60.0, True),  # a clock a minute ahead: as old as a minute, within the TTL
+        ("read", LEASE_TTL_S + 60, False),  # further ahead than the TTL: as old, so stale
+        ("read", 100 * 365 * 86400.0, False),  # forged a century ahead: not fresh for ever
+        ("hold", 30.0, True),
+        ("hold", HOLD_TTL_S + 5, False),  # a handle's hold, with its own TTL
+    ],
+)
+def test_a_lease_dated_in_the_future_counts_as_old_as_it_is_ahead(
+    tmp_path: Path, kind: str, ahead_s: float, counts: bool
+) -> None:
+    # Catches: a lease's age taken without abs() (protocol/leases.py lease_alive): a lease
+    # from a clock that runs ahead, or a forged name, had a negative age and kept the tag
+    # from every deleter for ever.
+    store = Store(tmp_path / "root")
+    commit(store, TAG, 1.0)
+    folder = tmp_path / "root" / TAG
+    ahead = datetime.now(timezone.utc) + timedelta(seconds=ahead_s)
+    lease = lease_file(folder, kind, 1, "other-node", ahead)
+    assert [x.describe() for x in live_leases(store, TAG)] == (
+        ["pid 1 on other-node"] if counts else []
+    )
+    assert lease.exists() is counts  # one that does not count is removed by whoever lists it
+    assert delete_checkpoint(store, TAG) is not counts
 
 
 def test_a_store_that_refuses_the_lease_is_read_without_one(tmp_path: Path) -> None:
