@@ -21,8 +21,23 @@ Invariants (any break is a failure):
   checkpoint is committed on the persistent tier and loads with the digest journalled for
   it ("acknowledged checkpoints lost").
 
+Then a job's two other moments in an outage (issue #43), with Azurite stopped or
+suspended in turn (`LIFE_KINDS`), store calls bounded at `CALL_TIMEOUT_S` and
+`exit_timeout_s=EXIT_TIMEOUT_S` (children: outage_life_child.py):
+
+- restart rounds: a trainer makes global_step1-3 durable, the store goes away, it saves
+  and acknowledges 1-5 more (in RAM only) and is SIGKILLed; it is restarted with the store
+  still away. The restart must resume the newest acknowledged checkpoint (or a newer one
+  saved before the kill but not yet journalled), bit for bit, within `RESTART_BOUND_S`
+  from its start (a new process) to the loaded state; it saves one more; the store comes
+  back, it flushes and exits 0, and what it acknowledged is durable ("restart failures").
+- exit rounds: a script makes global_step1 durable, the store goes away, it saves 1-3
+  more and returns: it must end within `EXIT_BOUND_S` (exit_timeout_s + 5 s) of its
+  script's end, with status 1 and stderr naming the newest checkpoint as not persisted;
+  once the store is back, the next start on the node persists it ("exit failures").
+
 Not for: the single scenarios with their exact assertions (tests/core/test_outage.py,
-tests/azure/test_azure_outage.py).
+tests/azure/test_azure_outage.py, tests/azure/test_azure_outage_life.py).
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -50,6 +66,22 @@ import nebulaml as nm
 BLOCK_S = 1.0  # a save that takes longer blocked training
 KINDS = ("disk", "stopped", "hung")
 DISK_MB = 24
+# The restart and exit rounds (issue #43): Azurite stopped, or suspended ("hung").
+LIFE_KINDS = ("stopped", "hung")
+LIFE_CHILD = Path(__file__).resolve().parent / "outage_life_child.py"
+CALL_TIMEOUT_S = 3  # NEBULA_STORAGE_CALL_TIMEOUT_S of the restart and exit rounds
+EXIT_TIMEOUT_S = 8.0  # their exit_timeout_s
+RESTART_BOUND_S = 10.0  # a restart resumes within it (from its start to the loaded state)
+EXIT_BOUND_S = EXIT_TIMEOUT_S + 5  # a process ending in an outage ends within it
+# What fails one restart or exit round (counted, the next round runs)
+ROUND_ERRORS = (
+    OSError,
+    ValueError,
+    KeyError,
+    IndexError,
+    subprocess.SubprocessError,
+    nm.NebulaError,
+)
 
 TRAINER = """
 import hashlib, json, os, sys, time, torch
@@ -178,11 +210,16 @@ def _tiers(work: Path) -> Iterator[tuple[_Disk, _Store]]:
         store.close()
 
 
-def outage_campaign(work: Path, rounds: int = 30, seed: int = 27, steps: int = 30) -> Figures:
-    """`rounds` training runs, each with one outage of a random kind (`KINDS`, in turn)."""
+def outage_campaign(
+    work: Path, rounds: int = 30, seed: int = 27, steps: int = 30, restarts: int = 10,
+    exits: int = 10,
+) -> Figures:  # fmt: skip
+    """`rounds` training runs, each with one outage of a random kind (`KINDS`, in turn);
+    then `restarts` restart rounds and `exits` exit rounds (`LIFE_KINDS`, in turn)."""
     figures = Figures("outages")
     rng = random.Random(seed)
     work.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, list[float]] = {"restart": [], "restart: init to loaded": [], "exit": []}
     with _tiers(work) as (disk, store):
         for n in range(rounds):
             kind = KINDS[n % len(KINDS)]
@@ -193,8 +230,23 @@ def outage_campaign(work: Path, rounds: int = 30, seed: int = 27, steps: int = 3
                 figures.add("rounds skipped (no Azurite)")
                 continue
             _round(work / f"round{n}", kind, disk, store, rng, steps, figures)
+        for what, count, play in (("restart", restarts, _restart_round),
+                                  ("exit", exits, _exit_round)):  # fmt: skip
+            for n in range(count):
+                if not store.usable:
+                    figures.add(f"{what} rounds skipped (no Azurite)")
+                    continue
+                kind = LIFE_KINDS[n % len(LIFE_KINDS)]
+                play(work / f"{what}{n}", kind, n, store, rng, figures, timings)
     for key in ("acknowledged checkpoints lost", "training steps blocked > 1 s"):
         figures.counts.setdefault(key, 0)
+    for what, count in (("restart", restarts), ("exit", exits)):
+        if count:
+            figures.counts.setdefault(f"{what} failures", 0)
+    for what, took in timings.items():  # restart: from its start to the loaded state
+        if took:
+            figures.counts[f"{what} max (s)"] = round(max(took), 2)
+            figures.counts[f"{what} p50 (s)"] = round(statistics.median(took), 2)
     return figures
 
 
@@ -291,3 +343,203 @@ def _environ(env: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+# Restarts and exits during an outage (issue #43) ----------------------------------------
+def _life_env(work: Path, store: _Store) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEBULA_")}
+    env.update(store.env())
+    env.update(
+        NEBULA_MEMORY_TIER_PATH=str(work / "memory-tier"),
+        NEBULA_STORAGE_CALL_TIMEOUT_S=str(CALL_TIMEOUT_S),
+        NEBULA_EXIT_TIMEOUT_S=str(EXIT_TIMEOUT_S),
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+    )
+    return env
+
+
+def _life(
+    how: str, root: str, journal: Path, env: dict[str, str], *extra: str
+) -> subprocess.Popen[str]:
+    """outage_life_child.py `how`, its stdin, stdout and stderr piped."""
+    command = [sys.executable, "-W", "ignore", str(LIFE_CHILD), how, root, str(journal), *extra]
+    pipe = subprocess.PIPE
+    return warm.Popen(command, env=env, text=True, stdin=pipe, stdout=pipe, stderr=pipe)
+
+
+def _line(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    return proc.stdout.readline().strip()
+
+
+def _tell(proc: subprocess.Popen[str], line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def _end(proc: subprocess.Popen[str]) -> str:
+    """Kill `proc` if it still runs; its stderr."""
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        return proc.communicate(timeout=30)[1][-1500:]
+    except (subprocess.TimeoutExpired, ValueError):
+        return ""
+
+
+def _restart_round(
+    work: Path, kind: str, n: int, store: _Store, rng: random.Random, figures: Figures,
+    timings: dict[str, list[float]],
+) -> None:  # fmt: skip
+    """A trainer saves and makes durable global_step1-3; the store goes away; it saves
+    (and acknowledges) a few more, in RAM only, and is SIGKILLed; it is restarted with the
+    store still away and must resume the newest acknowledged checkpoint, bit for bit,
+    within `RESTART_BOUND_S`; it saves one more; the store comes back, the restart
+    flushes, and what it acknowledged is durable."""
+    from outage_life_child import digest, state
+
+    work.mkdir(parents=True)
+    journal = work / "journal.jsonl"
+    root = f"az://outages/{uuid.uuid4().hex[:10]}"
+    env = _life_env(work, store)
+    acks = rng.randint(1, 5)  # saves acknowledged in the outage before the kill
+    figures.add("restart rounds")
+    figures.add(f"restart rounds: {kind}")
+    first = _life("save", root, journal, env)
+    second = None
+    failed = None
+    try:
+        if (got := _line(first)) != "DURABLE":
+            failed = f"the first trainer said {got!r}: {_end(first)}"
+            return
+        store.down(kind)
+        try:
+            _tell(first, "go")
+            _wait_for(f"save {3 + acks}", lambda: len(_journal(journal)) >= acks or first.poll())
+            first.kill()
+            first.wait(timeout=30)
+            if first.returncode != -signal.SIGKILL:
+                failed = f"the first trainer exited {first.returncode}: {_end(first)}"
+                return
+            acked = _journal(journal)[-1]
+            acked_step = int(acked["step"])  # type: ignore[call-overload]
+            started = time.monotonic()
+            second = _life("resume", root, journal, env)
+            line = _line(second)
+            seconds = time.monotonic() - started
+            try:
+                resumed = json.loads(line)
+            except ValueError:
+                failed = f"the restart said {line!r}: {_end(second)}"
+                return
+            timings["restart"].append(seconds)
+            timings["restart: init to loaded"].append(float(resumed["took_s"]))
+            step = int(str(resumed["tag"]).removeprefix("global_step"))
+            if step == acked_step and resumed["digest"] == acked["digest"]:
+                figures.add("restarts resumed bit-exact")
+            elif step > acked_step and resumed["digest"] == digest(state(step)):
+                figures.add("restarts resumed bit-exact")  # one saved but not yet journalled
+                figures.add("restarts resumed a newer one than acknowledged")
+            else:
+                failed = f"resumed {resumed} after global_step{acked_step} was acknowledged"
+                return
+            if seconds >= RESTART_BOUND_S:
+                failed = f"the restart took {seconds:.1f} s to resume {resumed['tag']}"
+            if (got := _line(second)) != "ACKED":
+                failed = f"the restart said {got!r} after resuming: {_end(second)}"
+                return
+        finally:
+            store.up(kind)
+        _tell(second, "flush")
+        out, err = second.communicate(timeout=180)
+        if second.returncode != 0 or "FLUSHED True" not in out:
+            failed = f"the restart exited {second.returncode}: {out[-300:]} {err[-1500:]}"
+        _check_life(root, _journal(journal)[-1], env, f"restart ({kind})", figures)
+    except ROUND_ERRORS as exc:
+        failed = f"{exc!r}: {_end(first)} {_end(second) if second else ''}"
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                _end(proc)
+        if failed:
+            figures.add("restart failures")
+            figures.failures.append(f"restart ({kind}): {failed}")
+
+
+def _exit_round(
+    work: Path, kind: str, n: int, store: _Store, rng: random.Random, figures: Figures,
+    timings: dict[str, list[float]],
+) -> None:  # fmt: skip
+    """A script made global_step1 durable; the store goes away; it saves 1-3 more (2, 1,
+    3 in turn, each with both kinds: a short tier saves 2) and ends (returns) with the
+    newest unpersisted: it must end within `EXIT_BOUND_S`, with status 1 and a stderr
+    line naming that checkpoint. Once the store is back, the next start on the node
+    persists it."""
+    work.mkdir(parents=True)
+    journal = work / "journal.jsonl"
+    root = f"az://outages/{uuid.uuid4().hex[:10]}"
+    env = _life_env(work, store)
+    figures.add("exit rounds")
+    figures.add(f"exit rounds: {kind}")
+    saves = (2, 1, 3)[n // len(LIFE_KINDS) % 3]
+    figures.add(f"exit rounds saving {saves} in the outage")
+    proc = _life("exit", root, journal, env, str(saves))
+    failed = None
+    try:
+        if (got := _line(proc)) != "READY":
+            failed = f"the script said {got!r}: {_end(proc)}"
+            return
+        store.down(kind)
+        try:
+            _tell(proc, "go")
+            said = _line(proc)
+            started = time.monotonic()
+            if not said.startswith("SAVED "):
+                failed = f"the script said {said!r}: {_end(proc)}"
+                return
+            tag = said.removeprefix("SAVED ")
+            try:
+                _out, err = proc.communicate(timeout=EXIT_BOUND_S + 60)
+            except subprocess.TimeoutExpired:
+                failed = f"still running {EXIT_BOUND_S + 60:.0f} s after its end"
+                return
+            seconds = time.monotonic() - started
+            timings["exit"].append(seconds)
+        finally:
+            store.up(kind)
+        named = f"'{tag}' was not persisted" in err
+        if seconds >= EXIT_BOUND_S or proc.returncode != 1 or not named:
+            failed = f"ended after {seconds:.1f} s, status {proc.returncode}: {err[-1500:]}"
+        else:
+            figures.add("exits with status 1 naming the checkpoint")
+        recover = _life("recover", root, journal, env)
+        out, err = recover.communicate(timeout=180)
+        if recover.returncode != 0 or "FLUSHED True" not in out:
+            failed = failed or f"the next start exited {recover.returncode}: {out} {err[-1500:]}"
+        _check_life(root, _journal(journal)[-1], env, f"exit ({kind})", figures)
+    except ROUND_ERRORS as exc:
+        failed = f"{exc!r}: {_end(proc)}"
+    finally:
+        _end(proc)
+        if failed:
+            figures.add("exit failures")
+            figures.failures.append(f"exit ({kind}): {failed}")
+
+
+def _check_life(
+    root: str, acked: dict[str, object], env: dict[str, str], what: str, figures: Figures
+) -> None:
+    """The newest acknowledged checkpoint is committed on the persistent tier, bit for bit."""
+    from outage_life_child import digest
+
+    tag = f"global_step{acked['step']}"
+    figures.add("acknowledged checkpoints checked")
+    with _environ(env):
+        ckpt = nm.get_checkpoint(tag, root)
+        tiers = [c["tiers"] for c in nm.list_checkpoints(root, hold=False) if c["tag"] == tag]
+        got = digest(ckpt.load("model")) if ckpt is not None else None
+    if not tiers or "persistent" not in tiers[0] or got != acked["digest"]:
+        figures.add("acknowledged checkpoints lost")
+        figures.failures.append(f"{what}: {tag} not durable or not as saved: {tiers} {got}")

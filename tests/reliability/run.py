@@ -31,6 +31,7 @@ from junk import junk_campaign
 from operators import operators_campaign
 from outages import outage_campaign
 from signals import double_signal_campaign
+from soak import soak_campaign
 from stale_roots import stale_root_campaign
 from two_jobs import two_jobs_campaign
 
@@ -96,9 +97,17 @@ def main(argv: list[str] | None = None) -> int:
             ("two jobs", lambda w: two_jobs_campaign(w, 3 if args.quick else 30)),
             ("operators", lambda w: operators_campaign(w, 2 if args.quick else 20)),
             ("clock steps", lambda w: clock_steps_campaign(w, 40 if args.quick else 600)),
-            ("outages", lambda w: outage_campaign(w, 3 if args.quick else 30)),
+            (
+                "outages",
+                lambda w: (
+                    outage_campaign(w, 3, restarts=2, exits=2)
+                    if args.quick
+                    else outage_campaign(w, 30)
+                ),
+            ),
             ("elastic restarts", lambda w: elastic_campaign(w, 3 if args.quick else 30)),
             ("junk", lambda w: junk_campaign(w, 2 if args.quick else 20)),
+            ("soak", lambda w: soak_campaign(w, *((2000, 250) if args.quick else (5000, 1000)))),
             *(
                 (name, lambda w, name=name, path=path: scenario_campaign(name, path, w))
                 for name, path in SCENARIO_FILES
