@@ -1,6 +1,6 @@
 """The import direction of nebulaml's layers (docs/architecture.md), and no import cycle.
 
-    base (errors, _version, config) < format < storage < protocol < runtime < ops
+    base (errors, _version, _threads, config) < format < storage < protocol < runtime < ops
         < the public API (api, checkpoint) < integrations < the package's namespace
 
 A module may import its own layer and the layers below it, never one above: storage never
@@ -23,6 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "core" / "nebulaml"
 LAYERS = {
     "errors": 0,
     "_version": 0,
+    "_threads": 0,
     "config": 0,
     "format": 1,
     "storage": 2,

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from nebulaml._threads import start as start_thread
 from nebulaml.errors import InvalidArgumentError
 
 # Item files: xxh3-64 over the xxh3-64 digests of their 1 MiB pieces, so that several
@@ -165,7 +166,7 @@ def tree_leaves(data: bytes | bytearray | memoryview, workers: int = HASH_WORKER
         for k in range(1, workers)
     ]
     for helper in helpers:
-        helper.start()
+        start_thread(helper)
     try:
         hash_range(bounds[0], bounds[1])
     finally:

@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from nebulaml._threads import start as start_thread
 from nebulaml.runtime.pages import lower_priority
 
 log = logging.getLogger("nebulaml")
@@ -190,7 +191,7 @@ class Crew:
         self._threads = [t for t in self._threads if t.is_alive()]
         while len(self._threads) < self.size:
             thread = threading.Thread(target=self._work, name=self.name, daemon=True)
-            thread.start()
+            start_thread(thread)
             self._threads.append(thread)
 
     def _work(self) -> None:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from nebulaml._threads import start as start_thread
 from nebulaml.format.torchzip import Layout
 
 log = logging.getLogger("nebulaml")
@@ -68,7 +69,7 @@ class SnapshotWorker:
         self._held = 0  # the jobs at the queue's tail that wait (`submit`)
         self.small = SmallCopies()  # the small storages' copies, reused (`take`)
         self._thread = threading.Thread(target=self._run, name="nebula-snapshot", daemon=True)
-        self._thread.start()
+        start_thread(self._thread)
         self._hook: Any = None
 
     def submit(self, job: Callable[[], Any], *, copies: bool, hold: bool = False) -> None:

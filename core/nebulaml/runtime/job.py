@@ -37,6 +37,7 @@ import threading
 import uuid
 from collections.abc import Callable
 
+from nebulaml._threads import start as start_thread
 from nebulaml.config import (
     ENV_ELASTIC_RUN_ID,
     ENV_JOB_ID,
@@ -133,9 +134,12 @@ class JobHold:
         self.lease = lease
         if lease is not None and lease.owner:
             self._thread = threading.Thread(
-                target=self._heartbeat, args=(self._renew_s,), name="nebula-job-hold", daemon=True
+                target=self._heartbeat,
+                args=(self._renew_s,),
+                name="nebula-job-hold",
+                daemon=True,
             )
-            self._thread.start()
+            start_thread(self._thread)
 
     def take_lease(self, tiers: TierSet, ranks: RankInfo) -> None:
         """Hold the persistent root now (it did not answer when the job started: the

@@ -33,6 +33,8 @@ import errno
 import os
 import threading
 
+from nebulaml._threads import start as start_thread
+
 CHUNK_BYTES = 16 << 20  # a thread's unit of work: small enough to share, large per call
 POPULATE_THREADS = 2  # a first save's (snapshot.FILL_WORKERS: the copy's own threads)
 SPARE_NICE = 10  # a spare buffer is populated this much nicer than training
@@ -113,7 +115,7 @@ class Population:
             threads = min(threads, self._chunks - self._taken)  # no helper without work
         helpers = [threading.Thread(target=self.work, daemon=True) for _ in range(threads - 1)]
         for helper in helpers:
-            helper.start()
+            start_thread(helper)
         try:
             self.work()
         finally:

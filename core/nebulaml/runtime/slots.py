@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nebulaml._threads import start as start_thread
 from nebulaml.format.manifest import ItemEntry
 from nebulaml.format.names import SLOTS_DIR, WRITER_PREFIX, WRITERS_DIR, validate_name
 from nebulaml.format.torchzip import Layout
@@ -435,9 +436,14 @@ class SlotPool:
                 if spare is None:
                     continue
                 self._spares[name] = spare
-            threading.Thread(
-                target=self._make_spare, args=(spare,), name=f"nebula-spare-{name}", daemon=True
-            ).start()
+            start_thread(
+                threading.Thread(
+                    target=self._make_spare,
+                    args=(spare,),
+                    name=f"nebula-spare-{name}",
+                    daemon=True,
+                )
+            )
             started.append(name)
         return started
 

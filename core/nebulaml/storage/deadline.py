@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+from nebulaml._threads import start as start_thread
 from nebulaml.errors import StoreTimeoutError
 
 T = TypeVar("T")
@@ -180,7 +181,7 @@ def bounded(
     worker = threading.Thread(target=context.run, args=(run,), name="nebula-store-call",
                               daemon=True)  # fmt: skip
     started = time.monotonic()
-    worker.start()
+    start_thread(worker)
     block_ends = math.inf if block is None else started + block
     while True:
         base = started if progress is None else max(started, progress.last)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from nebulaml._threads import start as start_thread
 from nebulaml.errors import StorageError
 from nebulaml.format.checksum import (
     CHECKSUM_ALGO,
@@ -226,7 +227,7 @@ def _populate_hashing(mapped: mmap.mmap, size: int, algo: str) -> str:
         return upto if upto >= size or not tree else upto - upto % LEAF_BYTES
 
     reader = threading.Thread(target=populate, name="nebula-read", daemon=True)
-    reader.start()
+    start_thread(reader)
     view = memoryview(mapped)
     try:
         hashed = 0

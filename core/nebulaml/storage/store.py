@@ -35,6 +35,7 @@ from typing import Any, BinaryIO, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from nebulaml._threads import quiet
 from nebulaml.config import storage_retry_env
 from nebulaml.errors import CommitConflictError, InvalidArgumentError, NebulaError, StorageError
 from nebulaml.storage import azure_auth
@@ -154,7 +155,9 @@ class Store:
     ) -> Backend:
         """The filesystem `url` names (`self.fs`), and the backend for it."""
         backend_options = {k: v for k, v in options.items() if k not in RETRY_OPTIONS}
-        with translate_errors(redact(url, self._secrets), self._secrets, remote=True):
+        # A network filesystem's event loop (fsspec's thread) and the threads it starts
+        # take no signal meant for the main thread (nebulaml._threads).
+        with translate_errors(redact(url, self._secrets), self._secrets, remote=True), quiet():
             try:
                 if self.is_azure:
                     fs, root = azure_auth.open_filesystem(url, backend_options, os.environ)

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from nebulaml._threads import start as start_thread
 from nebulaml.errors import NebulaError, StorageError, StorageFullError
 from nebulaml.storage.redaction import redact, scrub_exception
 from nebulaml.storage.retry import is_transient
@@ -384,10 +385,13 @@ class _Write:
     ) -> None:
         self._error: BaseException | None = None
         thread = threading.Thread(
-            target=self._run, args=(write_at, piece, offset), name="nebula-write", daemon=True
+            target=self._run,
+            args=(write_at, piece, offset),
+            name="nebula-write",
+            daemon=True,
         )
         try:
-            thread.start()
+            start_thread(thread)
         except RuntimeError:
             self._thread: threading.Thread | None = None
             self._run(write_at, piece, offset)
