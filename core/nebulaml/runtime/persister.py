@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from nebulaml._threads import start as start_thread
 from nebulaml.errors import NebulaError, PersistError, PersistTimeoutError, RankTimeoutError
 from nebulaml.format.manifest import utc_now
 from nebulaml.format.names import order_key, step_of
@@ -151,7 +152,7 @@ class Persister(PersistThread):
         if connect is None and tiers.persistent is not None:
             self._learn(list_committed(tiers.persistent))
         self._thread = threading.Thread(target=self._run, name="nebula-persister", daemon=True)
-        self._thread.start()
+        start_thread(self._thread)
 
     # called by the training thread --------------------------------------------------------
     def set_ranks(self, ranks: RankInfo) -> None:
@@ -445,7 +446,8 @@ class Persister(PersistThread):
     def close(self, timeout_s: float | None = None) -> str | None:
         """Persist what is pending, stop the thread, write the history.
 
-        Returns the tag that could not be persisted within `timeout_s`, else None.
+        Returns the newest tag that could not be persisted within `timeout_s` (the one
+        the memory tier keeps: an older one in flight is superseded by it), else None.
         """
         with self._cond:
             self._stopping = True
@@ -457,7 +459,8 @@ class Persister(PersistThread):
         self.settle_eviction()  # the last commit's, if its thread has not run it yet
         with self._cond:
             if self._thread.is_alive() or self._gave_up:
-                return self._inflight or (self._forced[0] if self._forced else self._pending)
+                left = [t for t in (self._inflight, *self._forced, self._pending) if t]
+                return max(left, key=lambda t: order_key(t, "")) if left else None
         return None
 
     @property

@@ -8,8 +8,9 @@
                                   prints one JSON line (tag, the state's digest, seconds
                                   taken in all and by init), then ends as a script does
     outage_child.py exit URL      global_step1 saved and made durable, "READY"; once told
-                                  on stdin, global_step2 saved, then the script ends with
-                                  it unpersisted
+                                  on stdin, global_step2 and (a second later, its persist
+                                  in flight) global_step3 saved, then the script ends with
+                                  them unpersisted
 
 The credentials come from AZURE_STORAGE_CONNECTION_STRING; `exit_timeout_s` from
 NEBULA_EXIT_TIMEOUT_S.
@@ -65,6 +66,8 @@ def main() -> None:
     sys.stdin.readline()  # the store is away now
     if how == "exit":
         save(2)
+        time.sleep(1)  # global_step2's persist is in flight, hanging or failing
+        save(3)
         print("SAVED", flush=True)
         return
     save(4)
