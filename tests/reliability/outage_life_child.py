@@ -1,5 +1,5 @@
-"""The training script of the outage campaign's restart and exit rounds (outages.py), whose
-store goes away under it (issue #43).
+"""The training script of the outage campaign's restart and exit rounds (outages.py, and
+tests/azure/test_azure_outage_life.py), whose store goes away under it.
 
     outage_life_child.py save ROOT JOURNAL     global_step1-3 saved and made durable,
         "DURABLE"; then, once told on stdin (the store is away), global_step4, 5, ...
@@ -7,7 +7,8 @@ store goes away under it (issue #43).
         returned, until the campaign SIGKILLs the process
     outage_life_child.py resume ROOT JOURNAL   the README's resume: init, the latest
         checkpoint loaded, one JSON line (its tag, the loaded state's digest, the seconds
-        from before init to loaded); then one more step saved and journalled, "ACKED";
+        from before init to loaded, and those init took); then one more step saved and
+        journalled, "ACKED";
         once told "flush" on stdin (the store is back), flushed: "FLUSHED True|False"
     outage_life_child.py exit ROOT JOURNAL N   global_step1 saved and made durable,
         "READY"; once told, global_step2..N+1 saved, "SAVED <tag>", and the script ends
@@ -60,14 +61,15 @@ def main() -> None:
     how, root, journal = sys.argv[1], sys.argv[2], sys.argv[3]
     started = time.monotonic()
     nm.init(root, persistent_time_interval=0, num_of_version_in_retention=2)
+    init_s = time.monotonic() - started
     if how == "resume":
         latest = nm.get_latest_checkpoint()
         assert latest is not None, "no checkpoint found"
         with latest:
             loaded = latest.load("model")
         took = time.monotonic() - started
-        print(json.dumps({"tag": latest.tag, "digest": digest(loaded), "took_s": took}),
-              flush=True)  # fmt: skip
+        print(json.dumps({"tag": latest.tag, "digest": digest(loaded), "took_s": took,
+                          "init_s": init_s}), flush=True)  # fmt: skip
         _save(int(loaded["step"]) + 1, journal)  # training goes on, in RAM only
         print("ACKED", flush=True)
         if sys.stdin.readline().strip() == "flush":
