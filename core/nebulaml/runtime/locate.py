@@ -161,10 +161,10 @@ def newest_first(tiers: TierSet) -> list[list[tuple[str, CheckpointInfo]]]:
         answered(store)
         for info in listed:
             found.setdefault(info.tag, []).append((tier, info))
-    for exc in unsupported:
-        if not any(copies for tag, copies in found.items() if f"/{tag}/" in exc.where):
-            raise exc
-        log.warning("%s; using another tier's copy", exc)
+    for damaged in unsupported:
+        if not any(copies for tag, copies in found.items() if f"/{tag}/" in damaged.where):
+            raise damaged
+        log.warning("%s; using another tier's copy", damaged)
     return sorted(found.values(), key=lambda copies: copies[0][1].sort_key, reverse=True)
 
 

@@ -160,15 +160,16 @@ def bounded(
                 f"{_name(what)}: the store has not answered {MAX_UNANSWERED} earlier calls yet"
             )
     done = threading.Event()
-    box: list[object] = []
+    answer: list[T] = []  # what fn returned, or
+    failure: list[BaseException] = []  # what it raised
     abandoned = False
 
     def run() -> None:
         nonlocal abandoned
         try:
-            box.append((True, fn()))
+            answer.append(fn())
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            box.append((False, exc))
+            failure.append(exc)
         finally:
             with _unanswered_lock:
                 done.set()
@@ -200,10 +201,9 @@ def bounded(
         raise StoreTimeoutError(
             f"{_name(what)}: no answer from the store{quiet} within {waited:.1f} s"
         )
-    ok, value = box[0]  # type: ignore[misc]
-    if ok:
-        return value  # type: ignore[no-any-return]
-    raise value  # type: ignore[misc]
+    if failure:
+        raise failure[0]
+    return answer[0]
 
 
 def _name(what: str | Callable[[], str]) -> str:
