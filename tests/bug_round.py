@@ -68,7 +68,7 @@ BUGS = (
     ),
     Bug(
         "a reserved sequence is taken when it ties the floor",
-        "core/nebulaml/protocol/commit.py",
+        "core/nebulaml/protocol/sequence.py",
         "if sequence > floor and self.store.file_identity(SEQUENCE_FILE) == identity:",
         "if sequence >= floor and self.store.file_identity(SEQUENCE_FILE) == identity:",
         ("tests/core/test_commit.py",),

@@ -12,17 +12,12 @@ import torch
 import nebulaml as nm
 from nebulaml.format.names import SEQUENCE_FILE, writer_marker_name
 from nebulaml.protocol.catalog import list_committed, read_committed, read_sequence_file
-from nebulaml.protocol.commit import (
-    SequenceReservation,
-    begin_tag,
-    commit_rank,
-    reserve_sequence,
-    write_item,
-)
+from nebulaml.protocol.commit import begin_tag, commit_rank, write_item
 from nebulaml.protocol.delete import delete_checkpoint, delete_checkpoints
 from nebulaml.protocol.leases import hold_tag, is_lease_file
 from nebulaml.protocol.markers import writer_record
 from nebulaml.protocol.recovery import list_incomplete
+from nebulaml.protocol.sequence import SequenceReservation, reserve_sequence
 from nebulaml.protocol.transfer import copy_part
 from nebulaml.storage.store import Store
 

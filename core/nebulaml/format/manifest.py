@@ -107,7 +107,7 @@ class Manifest:
 
     `sequence` orders checkpoints whose tags name no step, or the same one, without a
     clock: at its commit on a root a checkpoint gets 1 + the highest sequence there
-    (protocol/commit.py), and a copy keeps it unless the destination already holds a
+    (protocol/sequence.py), and a copy keeps it unless the destination already holds a
     higher one (protocol/transfer.py). 0: none recorded (a schema 1 manifest), older than
     any that has one. `committed_at` is for people, and only the last tie-break.
 

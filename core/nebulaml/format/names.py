@@ -40,7 +40,7 @@ LEASE_PREFIX = ".lease-"  # a reader's lease or a deleter's claim (protocol/leas
 ROOT_ID_FILE = ".nebula-root-id.json"  # in a persistent root: its identity (memory_tier.py)
 ROOT_INFO_FILE = ".nebula-root.json"  # in a memory tier: which root it belongs to
 SEQUENCE_FILE = ".nebula-sequence.json"  # in every tier: the highest commit sequence
-# reserved there (protocol/commit.py: `reserve_sequence`), so a commit never reads every
+# reserved there (protocol/sequence.py: `reserve_sequence`), so a commit never reads every
 # manifest
 HOLD_FILE = ".nebula-hold"  # in a memory tier: share-locked by every live session
 RANK_LOCK_PREFIX = ".nebula-rank-"  # in a memory tier: `<rank>.lock`, locked by the live

@@ -1,6 +1,7 @@
 """Layer 3, `protocol`: the rules that make a checkpoint on a store safe to share.
 
-Holds: listing what is committed (catalog), the commit protocol (commit), copying between
+Holds: listing what is committed (catalog), the commit protocol (commit), reserving a
+commit's sequence, its place in "newest" order (sequence), copying between
 tiers (transfer), what a persist takes from an item's previous version (reuse), deleting
 (delete), rank and writer markers (markers), what a crash leaves
 and what may be cleared (recovery), read leases, handles' holds and delete claims (leases),

@@ -365,7 +365,7 @@ def _read_each(
 
 def highest_sequence(store: Store) -> int:
     """The highest commit sequence reserved on `store` (0: none): a commit there takes
-    the next one (commit.py's `reserve_sequence`).
+    the next one (sequence.py's `reserve_sequence`).
 
     Read from the tier's `SEQUENCE_FILE`, one small read however many checkpoints the
     tier holds; only where it is missing or unreadable (a tier an older nebula wrote, or

@@ -8,8 +8,8 @@
     commit_rank       publish this rank's marker; the manifest once every writing rank's
                       is there (all ranks, or those the checkpoint names), of one generation
     await_commit      wait until those markers are there and the manifest published
-    publish_manifest  the manifest from the writing ranks' markers (create-only)
-    SequenceReservation  a writer's next commit sequence, recorded between its commits
+    publish_manifest  the manifest from the writing ranks' markers (create-only), with
+                      the commit sequence sequence.py reserves
 
 A checkpoint's parts are written by every rank of the job, or by the ranks it names
 (`ranks`: the markers and the manifest record them); each part carries the generation of
@@ -21,19 +21,16 @@ The same protocol with items copied from another tier is transfer.py; deleting i
 delete.py.
 
 May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, catalog.py,
-delete.py, leases.py and markers.py. Not for: deciding when to commit or persist
-(checkpoint.py and persister.py decide), copying (transfer.py) or deleting (delete.py).
+delete.py, leases.py, markers.py and sequence.py. Not for: deciding when to commit or
+persist (checkpoint.py and persister.py decide), reserving a commit's sequence
+(sequence.py), copying (transfer.py) or deleting (delete.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import json
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,7 +44,6 @@ from nebulaml.errors import (
     NebulaError,
     RankGoneError,
     RankTimeoutError,
-    StorageError,
 )
 from nebulaml.format.checksum import HashingWriter
 from nebulaml.format.manifest import (
@@ -62,7 +58,6 @@ from nebulaml.format.manifest import (
 )
 from nebulaml.format.names import (
     MANIFEST_NAME,
-    SEQUENCE_FILE,
     WRITER_PREFIX,
     marker_name,
     step_of,
@@ -70,12 +65,7 @@ from nebulaml.format.names import (
     writer_marker_name,
 )
 from nebulaml.format.serialization import write_item as serialise
-from nebulaml.protocol.catalog import (
-    highest_sequence,
-    read_committed,
-    read_sequence_file,
-    scan_sequence,
-)
+from nebulaml.protocol.catalog import read_committed
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.leases import live_leases
 from nebulaml.protocol.markers import (
@@ -85,6 +75,7 @@ from nebulaml.protocol.markers import (
     writer_alive,
     writer_record,
 )
+from nebulaml.protocol.sequence import SequenceReservation, reserve_sequence
 from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
@@ -439,110 +430,6 @@ def squatter_removed(store: Store, tag: str) -> bool:
         store.display(tag, MANIFEST_NAME),
     )
     return True
-
-
-def reserve_sequence(store: Store, floor: int = 0) -> int:
-    """The commit sequence of a manifest about to be published on `store`: 1 + the
-    highest reserved there (catalog.highest_sequence) or `floor`, whichever is higher,
-    recorded in the tier's `SEQUENCE_FILE` before the manifest is published (a commit
-    that dies between the two leaves a gap, never a number used twice by one writer).
-
-    Two commits on one tier at the same instant may take the same number, as they could
-    when the number came from reading every manifest; names.order_key then orders them
-    by commit time and tag.
-
-    Example:
-        >>> import tempfile
-        >>> store = Store(tempfile.mkdtemp())
-        >>> reserve_sequence(store), reserve_sequence(store), reserve_sequence(store, 10)
-        (1, 2, 11)
-    """
-    sequence = 1 + max(floor, highest_sequence(store))
-    _record_sequence(store, sequence)
-    return sequence
-
-
-def note_sequence(store: Store, sequence: int) -> None:
-    """Record that a manifest of `sequence` is about to be published on `store` (a copy
-    keeps its source's number): the tier's `SEQUENCE_FILE` never goes below it."""
-    recorded = read_sequence_file(store)
-    if recorded is None:
-        recorded = scan_sequence(store)  # once: the file is written below
-    elif recorded >= sequence:
-        return
-    _record_sequence(store, max(recorded, sequence))
-
-
-class SequenceReservation:
-    """One writer's next commit sequence on `store`, recorded in `SEQUENCE_FILE` ahead of
-    its commit, so that the commit itself neither reads nor writes that file.
-
-    After a commit, `reserve_after(used)` records the next number (1 + the highest the
-    file or `used` holds), off the training thread, and remembers the file's identity
-    (inode, size, time: `Store.file_identity`). The next commit `take`s it if the file
-    is still the one it wrote: any other writer's reservation replaces the file (a
-    `publish` renames a new one into place), and then `take` reserves afresh, as
-    `reserve_sequence` does. The file holds the number before a manifest takes it, as
-    ever; a reservation no commit takes leaves a gap, as a commit that dies does.
-
-    Example:
-        >>> import tempfile
-        >>> store = Store(tempfile.mkdtemp())
-        >>> reservation = SequenceReservation(store)
-        >>> first = reservation.take(0)        # nothing reserved yet: reserved now
-        >>> reservation.reserve_after(first)   # the next one, between saves
-        >>> first, reservation.take(0), reserve_sequence(store)
-        (1, 2, 3)
-    """
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self._lock = threading.Lock()
-        self._next: tuple[int, tuple[int, int, int]] | None = None  # (sequence, identity)
-
-    def take(self, floor: int = 0) -> int:
-        """The sequence of a manifest about to be published on the store: the one
-        reserved ahead when the file still holds it and it is above `floor`, else one
-        reserved now (`reserve_sequence`)."""
-        with self._lock:
-            ahead, self._next = self._next, None
-        if ahead is not None:
-            sequence, identity = ahead
-            if sequence > floor and self.store.file_identity(SEQUENCE_FILE) == identity:
-                return sequence
-        return reserve_sequence(self.store, floor)
-
-    def reserve_after(self, used: int) -> None:
-        """Record the sequence after `used` (or after the highest reserved, if higher)
-        for this writer's next commit."""
-        sequence = reserve_sequence(self.store, used)
-        identity = self.store.file_identity(SEQUENCE_FILE)
-        if identity is not None:  # an object store has none: its commits reserve
-            with self._lock:
-                self._next = (sequence, identity)
-
-
-def _record_sequence(store: Store, sequence: int) -> None:
-    """Write `SEQUENCE_FILE`. The file only saves reading every manifest: one that cannot
-    be written (something else planted in its place, a folder, a FIFO) never fails the
-    commit; it is removed if it can be, and a reader that finds no readable file scans."""
-    doc = {"sequence": sequence}
-    try:
-        store.publish((SEQUENCE_FILE,), json.dumps(doc).encode(), create_only=False)
-    except StorageError as exc:
-        cause = exc.__cause__
-        planted = isinstance(cause, OSError) and cause.errno in _NOT_A_FILE
-        if not planted:
-            raise  # a full disk, a store down: the commit fails as its manifest would
-        log.warning("could not record the commit sequence in %s (reading every manifest "
-                    "instead): %s", store.display(SEQUENCE_FILE), exc)  # fmt: skip
-        with contextlib.suppress(StorageError):
-            store.remove(SEQUENCE_FILE)  # a stale regular file must not be believed
-
-
-# What keeps SEQUENCE_FILE from being replaced by a rename: something else in its place.
-_NOT_A_FILE = frozenset({errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.ELOOP,
-                         errno.ENXIO})  # fmt: skip
 
 
 def read_markers(

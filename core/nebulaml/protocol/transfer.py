@@ -46,13 +46,13 @@ from nebulaml.protocol.catalog import CheckpointInfo, highest_sequence, read_com
 from nebulaml.protocol.commit import (
     await_commit,
     begin_tag,
-    note_sequence,
     publish_manifest,
     publish_new_manifest,
     read_markers,
 )
 from nebulaml.protocol.markers import describe_writer, read_writers, writer_alive, writer_record
 from nebulaml.protocol.reuse import ReuseBook, plan_item
+from nebulaml.protocol.sequence import note_sequence
 from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")

@@ -28,7 +28,7 @@ from nebulaml.errors import NebulaError, NotInitializedError, RootInUseError
 from nebulaml.format.manifest import RankMarker
 from nebulaml.format.names import order_key
 from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed
-from nebulaml.protocol.commit import SequenceReservation, read_markers
+from nebulaml.protocol.commit import read_markers
 from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.memory_tier import (
     RankPresence,
@@ -37,6 +37,7 @@ from nebulaml.protocol.memory_tier import (
     release_memory_tier,
 )
 from nebulaml.protocol.recovery import discard_stale_parts, remove_dead_writers
+from nebulaml.protocol.sequence import SequenceReservation
 from nebulaml.protocol.tiers import TierSet, claim_tiers, tighten_root
 from nebulaml.runtime.budget import MemoryBudget
 from nebulaml.runtime.closing import releasable
