@@ -1,13 +1,28 @@
 """Saving a checkpoint: `Checkpoint.save` and `Checkpoint.commit`'s pipeline, one rank's.
 
-A save begins the tag in the memory tier (its writer marker), then writes each item there:
-into a reused buffer when its layout maps exactly (snapshot.py, slots.py), else with
-torch.save. Once the checkpoint does not fit the memory tier (its budget or its
-filesystem: budget.py) it is *streamed*: written and committed on the persistent tier
-directly, the items saved so far copied over first. A lazy save (fence.py) queues the
-copy on the snapshot worker and returns at once. The commit publishes this rank's part
-(commit.commit_rank), waits for the other ranks' on a shared memory tier, and hands the
-tag to the persister with the history row of the save.
+The pipeline reads in two methods, each step named as in runtime/steps.py (and traced):
+
+    SaveJob.add (each item)   begin     the tag's folder in the memory tier, this rank's
+                                        writer marker in it (_begin)
+                              claim     the item's name, when ranks share the folder
+                              room      room in the memory tier (budget.py), else the
+                                        checkpoint moves to the persistent tier
+                                        (_move_to_persistent_tier: the items so far
+                                        copied there, and the rest written there)
+                              snapshot  the bytes copied: into a reused buffer when the
+                                        layout maps exactly (snapshot.py, slots.py), else
+                                        with torch.save
+    SaveJob.commit            publish   this rank's part (commit.commit_rank); the last
+                                        part publishes the manifest
+                              await ranks  the other ranks' parts, on a shared memory tier
+                              record    the writer marker dropped, the history row made
+                              hand over the persister told (persister.notify_committed);
+                                        after the eviction it runs, the next save is
+                                        prepared (_prepare_next_save)
+
+A lazy save (fence.py) runs `room` and `snapshot` on the snapshot worker and returns at
+once. What follows the hand-over (persist, retain, evict, history) runs on the
+persister's thread.
 
 May import: every layer below runtime, and the runtime modules a save uses (session,
 budget, crew, fence, slots, snapshot). Not for: the user's checks on the handle (checkpoint.py),
@@ -18,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nebulaml.errors import (
@@ -50,6 +66,7 @@ from nebulaml.runtime.fence import Taken
 from nebulaml.runtime.session import Session
 from nebulaml.runtime.slots import write_snapshot
 from nebulaml.runtime.snapshot import Layout, cuda_ready_event
+from nebulaml.runtime.steps import trace
 from nebulaml.runtime.unchanged import start_audits
 from nebulaml.storage.store import Store
 
@@ -117,23 +134,15 @@ class SaveJob:
             self._add(session, name, obj, t0)
 
     def _add(self, session: Session, name: str, obj: Any, t0: float) -> None:
-        if session.snapshots is not None:
-            session.snapshots.raise_error()  # an earlier lazy save's failure, once
-        writers = self.writers(session)
-        if session.rank not in writers:
-            raise InvalidArgumentError(
-                f"rank {session.rank} saves item {name!r} into checkpoint {self.tag!r}, which "
-                f"rank(s) {', '.join(map(str, writers))} write (ranks=); only those save "
-                f"into it, and the other ranks need not call anything"
-            )
+        """The save of one item: its steps, in order (steps.SAVE)."""
+        self._check_rank(session, name)
         if not self._begun:
+            trace("begin", self.tag)
             self._begin(session, t0)
-        shared = len(writers) > 1 and session.ranks.local_world_size > 1
-        if shared and not self._memory_full and self._store is session.tiers.memory:
-            # Other ranks write this tag folder too: claim the name first, so that two
-            # ranks never write one item (ItemCollisionError, naming both).
+        if self._shares_folder(session):
+            trace("claim", self.tag)
             claim_item(
-                self._store,
+                session.tiers.memory,
                 self.tag,
                 name,
                 rank=session.rank,
@@ -142,31 +151,54 @@ class SaveJob:
             )
         self.names.append(name)
         if session.snapshots is None:
-            self.items.append(self._write(session, name, obj))
+            self.items.append(self._write(session, name, obj))  # room, snapshot
         else:
-            # Lazy: the copy (hashed on the way) runs in the background; the fence before
-            # optimizer.step() waits for it. The state dicts are taken now, and the small
-            # tensors copied; the large ones are read later, and must not have changed.
-            saveable = to_saveable(obj)
-            small = session.snapshots.small
-            taken = small.take(name, saveable)
-            ready = cuda_ready_event(saveable)
-
-            def copy() -> None:
-                try:
-                    entry = self._write(session, name, saveable, ready, taken)
-                    changed = taken.changed()
-                    if changed:
-                        raise SnapshotChangedError(self.tag, name, changed)
-                    self.items.append(entry)
-                except BaseException as exc:
-                    self._lazy_error = exc  # the checkpoint is incomplete: never committed
-                    raise
-                finally:
-                    small.give_back(name, taken)
-
-            session.snapshots.submit(copy, copies=True, hold=True)  # until the commit
+            self._write_lazily(session, name, obj)  # room, snapshot: in the background
         self._blocking_s += time.perf_counter() - t0
+
+    def _check_rank(self, session: Session, name: str) -> None:
+        """An earlier lazy save's failure is raised (once); a rank this checkpoint does not
+        name may not save into it."""
+        if session.snapshots is not None:
+            session.snapshots.raise_error()
+        writers = self.writers(session)
+        if session.rank not in writers:
+            raise InvalidArgumentError(
+                f"rank {session.rank} saves item {name!r} into checkpoint {self.tag!r}, which "
+                f"rank(s) {', '.join(map(str, writers))} write (ranks=); only those save "
+                f"into it, and the other ranks need not call anything"
+            )
+
+    def _shares_folder(self, session: Session) -> bool:
+        """Other ranks write this tag's memory-tier folder too: each item name is claimed
+        first, so that two ranks never write one item (ItemCollisionError, naming both)."""
+        shared = len(self.writers(session)) > 1 and session.ranks.local_world_size > 1
+        return shared and not self._memory_full and self._store is session.tiers.memory
+
+    def _write_lazily(self, session: Session, name: str, obj: Any) -> None:
+        """Lazy: the copy (hashed on the way) runs in the background; the fence before
+        optimizer.step() waits for it. The state dicts are taken now, and the small tensors
+        copied; the large ones are read later, and must not have changed."""
+        assert session.snapshots is not None
+        saveable = to_saveable(obj)
+        small = session.snapshots.small
+        taken = small.take(name, saveable)
+        ready = cuda_ready_event(saveable)
+
+        def copy() -> None:
+            try:
+                entry = self._write(session, name, saveable, ready, taken)
+                changed = taken.changed()
+                if changed:
+                    raise SnapshotChangedError(self.tag, name, changed)
+                self.items.append(entry)
+            except BaseException as exc:
+                self._lazy_error = exc  # the checkpoint is incomplete: never committed
+                raise
+            finally:
+                small.give_back(name, taken)
+
+        session.snapshots.submit(copy, copies=True, hold=True)  # until the commit
 
     def commit(self, session: Session) -> bool:
         """Commit now, or (lazy) once the queued copies are done; returns True."""
@@ -226,30 +258,43 @@ class SaveJob:
         ready: Any = None,
         taken: Taken | None = None,
     ) -> ItemEntry:
-        """Write one item: into a reused memory-tier buffer when its layout maps exactly
-        (snapshot.py), else with torch.save; to the persistent tier once this checkpoint
-        does not fit the memory tier (its budget or its filesystem: budget.py). The copy
-        is done when this returns (`obj` may change); returns the item's entry. A lazy
-        save's small storages are read from what it took at the save (fence.py)."""
+        """Write one item (steps `room`, then `snapshot`): into a reused memory-tier
+        buffer when its layout maps exactly (snapshot.py), else with torch.save; to the
+        persistent tier once this checkpoint does not fit the memory tier (its budget or
+        its filesystem: budget.py). The copy is done when this returns (`obj` may
+        change); returns the item's entry. A lazy save's small storages are read from what
+        it took at the save (fence.py)."""
+        trace("room", self.tag)
+        layout, size = self._make_room(session, name, obj)
+        trace("snapshot", self.tag)
         if self._store is session.tiers.memory:
-            layout = session.layouts.plan(name, obj)
-            size = layout.size_bytes if layout is not None else estimate_bytes(obj)
-            short: Shortfall | None
-            if self._memory_full:
+            try:
+                return self._write_memory(session, name, obj, layout, ready, taken)
+            except StorageFullError:
+                # Another process took the room meanwhile: as if there had been none.
                 short = session.budget.filesystem_full(size)
-            else:
-                short = session.budget.make_room(name, size)
-            if short is None:
-                try:
-                    return self._write_memory(session, name, obj, layout, ready, taken)
-                except StorageFullError:
-                    # Another process took the room meanwhile: as if there had been none.
-                    short = session.budget.filesystem_full(size)
-            self._stream(session, f"item {name!r}", short)
+                self._move_to_persistent_tier(session, f"item {name!r}", short)
         assert self._store is not None
         if taken is not None:
             obj = taken.substitute(obj)
         return write_item(self._store, self.tag, name, obj, rank=session.rank)
+
+    def _make_room(self, session: Session, name: str, obj: Any) -> tuple[Layout | None, int]:
+        """Room for item `name` in the memory tier (budget.py: free buffers, evicted
+        copies); where there is none, the checkpoint moves to the persistent tier. Returns
+        the item's layout (None: torch.save writes it) and size."""
+        if self._store is not session.tiers.memory:
+            return None, 0  # moved already: written to the persistent tier
+        layout = session.layouts.plan(name, obj)
+        size = layout.size_bytes if layout is not None else estimate_bytes(obj)
+        short: Shortfall | None
+        if self._memory_full:
+            short = session.budget.filesystem_full(size)
+        else:
+            short = session.budget.make_room(name, size)
+        if short is not None:
+            self._move_to_persistent_tier(session, f"item {name!r}", short)
+        return layout, size
 
     def _write_memory(
         self,
@@ -271,7 +316,7 @@ class SaveJob:
         self._reused += session.pool.reused_bytes - before  # what the buffer held already
         return entry
 
-    def _stream(self, session: Session, what: str, short: Shortfall) -> None:
+    def _move_to_persistent_tier(self, session: Session, what: str, short: Shortfall) -> None:
         """Move this checkpoint to the persistent tier, since `what` (an item, or the
         commit's records) does not fit the memory tier (`short`): it is written and
         committed there directly, the items saved so far copied over first. Says so once:
@@ -354,16 +399,19 @@ class SaveJob:
             delete_checkpoint(store, self.tag, discard=session.pool.recycle if memory else None)
 
     def _commit_now(self, session: Session) -> bool:
+        """The commit of this rank's part: its steps, in order (steps.COMMIT)."""
         t0 = time.perf_counter()
         if not self._begun:
             if session.world_size == 1 or session.rank not in self.writers(session):
                 return True  # nothing saved, nothing to commit (or not this rank's)
             # Every writing rank's part makes the checkpoint, also the empty part of a
             # rank that saved nothing (DeepSpeed calls commit() on every rank).
+            trace("begin", self.tag)
             self._begin(session, t0)
         if self._store is not None and self._store is session.tiers.persistent:
             return self._commit_streamed(session, t0)
         memory = session.tiers.memory
+        trace("publish", self.tag)
         try:
             manifest = self._commit_part(session, memory)
         except StorageFullError:
@@ -371,13 +419,14 @@ class SaveJob:
                 raise
             # No room left for the manifest (another process took it): commit it there.
             short = session.budget.filesystem_full(RECORDS_ROOM_BYTES)
-            self._stream(session, "its manifest", short)
+            self._move_to_persistent_tier(session, "its manifest", short)
             return self._commit_streamed(session, t0)
         # A part that committed the tag removed its writer marker with the commit.
         marker_left = manifest is None
         if manifest is None and session.ranks.all_local:
             # The other ranks share this memory tier: wait (bounded) until their parts
             # are there and the checkpoint is committed, so that it loads on every rank.
+            trace("await ranks", self.tag)
             manifest = await_commit(
                 memory,
                 self.tag,
@@ -387,26 +436,37 @@ class SaveJob:
                 timeout_s=session.config.rank_timeout_s,
                 sequence_floor=session.persister.sequence_floor(memory),
             )
+        trace("record", self.tag)
         row = self._finish_commit(session, memory, "memory", t0, marker_left=marker_left)
         # This rank's part is committed (on a node without the other ranks, the memory
         # tier never holds the whole): it is what this rank's persister copies.
-        # The next save's buffers, made while training runs (the cold start: slots.py),
-        # once the copies this commit supersedes are evicted (their buffers are reused).
-        items = list(self.items)
-        # And the commit sequence of this process's next commit on the memory tier.
+        trace("hand over", self.tag)
         used = manifest.sequence if manifest is not None and not marker_left else None
+        session.persister.notify_committed(
+            self.tag,
+            row,
+            labels=self.labels,
+            leader=min(self.writers(session)),
+            then=self._prepare_next_save(session, used),
+        )
+        return True
 
-        def then() -> None:
+    def _prepare_next_save(self, session: Session, used: int | None) -> Callable[[], None]:
+        """What the persister runs once it has evicted the copies this commit supersedes
+        (their buffers are reused): the next save's buffers made while training runs (the
+        cold start: slots.py), and the commit sequence of this process's next commit on
+        the memory tier reserved after `used`, the one this commit took (None: another
+        rank's commit published the manifest)."""
+        items = list(self.items)
+
+        def prepare_next_save() -> None:
             try:
                 session.pool.prepare(items, fits=session.budget.spare_fits)
             finally:
                 if used is not None:
                     session.sequences.reserve_after(used)
 
-        session.persister.notify_committed(
-            self.tag, row, labels=self.labels, leader=min(self.writers(session)), then=then
-        )
-        return True
+        return prepare_next_save
 
     def _commit_part(self, session: Session, store: Store) -> Manifest | None:
         """Publish this rank's part of the tag on `store` (commit.commit_rank): the
@@ -426,10 +486,15 @@ class SaveJob:
         )
 
     def _commit_streamed(self, session: Session, t0: float) -> bool:
+        """The commit of a checkpoint moved to the persistent tier: it is durable once
+        published (persister.notify_streamed records it, and retires older copies)."""
         persistent = session.tiers.persistent
         assert persistent is not None
+        trace("publish", self.tag)
         self._commit_part(session, persistent)
+        trace("record", self.tag)
         row = self._finish_commit(session, persistent, "persistent", t0)
+        trace("hand over", self.tag)
         session.persister.notify_streamed(self.tag, row, leader=session.rank)
         return True
 
