@@ -198,10 +198,15 @@ def list_incomplete(persist_path: PathLike | None = None) -> list[dict[str, Any]
 def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | None:
     """The newest committed checkpoint on any tier, or None.
 
-    "Newest" orders by the number after `global_step`, then by commit time. The handle
-    holds the checkpoint (leases.py): retention, prune and eviction keep it until it is
-    released (`Checkpoint.release()`, or `with` the handle) or its hold expires, 60 s
-    after its last load.
+    "Newest" is the one order of checkpoints everywhere (format/names.py `order_key`):
+    the step the tag names (the number after `global_step`, or Lightning's `step=`; a tag
+    without one is older than any with one), then the checkpoint's commit sequence on its
+    root (clock-free: a clock stepped back or ahead reorders nothing), then its commit time
+    (a tie-break only), then the tag; of a tag's copies, the fastest tier's decides.
+
+    The handle holds the checkpoint (leases.py): retention, prune and eviction keep it
+    until it is released (`Checkpoint.release()`, or `with` the handle) or its hold
+    expires, 60 s after its last load.
 
     Example:
         >>> import nebulaml as nm, tempfile

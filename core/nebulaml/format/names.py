@@ -7,7 +7,7 @@ own files (the manifest, markers, leases, a root's identity, a memory tier's hol
 pool, appended segments) are named here, the lowest layer, so that every layer that needs
 one imports its spelling; what each means is told by the module that writes it.
 
-Not for: paths or URLs of roots (storage.py owns those).
+Not for: paths or URLs of roots (storage/store.py's `Store` owns those).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ Example:
     True
 
 May import: every layer below (`errors`, `format`, `storage`, `protocol`, `runtime`).
-Not for: the public API (api.py imports from here, never the other way).
+Not for: the training API (api.py, checkpoint.py: the layer above, which ops never
+imports; the package's namespace re-exports ops, and integrations/deepspeed.py uses it).
 """
 
 from nebulaml.ops.advice import (

@@ -12,7 +12,7 @@ budget is set. A file is only ever written in place while it is in no committed
 checkpoint: it left its old tag through the delete protocol (manifest first) before it
 came here.
 
-Longer than the layout's ~400 lines: the pool's files, this process's mappings of them and
+One module, though a long one: the pool's files, this process's mappings of them and
 the spares prepared in the background share one lock and one set of invariants (a file is
 mapped, free, or in a checkpoint, never two at once).
 
@@ -28,8 +28,11 @@ the third save on, evicted checkpoints' files come back as before.
 It also keeps each live process's writer marker file (`<memory root>/.writers/`), which
 a save links into the tag it begins (protocol.commit.begin_tag) instead of writing one.
 
-This module and storage.py are the only ones that touch files; it deals only with the
-memory tier, which is always a local folder.
+A tier's files are reached through storage/ (`Store` and its backends), except where a
+descriptor of one's own is needed (`os.open`): this module opens and maps the pool's files,
+protocol/memory_tier.py opens the tier's hold file, protocol/holds.py a job's claim lock on
+the tier, and protocol/cowriters.py a copy's lock on its destination tag. This module deals
+only with the memory tier, which is always a local folder.
 
 Not for: what goes into a buffer (snapshot.py) or when a checkpoint is evicted
 (persister.py).
@@ -58,8 +61,9 @@ from nebulaml.protocol.markers import writer_record
 from nebulaml.runtime.pages import Population, lower_priority, populate
 from nebulaml.runtime.snapshot import fill
 from nebulaml.runtime.unchanged import BufferMemory
+from nebulaml.storage.failures import translate_errors
+from nebulaml.storage.mapped_reads import claim_unused
 from nebulaml.storage.store import Store
-from nebulaml.storage.streams import claim_unused, translate_errors
 
 log = logging.getLogger("nebulaml")
 
