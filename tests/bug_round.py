@@ -48,7 +48,7 @@ class Bug:
 BUGS = (
     Bug(
         "a persisted data file is not fsynced",
-        "core/nebulaml/storage/streams.py",
+        "core/nebulaml/storage/local_files.py",
         "        if self._durable:\n            os.fsync(self._fd)\n        fd, self._fd = ",
         "        fd, self._fd = ",
         ("tests/core/test_durability.py",),
@@ -103,7 +103,7 @@ BUGS = (
     ),
     Bug(
         "a memory-tier file is made 0644, not 0600",
-        "core/nebulaml/storage/streams.py",
+        "core/nebulaml/storage/local_files.py",
         "PRIVATE_FILE_MODE = 0o600",
         "PRIVATE_FILE_MODE = 0o644",
         ("tests/core/test_memory_tier.py",),

@@ -1,4 +1,4 @@
-"""Persist writes (`Store.write_view`, storage_io.DirectFile): the bytes land whole, with
+"""Persist writes (`Store.write_view`, local_files.DirectFile): the bytes land whole, with
 any tail, through O_DIRECT where the filesystem allows it (so a persist leaves nothing in
 the page cache), buffered where it does not (tmpfs), and a failure leaves no file."""
 
@@ -14,9 +14,9 @@ import pytest
 
 from benchmarks.measure import resident_fraction
 from nebulaml.errors import StorageError
-from nebulaml.storage import streams as storage_io
+from nebulaml.storage import view_writes
+from nebulaml.storage.local_files import DIRECT_ALIGN, DirectFile
 from nebulaml.storage.store import Store
-from nebulaml.storage.streams import DIRECT_ALIGN, DirectFile
 
 PIECE = 16 * DIRECT_ALIGN
 
@@ -43,7 +43,7 @@ def _direct_allowed(folder: Path) -> bool:
 
 @pytest.fixture(autouse=True)
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage_io, "VIEW_CHUNK_BYTES", PIECE)  # several pieces per file
+    monkeypatch.setattr(view_writes, "VIEW_CHUNK_BYTES", PIECE)  # several pieces per file
 
 
 @pytest.mark.parametrize("size", [1, DIRECT_ALIGN - 1, DIRECT_ALIGN, 3 * PIECE + 5])

@@ -105,7 +105,7 @@ def _strace() -> str:
 def test_every_data_file_and_its_folder_are_fsynced_before_the_manifest_appears(
     tmp_path: Path, memory_tier: Path
 ) -> None:
-    # Catches: a persisted data file never fsynced (streams.DirectFile.close, the local
+    # Catches: a persisted data file never fsynced (local_files.DirectFile.close, the local
     # writers), and the tag folder not fsynced after the items' names were created
     # (local.py's publish): either way a power cut after the commit could lose an item
     # of a committed checkpoint.

@@ -432,7 +432,7 @@ def test_the_pool_never_takes_a_file_a_load_holds(root: Path) -> None:
 
 
 def test_recycle_removes_a_file_a_load_has_marked(tmp_path: Path) -> None:
-    from nebulaml.storage.streams import mark_in_use
+    from nebulaml.storage.mapped_reads import mark_in_use
 
     store = Store(str(tmp_path), durable=False)
     pool = SlotPool(store)

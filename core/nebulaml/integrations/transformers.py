@@ -83,7 +83,7 @@ from nebulaml.integrations.accelerate import (
 from nebulaml.protocol.catalog import list_committed
 from nebulaml.protocol.markers import own_parts
 from nebulaml.runtime import session as _session
-from nebulaml.storage.streams import make_folders, new_file_mode
+from nebulaml.storage.local_files import make_folders, new_file_mode
 
 log = logging.getLogger("nebulaml")
 

@@ -35,7 +35,8 @@ from nebulaml.format.manifest import ItemEntry, Manifest
 from nebulaml.format.names import validate_name
 from nebulaml.runtime.load import load_item
 from nebulaml.runtime.locate import Copy, check_root, find_copy, tiers_for
-from nebulaml.storage.streams import create_file, make_folders, new_file_mode, translate_errors
+from nebulaml.storage.failures import translate_errors
+from nebulaml.storage.local_files import create_file, make_folders, new_file_mode
 
 PathLike = str | os.PathLike[str]
 Progress = Callable[[int, int], None]

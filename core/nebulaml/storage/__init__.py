@@ -2,17 +2,18 @@
 
 Holds: the `Store` facade (store), which picks a backend for each root and delegates to
 it; the operations every backend implements (backend); the backends: local disks and the
-memory tier (local, with mapped_reads for loads), any fsspec store (remote), and Azure
-Blob Storage (azure, which connects through azure_auth's credentials and writes a blob
-range by range through azure_ranges); and the boundary's
-plumbing: error translation and file streams (streams), retries (retry) and secret
-redaction (redaction).
+memory tier (local, which writes through local_files and reads through mapped_reads),
+any fsspec store (remote), and Azure Blob Storage (azure, which connects through
+azure_auth's credentials and writes a blob range by range through azure_ranges); and the
+boundary's plumbing: error translation (failures), a network store's file streams
+(remote_streams), a view written in pieces while hashed (view_writes), retries (retry), a
+deadline on every call (deadline) and secret redaction (redaction).
 
 May import: `nebulaml.errors`, `nebulaml.config` and `nebulaml.format`. Not for: what a
 checkpoint is (protocol) or when anything is written (runtime).
 """
 
+from nebulaml.storage.failures import MissingFileError
 from nebulaml.storage.store import LocalRead, Store, using_storage_options
-from nebulaml.storage.streams import MissingFileError
 
 __all__ = ["LocalRead", "MissingFileError", "Store", "using_storage_options"]

@@ -14,7 +14,7 @@ them on network stores and translates them to `StorageError`, with secrets redac
 contract below (missing files, conflicts, appends) is what tests/core/test_store_contract.py
 runs against every backend.
 
-Not for: error translation or retries (store.py, streams.py, retry.py), nor any one
+Not for: error translation or retries (store.py, failures.py, retry.py), nor any one
 backend's specifics (local.py, remote.py, azure.py). May import: `nebulaml.errors`.
 """
 

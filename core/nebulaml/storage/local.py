@@ -12,7 +12,7 @@ No file or folder under the root is ever read, written or deleted through a symb
 
 Not for: fsspec or Azure stores (remote.py, azure.py), or errors as callers see them
 (store.py translates). May import: `nebulaml.errors`, `nebulaml.format` and storage/'s
-redaction.py, streams.py, mapped_reads.py, backend.py.
+redaction.py, local_files.py, view_writes.py, mapped_reads.py, backend.py.
 """
 
 from __future__ import annotations
@@ -29,6 +29,16 @@ from typing import BinaryIO
 
 from nebulaml.errors import StorageError
 from nebulaml.storage.backend import Parts, Written
+from nebulaml.storage.local_files import (
+    PRIVATE_FILE_MODE,
+    PUBLIC_FILE_MODE,
+    DirectFile,
+    LocalWriter,
+    create_file,
+    fsync_dir,
+    make_folders,
+    write_all,
+)
 from nebulaml.storage.mapped_reads import (
     Lender,
     LocalRead,
@@ -39,17 +49,7 @@ from nebulaml.storage.mapped_reads import (
     read_in,
 )
 from nebulaml.storage.redaction import redact
-from nebulaml.storage.streams import (
-    PRIVATE_FILE_MODE,
-    PUBLIC_FILE_MODE,
-    DirectFile,
-    LocalWriter,
-    create_file,
-    fsync_dir,
-    make_folders,
-    write_all,
-    write_view_chunks,
-)
+from nebulaml.storage.view_writes import write_view_chunks
 
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -300,7 +300,7 @@ class LocalBackend:
         sent: Callable[[int], None] | None = None,
     ) -> None:
         """Write page-aligned `view` as a new file with O_DIRECT where the filesystem
-        allows it (streams.DirectFile), calling `each(piece)` on every piece in order and
+        allows it (local_files.DirectFile), calling `each(piece)` on every piece in order and
         `sent(len(piece))` once it is written; removed if this raises."""
         out = DirectFile(
             self._local(parts, leaf_may_link=True), durable=self.durable, mode=self.file_mode

@@ -4,14 +4,15 @@ A load keeps using the bytes it read (tensors are built on them), so a file is r
 memory that outlives the read: from a local disk it is mapped copy-on-write and read in
 at once, hashed while it is read (`_map_file`); from a network filesystem it is read
 whole into fresh memory (`_read_whole`); from the memory tier it is mapped and marked in
-use (`_map_in_use`), so that the slot pool never recycles it under the loaded tensors.
+use (`_map_in_use`, `mark_in_use`), so that the slot pool never recycles it under the
+loaded tensors (`claim_unused` is the pool's side of that lock).
 `map_view` lends a file's bytes read-only for a persist instead.
 
 Every open goes through `open_regular`: never through a symbolic link, never a FIFO.
 
 Not for: which file (local.py resolves paths and refuses linked folders) or errors as
 callers see them (store.py). May import: `nebulaml.errors`, `nebulaml.format.checksum`
-and streams.py.
+and failures.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import functools
 import mmap
 import os
@@ -41,7 +43,7 @@ from nebulaml.format.checksum import (
     tree_hexdigest,
     tree_leaves,
 )
-from nebulaml.storage.streams import MissingFileError, mark_in_use
+from nebulaml.storage.failures import MissingFileError
 
 # Mappings this process already holds, by (st_dev, st_ino, size): see `Store.mapped`.
 Lender = Callable[[int, int, int], memoryview | None]
@@ -251,6 +253,27 @@ def _populate_hashing(mapped: mmap.mmap, size: int, algo: str) -> str:
     return tree_hexdigest(leaves) if hasher is None else str(hasher.hexdigest())
 
 
+def mark_in_use(fd: int) -> None:
+    """Mark a memory-tier file as mapped by a load (a shared flock on `fd`, held while any
+    duplicate of `fd` stays open, across processes, gone when the process dies).
+
+    Loads from the memory tier map the item file copy-on-write instead of copying it; the
+    slot pool must then not recycle that file for a later save, which would write new
+    bytes under the loaded tensors. `claim_unused` is the pool's side of this.
+    """
+    fcntl.flock(fd, fcntl.LOCK_SH)
+
+
+def claim_unused(fd: int) -> bool:
+    """Lock a memory-tier file for recycling (an exclusive flock, without waiting): False
+    if a load has it mapped (`mark_in_use`); the caller then removes it instead."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 def _map_in_use(f: BinaryIO, size: int, path: str, where: str) -> mmap.mmap:
     """The file mapped copy-on-write (writes to it stay in this process), marked in use
     until the mapping is garbage: see `Store.read_local`."""
@@ -305,7 +328,7 @@ def read_in(
     under `algo` while it is read (`_map_file`); on a network filesystem, read whole, in
     large reads, into fresh memory (`_read_whole`). In RAM (the memory tier, not
     `durable`) it is mapped copy-on-write instead, no copy at all (1.5 GB: 0.23 s against
-    0.85 s to copy and hash), and marked in use (streams.mark_in_use) for as long as the
+    0.85 s to copy and hash), and marked in use (`mark_in_use`) for as long as the
     mapping lives, so the slot pool never recycles it under the loaded tensors
     (`_map_in_use`)."""
     digest = None

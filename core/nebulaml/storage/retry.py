@@ -13,7 +13,7 @@ The policy comes from storage options (`nebula_retries`, `nebula_retry_base_s`,
 its retries included (deadline.py). No retry starts that would end past the deadline of
 the block it runs in (`deadline.within`), nor any inside a block that forbids them.
 
-Not for: translating errors (streams.py) or deciding what an operation is (its caller).
+Not for: translating errors (failures.py) or deciding what an operation is (its caller).
 """
 
 from __future__ import annotations

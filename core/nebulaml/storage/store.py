@@ -42,22 +42,16 @@ from nebulaml.storage import azure_auth
 from nebulaml.storage.azure import AzureBackend
 from nebulaml.storage.backend import Backend, Parts, Written, new_append_id
 from nebulaml.storage.deadline import Progress, bounded
+from nebulaml.storage.failures import MissingFileError, describe, translate_errors
 from nebulaml.storage.local import LocalBackend
 from nebulaml.storage.mapped_reads import Lender, LocalRead
 from nebulaml.storage.redaction import redact, secrets_in
 from nebulaml.storage.remote import RemoteBackend
+from nebulaml.storage.remote_streams import CountedWriter, RemoteReader, RemoteWriter
 from nebulaml.storage.retry import OPTION_NAMES as RETRY_OPTIONS
 from nebulaml.storage.retry import RetryPolicy
 from nebulaml.storage.retry import call as call_with_retries
-from nebulaml.storage.streams import (
-    CountedWriter,
-    MissingFileError,
-    RemoteReader,
-    RemoteWriter,
-    describe,
-    translate_errors,
-    write_view_chunks,
-)
+from nebulaml.storage.view_writes import write_view_chunks
 
 __all__ = ["LocalRead", "MissingFileError", "Store", "using_storage_options"]
 
@@ -463,7 +457,7 @@ class Store:
         `open_write`'s.
 
         On a local disk the pieces go with O_DIRECT where the filesystem allows it
-        (streams.DirectFile); other stores take them through `open_write`.
+        (local_files.DirectFile); other stores take them through `open_write`.
         """
         if isinstance(self._backend, LocalBackend):
             with self._translated(self.display(*parts)):
