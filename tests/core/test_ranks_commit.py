@@ -364,7 +364,7 @@ def test_the_leader_commits_at_once_with_the_part_of_a_rank_whose_process_ended(
     Bug caught: rank 0 waited rank_timeout_s for a part that could never come (torchrun
     SIGKILLed it 30 s later: every elastic restart cost 30 s) and the checkpoint was
     never committed. While rank 1 lives, rank 0 waits for it as before."""
-    from nebulaml.protocol.memory_tier import RankPresence
+    from nebulaml.protocol.rank_presence import RankPresence
 
     tiers = open_tiers(str(tmp_path / "root"))
     memory, persistent = tiers.memory, tiers.persistent
@@ -393,7 +393,7 @@ def test_the_leader_commits_at_once_with_the_part_of_a_rank_whose_process_ended(
 def test_a_rank_gone_without_its_part_fails_the_commit_at_once(tmp_path: Path) -> None:
     """Rank 1 ended with no part of the tag in the memory tier (killed before its marker):
     the persist fails at once, naming it, instead of after rank_timeout_s."""
-    from nebulaml.protocol.memory_tier import RankPresence
+    from nebulaml.protocol.rank_presence import RankPresence
 
     tiers = open_tiers(str(tmp_path / "root"))
     memory, persistent = tiers.memory, tiers.persistent
@@ -415,7 +415,7 @@ def test_a_follower_whose_leader_ended_commits_the_newest_at_exit(tmp_path: Path
     rank 1 exits. Bug caught: rank 1 waited for rank 0's lead, or persisted only its own
     part, and the newest checkpoint both ranks had acknowledged was durable nowhere but
     in RAM."""
-    from nebulaml.protocol.memory_tier import RankPresence
+    from nebulaml.protocol.rank_presence import RankPresence
 
     tiers = open_tiers(str(tmp_path / "root"))
     memory, persistent = tiers.memory, tiers.persistent

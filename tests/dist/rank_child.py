@@ -182,7 +182,7 @@ def main() -> int:
         dist.barrier()
         dist.destroy_process_group()
     elif scenario == "survivor":
-        from nebulaml.protocol.memory_tier import rank_gone
+        from nebulaml.protocol.rank_presence import rank_gone
         from nebulaml.runtime import session
 
         # Rank 1 dies once global_step2 is committed in the memory tier; rank 0's exit

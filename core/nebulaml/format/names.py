@@ -37,16 +37,17 @@ MANIFEST_NAME = "manifest.json"  # in a tag folder: its commit (format/manifest.
 RANK_PREFIX = ".rank-"  # `marker_name`: one rank's part is written (format/manifest.py)
 WRITER_PREFIX = ".writer-"  # `writer_marker_name`: who writes a part (protocol/markers.py)
 LEASE_PREFIX = ".lease-"  # a reader's lease or a deleter's claim (protocol/leases.py)
-ROOT_ID_FILE = ".nebula-root-id.json"  # in a persistent root: its identity (memory_tier.py)
-ROOT_INFO_FILE = ".nebula-root.json"  # in a memory tier: which root it belongs to
+ROOT_ID_FILE = ".nebula-root-id.json"  # in a persistent root: its identity (tier_identity.py)
+ROOT_INFO_FILE = ".nebula-root.json"  # in a memory tier: which root it belongs to (ditto)
 SEQUENCE_FILE = ".nebula-sequence.json"  # in every tier: the highest commit sequence
 # reserved there (protocol/sequence.py: `reserve_sequence`), so a commit never reads every
 # manifest
 HOLD_FILE = ".nebula-hold"  # in a memory tier: share-locked by every live session
+# (protocol/tier_lifetime.py: `TierHold`)
 RANK_LOCK_PREFIX = ".nebula-rank-"  # in a memory tier: `<rank>.lock`, locked by the live
-# process of that rank on this node (protocol/memory_tier.py: `RankPresence`)
+# process of that rank on this node (protocol/rank_presence.py: `RankPresence`)
 REMOVALS_PREFIX = ".nebula-removals-"  # in a memory tier: `<rank>.json`, the checkpoints a
-# framework removed that are not yet deleted from every tier (protocol/memory_tier.py)
+# framework removed that are not yet deleted from every tier (protocol/removals.py)
 SLOTS_DIR = ".slots"  # in a memory tier: the pool of reused item files (runtime/slots.py)
 WRITERS_DIR = ".writers"  # in a memory tier: the writer markers saves link (runtime/slots.py)
 JOB_PREFIX = ".nebula-job-"  # the job that writes a root: `.nebula-job-<n>.json` in a

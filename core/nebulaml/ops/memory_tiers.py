@@ -22,19 +22,16 @@ from typing import Any
 from nebulaml.errors import NebulaError, UnsafeMemoryTierError
 from nebulaml.format.names import order_key
 from nebulaml.protocol.catalog import list_committed, read_committed
-from nebulaml.protocol.memory_tier import (
+from nebulaml.protocol.memory_tier import check_private_dir, memory_base
+from nebulaml.protocol.tier_identity import (
     OK,
     ORPHANED,
     STALE,
     UNSAFE,
-    check_private_dir,
-    in_use,
     judge_memory_tier,
-    memory_base,
     read_record,
-    release_memory_tier,
-    tier_contents,
 )
+from nebulaml.protocol.tier_lifetime import in_use, release_memory_tier, tier_contents
 from nebulaml.storage.store import Store
 
 UNKNOWN = "unknown"  # its root cannot be reached from here (credentials, network)

@@ -7,9 +7,11 @@
                  memory tier checked private and held, an earlier root's released first
     TierSet      the stores of one job, fastest first
 
-What makes a memory tier its root's, private and held is memory_tier.py.
+What makes a memory tier private is memory_tier.py, its root's tier_identity.py, and
+held tier_lifetime.py.
 
-May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage` and memory_tier.py.
+May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, memory_tier.py,
+tier_identity.py and tier_lifetime.py.
 Not for: moving checkpoints between tiers (persister.py), reading them (catalog.py), or
 listing every tier of this user (ops/memory_tiers.py).
 """
@@ -24,19 +26,15 @@ from typing import Any
 
 from nebulaml.config import private_default
 from nebulaml.errors import NebulaError, StorageFullError
-from nebulaml.protocol.memory_tier import (
+from nebulaml.protocol.memory_tier import check_private_dir, ensure_private_dir, memory_root_for
+from nebulaml.protocol.tier_identity import (
     OK,
-    TierHold,
-    check_private_dir,
-    describe_release,
-    ensure_private_dir,
     judge_memory_tier,
-    memory_root_for,
     read_record,
-    release_memory_tier,
     root_identity,
     write_record,
 )
+from nebulaml.protocol.tier_lifetime import TierHold, describe_release, release_memory_tier
 from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")

@@ -376,7 +376,7 @@ def copy_part(
     holds under the same name is refused (`ItemCollisionError`), not overwritten.
 
     `gone(ranks)` names the ranks among `ranks` whose process has ended (on this node:
-    memory_tier.rank_gone). The part of such a rank that `src` holds, of this generation,
+    rank_presence.rank_gone). The part of such a rank that `src` holds, of this generation,
     is copied too (`adopt_parts`): the survivors of a node commit a checkpoint whose
     writer died after writing it to the memory tier, at once, instead of waiting
     `timeout_s` for a part that never comes. A gone rank without such a part raises

@@ -12,7 +12,7 @@ kept its part, and nothing released it after the job.
 
 May import: every layer below runtime, runtime.persist_step (a tag's leader), and
 runtime.persister and ranks (their types). Not for: releasing itself
-(protocol/memory_tier.py) or closing the session (session.py).
+(protocol/tier_lifetime.py) or closing the session (session.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from nebulaml.format.names import marker_name, order_key
 from nebulaml.protocol.catalog import list_committed, read_committed
 from nebulaml.protocol.delete import delete_part
 from nebulaml.protocol.markers import own_parts
-from nebulaml.protocol.memory_tier import rank_gone
+from nebulaml.protocol.rank_presence import rank_gone
 from nebulaml.runtime.persist_step import leader_of
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 
 from nebulaml.errors import NebulaError, StorageError
-from nebulaml.protocol.memory_tier import read_record, root_identity, write_record
+from nebulaml.protocol.tier_identity import read_record, root_identity, write_record
 from nebulaml.runtime.outage import may_pass
 from nebulaml.storage.deadline import within
 from nebulaml.storage.store import Store

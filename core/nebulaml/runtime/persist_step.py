@@ -21,7 +21,7 @@ from nebulaml.format.names import marker_name
 from nebulaml.protocol.catalog import read_committed
 from nebulaml.protocol.cowriters import copy_alongside
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
-from nebulaml.protocol.memory_tier import rank_gone
+from nebulaml.protocol.rank_presence import rank_gone
 from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.protocol.transfer import copy_part

@@ -34,7 +34,7 @@ from nebulaml.protocol.catalog import CheckpointInfo, list_committed
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.history import make_row
 from nebulaml.protocol.markers import own_parts
-from nebulaml.protocol.memory_tier import rank_gone
+from nebulaml.protocol.rank_presence import rank_gone
 from nebulaml.protocol.retention import Version, plan_retention
 from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet

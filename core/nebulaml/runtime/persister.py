@@ -38,7 +38,7 @@ from nebulaml.format.manifest import utc_now
 from nebulaml.format.names import order_key, step_of
 from nebulaml.protocol.catalog import highest_sequence, list_committed
 from nebulaml.protocol.history import HistoryRow, skipped_row
-from nebulaml.protocol.memory_tier import write_removals
+from nebulaml.protocol.removals import write_removals
 from nebulaml.protocol.retention import Version
 from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet

@@ -30,14 +30,11 @@ from nebulaml.format.names import order_key
 from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed
 from nebulaml.protocol.commit import read_markers
 from nebulaml.protocol.markers import own_parts
-from nebulaml.protocol.memory_tier import (
-    RankPresence,
-    TierHold,
-    read_removals,
-    release_memory_tier,
-)
+from nebulaml.protocol.rank_presence import RankPresence
 from nebulaml.protocol.recovery import discard_stale_parts, remove_dead_writers
+from nebulaml.protocol.removals import read_removals
 from nebulaml.protocol.sequence import SequenceReservation
+from nebulaml.protocol.tier_lifetime import TierHold, release_memory_tier
 from nebulaml.protocol.tiers import TierSet, claim_tiers, tighten_root
 from nebulaml.runtime.budget import MemoryBudget
 from nebulaml.runtime.closing import releasable

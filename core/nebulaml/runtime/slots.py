@@ -30,9 +30,10 @@ a save links into the tag it begins (protocol.commit.begin_tag) instead of writi
 
 A tier's files are reached through storage/ (`Store` and its backends), except where a
 descriptor of one's own is needed (`os.open`): this module opens and maps the pool's files,
-protocol/memory_tier.py opens the tier's hold file, protocol/holds.py a job's claim lock on
-the tier, and protocol/cowriters.py a copy's lock on its destination tag. This module deals
-only with the memory tier, which is always a local folder.
+protocol/memory_tier.py the tier's lock files (tier_lifetime.py's hold, rank_presence.py's
+claims), protocol/holds.py a job's claim lock on the tier, and protocol/cowriters.py a
+copy's lock on its destination tag. This module deals only with the memory tier, which is
+always a local folder.
 
 Not for: what goes into a buffer (snapshot.py) or when a checkpoint is evicted
 (persister.py).
