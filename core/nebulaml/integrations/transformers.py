@@ -69,7 +69,7 @@ from nebulaml.config import private_default
 from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError
 from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES, load_json
 from nebulaml.format.names import step_of, validate_name
-from nebulaml.integrations.accelerate import (
+from nebulaml.integrations.hf_common import (
     BEST_LABEL,
     capture_rng,
     ensure_session,
