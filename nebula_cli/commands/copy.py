@@ -74,7 +74,7 @@ def copy_command(
     what = tag or "the newest checkpoint"
     labels = [f"copying {what}", f"verifying {what}"]
     with phases(labels, quiet=quiet) as (copied, verified):
-        report = nm.copy_checkpoint(root, tag, dest, overwrite=overwrite, progress=copied,
+        report = nm.ops.copy_checkpoint(root, tag, dest, overwrite=overwrite, progress=copied,
                                     verify_progress=verified)  # fmt: skip
     if as_json:
         emit_json(report)

@@ -72,7 +72,7 @@ def diff_command(
     """
     import nebulaml as nm
 
-    doc = nm.diff_checkpoints(root, tag_a, tag_b, item=item)
+    doc = nm.ops.diff_checkpoints(root, tag_a, tag_b, item=item)
     if as_json:
         emit_json(doc)
     else:

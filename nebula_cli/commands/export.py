@@ -79,7 +79,7 @@ def export_command(
     import nebulaml as nm
 
     with progress(f"exporting {tag}", quiet=quiet) as report:
-        doc = nm.export_checkpoint(
+        doc = nm.ops.export_checkpoint(
             root,
             tag,
             dest,

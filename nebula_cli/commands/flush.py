@@ -39,7 +39,7 @@ def flush_command(
     memory_tier = nm.memory_tier_path(root)
     labels = [f"persisting to {location}", f"verifying at {location}"]
     with phases(labels, quiet=quiet) as (report, verified):
-        persisted = nm.persist_memory_tier(root, progress=report, verify_progress=verified)
+        persisted = nm.ops.persist_memory_tier(root, progress=report, verify_progress=verified)
     if as_json:
         emit_json({"root": location, "memory_tier": memory_tier, "persisted": persisted})
     elif persisted:

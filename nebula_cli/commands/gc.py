@@ -57,7 +57,7 @@ def gc_command(
     from nebulaml.ops import memory_tiers_folder as memory_base
 
     base = memory_base()
-    actions = nm.plan_gc(nm.list_memory_tiers(), discard_unpersisted=discard_unpersisted)
+    actions = nm.ops.plan_gc(nm.ops.list_memory_tiers(), discard_unpersisted=discard_unpersisted)
     releases = [a for a in actions if a.release]
     doc: dict[str, Any] = {
         "base": base,
@@ -86,7 +86,7 @@ def gc_command(
             f"terminal (add --yes, or --dry-run to see the plan only)",
             "Nothing released.",
         )
-    results = nm.execute_gc(actions)
+    results = nm.ops.execute_gc(actions)
     doc["results"] = [r.to_json() for r in results]
     names = {a.tier.path: a.tier.root or a.tier.path for a in actions}  # the root, or the folder
     for r in results:

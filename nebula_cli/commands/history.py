@@ -2,7 +2,8 @@
 of stalls, persist times, throughput, skipped persists and failures; as a table, JSON, CSV
 or a plot.
 
-Not for: reading or summarising the file (nebulaml.read_history, nebulaml.summarize_history).
+Not for: reading or summarising the file (nebulaml.ops.read_history,
+nebulaml.ops.summarize_history).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def history_command(
     figure_cls = _figure_class() if plot is not None else None
     import nebulaml as nm
 
-    df = nm.read_history(root, since=since, tag=tag)
+    df = nm.ops.read_history(root, since=since, tag=tag)
     if tag is not None and df.empty:
         _check_tag(nm, root, tag)
     if figure_cls is not None and plot is not None:
@@ -146,23 +147,23 @@ def history_command(
         limit = DEFAULT_LIMIT  # --csv writes every row unless --limit is given
     shown = df if limit is None else df.tail(limit)
     if csv_:
-        _write_csv(nm.history_records(shown), list(df.columns))
+        _write_csv(nm.ops.history_records(shown), list(df.columns))
     elif as_json:
         doc = {
             "root": nm.check_root(root),
-            "summary": nm.summarize_history(df),
-            "rows": nm.history_records(shown),
+            "summary": nm.ops.summarize_history(df),
+            "rows": nm.ops.history_records(shown),
         }
         emit_json(doc)
     else:
-        summary = nm.summarize_history(df)
-        _print_tables(nm.check_root(root), nm.history_records(shown), summary)
+        summary = nm.ops.summarize_history(df)
+        _print_tables(nm.check_root(root), nm.ops.history_records(shown), summary)
 
 
 def _check_tag(nm: Any, root: str, tag: str) -> None:
     """Exit 3 when the history has no row of `tag` at all (not only none since --since),
     with the closest tags it has."""
-    every = nm.read_history(root)
+    every = nm.ops.read_history(root)
     tags = list(dict.fromkeys(every["tag"].tolist()))
     if tag not in tags:
         hint = suggestion(tag, tags[::-1], "")

@@ -45,8 +45,8 @@ def inspect_command(
     """
     import nebulaml as nm
 
-    doc = nm.inspect_checkpoint(root, tag)
-    entries = None if item is None else nm.describe_item(root, tag, item)
+    doc = nm.ops.inspect_checkpoint(root, tag)
+    entries = None if item is None else nm.ops.describe_item(root, tag, item)
     for copy in doc["copies"]:
         if copy["problem"]:
             warn(f"{copy['tier']} copy: {copy['problem']}")

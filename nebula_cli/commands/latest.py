@@ -89,7 +89,7 @@ def latest_command(
         else:
             with progress(f"downloading {item} of {latest.tag}", quiet=quiet) as report:
                 folder = _cache_folder(location, latest.tag)
-                doc = nm.export_checkpoint(
+                doc = nm.ops.export_checkpoint(
                     root, latest.tag, folder, items=[item], overwrite=True, progress=report
                 )
             local_path = doc["files"][0]["path"]

@@ -1,7 +1,7 @@
 """`nebula memory`: this user's memory tiers on this node, what each holds, and whether a
 job still needs it.
 
-Not for: deciding or releasing (nebulaml.plan_gc, `nebula gc`).
+Not for: deciding or releasing (nebulaml.ops.plan_gc, `nebula gc`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def memory_command(as_json: JsonOpt = False) -> None:
     from nebulaml.ops import memory_tiers_folder as memory_base
 
     base = memory_base()
-    tiers = nm.list_memory_tiers()
+    tiers = nm.ops.list_memory_tiers()
     if as_json:
         emit_json({"base": base, "tiers": [t.to_json() for t in tiers]})
         return

@@ -94,8 +94,8 @@ def prune_command(
     """
     import nebulaml as nm
 
-    listing = nm.list_prune_candidates(root, incomplete=incomplete)
-    plan = nm.plan_prune(listing, keep, include_labelled=include_labelled, grace_s=grace)
+    listing = nm.ops.list_prune_candidates(root, incomplete=incomplete)
+    plan = nm.ops.plan_prune(listing, keep, include_labelled=include_labelled, grace_s=grace)
     doc = _plan_json(plan, dry_run)
     if not as_json:
         _show_plan(plan, dry_run, verbose)
@@ -108,7 +108,7 @@ def prune_command(
         return
     if not yes:
         _confirm(plan)
-    result = nm.execute_prune(root, plan)
+    result = nm.ops.execute_prune(root, plan)
     for skipped in result.skipped:
         stderr().print(Text.assemble(("kept ", "yellow"), f"{skipped.tag}: {skipped.reason}"))
     doc["deleted"] = list(result.deleted)

@@ -54,7 +54,7 @@ def unlock_command(
     """
     import nebulaml as nm
 
-    plan = nm.plan_unlock(root)
+    plan = nm.ops.plan_unlock(root)
     if plan is None:
         if as_json:
             emit_json({"root": root, "hold": None, "removed": []})
@@ -89,7 +89,7 @@ def unlock_command(
             f"{plan.root}: refusing to break its hold without --yes when not on a terminal",
             "Nothing removed.",
         )
-    removed = nm.execute_unlock(root, plan, force=force)
+    removed = nm.ops.execute_unlock(root, plan, force=force)
     doc["removed"] = removed
     if as_json:
         emit_json(doc)

@@ -68,7 +68,7 @@ def verify_command(
 
     location = nm.check_root(root)
     with progress("verifying", quiet=quiet, transient=True) as report:
-        results = nm.verify_checkpoints(root, tag, progress=report)
+        results = nm.ops.verify_checkpoints(root, tag, progress=report)
     failures = [r for r in results if r["status"] != "ok"]
     if as_json:
         emit_json({"root": location, "ok": not failures, "results": [_json(r) for r in results]})
