@@ -68,8 +68,10 @@ def _as_nobody(
 @pytest.fixture
 def shared_folder(scratch_folder: str) -> Iterator[Path]:
     """A folder nobody can enter (pytest's and the worker's are root's alone, 0700), in
-    the system's temporary folder, removed at the end."""
-    folder = Path(tempfile.mkdtemp(prefix="nebula-tests-nobody-", dir=Path(scratch_folder).parent))
+    the system's temporary folder, removed at the end (its name has the run's mark: the
+    leak guard watches it)."""
+    mark = f"nebula-tests-{os.environ['NEBULA_TESTS_RUN']}-"
+    folder = Path(tempfile.mkdtemp(prefix=f"{mark}nobody-", dir=Path(scratch_folder).parent))
     try:
         folder.chmod(0o755)
         yield folder
