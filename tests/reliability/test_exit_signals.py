@@ -20,18 +20,20 @@ import warm
 import nebulaml as nm
 
 CHILD = """
-import sys, time, torch, nebulaml as nm
+import gc, sys, time, torch, nebulaml as nm
 root, how = sys.argv[1], sys.argv[2]
 numel = int(sys.argv[3]) if len(sys.argv) > 3 else 1000
 nm.init(root, persistent_time_interval=3600)
 nm.Checkpoint("global_step1").save("model", {"w": torch.full((1000,), 1.0)})
 nm.flush_persistence()
 nm.Checkpoint("global_step2").save("model", {"w": torch.full((numel,), 2.0)})  # held back
+gc.collect()  # a KeyboardInterrupt raised in a collector's callback would be lost
 print("READY", flush=True)
 if how == "raise":
     raise RuntimeError("training crashed with an exception")
 if how in ("sigterm", "sigint"):
-    time.sleep(120)  # the parent signals us here
+    for _ in range(1200):  # the parent signals us here (handled within 0.1 s, as in
+        time.sleep(0.1)  # a training loop, even if another thread took the signal)
 """
 
 CASES = [

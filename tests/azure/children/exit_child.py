@@ -11,6 +11,7 @@ AZURE_STORAGE_CONNECTION_STRING.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 
@@ -29,11 +30,13 @@ def main() -> None:
     nm.Checkpoint("global_step1").save("model", state(1))
     nm.flush_persistence()  # also starts the interval: global_step2 is not due for an hour
     nm.Checkpoint("global_step2").save("model", state(2))
+    gc.collect()  # a KeyboardInterrupt raised in a collector's callback would be lost
     print("READY", flush=True)
     if how == "raise":
         raise RuntimeError("training failed")
     if how in ("sigterm", "sigint"):
-        time.sleep(120)  # the test sends the signal here
+        for _ in range(1200):  # the test sends the signal here; back in Python every
+            time.sleep(0.1)  # 0.1 s, as a training loop is, to handle it at once
 
 
 if __name__ == "__main__":

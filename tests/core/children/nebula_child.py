@@ -10,6 +10,7 @@ Not for: assertions; the tests make those.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -23,12 +24,21 @@ import nebulaml as nm
 
 
 def say(line: str) -> None:
+    if line == "READY":
+        # The test may signal us at once. A KeyboardInterrupt that CPython raises while
+        # the main thread runs a garbage collector's callback (a WeakSet's, say) is
+        # "ignored" and the Ctrl-C lost: collect now, so that none runs in that window.
+        gc.collect()
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
 
 def hang() -> None:
-    threading.Event().wait()  # until the test kills us
+    """Until the test kills us, as a training loop would: the main thread back in Python
+    every 0.1 s, so that a signal another thread took is handled at once (a main thread
+    asleep in one long wait would not wake for it)."""
+    while True:
+        time.sleep(0.1)
 
 
 def crash_before_commit(root: str, n_items: str) -> None:
