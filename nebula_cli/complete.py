@@ -72,7 +72,7 @@ def _checkpoints(params: dict[str, Any]) -> list[dict[str, Any]]:
             warnings.simplefilter("ignore")
             import nebulaml as nm
 
-            from .output import parse_storage_options
+            from .options import parse_storage_options
 
             options = parse_storage_options(list(params.get("storage_option") or []))
             with nm.using_storage_options(options):

@@ -7,7 +7,7 @@ gives each command's whole first sentence. A usage error is one line on stderr,
 `nebula: error: <what> (see 'nebula prune --help')`, and exit status 2; `nebula` alone
 prints the help (exit 2, as a usage error).
 
-Not for: the commands themselves (commands/) or errors of the library (output.py).
+Not for: the commands themselves (commands/) or errors of the library (exits.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 from typer import Abort, _click
 from typer.core import TyperCommand, TyperGroup
 
-from .output import EXIT_ERROR, EXIT_USAGE
+from .exits import EXIT_ERROR, EXIT_USAGE
 
 # What an option's value is called when its declaration names no metavar.
 _METAVARS: dict[Any, str] = {

@@ -7,7 +7,7 @@ token writes a dozen lines), which Python prints on stderr when no one configure
 on a terminal they bury nebula's one-line error, which already says what failed. A
 command given `--verbose` lets them through, for when that line is not enough.
 
-Not for: the error line itself (output.py `handles_errors`) or progress (output.py).
+Not for: the error line itself (exits.py `handles_errors`) or progress (progress.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
-from .output import printable
+from .console import printable
 
 # The loggers of what nebula drives under az:// and other fsspec URLs: their children too
 # (azure.identity, azure.core.pipeline...), whose level is their parent's.

@@ -5,7 +5,7 @@ An operation may have phases that alternate (a copy writes an item, then reads i
 from the destination to verify it): `phases` gives each its own row on a terminal and its
 own lines in a pipe, so that a copy never sits at 100% saying nothing while it verifies.
 
-Not for: tables and errors (output.py) or retries and warnings (logs.py).
+Not for: tables (tables.py), errors (exits.py) or retries and warnings (logs.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from .output import human_bytes, stderr
+from .console import stderr
+from .formatting import human_bytes
 
 # Off a terminal, progress is a plain line on stderr at most this often (none for an
 # operation that ends sooner).

@@ -14,17 +14,10 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from ..output import (
-    EXIT_USAGE,
-    JsonOpt,
-    RootArg,
-    StorageOpt,
-    emit_json,
-    fail,
-    handles_errors,
-    print_table,
-    stdout,
-)
+from ..console import emit_json, stdout
+from ..exits import EXIT_USAGE, fail, handles_errors
+from ..options import JsonOpt, RootArg, StorageOpt
+from ..tables import print_table
 
 if TYPE_CHECKING:
     from nebulaml.ops import Advice, Schedule

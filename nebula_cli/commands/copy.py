@@ -8,16 +8,10 @@ import typer
 from rich.text import Text
 
 from ..complete import complete_copy_source, complete_dest
-from ..output import (
-    JsonOpt,
-    QuietOpt,
-    RootArg,
-    StorageOpt,
-    emit_json,
-    handles_errors,
-    human_bytes,
-    stdout,
-)
+from ..console import emit_json, stdout
+from ..exits import handles_errors
+from ..formatting import human_bytes
+from ..options import JsonOpt, QuietOpt, RootArg, StorageOpt
 from ..progress import phases
 
 

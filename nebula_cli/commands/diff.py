@@ -11,17 +11,10 @@ from rich.table import Table
 from rich.text import Text
 
 from ..complete import complete_tag
-from ..output import (
-    EXIT_ERROR,
-    JsonOpt,
-    RootArg,
-    StorageOpt,
-    emit_json,
-    handles_errors,
-    item_option,
-    print_table,
-    stdout,
-)
+from ..console import emit_json, stdout
+from ..exits import EXIT_ERROR, handles_errors
+from ..options import JsonOpt, RootArg, StorageOpt, item_option
+from ..tables import print_table
 
 _STYLE = {
     "added": "green",

@@ -9,20 +9,12 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from ..output import (
-    JsonOpt,
-    QuietOpt,
-    RootArg,
-    StorageOpt,
-    TagArg,
-    emit_json,
-    handles_errors,
-    human_bytes,
-    item_option,
-    print_table,
-    stdout,
-)
+from ..console import emit_json, stdout
+from ..exits import handles_errors
+from ..formatting import human_bytes
+from ..options import JsonOpt, QuietOpt, RootArg, StorageOpt, TagArg, item_option
 from ..progress import progress
+from ..tables import print_table
 
 
 class Format(str, Enum):

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from ..output import (
-    JsonOpt,
-    QuietOpt,
-    RootArg,
-    StorageOpt,
-    emit_json,
-    handles_errors,
-    stdout,
-)
+from ..console import emit_json, stdout
+from ..exits import handles_errors
+from ..options import JsonOpt, QuietOpt, RootArg, StorageOpt
 from ..progress import phases
 
 

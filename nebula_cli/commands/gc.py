@@ -8,16 +8,12 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from ..output import (
-    JsonOpt,
-    confirm,
-    emit_json,
-    handles_errors,
-    human_bytes,
-    print_table,
-    stderr,
-    stdout,
-)
+from ..confirm import confirm
+from ..console import emit_json, stderr, stdout
+from ..exits import handles_errors
+from ..formatting import human_bytes
+from ..options import JsonOpt
+from ..tables import print_table
 from .memory import root_cell
 
 if TYPE_CHECKING:

@@ -20,20 +20,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..complete import complete_tag
-from ..output import (
-    EXIT_NOT_FOUND,
-    JsonOpt,
-    RootArg,
-    StorageOpt,
-    emit_json,
-    fail,
-    handles_errors,
-    human_bytes,
-    print_table,
-    printable,
-    stdout,
-    suggestion,
-)
+from ..console import emit_json, printable, stdout
+from ..exits import EXIT_NOT_FOUND, fail, handles_errors, suggestion
+from ..formatting import human_bytes
+from ..options import JsonOpt, RootArg, StorageOpt
+from ..tables import print_table
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -7,20 +7,11 @@ from typing import Annotated, Any
 from rich.table import Table
 from rich.text import Text
 
-from ..output import (
-    JsonOpt,
-    RootArg,
-    StorageOpt,
-    TagArg,
-    emit_json,
-    handles_errors,
-    human_age,
-    human_bytes,
-    item_option,
-    print_table,
-    stdout,
-    warn,
-)
+from ..console import emit_json, stdout
+from ..exits import handles_errors, warn
+from ..formatting import human_age, human_bytes
+from ..options import JsonOpt, RootArg, StorageOpt, TagArg, item_option
+from ..tables import print_table
 
 
 @handles_errors

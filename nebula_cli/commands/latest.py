@@ -11,14 +11,9 @@ from typing import Annotated
 import typer
 
 from ..complete import complete_item
-from ..output import (
-    JsonOpt,
-    QuietOpt,
-    RootArg,
-    StorageOpt,
-    emit_json,
-    handles_errors,
-)
+from ..console import emit_json
+from ..exits import handles_errors
+from ..options import JsonOpt, QuietOpt, RootArg, StorageOpt
 from ..progress import progress
 
 

@@ -11,17 +11,11 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from ..output import (
-    JsonOpt,
-    RootArg,
-    StorageOpt,
-    emit_json,
-    handles_errors,
-    human_age,
-    human_bytes,
-    print_table,
-    printable,
-)
+from ..console import emit_json, printable
+from ..exits import handles_errors
+from ..formatting import human_age, human_bytes
+from ..options import JsonOpt, RootArg, StorageOpt
+from ..tables import print_table
 
 
 @handles_errors

@@ -12,7 +12,11 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 from rich.text import Text
 
-from ..output import JsonOpt, emit_json, handles_errors, human_bytes, print_table, stdout
+from ..console import emit_json, stdout
+from ..exits import handles_errors
+from ..formatting import human_bytes
+from ..options import JsonOpt
+from ..tables import print_table
 
 if TYPE_CHECKING:
     from nebulaml.ops import MemoryTierInfo

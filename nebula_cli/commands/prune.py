@@ -8,20 +8,12 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from ..output import (
-    JsonOpt,
-    RootArg,
-    StorageOpt,
-    VerboseOpt,
-    confirm,
-    emit_json,
-    handles_errors,
-    print_table,
-    shown,
-    stderr,
-    stdout,
-    summarise_tags,
-)
+from ..confirm import confirm
+from ..console import emit_json, stderr, stdout
+from ..exits import handles_errors
+from ..formatting import shown, summarise_tags
+from ..options import JsonOpt, RootArg, StorageOpt, VerboseOpt
+from ..tables import print_table
 
 if TYPE_CHECKING:
     from nebulaml.ops import PrunePlan

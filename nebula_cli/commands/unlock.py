@@ -7,17 +7,10 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from ..output import (
-    JsonOpt,
-    RootArg,
-    StorageOpt,
-    confirm,
-    emit_json,
-    fail,
-    handles_errors,
-    stderr,
-    stdout,
-)
+from ..confirm import confirm
+from ..console import emit_json, stderr, stdout
+from ..exits import fail, handles_errors
+from ..options import JsonOpt, RootArg, StorageOpt
 
 
 @handles_errors

@@ -10,20 +10,12 @@ from rich.table import Table
 from rich.text import Text
 
 from ..complete import complete_tag
-from ..output import (
-    EXIT_ERROR,
-    JsonOpt,
-    QuietOpt,
-    RootArg,
-    StorageOpt,
-    VerboseOpt,
-    emit_json,
-    handles_errors,
-    print_table,
-    shown,
-    stderr,
-)
+from ..console import emit_json, stderr
+from ..exits import EXIT_ERROR, handles_errors
+from ..formatting import shown
+from ..options import JsonOpt, QuietOpt, RootArg, StorageOpt, VerboseOpt
 from ..progress import progress
+from ..tables import print_table
 
 TagArg = Annotated[
     str | None,

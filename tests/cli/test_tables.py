@@ -24,7 +24,7 @@ from cli_helpers import (
 )
 
 import nebulaml as nm
-from nebula_cli.output import plain_table
+from nebula_cli.tables import plain_table
 
 
 def _commands(root: Path, tmp_path: Path) -> dict[str, list[str]]:

@@ -106,7 +106,7 @@ def test_a_job_running_on_this_host_is_not_unlocked_without_force(
 
 def test_a_name_that_is_not_utf8_is_escaped_never_printed_raw() -> None:
     """Found by the junk campaign: verify printed a folder name's 0xff byte raw."""
-    from nebula_cli.output import printable
+    from nebula_cli.console import printable
 
     assert printable("global_step\udcff83\x1b[2J") == "global_step\\xff83\\x1b[2J"
     with pytest.raises(nm.InvalidNameError, match="valid UTF-8"):
