@@ -144,9 +144,11 @@ class OutageWatch:
     failures: int = 0  # failed persists so far: a flush waits for one of its own
     dropped: list[str] = field(default_factory=list)  # failed in it, then superseded
 
-    def waiting(self) -> bool:
-        """Whether the backoff after a failure is not over yet."""
-        return self.retry_at is not None and time.monotonic() < self.retry_at
+    def waiting(self, now: float | None = None) -> bool:
+        """Whether the backoff after a failure is not over yet (at `now`, monotonic: the
+        clock's, unless given)."""
+        now = time.monotonic() if now is None else now
+        return self.retry_at is not None and now < self.retry_at
 
     def try_now(self) -> None:
         """The next try goes at once (a flush asked)."""
@@ -158,10 +160,11 @@ class OutageWatch:
         self.failed_rows.add(tag)
         return first
 
-    def failed(self, tag: str, error: PersistError) -> None:
-        """The persist of `tag` failed: the outage starts (warned) or goes on, and the
-        next try waits the backoff, which doubles."""
-        now = time.monotonic()
+    def failed(self, tag: str, error: PersistError, now: float | None = None) -> None:
+        """The persist of `tag` failed (at `now`, monotonic: the clock's, unless given):
+        the outage starts (warned) or goes on, and the next try waits the backoff, which
+        doubles."""
+        now = time.monotonic() if now is None else now
         self.failures += 1
         hopeless = not may_pass(error)
         if self.outage is None:
