@@ -201,12 +201,12 @@ def _profile(nm: Any, torch: Any, root: str, spec: dict[str, Any]) -> dict[str, 
     nm.flush_persistence()  # warm: the persister's start-up work is not a round's
     thread_profile = cProfile.Profile()
     try:
-        from nebulaml.runtime.persist_thread import PersistThread
+        from nebulaml.runtime.persist_actions import Persisting, Retention
     except ImportError:  # another layout: the main thread's profile only
-        PersistThread = None
+        Persisting = Retention = None
     wrapped = []
-    for name in ("_persist", "_apply_retention"):
-        method = getattr(PersistThread, name, None)
+    for owner, name in ((Persisting, "persist"), (Retention, "apply")):
+        method = getattr(owner, name, None)
         if method is None:
             continue
 
@@ -218,8 +218,8 @@ def _profile(nm: Any, torch: Any, root: str, spec: dict[str, Any]) -> dict[str, 
             finally:
                 thread_profile.disable()
 
-        setattr(PersistThread, name, run)
-        wrapped.append((name, method))
+        setattr(owner, name, run)
+        wrapped.append((owner, name, method))
 
     def one_round() -> None:
         nm.Checkpoint(f"global_step{n + 2}").save("model", {"w": torch.ones(TENSOR_ELEMENTS)})
@@ -229,8 +229,8 @@ def _profile(nm: Any, torch: Any, root: str, spec: dict[str, Any]) -> dict[str, 
     start = time.perf_counter()
     profile.runcall(one_round)
     elapsed = time.perf_counter() - start
-    for name, method in wrapped:
-        setattr(PersistThread, name, method)
+    for owner, name, method in wrapped:
+        setattr(owner, name, method)
     top(profile, f"one commit+persist at {n} tags, training thread ({elapsed:.3f} s)")
     if wrapped:
         top(thread_profile, f"the same, persister thread ({', '.join(w for w, _ in wrapped)})")

@@ -124,9 +124,9 @@ BUGS = (
     ),
     Bug(
         "eviction takes a checkpoint whose persist is in flight",
-        "core/nebulaml/runtime/persist_thread.py",
-        "queued = (self._pending, self._inflight, *self._forced, *self._candidates)",
-        "queued = (self._pending, *self._forced, *self._candidates)",
+        "core/nebulaml/runtime/persist_schedule.py",
+        "queued = (self.pending, self.inflight, *self.forced, *self.candidates)",
+        "queued = (self.pending, *self.forced, *self.candidates)",
         ("tests/core/test_labels.py",),
     ),
     Bug(

@@ -12,7 +12,7 @@ import torch
 
 import nebulaml as nm
 from nebulaml.protocol.catalog import list_committed
-from nebulaml.runtime import persist_thread
+from nebulaml.runtime import persist_actions
 from nebulaml.runtime.session import current
 
 WAIT_S = 30
@@ -45,14 +45,14 @@ def _memory_tags() -> list[str]:
 def held_deletes(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
     """Evictions' deletes wait for `release` (set `entered` when one starts)."""
     entered, release = threading.Event(), threading.Event()
-    delete = persist_thread.delete_checkpoint
+    delete = persist_actions.delete_checkpoint
 
     def held(*args: Any, **kwargs: Any) -> bool:
         entered.set()
         assert release.wait(WAIT_S)
         return delete(*args, **kwargs)
 
-    monkeypatch.setattr(persist_thread, "delete_checkpoint", held)
+    monkeypatch.setattr(persist_actions, "delete_checkpoint", held)
     return entered, release
 
 

@@ -15,7 +15,7 @@ import torch
 import nebulaml as nm
 from nebulaml.protocol.catalog import list_committed
 from nebulaml.protocol.history import HISTORY_FILE
-from nebulaml.runtime.persister import Persister
+from nebulaml.runtime.persist_actions import Persisting
 from nebulaml.runtime.session import current
 
 
@@ -149,15 +149,15 @@ def test_a_queued_labelled_checkpoint_stays_in_the_memory_tier(
     # waits in the queue, protected, and the memory tier keeps it; 300, superseded, goes.
     # Old code: best was superseded by 300 and evicted from memory before any persist.
     started, gate = threading.Event(), threading.Event()
-    persist = Persister._persist
+    persist = Persisting.persist
 
-    def held_up(self: Persister, tag: str) -> object:
+    def held_up(self: Persisting, tag: str) -> object:
         if tag == "global_step100":
             started.set()
             assert gate.wait(60)
         return persist(self, tag)
 
-    monkeypatch.setattr(Persister, "_persist", held_up)
+    monkeypatch.setattr(Persisting, "persist", held_up)
     nm.init(str(root), num_of_version_in_retention=1)
     _save(100)
     assert started.wait(30)

@@ -292,12 +292,12 @@ def test_a_follower_exiting_before_its_leader_starts_still_persists_what_it_pers
     60 s for rank 1's part, and its exit failed."""
     import threading
 
-    import nebulaml.runtime.persist_thread as persist_thread
+    import nebulaml.runtime.persist_actions as persist_actions
 
     tiers = [open_tiers(str(tmp_path / "root")) for _ in (0, 1)]
     memory, persistent = tiers[0].memory, tiers[0].persistent
     assert persistent is not None
-    part = persist_thread.persist_part
+    part = persist_actions.persist_part
     held, entered = threading.Event(), threading.Event()
 
     def slow_leader(tiers_: object, tag: str, ranks: RankInfo, **kwargs: object) -> int:
@@ -306,7 +306,7 @@ def test_a_follower_exiting_before_its_leader_starts_still_persists_what_it_pers
             held.wait(timeout=30)  # until rank 1 is exiting
         return part(tiers_, tag, ranks, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(persist_thread, "persist_part", slow_leader)
+    monkeypatch.setattr(persist_actions, "persist_part", slow_leader)
     persisters = [
         Persister(t, interval_s=0, retention=5, ranks=RankInfo(r, 2, r, 2), rank_timeout_s=8)
         for r, t in enumerate(tiers)

@@ -21,7 +21,7 @@ caller that needs a paused job's result (`QUIET.hurry()`: a fill waiting for the
 audit of its buffer) lets it run on.
 
 May import: runtime/pages.py (lower_priority). Not for: what the jobs do (snapshot.py,
-unchanged.py, persist_thread.py).
+unchanged.py, persist_actions.py).
 """
 
 from __future__ import annotations

@@ -17,11 +17,14 @@ A session that could not reach its persistent tier at init hands the persister a
 `connect` to run before its first persist (session.py): until it succeeds, the job is an
 outage like any other.
 
-This module holds the queue (pending, forced, labelled, followers' candidates) and what
-the training thread and the operators' calls do with it; persist_thread.py the thread that
-works it (the two are one state machine under one lock). May import: every layer below
-runtime, and runtime.crew, outage, persist_thread, ranks, slots, upkeep. Not for: the thread
-(persist_thread.py), one persist's copy (persist_step.py), retention and the history
+`Persister` is the facade the rest of nebula calls: it holds the persister's state (a
+`Schedule`, persist_schedule.py, which decides what is persisted, skipped, retried and
+evicted, and when) under one lock, starts the thread that works it (persist_loop.py), and
+hands the I/O to the actions (persist_actions.py). May import: every layer below runtime,
+and runtime.crew, outage, persist_actions, persist_loop, persist_schedule, ranks, slots,
+upkeep. Not for: the decisions themselves (persist_schedule.py), the thread
+(persist_loop.py), the I/O of a persist, an eviction, a follower or a removal
+(persist_actions.py), one persist's copy (persist_step.py), retention and the history
 (upkeep.py), the commit protocol itself (commit.py) or process-wide state (session.py).
 """
 
@@ -32,29 +35,34 @@ import threading
 import time
 from collections.abc import Callable
 
-from nebulaml._threads import start as start_thread
 from nebulaml.errors import NebulaError, PersistError, PersistTimeoutError, RankTimeoutError
 from nebulaml.format.manifest import utc_now
-from nebulaml.format.names import order_key, step_of
 from nebulaml.protocol.catalog import highest_sequence, list_committed
-from nebulaml.protocol.history import HistoryRow, skipped_row
-from nebulaml.protocol.removals import write_removals
-from nebulaml.protocol.retention import Version
+from nebulaml.protocol.history import HistoryRow
 from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.runtime.crew import EVICT_CREW
 from nebulaml.runtime.outage import OutageWatch
-from nebulaml.runtime.persist_thread import Connect, PersistThread
+from nebulaml.runtime.persist_actions import (
+    Connect,
+    Eviction,
+    Following,
+    Persisting,
+    Removals,
+    Retention,
+)
+from nebulaml.runtime.persist_loop import PersistLoop, record_skips
+from nebulaml.runtime.persist_schedule import Schedule
 from nebulaml.runtime.ranks import RankInfo
 from nebulaml.runtime.slots import SlotPool
-from nebulaml.runtime.upkeep import HistoryQueue, RemovalQueue
+from nebulaml.runtime.upkeep import HistoryQueue
 from nebulaml.storage.deadline import within
 from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
 
 
-class Persister(PersistThread):
+class Persister:
     """Owns the persist thread of one job's tiers.
 
     Example:
@@ -88,78 +96,68 @@ class Persister(PersistThread):
         self.pool = pool  # evicted memory-tier files go back to it for reuse
         self.interval_s = interval_s
         self.retention = retention
-        self.ranks = ranks or RankInfo()
-        self.rank = self.ranks.rank
         self.rank_timeout_s = rank_timeout_s
-        self._cond = threading.Condition()
-        self._pending: str | None = None  # newest committed, not yet persisted
-        # A follower persists exactly what the tag's leader persists: the tags it holds
-        # and has not yet seen the leader's marker for, oldest first. The leader of a tag
-        # is the lowest rank that writes it (rank 0, unless the checkpoint names ranks).
-        self._candidates: list[str] = []
-        self._leaders: dict[str, int] = {}
-        self._newest_followed: dict[int, str] = {}  # each leader's newest commit
-        self._follow_deadline: float | None = None  # exiting: when a follower gives up
-        # A follower's parts persisted whose commit (by the leader) it has not yet seen:
-        # kept in the memory tier until then, or the checkpoint was committed nowhere for
-        # a moment (the memory copy lost this part; the persistent copy had no manifest).
-        self._parts_out: set[str] = set()
-        self._commits_due = 0.0  # when the thread looks for their commits next
-        # Flush requests and labelled checkpoints: persisted in order, the interval
-        # ignored, never superseded.
-        self._forced: list[str] = []
-        self._inflight: str | None = None
-        self._last_start: float | None = None
-        self._done: dict[str, BaseException | None] = {}
-        self._error: PersistError | None = None
+        self._cond = threading.Condition()  # guards the schedule
         # The persistent tier failing ("retry"): since when, the last error, when to try
         # again, and the next backoff. Warned once per outage, and once when it ends.
         self.watch = OutageWatch(tiers.display)
-        self._gave_up = False  # exiting, and the last try failed: what is left stays
-        self._inflight_forced = False
-        self._durable: str | None = None  # the newest tag this process made durable
+        self.schedule = Schedule(
+            interval_s=interval_s,
+            ranks=ranks or RankInfo(),
+            persistent=tiers.persistent is not None,
+            retries=on_error == "retry",
+            rank_timeout_s=rank_timeout_s,
+            watch=self.watch,
+            reached=connect is None,
+        )
         self.history = HistoryQueue(lambda: self.tiers.history_store)
         # What this process persisted of each item, whose unchanged bytes the next
         # persist of the item takes from it instead of writing them (protocol/reuse.py).
         self.reuse = ReuseBook()
-        # What a framework removed (Lightning's ModelCheckpoint): deleted on the thread.
-        self.removals = RemovalQueue(journal=self._journal_removals)
-        self._removing: str | None = None  # the tag the thread is deleting now
-        # Tags the training thread is saving again (`release`, until `notify_committed`)
-        # and those an eviction is deleting now: neither waits for nor deletes the other.
-        self._saving: set[str] = set()
-        self._evicting: set[str] = set()
-        self._retention_lock = threading.Lock()  # the thread and a streamed commit apply it
-        # A commit's eviction of the copies it superseded: asked for by `notify_committed`,
-        # run by the eviction thread or by the next save (`settle_eviction`), once.
-        self._evict_due = False
-        self._after_evict: Callable[[], object] | None = None
-        self._evict_lock = threading.Lock()
-        # What the persistent tier holds committed, with each one's order and labels, as
-        # read once (upkeep.retire): retention reads only the manifests it has not read.
-        self._retained: dict[str, Version] = {}
-        self._stopping = False
-        # The highest commit sequence this job knows on its persistent tier (its start's,
-        # then each persist's and retention's): a memory-tier commit takes a higher one,
-        # so that "newest" is one order on both tiers (`sequence_floor`).
-        self._sequence = 0
-        # What the persistent tier holds, as this job knows it (its start's listing, then
-        # each persist and retention): a save asks this, never the store (`holds`).
-        self._durable_tags: set[str] = set()
-        # Not reached yet (session.py): run before the first persist, as part of it.
-        self._connect = connect
         self._unreached_since = utc_now()
+        cond, schedule = self._cond, self.schedule
+        self._retention = Retention(tiers, schedule, cond, retention)
+        self._eviction = Eviction(tiers, schedule, cond, retention=retention, pool=pool)
+        self._removals = Removals(tiers, schedule, cond, pool=pool)
+        # What a framework removed (Lightning's ModelCheckpoint): deleted on the thread.
+        self.removals = self._removals.queue
+        self._persisting = Persisting(
+            tiers,
+            schedule,
+            cond,
+            retention=self._retention,
+            history=self.history,
+            reuse=self.reuse,
+            on_error=on_error,
+            rank_timeout_s=rank_timeout_s,
+            connect=connect,
+        )
+        self._loop = PersistLoop(
+            schedule,
+            cond,
+            history=self.history,
+            persisting=self._persisting,
+            eviction=self._eviction,
+            following=Following(tiers, schedule, cond, eviction=self._eviction),
+            removals=self._removals,
+        )
         if connect is None and tiers.persistent is not None:
-            self._learn(list_committed(tiers.persistent))
-        self._thread = threading.Thread(target=self._run, name="nebula-persister", daemon=True)
-        start_thread(self._thread)
+            self._retention.learn(list_committed(tiers.persistent))
+        self._loop.start()
+
+    @property
+    def ranks(self) -> RankInfo:
+        return self.schedule.ranks
+
+    @property
+    def rank(self) -> int:
+        return self.schedule.rank
 
     # called by the training thread --------------------------------------------------------
     def set_ranks(self, ranks: RankInfo) -> None:
         """This process's place in the job, read again at the first save (session.py)."""
         with self._cond:
-            self.ranks = ranks
-            self.rank = ranks.rank
+            self.schedule.ranks = ranks
 
     def notify_committed(
         self,
@@ -179,66 +177,52 @@ class Persister(PersistThread):
         if row is not None:
             self.history.add(row)
         with self._cond:
-            self._saving.discard(tag)
-            if self.tiers.persistent is not None:
-                self._done.pop(tag, None)
-                self._leaders[tag] = leader
-                if self._follows(tag):
-                    # Its leader decides what is persisted and what skipped; this follows.
-                    self._pending = tag
-                    if tag not in self._candidates:
-                        self._candidates.append(tag)
-                    newest = self._newest_followed.get(leader)
-                    if newest is None or order_key(tag, "") >= order_key(newest, ""):
-                        self._newest_followed[leader] = tag
-                else:
-                    self._supersede_pending(tag)
-                    if not labels:
-                        self._pending = tag
-                    elif tag not in self._forced:
-                        self._forced.append(tag)
+            skips = self.schedule.committed(tag, labels, leader)
+            record_skips(skips, self.schedule, self.history)
             # The copies this commit supersedes are evicted on the eviction thread, not
             # here: the save returns without waiting for their deletion (a persist in
             # flight does not hold it up either); the next save settles it first.
-            self._evict_due = True
-            self._after_evict = then
+            self._eviction.ask(then)
             self._cond.notify_all()
         try:
-            EVICT_CREW.submit(self._evict_if_due)
+            EVICT_CREW.submit(self._eviction.if_due)
         except RuntimeError:  # interpreter exit: no thread for it
-            self._evict_if_due()
+            self._eviction.if_due()
 
     def settle_eviction(self) -> None:
         """Run the eviction a commit asked for, if the thread has not yet (or wait while
         it runs it): a save calls this before it takes its buffers, so that it finds the
         memory tier, its budget and the slot pool as if the eviction had run at the
         commit. A failure is warned about; the copy stays for the next eviction."""
-        self._evict_if_due()  # under the eviction's lock: one running is waited for
+        self._eviction.if_due()  # under the eviction's lock: one running is waited for
+
+    def evict_memory(self, *, superseded_newest: bool = False) -> None:
+        """Drop memory copies that are no longer needed.
+
+        With a persistent tier the memory tier keeps its newest checkpoint and those
+        pending, queued (labelled ones until their persist) or in flight. Without one it
+        is the only tier, and retention applies.
+        With several ranks each rank removes only its own part (manifest first). With
+        `superseded_newest` (the memory budget needs room) the newest goes too once the
+        persistent tier holds it or a newer checkpoint.
+        """
+        self._eviction.evict(superseded_newest=superseded_newest)
 
     def notify_streamed(self, tag: str, row: HistoryRow, *, leader: int = 0) -> None:
         """A tag too large for the memory budget was committed straight to the persistent
         tier: older pending copies are superseded, and retention runs on the thread."""
         self.history.add(row)
         with self._cond:
-            self._saving.discard(tag)
-            self._leaders[tag] = leader
-            self._durable_tags.add(tag)
-            # The streamed commit is the later one: it supersedes a pending tag of a step
-            # no higher (a tag-only key orders by step; tags without one compare equal).
-            if self._pending is not None and order_key(self._pending)[0] <= order_key(tag)[0]:
-                self._supersede_pending(tag)
+            skips = self.schedule.streamed(tag, leader)
+            record_skips(skips, self.schedule, self.history)
             self._cond.notify_all()
         if leader == self.rank:
-            self._retire_after_stream(tag)
+            self._retention.after_stream(tag)
 
     def request(self, tag: str) -> None:
         """Persist `tag` (committed in the memory tier) as soon as possible."""
         with self._cond:
-            if self.tiers.persistent is None:
-                return
-            if tag not in self._forced:
-                self._forced.append(tag)
-            self._done.pop(tag, None)
+            self.schedule.request(tag)
             self._cond.notify_all()
 
     def release(self, tag: str) -> None:
@@ -247,22 +231,12 @@ class Persister(PersistThread):
         copy never reads a tag being replaced. A removal of it (`forget`) is called off:
         the new version is not the one removed."""
         with self._cond:
-            self._saving.add(tag)
-            self._unqueue(tag)
+            self.schedule.saving.add(tag)
+            self.schedule.unqueue(tag)
             self.removals.discard(tag)
-            while tag in (self._inflight, self._removing) or tag in self._evicting:
+            while self.schedule.busy(tag):
                 self._cond.wait(timeout=1.0)
-            self._done.pop(tag, None)
-
-    def _journal_removals(self, tags: list[str]) -> None:
-        """Record what is left to remove in the memory tier (a small local file): a
-        process killed before its thread ran a removal leaves it to the next session."""
-        if not self.tiers.memory_usable or self.tiers.persistent is None:
-            return
-        try:
-            write_removals(self.tiers.memory, self.rank, tags)
-        except (NebulaError, OSError) as exc:
-            log.warning("could not record the removal of %s: %s", ", ".join(tags), exc)
+            self.schedule.done.pop(tag, None)
 
     def forget(self, tag: str) -> None:
         """The framework that manages this job's checkpoints removed `tag` (Lightning's
@@ -270,62 +244,65 @@ class Persister(PersistThread):
         deletes it from every tier, whatever its labels, newest or not. Never waits: a
         persist of it in flight finishes first, and a tier that fails is tried again."""
         with self._cond:
-            self._unqueue(tag)
-            self._done.pop(tag, None)
+            self.schedule.unqueue(tag)
+            self.schedule.done.pop(tag, None)
             self.removals.add(tag)
             self._cond.notify_all()
-
-    def _unqueue(self, tag: str) -> None:
-        """Under the lock: `tag` is no longer to be persisted."""
-        if self._pending == tag:
-            self._pending = None
-        for queue in (self._forced, self._candidates):
-            while tag in queue:
-                queue.remove(tag)
 
     def fail(self, error: NebulaError) -> None:
         """A failure outside a persist (the root's hold lost): raised on the next call."""
         with self._cond:
-            self._error = error  # type: ignore[assignment]
+            self.schedule.error = error
 
     def raise_pending_error(self) -> None:
         """Raise a background failure once; later calls go on until the next one."""
         with self._cond:
-            error, self._error = self._error, None
+            error, self.schedule.error = self.schedule.error, None
         if error is not None:
             raise error
+
+    # what this job knows -----------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        """Whether the persistent tier was reached (always, without one)."""
+        with self._cond:
+            return self.schedule.reached
 
     def holds(self, tag: str) -> bool:
         """Whether the persistent tier holds `tag` committed, as this job knows it: no
         request to the store (a save asks this on the training thread)."""
         with self._cond:
-            return tag in self._durable_tags
+            return tag in self.schedule.durable_tags
 
     def durable_tags(self) -> set[str]:
         """The tags the persistent tier holds committed, as this job knows it (`holds`)."""
         with self._cond:
-            return set(self._durable_tags)
+            return set(self.schedule.durable_tags)
+
+    def protected(self) -> set[str]:
+        """Tags the memory tier must keep: pending, in flight, or queued (asked for, or
+        labelled and not yet persisted)."""
+        with self._cond:
+            return self.schedule.protected()
 
     def failing(self) -> bool:
         """Whether the persistent tier is failing now, or was never reached."""
         with self._cond:
-            return self.watch.outage is not None or self._connect is not None
+            return self.schedule.failing()
 
     def status(self) -> dict[str, object]:
         """What is durable and what is not (`nm.persistence_status()`)."""
         with self._cond:
             outage = self.watch.outage
-            waiting = [t for t in (self._inflight, *self._forced, self._pending) if t]
-            waiting += [t for t in self._candidates if t not in waiting]
             error, since = None, None
             if outage is not None:
                 error, since = str(outage.error), outage.since_utc
-            elif self._connect is not None:  # never reached: that is an outage too
+            elif not self.schedule.reached:  # never reached: that is an outage too
                 since = self._unreached_since
                 error = f"{self.tiers.display} has not answered since the job started"
             return {
-                "durable": self._durable,
-                "pending": list(dict.fromkeys(waiting)),
+                "durable": self.schedule.durable,
+                "pending": self.schedule.waiting(),
                 "last_error": error,
                 "failing_since": since,
             }
@@ -343,21 +320,9 @@ class Persister(PersistThread):
         """
         self.settle_eviction()  # the memory tier as of the last commit, when it returns
         self.raise_pending_error()
+        schedule = self.schedule
         with self._cond:
-            if tag is None and self._pending is not None:
-                tag = self._pending  # the newest: persisted now, the interval ignored
-            if tag is None:
-                # Nothing pending: wait for what is queued (persists are done in order, so
-                # the last queued one finishes last), else for the one in flight.
-                target = self._forced[-1] if self._forced else self._inflight
-            else:
-                target = tag
-                if target != self._inflight:
-                    if target == self._pending:
-                        self._pending = None
-                    if target not in self._forced:
-                        self._forced.append(target)
-                    self._done.pop(target, None)
+            target = schedule.flush_target(tag)
             if target is not None and self.tiers.persistent is not None:
                 # A flush is a request to try now: what was wrong may have been put right
                 # (the link removed, the disk grown), so an earlier failure is not the answer.
@@ -365,15 +330,13 @@ class Persister(PersistThread):
                 tries = self.watch.failures
                 self._cond.notify_all()
                 deadline = None if timeout_s is None else time.monotonic() + timeout_s
-                while target not in self._done:
-                    if not self._thread.is_alive():
+                while target not in schedule.done:
+                    if not self._loop.alive():
                         raise PersistTimeoutError(f"the persister stopped before {target!r}")
+                    hopeless = schedule.flush_fails(tries, wait_out)
+                    if hopeless is not None:
+                        raise hopeless  # no retry can fix it (or not waited out)
                     outage = self.watch.outage
-                    fresh = self.watch.failures > tries  # this flush's own try failed
-                    if outage is not None and (
-                        self._gave_up or (fresh and (outage.hopeless or not wait_out))
-                    ):
-                        raise outage.error  # no retry can fix it (or not waited out)
                     if deadline is None and outage is not None:
                         deadline = outage.started + self.give_up_s
                     left = None if deadline is None else deadline - time.monotonic()
@@ -385,9 +348,9 @@ class Persister(PersistThread):
                             f"within {timeout_s} s"
                         )
                     self._cond.wait(timeout=min(left, 1.0) if left is not None else 1.0)
-                result = self._done[target]
-                if isinstance(result, PersistError) and result is self._error:
-                    self._error = None  # reported here, not again on the next call
+                result = schedule.done[target]
+                if isinstance(result, PersistError) and result is schedule.error:
+                    schedule.error = None  # reported here, not again on the next call
                 if result is not None:
                     raise result
                 self._await_commit(target)
@@ -404,14 +367,14 @@ class Persister(PersistThread):
         then. Raises `PersistError` (its cause a `RankTimeoutError`) when it does not:
         the leader's persist failed (an item two ranks saved, say), or it died."""
         deadline = time.monotonic() + self.rank_timeout_s
-        self._commits_due = 0.0  # look now
+        self.schedule.commits_due = 0.0  # look now
         self._cond.notify_all()
-        while tag in self._parts_out and self._thread.is_alive():
+        while tag in self.schedule.parts_out and self._loop.alive():
             left = deadline - time.monotonic()
             if left <= 0:
                 persistent = self.tiers.persistent
                 assert persistent is not None
-                leader = self._leaders.get(tag, 0)
+                leader = self.schedule.leaders.get(tag, 0)
                 cause = RankTimeoutError(
                     persistent.display(tag), [leader], self.rank_timeout_s, tag=tag
                 )
@@ -424,8 +387,8 @@ class Persister(PersistThread):
         flush does not wait out an outage of removals: they are tidying)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._cond.notify_all()
-        while self.removals.due() or self._removing is not None:
-            if not self._thread.is_alive():
+        while self.removals.due() or self.schedule.removing is not None:
+            if not self._loop.alive():
                 return
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -438,7 +401,7 @@ class Persister(PersistThread):
         on its other tier. A memory-tier commit so comes after what the persistent tier
         holds; a commit streamed to the persistent tier after what the memory tier holds."""
         with self._cond:
-            floor = self._sequence
+            floor = self.schedule.sequence
         if store is not self.tiers.memory and self.tiers.memory_usable:
             floor = max(floor, highest_sequence(self.tiers.memory))
         return floor
@@ -450,17 +413,13 @@ class Persister(PersistThread):
         the memory tier keeps: an older one in flight is superseded by it), else None.
         """
         with self._cond:
-            self._stopping = True
-            if self._pending is not None:
-                self._forced.append(self._pending)
-                self._pending = None
+            self.schedule.stop()
             self._cond.notify_all()
-        self._thread.join(timeout_s)
+        self._loop.thread.join(timeout_s)
         self.settle_eviction()  # the last commit's, if its thread has not run it yet
         with self._cond:
-            if self._thread.is_alive() or self._gave_up:
-                left = [t for t in (self._inflight, *self._forced, self._pending) if t]
-                return max(left, key=lambda t: order_key(t, "")) if left else None
+            if self._loop.alive() or self.schedule.gave_up:
+                return self.schedule.unpersisted()
         return None
 
     @property
@@ -468,33 +427,9 @@ class Persister(PersistThread):
         """Whether the exit's last try of a persist failed (what is left stays in the
         memory tier), as opposed to a persist still running when the exit's time ran out."""
         with self._cond:
-            return self._gave_up
+            return self.schedule.gave_up
 
     @property
-    def error(self) -> PersistError | None:
+    def error(self) -> NebulaError | None:
         with self._cond:
-            return self._error
-
-    def _supersede_pending(self, by: str) -> None:
-        """Under the lock: the newer commit `by` supersedes the pending tag, whose persist
-        is skipped. Rank 0, which decides what is skipped (the other ranks follow it, see
-        `_follow_leader`), appends the `skipped` history row."""
-        old, self._pending = self._pending, None
-        if old is None or old == by or old == self._inflight or old in self._forced:
-            return  # nothing pending, or it is persisted anyway
-        self._skip(old, by)
-
-    def _skip(self, old: str, by: str) -> None:
-        """Under the lock: `old`'s persist is skipped for the newer `by` (its memory copy
-        goes at the next eviction). One that failed in this outage was acknowledged and
-        is dropped without ever being durable: the outage's record says so (once, then
-        the count when it ends)."""
-        if old in self.watch.failed_rows:
-            self.watch.superseded(old, by)  # warned once an outage, then counted
-        else:
-            log.debug("%r superseded by %r before its persist: skipped", old, by)
-        if self._leaders.get(old, 0) == self.rank:
-            row = skipped_row(
-                tag=old, step=step_of(old), rank=self.rank, started_at=utc_now(), superseded_by=by
-            )
-            self.history.add(row)
+            return self.schedule.error
