@@ -302,12 +302,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     Raises `UnsupportedSchemaError` for a schema this version cannot read and
     `ManifestError` for anything malformed.
     """
-    try:
-        doc = load_json(data, max_bytes=MAX_MANIFEST_BYTES)
-    except JsonBoundsError as exc:
-        raise ManifestError(where, f"manifest is {exc}") from exc
-    if not isinstance(doc, dict):
-        raise ManifestError(where, "manifest is not a JSON object")
+    doc = _json_object(data, where, "manifest")
     version = _check_schema(doc.get("schema_version"), where)
     tag = _require(doc, "tag", str, where)
     try:
@@ -501,14 +496,21 @@ class RankMarker:
         return (json.dumps(doc, sort_keys=True) + "\n").encode()
 
 
-def parse_marker(data: bytes, where: str) -> RankMarker:
-    """Parse a rank marker with the same checks as a manifest's items."""
+def _json_object(data: bytes, where: str, what: str) -> dict[str, Any]:
+    """`data` parsed as one JSON object, bounded in size and nesting (jsonbounds.py);
+    `ManifestError` saying what `what` (a manifest, a rank marker) is instead."""
     try:
         doc = load_json(data, max_bytes=MAX_MANIFEST_BYTES)
     except JsonBoundsError as exc:
-        raise ManifestError(where, f"rank marker is {exc}") from exc
+        raise ManifestError(where, f"{what} is {exc}") from exc
     if not isinstance(doc, dict):
-        raise ManifestError(where, "rank marker is not a JSON object")
+        raise ManifestError(where, f"{what} is not a JSON object")
+    return doc
+
+
+def parse_marker(data: bytes, where: str) -> RankMarker:
+    """Parse a rank marker with the same checks as a manifest's items."""
+    doc = _json_object(data, where, "rank marker")
     _check_schema(doc.get("schema_version"), where)
     items = tuple(_parse_item(item, where) for item in _require(doc, "items", list, where))
     labels = doc.get("labels", [])

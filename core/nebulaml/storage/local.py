@@ -37,7 +37,7 @@ from nebulaml.storage.local_files import (
     create_file,
     fsync_dir,
     make_folders,
-    write_all,
+    write_and_close,
 )
 from nebulaml.storage.mapped_reads import (
     Lender,
@@ -374,12 +374,7 @@ class LocalBackend:
         fd = create_file(tmp, self.file_mode, exclusive=True)
         renamed = False  # the temporary name is gone
         try:
-            try:
-                write_all(fd, data)
-                if self.durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_and_close(fd, data, durable=self.durable)
             if create_only:
                 try:
                     os.link(tmp, path)
@@ -457,12 +452,7 @@ class LocalBackend:
                     return False  # another process rotated it first
                 mode = self.file_mode if self.private else 0o644
                 out = os.open(staged, _NEW_FILE, mode, dir_fd=folder)
-                try:
-                    write_all(out, head)
-                    if self.durable:
-                        os.fsync(out)
-                finally:
-                    os.close(out)
+                write_and_close(out, head, durable=self.durable)
                 linked = f"{staged}.1"
                 os.link(name, linked, src_dir_fd=folder, dst_dir_fd=folder,
                         follow_symlinks=False)  # fmt: skip

@@ -1,12 +1,14 @@
 """Writing a local file: made with its mode, never through a link, fsynced when durable.
 
-    create_file     open a new file for writing with a given mode, never through a link
-    new_file_mode   the mode a new file gets in a folder (0600 when private)
-    make_folders    create a folder and those above it, 0700 when private
-    LocalWriter     a buffered file whose close() flushes and (when durable) fsyncs
-    DirectFile      a file written at offsets with O_DIRECT where the filesystem allows it,
-                    or cloned from another file's extents; fsynced on close when durable
-    fsync_dir       make a folder's entries durable (after a rename or a new file)
+    create_file      open a new file for writing with a given mode, never through a link
+    new_file_mode    the mode a new file gets in a folder (0600 when private)
+    make_folders     create a folder and those above it, 0700 when private
+    write_and_close  write a whole file at once, fsynced when durable
+    LocalWriter      a buffered file whose close() flushes and (when durable) fsyncs
+    DirectFile       a file written at offsets with O_DIRECT where the filesystem allows
+                     it, or cloned from another file's extents; fsynced on close when
+                     durable
+    fsync_dir        make a folder's entries durable (after a rename or a new file)
 
 The memory tier's files are this user's alone (`PRIVATE_FILE_MODE`); a persistent root's
 are as any program's (`PUBLIC_FILE_MODE`, less the umask).
@@ -100,11 +102,17 @@ def create_file(path: str, mode: int, *, exclusive: bool = False) -> int:
     return os.open(path, flags, mode)
 
 
-def write_all(fd: int, data: bytes | memoryview) -> None:
-    """Write every byte of `data` to `fd` (os.write may take fewer at once)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+def write_and_close(fd: int, data: bytes | memoryview, *, durable: bool) -> None:
+    """Write every byte of `data` to `fd` (os.write may take fewer at once), fsync it when
+    `durable`, and close `fd`, whatever happens."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class LocalWriter(io.RawIOBase):

@@ -163,17 +163,14 @@ def call(
 ) -> T:
     """`fn()`, tried again after a transient failure as `policy` allows; the last failure
     (or the first that is not transient) is raised as it is."""
-    delays = policy.delays()
-    attempt = 0
+    retries = _Retries(policy, what, describe)
     while True:
         try:
             return fn()
         except Exception as exc:
-            delay = _next_delay(exc, delays)
+            delay = retries.after(exc)
             if delay is None:
                 raise
-            attempt += 1
-            _log_retry(what, exc, attempt, policy, delay, describe)
             time.sleep(delay)
 
 
@@ -185,27 +182,37 @@ async def call_async(
     describe: Callable[[BaseException], str] = str,
 ) -> T:
     """`call` for coroutines (the Azure block uploads run on fsspec's event loop)."""
-    delays = policy.delays()
-    attempt = 0
+    retries = _Retries(policy, what, describe)
     while True:
         try:
             return await fn()
         except Exception as exc:
-            delay = _next_delay(exc, delays)
+            delay = retries.after(exc)
             if delay is None:
                 raise
-            attempt += 1
-            _log_retry(what, exc, attempt, policy, delay, describe)
             await asyncio.sleep(delay)
 
 
-def _next_delay(exc: BaseException, delays: Iterator[float]) -> float | None:
-    if not is_transient(exc):
-        return None
-    delay = next(delays, None)
-    if delay is None or not retry_allowed(delay):
-        return None  # no retry left, or none that ends before the block's deadline
-    return delay
+class _Retries:
+    """The retries of one `call`: after each failure, the delay before the next try (the
+    retry logged), or None when the failure is to be raised."""
+
+    def __init__(
+        self, policy: RetryPolicy, what: str, describe: Callable[[BaseException], str]
+    ) -> None:
+        self._policy, self._what, self._describe = policy, what, describe
+        self._delays = policy.delays()
+        self._attempt = 0
+
+    def after(self, exc: BaseException) -> float | None:
+        if not is_transient(exc):
+            return None
+        delay = next(self._delays, None)
+        if delay is None or not retry_allowed(delay):
+            return None  # no retry left, or none that ends before the block's deadline
+        self._attempt += 1
+        _log_retry(self._what, exc, self._attempt, self._policy, delay, self._describe)
+        return delay
 
 
 def _log_retry(
@@ -216,6 +223,7 @@ def _log_retry(
     delay: float,
     describe: Callable[[BaseException], str],
 ) -> None:
+    # The command line prints each retry (nebula_cli/logs.py knows this function's name).
     log.info(
         "%s: %s; retry %d of %d in %.2f s",
         what,
