@@ -18,15 +18,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError
-from nebulaml.integrations.hf_common import (
-    capture_rng,
-    ensure_session,
-    find,
-    load_optional,
-    model_config,
-    restore_rng,
-    write_checkpoint,
-)
+from nebulaml.integrations import hf_common as hf
 
 META_ITEM = "accelerate_state"  # Accelerate's step and save iteration
 
@@ -75,7 +67,7 @@ def save_state(accelerator: Any, tag: str, *, labels: Iterable[str] = ()) -> Non
         for i, model in enumerate(accelerator._models):
             unwrapped = _unwrap(model)
             yield f"model{_suffix(i)}", unwrapped.state_dict()
-            config = model_config(unwrapped) if i == 0 else None
+            config = hf.model_config(unwrapped) if i == 0 else None
             if config is not None:
                 yield "config", config[0]
                 if config[1]:
@@ -95,9 +87,9 @@ def save_state(accelerator: Any, tag: str, *, labels: Iterable[str] = ()) -> Non
         yield META_ITEM, {"step": accelerator.step, "iteration": iteration}
 
     def own() -> Iterator[tuple[str, Any]]:
-        yield f"rng_state_{accelerator.process_index}", capture_rng()
+        yield f"rng_state_{accelerator.process_index}", hf.capture_rng()
 
-    write_checkpoint(tag, shared, own, world_size=world_size, labels=labels)
+    hf.write_checkpoint(tag, shared, own, world_size=world_size, labels=labels)
     accelerator.project_configuration.iteration += 1
 
 
@@ -107,8 +99,8 @@ def load_state(accelerator: Any, tag: str | None = None, persist_path: Any = Non
     no checkpoint and `tag` was None. Restores what `save_state` saved, this process's RNG
     included, and `accelerator.step` and `save_iteration`."""
     _check_accelerator(accelerator, "load_state")
-    ensure_session("load_state", accelerator.num_processes)
-    checkpoint = find(tag, persist_path)
+    hf.ensure_session("load_state", accelerator.num_processes)
+    checkpoint = hf.find(tag, persist_path)
     if checkpoint is None:
         if tag is None:
             return None
@@ -122,19 +114,19 @@ def load_state(accelerator: Any, tag: str | None = None, persist_path: Any = Non
         scheduler.load_state_dict(checkpoint.load(f"scheduler{_suffix(i)}"))
     for i, loader in enumerate(accelerator._dataloaders):
         if getattr(loader, "use_stateful_dataloader", False):
-            state = load_optional(checkpoint, f"dl_state_dict{_suffix(i)}")
+            state = hf.load_optional(checkpoint, f"dl_state_dict{_suffix(i)}")
             if state is not None:
                 loader.load_state_dict(state)
     if accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(checkpoint.load("scaler"))
     for i, obj in enumerate(accelerator._custom_objects):
         obj.load_state_dict(checkpoint.load(f"custom_checkpoint_{i}"))
-    meta = load_optional(checkpoint, META_ITEM) or {}
+    meta = hf.load_optional(checkpoint, META_ITEM) or {}
     if "step" in meta:
         accelerator.step = meta["step"]
     if "iteration" in meta:
         accelerator.project_configuration.iteration = meta["iteration"]
-    rng = load_optional(checkpoint, f"rng_state_{accelerator.process_index}")
+    rng = hf.load_optional(checkpoint, f"rng_state_{accelerator.process_index}")
     if rng is not None:
-        restore_rng(rng)
+        hf.restore_rng(rng)
     return checkpoint.tag
