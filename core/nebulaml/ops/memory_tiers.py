@@ -8,8 +8,9 @@ stale tiers (their root is gone, or was created again), tiers of finished jobs w
 newest checkpoint is persisted, and - only when asked - unpersisted checkpoints of jobs
 that are gone.
 
-May import: tiers, catalog, storage, errors. Not for: a running job's own tier
-(session.py), or persisting what a crashed job left (copying.persist_memory_tier).
+May import: protocol's tiers, memory_tier, tier_identity, tier_lifetime and catalog;
+storage; errors. Not for: a running job's own tier (session.py), or persisting what a
+crashed job left (copying.persist_memory_tier).
 """
 
 from __future__ import annotations

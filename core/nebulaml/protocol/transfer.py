@@ -10,8 +10,8 @@ Every byte copied is hashed and checked against the source manifest: a mismatch 
 `CorruptCheckpointError` and nothing is committed at the destination.
 
 May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, catalog.py,
-commit.py and markers.py. Not for: when to copy (persister.py, ops/copying.py) or what to
-delete after (retention.py).
+commit.py, markers.py, reuse.py and sequence.py. Not for: when to copy (persister.py,
+ops/copying.py) or what to delete after (retention.py).
 """
 
 from __future__ import annotations
