@@ -2,9 +2,9 @@
 
 Lightning ships as two packages with separate class trees, `lightning` (`lightning.pytorch`)
 and `pytorch_lightning`; a Trainer of one refuses the plugins and callbacks of the other.
-So the classes are made once for each, by `declare` from the mixins here, as the classes
-of `nebulaml/lightning.py` and `nebulaml/pytorch_lightning.py`; `nm.NebulaCheckpointIO`
-picks the module of the package the program uses (`pick_module`).
+So the classes are declared twice, in `nebulaml/lightning.py` and
+`nebulaml/pytorch_lightning.py`, from the mixins here; `nm.NebulaCheckpointIO` picks the
+module of the package the program uses (`pick_module`).
 
 Mapping: Lightning names a checkpoint by a file path; nebula stores it as the item
 "checkpoint" of the tag named by the file name without `.ckpt` (`/ckpts/epoch=1-step=8.ckpt`
@@ -35,7 +35,6 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -331,53 +330,6 @@ def _refuse_checkpoints_without_checkpoint_io(strategy: Any) -> None:
         f"nebulaml.dcp.Reader); or use {instead}, whose full checkpoint goes through the "
         f"CheckpointIO; or a plain ModelCheckpoint"
     )
-
-
-# the classes of each package ------------------------------------------------------------
-_CHECKPOINT_IO_DOC = """\
-Lightning's CheckpointIO through nebula: `Trainer(plugins=[NebulaCheckpointIO()])`.
-
-    A checkpoint path names a nebula tag (the file name without `.ckpt`) holding the item
-    "checkpoint". `trainer.save_checkpoint(path, storage_options={"is_best": True,
-    "persist_path": root})` labels it "best" (kept by retention and prune) and saves it into
-    `root`. Loading verifies it and uses weights_only=True unless told False.
-    """
-
-_CALLBACK_DOC = """\
-ModelCheckpoint that starts nebula: `NebulaCallback(<ModelCheckpoint arguments>,
-    config_params={"persistent_storage_path": ..., ...})` calls `nm.init(**config_params)`.
-
-    Use it with `NebulaCheckpointIO` in the Trainer's plugins; it warns if it is without.
-    """
-
-
-def declare(package: str, module: str) -> tuple[type[CheckpointIOMixin], type[CallbackMixin]]:
-    """`NebulaCheckpointIO` and `NebulaCallback` on the CheckpointIO and ModelCheckpoint of
-    the Lightning package `package` (`lightning.pytorch` or `pytorch_lightning`), as the
-    classes of the public module `module`: the two packages' classes differ only in their
-    bases, so one declaration serves both. Importing `package` fails as its import does
-    (`ModuleNotFoundError` naming it) where it is not installed."""
-    import importlib
-    import types
-
-    io_base = importlib.import_module(f"{package}.plugins.io").CheckpointIO
-    callback_base = importlib.import_module(f"{package}.callbacks").ModelCheckpoint
-
-    def body(doc: str, **attributes: Any) -> Callable[[dict[str, Any]], None]:
-        def fill(namespace: dict[str, Any]) -> None:
-            namespace.update(__module__=module, __doc__=doc, **attributes)
-
-        return fill
-
-    checkpoint_io = types.new_class(
-        "NebulaCheckpointIO", (CheckpointIOMixin, io_base), exec_body=body(_CHECKPOINT_IO_DOC)
-    )
-    callback = types.new_class(
-        "NebulaCallback",
-        (CallbackMixin, callback_base),
-        exec_body=body(_CALLBACK_DOC, _checkpoint_io_class=checkpoint_io),
-    )
-    return checkpoint_io, callback
 
 
 # which package ------------------------------------------------------------------------
