@@ -32,12 +32,14 @@ collect_ignore = [
     if importlib.util.find_spec(name) is None
 ]
 # The Trainer needs Accelerate too: the Hugging Face modules go together.
+collect_ignore_glob = []
 if any(importlib.util.find_spec(name) is None for name in ("transformers", "accelerate")):
     collect_ignore += [
         f"core/nebulaml/{where}{name}.py"
         for name in ("transformers", "accelerate")
         for where in ("", "integrations/")
     ]
+    collect_ignore_glob.append("core/nebulaml/integrations/trainer_*.py")  # the Trainer's
 
 
 TMP = tempfile.gettempdir()

@@ -19,11 +19,8 @@ own loop (nebulaml.accelerate).
 
 from __future__ import annotations
 
-from nebulaml.integrations.transformers import (
-    NebulaCallback,
-    export_pretrained,
-    tag_for_path,
-    tag_for_step,
-)
+from nebulaml.integrations.trainer_export import export_pretrained
+from nebulaml.integrations.trainer_tags import tag_for_path, tag_for_step
+from nebulaml.integrations.transformers import NebulaCallback
 
 __all__ = ["NebulaCallback", "export_pretrained", "tag_for_path", "tag_for_step"]
