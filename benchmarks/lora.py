@@ -176,7 +176,7 @@ def _stretch(row: LoraRow, steps: Steps, saves: int) -> None:
 
 def _add_history(method: Nebula, samples: list[LoraSave]) -> None:
     """Fill nebula's samples' bytes from the history rows of their checkpoints."""
-    df = nm.read_history(method.root_url, storage_options=method.storage_options)
+    df = nm.ops.read_history(method.root_url, storage_options=method.storage_options)
     ok = df[df["status"] == "ok"]
     for sample in samples:
         rows = ok[ok["tag"] == sample.tag]
