@@ -127,7 +127,7 @@ BUGS = (
         "core/nebulaml/runtime/persist_schedule.py",
         "queued = (self.pending, self.inflight, *self.forced, *self.candidates)",
         "queued = (self.pending, *self.forced, *self.candidates)",
-        ("tests/core/test_labels.py",),
+        ("tests/core/test_persist_schedule.py", "tests/core/test_labels.py"),
     ),
     Bug(
         "a lease's TTL compared the wrong way",

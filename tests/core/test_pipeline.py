@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import nebulaml as nm
-from nebulaml.runtime import save, steps
+from nebulaml.runtime import persist_actions, persist_loop, save, steps, upkeep
 
 STEPS_LOGGER = "nebulaml.steps"
 
@@ -57,6 +57,14 @@ def test_the_save_pipeline_reads_in_the_order_of_its_steps() -> None:
     assert _trace_calls_in_source_order(save) == list(steps.SAVE + steps.COMMIT)
 
 
+def test_the_persisters_steps_are_each_traced_in_their_order() -> None:
+    traced = [
+        _trace_calls_in_source_order(module) for module in (persist_loop, persist_actions, upkeep)
+    ]
+    assert traced == [["persist", "evict"], ["retain"], ["history"]]
+    assert sorted(sum(traced, [])) == sorted(steps.PERSIST)
+
+
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 def test_a_save_traces_its_steps_in_the_pipelines_order(
     root: Path, caplog: pytest.LogCaptureFixture, lazy: bool
@@ -67,6 +75,7 @@ def test_a_save_traces_its_steps_in_the_pipelines_order(
     ckpt.save("model", {"w": [1.0] * 8})
     ckpt.save("optimizer", {"lr": 0.1})  # commits
     nm.flush_persistence()
+    nm.shutdown()  # the history rows written
     # One process, one rank: no name to claim, no other rank to wait for.
     item = ["room", "snapshot"]
     assert _traced(caplog.records, "global_step1") == [
@@ -76,4 +85,5 @@ def test_a_save_traces_its_steps_in_the_pipelines_order(
         "publish",
         "record",
         "hand over",
+        *steps.PERSIST,
     ]

@@ -13,7 +13,7 @@ persister's lock and records the outcome in the schedule (persist_schedule.py) u
                 every tier (upkeep.RemovalQueue), and recorded in the memory tier
 
 May import: every layer below runtime, and runtime.connect, outage, persist_schedule,
-persist_step, ranks, slots, upkeep. Not for: deciding what to do, or when
+persist_step, ranks, slots, steps, upkeep. Not for: deciding what to do, or when
 (persist_schedule.py), the thread (persist_loop.py), or the training thread's calls
 (persister.py).
 """
@@ -47,6 +47,7 @@ from nebulaml.runtime.persist_schedule import (
 )
 from nebulaml.runtime.persist_step import discard_partial, leader_of, persist_part, persist_whole
 from nebulaml.runtime.slots import SlotPool
+from nebulaml.runtime.steps import trace
 from nebulaml.runtime.upkeep import HistoryQueue, RemovalQueue, retire
 
 log = logging.getLogger("nebulaml")
@@ -183,6 +184,7 @@ class Persisting:
                 with self.cond:
                     self.schedule.learn((), sequence)
             if leader == ranks.rank:
+                trace("retain", tag)
                 self.retention.apply(tag)
         except PersistError as exc:
             error = exc

@@ -8,7 +8,7 @@ commits, or persists one tag; after a persist that lands, the memory tier's copi
 schedule no longer needs are evicted. The thread runs at a lower CPU priority than
 training.
 
-May import: every layer below runtime, and runtime.persist_actions, persist_schedule and
+May import: every layer below runtime, and runtime.persist_actions, persist_schedule, steps and
 upkeep. Not for: deciding what to do, or when (persist_schedule.py), what an action does
 (persist_actions.py), or the training thread's calls (persister.py).
 """
@@ -26,6 +26,7 @@ from nebulaml.format.names import step_of
 from nebulaml.protocol.history import skipped_row
 from nebulaml.runtime.persist_actions import Eviction, Following, Persisting, Removals
 from nebulaml.runtime.persist_schedule import Schedule, Skip, Turn, Upkeep
+from nebulaml.runtime.steps import trace
 from nebulaml.runtime.upkeep import HistoryQueue
 
 log = logging.getLogger("nebulaml")
@@ -114,12 +115,14 @@ class PersistLoop:
                 continue
             if turn.persist is None:
                 continue
+            trace("persist", turn.persist)  # and, when this rank leads it, "retain"
             error = self.persisting.persist(turn.persist)
             with self.cond:
                 skips = self.schedule.persisted(turn.persist, error, time.monotonic())
                 record_skips(skips, self.schedule, self.history)
                 self.cond.notify_all()
             if error is None:
+                trace("evict", turn.persist)
                 self.eviction.evict_or_warn()
             if queue.due():  # not only when idle: persists may follow one another
                 queue.run(self.removals.remove, last=self.schedule.stopping)

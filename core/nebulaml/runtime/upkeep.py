@@ -8,7 +8,7 @@
                    delete from every tier; while a tier fails (or a reader holds one)
                    they wait and are tried again
 
-May import: every layer below runtime. Not for: when these run (persister.py).
+May import: every layer below runtime, and runtime.steps. Not for: when these run (persister.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.history import HistoryRow, append_rows
 from nebulaml.protocol.retention import Version, plan_retention
 from nebulaml.runtime.outage import RETRY_MAX_S
+from nebulaml.runtime.steps import trace
 from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
@@ -155,6 +156,8 @@ class HistoryQueue:
                 return 0
             with self._lock:
                 self._retry_at = None
+            for tag in dict.fromkeys(row.tag for row in rows if row.tier == "persistent"):
+                trace("history", tag)  # the persist's row, the last step of a checkpoint
             return len(rows)
 
 
