@@ -62,7 +62,7 @@ def test_the_persisters_steps_are_each_traced_in_their_order() -> None:
         _trace_calls_in_source_order(module) for module in (persist_loop, persist_actions, upkeep)
     ]
     assert traced == [["persist", "evict"], ["retain"], ["history"]]
-    assert sorted(sum(traced, [])) == sorted(steps.PERSIST)
+    assert sorted(step for steps_of in traced for step in steps_of) == sorted(steps.PERSIST)
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
