@@ -239,13 +239,13 @@ class Eviction:
         self.retention = retention  # the memory tier's, when it is the only tier
         self.pool = pool
         self._due = False  # under `cond`
-        self._then: Callable[[], object] | None = None
+        self._after: Callable[[], object] | None = None
         self._lock = threading.Lock()  # one eviction a commit asked for at a time
 
-    def ask(self, then: Callable[[], object] | None) -> None:
-        """Under the lock: a commit asks for its eviction; `then` runs after it."""
+    def ask(self, after_eviction: Callable[[], object] | None) -> None:
+        """Under the lock: a commit asks for its eviction; `after_eviction` runs after it."""
         self._due = True
-        self._then = then
+        self._after = after_eviction
 
     def evict(self, *, superseded_newest: bool = False) -> None:
         """Drop the memory copies the schedule no longer needs (`Schedule.evictable`).
@@ -303,11 +303,11 @@ class Eviction:
                 if not self._due:
                     return
                 self._due = False
-                then, self._then = self._then, None
+                after, self._after = self._after, None
             self.evict_or_warn()
-            if then is not None:
+            if after is not None:
                 try:
-                    then()
+                    after()
                 except Exception as exc:  # noqa: BLE001 - spare buffers: never a save's failure
                     log.debug("after the eviction: %s", exc)
 

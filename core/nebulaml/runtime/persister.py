@@ -166,13 +166,13 @@ class Persister:
         *,
         labels: tuple[str, ...] = (),
         leader: int = 0,
-        then: Callable[[], object] | None = None,
+        after_eviction: Callable[[], object] | None = None,
     ) -> None:
         """A tag was committed in the memory tier: it becomes the one to persist next,
         superseding the pending one. A labelled tag (`labels`) is queued instead: it is
         persisted without waiting for the interval and is never superseded. `leader`:
         the lowest rank that writes the tag, which decides whether it is persisted.
-        `then` runs after the eviction of what the tag superseded, with it (the next
+        `after_eviction` runs after the eviction of what the tag superseded, with it (the next
         save's spare buffers: slots.SlotPool.prepare)."""
         if row is not None:
             self.history.add(row)
@@ -182,7 +182,7 @@ class Persister:
             # The copies this commit supersedes are evicted on the eviction thread, not
             # here: the save returns without waiting for their deletion (a persist in
             # flight does not hold it up either); the next save settles it first.
-            self._eviction.ask(then)
+            self._eviction.ask(after_eviction)
             self._cond.notify_all()
         try:
             EVICT_CREW.submit(self._eviction.if_due)

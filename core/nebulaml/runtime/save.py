@@ -447,7 +447,7 @@ class SaveJob:
             row,
             labels=self.labels,
             leader=min(self.writers(session)),
-            then=self._prepare_next_save(session, used),
+            after_eviction=self._prepare_next_save(session, used),
         )
         return True
 
