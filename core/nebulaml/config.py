@@ -23,6 +23,7 @@
     NEBULA_JOB_ID                       which job this process is of (runtime/job.py; default:
                                         from torchrun's or the rendezvous's variables)
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   torchrun's (runtime/ranks.py)
+    GROUP_RANK                          torchrun's node of this process (runtime/peers.py)
     TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT  torchrun's run and restart: the
                                         generation of a job's checkpoint parts (ranks.py)
 
@@ -63,6 +64,7 @@ ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+ENV_GROUP_RANK = "GROUP_RANK"  # the node's number in the job (runtime/peers.py)
 ENV_ELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 ENV_ELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 ENV_JOB_ID = "NEBULA_JOB_ID"

@@ -55,6 +55,10 @@ JOB_PREFIX = ".nebula-job-"  # the job that writes a root: `.nebula-job-<n>.json
 JOB_CLAIM_FILE = ".nebula-claim"  # in a memory tier: locked while a job claims it
 WRITING_PREFIX = ".nebula-writing-"  # in the memory-tier base folder: `<n>.lock`, locked
 # by the node's one writer of a tag at a destination (protocol/cowriters.py)
+REPLICAS_DIR = ".replicas"  # in a memory tier: the parts of another node's ranks kept for
+# them, `rank-<r>/<tag>/` (protocol/replicas.py)
+REPLICA_DONE = ".replica.json"  # in a replica's tag folder: written last, create-only: the
+# replica is whole and verified (protocol/replicas.py)
 
 
 def marker_name(rank: int) -> str:

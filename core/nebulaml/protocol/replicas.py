@@ -1,0 +1,468 @@
+"""A node's replicas of other nodes' checkpoint parts, kept in its memory tier: written as
+their bytes arrive, each file checked against what its rank's marker records, and
+committed only whole.
+
+    <memory tier>/.replicas/
+      rank-<r>/                one root per rank whose parts this node keeps (a tier's
+                               layout: a folder per tag), written by one receiver only
+        <tag>/
+          .rank-<r>.json       the part's marker, as rank r wrote it: its items, their
+                               sizes and checksums
+          manifest.json        the checkpoint's manifest, when rank r's memory tier held
+                               one (a node's memory tier holds the whole checkpoint only
+                               when every rank that writes it is on that node)
+          <item>...            the items the marker lists
+          .replica.json        written last, create-only: every file above arrived whole
+                               and matched; {schema_version, tag, rank, node, created_at,
+                               received_at, files: [[name, size, algo, checksum], ...]}
+
+A replica is *whole* when its `.replica.json` is there, valid, and every file it lists is
+there with its size. The sender announces each file (`FileClaim`: name, size, checksum);
+`ReplicaInbox` writes the files as their bytes arrive, hashing each on the way, and
+refuses the replica (removes it, says why in one warning) when a file's bytes do not
+match its claim, when the claims of the items are not what the marker records for them
+(nor, with a manifest, what the manifest records), or when fewer bytes arrive than
+announced. Only then is `.replica.json` written. After each commit the rank's other
+replicas go (`keep_newest`): the newest whole one is kept until a newer one is whole.
+Order is the checkpoints' (names.order_key: the tag's step, then when the part was
+written). Folders 0700, files 0600, nothing through a symbolic link: the memory tier's
+`Store` writes everything.
+
+May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: moving
+the bytes between nodes (runtime/replication.py), which nodes replicate to which
+(runtime/peers.py), or restoring a replica into a memory tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from nebulaml.errors import InvalidArgumentError, ManifestError, NebulaError
+from nebulaml.format.checksum import CHECKSUM_ALGO, KNOWN_CHECKSUM_ALGOS, checksum_of, new_hasher
+from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES, JsonBoundsError, load_json
+from nebulaml.format.manifest import RankMarker, parse_manifest, parse_marker, utc_now
+from nebulaml.format.names import (
+    MANIFEST_NAME,
+    REPLICA_DONE,
+    REPLICAS_DIR,
+    OrderKey,
+    marker_name,
+    name_number,
+    order_key,
+    validate_name,
+)
+from nebulaml.storage.store import MissingFileError, Store
+
+log = logging.getLogger("nebulaml")
+
+DONE_SCHEMA_VERSION = 1
+_RANK_DIR = "rank-"
+
+
+@dataclass(frozen=True, slots=True)
+class FileClaim:
+    """One file of a replica as its sender announces it: its name in the tag folder,
+    its size, and its checksum under `algo` (one of `KNOWN_CHECKSUM_ALGOS`)."""
+
+    name: str
+    size: int
+    algo: str
+    checksum: str
+
+    def to_json(self) -> list[Any]:
+        return [self.name, self.size, self.algo, self.checksum]
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """A whole replica of rank `rank`'s part of `tag`, kept for node `node`."""
+
+    tag: str
+    rank: int
+    node: int
+    created_at: str  # when the rank wrote its part (its marker's)
+    received_at: str
+    files: tuple[FileClaim, ...]
+
+    @property
+    def sort_key(self) -> OrderKey:
+        return order_key(self.tag, self.created_at)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(claim.size for claim in self.files)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of one incoming replica: `committed`, or refused for `reason`.
+    `kept`: an identical whole replica was there already, and stays."""
+
+    tag: str
+    rank: int
+    committed: bool
+    reason: str | None = None
+    kept: bool = False
+
+
+def rank_folder(rank: int) -> str:
+    """The folder of `rank`'s replicas under `.replicas/`.
+
+    Example:
+        >>> rank_folder(7), rank_of_folder("rank-7"), rank_of_folder("rank-x")
+        ('rank-7', 7, None)
+    """
+    return f"{_RANK_DIR}{rank}"
+
+
+def rank_of_folder(name: str) -> int | None:
+    """The rank whose replicas the folder `name` holds (None: no such folder)."""
+    if not name.startswith(_RANK_DIR):
+        return None
+    return name_number(name[len(_RANK_DIR) :])
+
+
+def replica_root(memory: Store, rank: int) -> Store:
+    """The root of `rank`'s replicas in the memory tier `memory` (a local, private store),
+    made if missing; never reached through a symbolic link (`StorageError` naming it)."""
+    memory.make_dir(REPLICAS_DIR, rank_folder(rank))  # refuses a link on the way
+    path = memory.local_path(REPLICAS_DIR, rank_folder(rank))
+    if path is None:
+        raise InvalidArgumentError(f"replicas are kept in a local memory tier, not {memory.url}")
+    return Store(path, durable=False, private=True)
+
+
+def replica_ranks(memory: Store) -> list[int]:
+    """The ranks whose replicas the memory tier `memory` holds folders of, ascending."""
+    path = memory.local_path(REPLICAS_DIR)
+    if path is None or not memory.exists(REPLICAS_DIR):
+        return []
+    folders = Store(path, durable=False, private=True).list_dirs()
+    return sorted(r for r in map(rank_of_folder, folders) if r is not None)
+
+
+def part_files(memory: Store, tag: str, rank: int) -> tuple[list[FileClaim], dict[str, bytes]]:
+    """The files of `rank`'s part of `tag` in the memory tier `memory`, as a replica's
+    sender announces them (its marker, the manifest when the tier holds one, then the
+    items the marker lists, with the marker's sizes and checksums), and the bytes of the
+    first two, read now. `MissingFileError` (a `NebulaError`) when the part has no marker
+    there: not committed, or evicted."""
+    name = marker_name(rank)
+    small = {name: memory.read_bytes(tag, name)}
+    marker = parse_marker(small[name], memory.display(tag, name))
+    if MANIFEST_NAME in memory.list_files(tag):
+        with contextlib.suppress(MissingFileError):
+            small[MANIFEST_NAME] = memory.read_bytes(tag, MANIFEST_NAME)
+    claims = [
+        FileClaim(n, len(data), CHECKSUM_ALGO, checksum_of(data)) for n, data in small.items()
+    ]
+    claims += [FileClaim(i.file, i.size_bytes, i.checksum_algo, i.checksum) for i in marker.items]
+    return claims, small
+
+
+def check_claims(tag: str, rank: int, files: Sequence[FileClaim]) -> str | None:
+    """Why a replica of `rank`'s part of `tag` announced as `files` cannot be one (None:
+    it can): a name no tag folder holds, a file twice, no marker of `rank`, a size or
+    checksum algorithm this nebula does not take.
+
+    Example:
+        >>> ok = FileClaim(".rank-0.json", 10, "xxh3_64_tree_1m", "00")
+        >>> check_claims("global_step1", 0, [ok]) is None
+        True
+        >>> check_claims("global_step1", 1, [ok])
+        'no marker of rank 1 (.rank-1.json) among the files'
+    """
+    try:
+        validate_name("tag", tag)
+    except ValueError as exc:
+        return f"an unsafe tag: {exc}"
+    names = [claim.name for claim in files]
+    if len(set(names)) != len(names):
+        return "a file announced twice"
+    if marker_name(rank) not in names:
+        return f"no marker of rank {rank} ({marker_name(rank)}) among the files"
+    for claim in files:
+        if claim.name not in (marker_name(rank), MANIFEST_NAME):
+            try:
+                validate_name("item", claim.name)
+            except ValueError as exc:
+                return f"an unsafe item name: {exc}"
+        small = claim.name in (marker_name(rank), MANIFEST_NAME)
+        if claim.size < 0 or (small and claim.size > MAX_MANIFEST_BYTES):
+            return f"{claim.name}: an impossible size ({claim.size})"
+        if claim.algo not in KNOWN_CHECKSUM_ALGOS:
+            return f"{claim.name}: a checksum algorithm this nebula does not know ({claim.algo!r})"
+    return None
+
+
+class _Refused(Exception):
+    """Thrown into a file's writer to end it without the file (not an OSError: the store
+    would translate one)."""
+
+
+class ReplicaInbox:
+    """One incoming replica of `rank`'s part of `tag` (from node `node`) into `root`
+    (`replica_root`): `feed` it the files' bytes in the order of `files`, in pieces of any
+    size, then `finish`. Nothing raises on the way: the first problem is kept, the bytes
+    after it are taken and dropped (the sender's stream goes on), and `finish` refuses the
+    replica for it."""
+
+    def __init__(
+        self, root: Store, *, tag: str, rank: int, node: int, files: Sequence[FileClaim]
+    ) -> None:
+        self.root, self.tag, self.rank, self.node = root, tag, rank, node
+        self.files = tuple(files)
+        self.total = sum(max(0, claim.size) for claim in self.files)
+        self.received = 0
+        self._error = check_claims(tag, rank, self.files)
+        self._index = 0  # the file the next byte belongs to
+        self._filled = 0  # its bytes written so far
+        self._out: Any = None  # its writer (the context manager's) and the manager
+        self._opened: Any = None
+        self._hasher: Any = None
+        self._small: dict[str, bytearray] = {}  # the marker's and the manifest's bytes
+        self._kept = False  # an identical whole replica is there: the bytes are dropped
+        self._marker: RankMarker | None = None
+        if self._error is None:
+            self._guard(self._prepare)
+        if self._error is None:
+            self._guard(self._advance)
+
+    def _guard(self, step: Any) -> None:
+        try:
+            step()
+        except NebulaError as exc:
+            self._fail(f"it could not be written: {exc}")
+
+    def _prepare(self) -> None:
+        held = read_replica(self.root, self.tag)
+        if held is not None and held.rank == self.rank and held.files == self.files:
+            self._kept = True
+            return
+        remove_replica(self.root, self.tag)  # a replica of a tag saved again, or leftovers
+        self.root.make_dir(self.tag)
+
+    def _fail(self, reason: str) -> None:
+        if self._error is None:
+            self._error = reason
+        self._close_current(failed=True)
+
+    def _close_current(self, *, failed: bool = False) -> None:
+        opened, self._opened, self._out = self._opened, None, None
+        if opened is None:
+            return
+        if failed:
+            opened.__exit__(_Refused, _Refused(), None)  # the writer removes the file
+        else:
+            opened.__exit__(None, None, None)
+
+    def _open_current(self) -> None:
+        claim = self.files[self._index]
+        opened = self.root.open_write(self.tag, claim.name)
+        self._out = opened.__enter__()
+        self._opened = opened
+        self._hasher = new_hasher(claim.algo)
+        if claim.name in (marker_name(self.rank), MANIFEST_NAME):
+            self._small[claim.name] = bytearray()
+
+    def _advance(self) -> None:
+        """Close and check the current file when it is complete, and every empty file
+        after it (an empty item is a file too)."""
+        while self._index < len(self.files):
+            claim = self.files[self._index]
+            if self._filled < claim.size:
+                return
+            if self._out is None:
+                self._open_current()  # an empty file
+            self._close_current()
+            digest = self._hasher.hexdigest()
+            if digest != claim.checksum:
+                self._fail(
+                    f"{claim.name}: {claim.size} bytes with {claim.algo} {digest}, "
+                    f"not {claim.checksum} as announced"
+                )
+                return
+            self._index += 1
+            self._filled = 0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """The next bytes of the files, in order."""
+        view = memoryview(data).cast("B")
+        self.received += len(view)
+        if self.received > self.total:
+            self._fail(f"more bytes than the {self.total} announced")
+        if self._error is not None or self._kept:
+            return
+        try:
+            self._write(view)
+        except NebulaError as exc:
+            self._fail(f"it could not be written: {exc}")
+
+    def _write(self, view: memoryview) -> None:
+        while view and self._error is None:
+            claim = self.files[self._index]
+            if self._out is None:
+                self._open_current()
+            piece = view[: claim.size - self._filled]
+            self._hasher.update(piece)
+            out: BinaryIO = self._out
+            out.write(piece)
+            small = self._small.get(claim.name)
+            if small is not None:
+                small += piece
+            self._filled += len(piece)
+            view = view[len(piece) :]
+            self._advance()
+
+    def finish(self, sender_ok: bool = True) -> Outcome:
+        """Commit the replica if every byte arrived and matched, else remove it; said in
+        one warning when refused. `sender_ok`: the sender read every file whole."""
+        if self.received < self.total:
+            self._fail(f"{self.received} of {self.total} bytes arrived")
+        if not sender_ok:
+            self._fail("its sender could not read the part whole (evicted meanwhile?)")
+        if self._error is None and not self._kept:
+            self._fail_on(self._check_documents())
+        if self._error is None and not self._kept:
+            self._guard(self._commit)
+        if self._error is not None:
+            if not self._kept:
+                remove_replica(self.root, self.tag)
+            log.warning(
+                "replica of rank %d's part of %r (from node %d) refused: %s",
+                self.rank, self.tag, self.node, self._error,
+            )  # fmt: skip
+            return Outcome(self.tag, self.rank, committed=False, reason=self._error)
+        if not self._kept:
+            keep_newest(self.root)
+        return Outcome(self.tag, self.rank, committed=True, kept=self._kept)
+
+    def _fail_on(self, reason: str | None) -> None:
+        if reason is not None:
+            self._fail(reason)
+
+    def _check_documents(self) -> str | None:
+        """Why the marker (and manifest) received do not vouch for the items received."""
+        name = marker_name(self.rank)
+        try:
+            marker = parse_marker(bytes(self._small[name]), self.root.display(self.tag, name))
+            manifest = None
+            if MANIFEST_NAME in self._small:
+                where = self.root.display(self.tag, MANIFEST_NAME)
+                manifest = parse_manifest(bytes(self._small[MANIFEST_NAME]), where)
+        except ManifestError as exc:
+            return str(exc)
+        self._marker = marker
+        if marker.tag != self.tag or marker.rank != self.rank:
+            return f"{name} is rank {marker.rank}'s part of {marker.tag!r}"
+        recorded = {item.file: (item.size_bytes, item.checksum_algo, item.checksum)
+                    for item in marker.items}  # fmt: skip
+        announced = {c.name: (c.size, c.algo, c.checksum) for c in self.files
+                     if c.name not in (name, MANIFEST_NAME)}  # fmt: skip
+        if recorded != announced:
+            return f"the items announced are not what its marker ({name}) records"
+        if manifest is not None:
+            if manifest.tag != self.tag:
+                return f"its manifest is of {manifest.tag!r}"
+            if any(manifest.item(item.name) != item for item in marker.items):
+                return "an item of the part is not what the manifest records"
+        return None
+
+    def _commit(self) -> None:
+        marker = self._marker
+        assert marker is not None  # checked first
+        record = {
+            "schema_version": DONE_SCHEMA_VERSION,
+            "tag": self.tag,
+            "rank": self.rank,
+            "node": self.node,
+            "created_at": marker.created_at,
+            "received_at": utc_now(),
+            "files": [claim.to_json() for claim in self.files],
+        }
+        data = (json.dumps(record, sort_keys=True) + "\n").encode()
+        self.root.publish((self.tag, REPLICA_DONE), data, create_only=True)
+
+
+def _parse_done(data: bytes, where: str) -> Replica | None:
+    try:
+        doc = load_json(data, max_bytes=MAX_MANIFEST_BYTES)
+    except JsonBoundsError:
+        return None
+    if not isinstance(doc, dict) or doc.get("schema_version") != DONE_SCHEMA_VERSION:
+        return None
+    try:
+        files = tuple(
+            FileClaim(str(name), int(size), str(algo), str(checksum))
+            for name, size, algo, checksum in doc["files"]
+        )
+        replica = Replica(
+            tag=str(doc["tag"]),
+            rank=int(doc["rank"]),
+            node=int(doc["node"]),
+            created_at=str(doc["created_at"]),
+            received_at=str(doc["received_at"]),
+            files=files,
+        )
+    except (KeyError, TypeError, ValueError):
+        log.debug("%s is not a replica's record", where)
+        return None
+    if check_claims(replica.tag, replica.rank, files) is not None:
+        return None
+    return replica
+
+
+def read_replica(root: Store, tag: str) -> Replica | None:
+    """The whole replica of `tag` in `root` (`replica_root`), or None: no record, a record
+    that is not valid or of another tag, or a file it lists missing or of another size."""
+    try:
+        replica = _parse_done(root.read_bytes(tag, REPLICA_DONE), root.display(tag, REPLICA_DONE))
+    except MissingFileError:
+        return None
+    if replica is None or replica.tag != tag:
+        return None
+    files = root.list_files(tag)
+    if any(files.get(claim.name) != claim.size for claim in replica.files):
+        return None
+    return replica
+
+
+def whole_replicas(root: Store) -> list[Replica]:
+    """The whole replicas in `root` (`replica_root`), newest first."""
+    found = []
+    for tag in root.list_dirs():
+        try:
+            validate_name("tag", tag)
+        except ValueError:
+            continue
+        replica = read_replica(root, tag)
+        if replica is not None:
+            found.append(replica)
+    return sorted(found, key=lambda r: r.sort_key, reverse=True)
+
+
+def remove_replica(root: Store, tag: str) -> None:
+    """Remove the replica of `tag` from `root`: its record first (it is no longer whole),
+    then its files and folder. A folder that will not go (something in it that is no
+    file) is left, and is no replica."""
+    try:
+        root.remove(tag, REPLICA_DONE, durable=False)
+        root.remove_dir(tag)
+    except NebulaError as exc:
+        log.debug("replica folder %s left: %s", root.display(tag), exc)
+
+
+def keep_newest(root: Store) -> list[str]:
+    """Remove every replica in `root` but the newest whole one (older ones, and folders
+    left by a transfer cut short); the tags removed. Only `root`'s receiver calls it."""
+    whole = whole_replicas(root)
+    keep = whole[0].tag if whole else None
+    removed = [tag for tag in root.list_dirs() if tag != keep]
+    for tag in removed:
+        remove_replica(root, tag)
+    return removed

@@ -1,0 +1,323 @@
+"""A node's replicas of another node's parts (protocol/replicas.py), the frames that carry
+them (runtime/peer_wire.py) and the ring that pairs the nodes (runtime/peers.py), without
+a process group: the receiving side is fed bytes as the wire would give them."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from nebulaml.errors import StorageError
+from nebulaml.format.checksum import checksum_of
+from nebulaml.format.manifest import ItemEntry, Manifest, Producer, RankMarker, utc_now
+from nebulaml.format.names import MANIFEST_NAME, REPLICA_DONE, REPLICAS_DIR, marker_name
+from nebulaml.protocol.replicas import (
+    FileClaim,
+    ReplicaInbox,
+    keep_newest,
+    part_files,
+    read_replica,
+    replica_ranks,
+    replica_root,
+    whole_replicas,
+)
+from nebulaml.runtime.peer_wire import (
+    HEAD_BYTES,
+    Head,
+    Kind,
+    Status,
+    WireError,
+    decode_begin,
+    decode_head,
+    encode_begin,
+    encode_head,
+)
+from nebulaml.runtime.peers import node_of, plan_ring
+from nebulaml.storage.store import Store
+
+
+def write_part(
+    memory: Store, tag: str, rank: int, items: dict[str, bytes], *, manifest: bool = False
+) -> None:
+    """Rank `rank`'s committed part of `tag` in a memory tier, as a save leaves it."""
+    memory.make_dir(tag)
+    entries = []
+    for name, data in items.items():
+        memory.write_bytes((tag, name), data)
+        entries.append(ItemEntry.written(name, rank=rank, size_bytes=len(data),
+                                         checksum=checksum_of(data), tensor_bytes=0))  # fmt: skip
+    marker = RankMarker(tag, rank, world_size=2, created_at=utc_now(), items=tuple(entries))
+    memory.publish((tag, marker_name(rank)), marker.to_bytes())
+    if manifest:
+        doc = Manifest(tag, None, utc_now(), utc_now(), 1, tuple(entries), Producer("", "", ""))
+        memory.publish((tag, MANIFEST_NAME), doc.to_bytes())
+
+
+def receive(
+    source: Store,
+    receiver: Store,
+    tag: str,
+    rank: int = 0,
+    *,
+    claims: list[FileClaim] | None = None,
+    flip: int | None = None,
+    cut: int = 0,
+    sender_ok: bool = True,
+) -> tuple[bool, str | None]:
+    """`rank`'s part of `tag` from `source`'s memory tier into `receiver`'s replicas, fed
+    in pieces of random sizes; `flip`: the byte of the stream flipped on the way; `cut`:
+    bytes left out at the end. (committed, reason)."""
+    announced, small = part_files(source, tag, rank)
+    claims = announced if claims is None else claims
+    stream = bytearray()
+    for claim in announced:
+        stream += small.get(claim.name) or source.read_bytes(tag, claim.name)
+    if flip is not None:
+        stream[flip] ^= 0x01
+    del stream[len(stream) - cut :]
+    inbox = ReplicaInbox(replica_root(receiver, rank), tag=tag, rank=rank, node=1, files=claims)
+    rng, at = random.Random(7), 0
+    while at < len(stream):
+        n = rng.randint(1, 5000)
+        inbox.feed(memoryview(stream)[at : at + n])
+        at += n
+    outcome = inbox.finish(sender_ok=sender_ok)
+    return outcome.committed, outcome.reason
+
+
+@pytest.fixture
+def tiers(tmp_path: Path) -> tuple[Store, Store]:
+    """Two nodes' memory tiers: the sender's and the receiver's."""
+    return (
+        Store(tmp_path / "node0", durable=False, private=True),
+        Store(tmp_path / "node1", durable=False, private=True),
+    )
+
+
+def replica_dir(receiver: Store, rank: int, tag: str) -> Path:
+    return Path(receiver.root) / REPLICAS_DIR / f"rank-{rank}" / tag
+
+
+ITEMS = {"model": os.urandom(300_000), "optimizer": os.urandom(70_000), "empty": b""}
+
+
+def test_a_part_is_replicated_bit_for_bit_with_private_modes(tiers) -> None:
+    sender, receiver = tiers
+    write_part(sender, "global_step1", 0, ITEMS, manifest=True)
+    assert receive(sender, receiver, "global_step1") == (True, None)
+    folder = replica_dir(receiver, 0, "global_step1")
+    for name in [*ITEMS, marker_name(0), MANIFEST_NAME]:
+        assert (folder / name).read_bytes() == sender.read_bytes("global_step1", name), name
+    assert (folder / REPLICA_DONE).exists()
+    for path in [folder.parent.parent, *folder.parent.parent.rglob("*")]:
+        assert path.lstat().st_mode & 0o777 == (0o700 if path.is_dir() else 0o600), path
+    replica = read_replica(replica_root(receiver, 0), "global_step1")
+    assert replica is not None and replica.size_bytes == sum(map(len, ITEMS.values())) + sum(
+        len(sender.read_bytes("global_step1", n)) for n in (marker_name(0), MANIFEST_NAME)
+    )
+    assert replica_ranks(receiver) == [0]
+
+
+@pytest.mark.parametrize("where", ["marker", "first item", "last byte"])
+def test_a_flipped_byte_is_refused_and_the_older_replica_stays(tiers, where: str) -> None:
+    """catches: a replica committed without checking each file against its claim"""
+    sender, receiver = tiers
+    write_part(sender, "global_step1", 0, ITEMS)
+    write_part(sender, "global_step2", 0, ITEMS)
+    assert receive(sender, receiver, "global_step1")[0]
+    marker_size = len(sender.read_bytes("global_step2", marker_name(0)))
+    flip = {"marker": 5, "first item": marker_size + 1000, "last byte": -1}[where]
+    committed, reason = receive(sender, receiver, "global_step2", flip=flip)
+    assert not committed and reason is not None and "not" in reason
+    assert not replica_dir(receiver, 0, "global_step2").exists()
+    assert [r.tag for r in whole_replicas(replica_root(receiver, 0))] == ["global_step1"]
+
+
+def test_a_short_stream_or_a_sender_that_could_not_read_is_refused(tiers) -> None:
+    sender, receiver = tiers
+    write_part(sender, "global_step1", 0, ITEMS)
+    committed, reason = receive(sender, receiver, "global_step1", cut=10)
+    assert not committed and "of" in str(reason)
+    committed, reason = receive(sender, receiver, "global_step1", sender_ok=False)
+    assert not committed and "sender" in str(reason)
+    assert whole_replicas(replica_root(receiver, 0)) == []
+
+
+def test_claims_that_the_marker_does_not_vouch_for_are_refused(tiers) -> None:
+    """A sender that announces an item's checksum consistently with the bytes it sends,
+    but not with its marker: the bytes match the claim, and still no replica.
+    catches: items verified against the sender's claims alone"""
+    sender, receiver = tiers
+    write_part(sender, "global_step1", 0, ITEMS)
+    claims, _ = part_files(sender, "global_step1", 0)
+    data = bytearray(sender.read_bytes("global_step1", "model"))
+    data[0] ^= 1
+    sender.write_bytes(("global_step1", "model"), bytes(data))  # changed after the marker
+    lying = [
+        FileClaim(c.name, c.size, c.algo, checksum_of(bytes(data))) if c.name == "model" else c
+        for c in claims
+    ]
+    committed, reason = receive(sender, receiver, "global_step1", claims=lying)
+    assert not committed and "marker" in str(reason)
+
+
+def test_the_newest_whole_replica_is_kept_and_the_others_go(tiers) -> None:
+    sender, receiver = tiers
+    for step in (1, 2, 3):
+        write_part(sender, f"global_step{step}", 0, {"model": os.urandom(1000 * step)})
+    root = replica_root(receiver, 0)
+    assert receive(sender, receiver, "global_step2")[0]
+    (Path(root.root) / "global_step9").mkdir()  # a transfer cut short left a folder
+    assert receive(sender, receiver, "global_step3")[0]
+    assert sorted(os.listdir(root.root)) == ["global_step3"]
+    # An older part arriving late is committed, and goes: the newest stays.
+    assert receive(sender, receiver, "global_step1")[0]
+    assert sorted(os.listdir(root.root)) == ["global_step3"]
+    assert keep_newest(root) == []
+
+
+def test_the_same_part_again_keeps_the_replica_and_a_changed_one_replaces_it(tiers) -> None:
+    sender, receiver = tiers
+    write_part(sender, "global_step1", 0, ITEMS)
+    assert receive(sender, receiver, "global_step1")[0]
+    done = replica_dir(receiver, 0, "global_step1") / REPLICA_DONE
+    first = done.stat().st_ino
+    assert receive(sender, receiver, "global_step1")[0]
+    assert done.stat().st_ino == first  # not written again
+    shutil.rmtree(Path(sender.root) / "global_step1")  # saved again (overwrite=True)
+    write_part(sender, "global_step1", 0, {"model": b"saved again"})
+    assert receive(sender, receiver, "global_step1")[0]
+    model = replica_dir(receiver, 0, "global_step1") / "model"
+    assert model.read_bytes() == b"saved again"
+    assert not (replica_dir(receiver, 0, "global_step1") / "optimizer").exists()
+
+
+def test_a_replica_missing_a_file_is_not_whole(tiers) -> None:
+    sender, receiver = tiers
+    write_part(sender, "global_step1", 0, ITEMS)
+    assert receive(sender, receiver, "global_step1")[0]
+    (replica_dir(receiver, 0, "global_step1") / "optimizer").unlink()
+    assert read_replica(replica_root(receiver, 0), "global_step1") is None
+
+
+def test_replicas_are_never_written_through_a_symbolic_link(tiers, tmp_path: Path) -> None:
+    _sender, receiver = tiers
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    receiver.make_dir()
+    os.symlink(elsewhere, Path(receiver.root) / REPLICAS_DIR)
+    with pytest.raises(StorageError, match="symbolic link"):
+        replica_root(receiver, 0)
+    assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("tag", "names", "why"),
+    [
+        ("../x", [".rank-0.json"], "unsafe tag"),
+        ("t", ["model"], "no marker of rank 0"),
+        ("t", [".rank-0.json", "../etc"], "unsafe item"),
+        ("t", [".rank-0.json", ".rank-0.json"], "twice"),
+    ],
+)
+def test_announcements_that_cannot_be_a_replica(
+    tiers, tag: str, names: list[str], why: str
+) -> None:
+    _sender, receiver = tiers
+    claims = [FileClaim(n, 0, "xxh3_64_tree_1m", checksum_of(b"")) for n in names]
+    inbox = ReplicaInbox(replica_root(receiver, 0), tag=tag, rank=0, node=1, files=claims)
+    outcome = inbox.finish()
+    assert not outcome.committed and why in str(outcome.reason)
+    assert os.listdir(replica_root(receiver, 0).root) == []
+
+
+# the wire ----------------------------------------------------------------------------------
+def test_a_head_round_trips_and_a_damaged_one_is_refused() -> None:
+    head = Head(Kind.END, transfer=7, status=Status.FAILED, chunk=1, body=2, payload=3)
+    data = encode_head(head)
+    assert len(data) == HEAD_BYTES and decode_head(data) == head
+    for at in (0, 4, 20, HEAD_BYTES - 1):
+        damaged = bytearray(data)
+        damaged[at] ^= 0x10
+        with pytest.raises(WireError):
+            decode_head(damaged)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"[]", b'{"tag": "t"}', b'{"tag": 1, "rank": 0, "node": 0, "files": []}',
+     b'{"tag": "t", "rank": -1, "node": 0, "files": []}',
+     b'{"tag": "t", "rank": 0, "node": 0, "files": [["a", "1", "x", "y"]]}'],
+)  # fmt: skip
+def test_a_malformed_announcement_is_refused(body: bytes) -> None:
+    with pytest.raises(WireError):
+        decode_begin(body)
+
+
+def test_an_announcement_round_trips() -> None:
+    claims = (FileClaim(".rank-3.json", 10, "xxh3_64_tree_1m", "ab"), FileClaim("m", 0, "x", "y"))
+    begin = decode_begin(encode_begin("global_step5", 3, 1, claims))
+    assert (begin.tag, begin.rank, begin.node, begin.files) == ("global_step5", 3, 1, claims)
+
+
+# the ring ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("rank", "local_world_size", "group_rank", "node"),
+    [(0, 1, None, 0), (3, 1, None, 3), (5, 4, None, 1), (7, 4, None, 1), (8, 4, None, 2),
+     (5, 4, 9, 9), (0, 0, None, 0)],
+)  # fmt: skip
+def test_node_of(rank: int, local_world_size: int, group_rank: int | None, node: int) -> None:
+    assert node_of(rank, local_world_size, group_rank) == node
+
+
+def places(*nodes: int) -> list[tuple[int, int]]:
+    """Each rank's (node, local rank), ranks numbered node after node as torchrun does."""
+    out: list[tuple[int, int]] = []
+    for node in nodes:
+        local = sum(1 for n, _ in out if n == node)
+        out.append((node, local))
+    return out
+
+
+# (the job's places, rank) -> (node, partner, send_to, receive_from); None: no ring
+RINGS = [
+    (places(0), 0, None),
+    (places(0, 0, 0, 0), 2, None),
+    (places(0, 1), 0, (0, 1, 1, (1,))),
+    (places(0, 1), 1, (1, 0, 0, (0,))),
+    (places(0, 1, 2), 0, (0, 1, 1, (2,))),
+    (places(0, 1, 2), 1, (1, 2, 2, (0,))),
+    (places(0, 1, 2), 2, (2, 0, 0, (1,))),
+    (places(0, 0, 1, 1), 0, (0, 1, 2, (2,))),
+    (places(0, 0, 1, 1), 1, (0, 1, 3, (3,))),
+    (places(0, 0, 1, 1), 3, (1, 0, 1, (1,))),
+    (places(0, 0, 1, 1, 2, 2, 3, 3), 5, (2, 3, 7, (3,))),
+    (places(0, 0, 1, 1, 2, 2, 3, 3), 7, (3, 0, 1, (5,))),
+    # GROUP_RANK numbers that are not 0..n-1: the ring follows their order
+    ([(9, 0), (5, 0), (7, 0)], 0, (9, 5, 1, (2,))),
+    ([(9, 0), (5, 0), (7, 0)], 1, (5, 7, 2, (0,))),
+    # a node with fewer ranks: its ranks take the sends of the seats it lacks, in turn
+    (places(0, 0, 1), 1, (0, 1, 2, ())),
+    (places(0, 0, 1), 2, (1, 0, 0, (0, 1))),
+    # ranks not numbered node after node (LOCAL_RANK is what pairs them)
+    ([(0, 1), (1, 1), (0, 0), (1, 0)], 0, (0, 1, 1, (1,))),
+]
+
+
+@pytest.mark.parametrize(("job", "rank", "expected"), RINGS)
+def test_plan_ring(job: list[tuple[int, int]], rank: int, expected: tuple | None) -> None:
+    ring = plan_ring(job, rank)
+    if expected is None:
+        assert ring is None
+        return
+    assert ring is not None
+    assert (ring.node, ring.partner, ring.send_to, ring.receive_from) == expected
+    # Every rank that sends has one receiver, and every part goes to another node.
+    for r in range(len(job)):
+        other = plan_ring(job, r)
+        assert other is not None and job[other.send_to][0] != job[r][0]
+        assert r in plan_ring(job, other.send_to).receive_from  # type: ignore[union-attr]
