@@ -8,9 +8,6 @@ history rows written by upkeep.py). With the logger ``nebulaml.steps`` at DEBUG
 level, each step logs one line, ``<step> <tag>``: the trace of a save, which
 tests/core/test_pipeline.py matches against this order.
 
-    >>> import logging
-    >>> logging.getLogger("nebulaml.steps").isEnabledFor(logging.DEBUG)
-    False
     >>> SAVE + COMMIT + PERSIST
     ('begin', 'claim', 'room', 'snapshot', 'publish', 'await ranks', 'record', 'hand over', \
 'persist', 'retain', 'evict', 'history')
