@@ -235,6 +235,20 @@ def test_announcements_that_cannot_be_a_replica(
     assert os.listdir(replica_root(receiver, 0).root) == []
 
 
+def test_a_refused_announcement_never_removes_outside_its_folder(tiers) -> None:
+    """catches: the cleanup of a refused replica run on a tag that leaves the folder"""
+    _sender, receiver = tiers
+    root = replica_root(receiver, 0)
+    outside = Path(root.root).parent / "x"
+    outside.mkdir()
+    (outside / REPLICA_DONE).write_text("{}")
+    claims = [FileClaim(".rank-0.json", 0, "xxh3_64_tree_1m", checksum_of(b""))]
+    inbox = ReplicaInbox(root, tag="../x", rank=0, node=1, files=claims)
+    inbox.abandon()
+    assert not inbox.finish().committed
+    assert (outside / REPLICA_DONE).exists()
+
+
 # the wire ----------------------------------------------------------------------------------
 def test_a_head_round_trips_and_a_damaged_one_is_refused() -> None:
     head = Head(Kind.END, transfer=7, status=Status.FAILED, chunk=1, body=2, payload=3)

@@ -228,6 +228,7 @@ class ReplicaInbox:
         self._small: dict[str, bytearray] = {}  # the marker's and the manifest's bytes
         self._kept = False  # an identical whole replica is there: the bytes are dropped
         self._marker: RankMarker | None = None
+        self._mine = False  # the tag folder is this inbox's to write and remove
         if self._error is None:
             self._guard(self._prepare)
         if self._error is None:
@@ -245,6 +246,7 @@ class ReplicaInbox:
             self._kept = True
             return
         remove_replica(self.root, self.tag)  # a replica of a tag saved again, or leftovers
+        self._mine = True
         self.root.make_dir(self.tag)
 
     def _fail(self, reason: str) -> None:
@@ -331,7 +333,7 @@ class ReplicaInbox:
         if self._error is None and not self._kept:
             self._guard(self._commit)
         if self._error is not None:
-            if not self._kept:
+            if self._mine:
                 remove_replica(self.root, self.tag)
             log.warning(
                 "replica of rank %d's part of %r (from node %d) refused: %s",
@@ -341,6 +343,13 @@ class ReplicaInbox:
         if not self._kept:
             keep_newest(self.root)
         return Outcome(self.tag, self.rank, committed=True, kept=self._kept)
+
+    def abandon(self) -> None:
+        """The stream ended before the replica did (its link failed): what was written of
+        it goes, and an identical replica held already stays."""
+        self._fail("its transfer was cut short")
+        if self._mine:
+            remove_replica(self.root, self.tag)
 
     def _fail_on(self, reason: str | None) -> None:
         if reason is not None:
@@ -449,7 +458,11 @@ def whole_replicas(root: Store) -> list[Replica]:
 def remove_replica(root: Store, tag: str) -> None:
     """Remove the replica of `tag` from `root`: its record first (it is no longer whole),
     then its files and folder. A folder that will not go (something in it that is no
-    file) is left, and is no replica."""
+    file) is left, and is no replica. A name that is no tag is never touched."""
+    try:
+        validate_name("tag", tag)
+    except ValueError:
+        return
     try:
         root.remove(tag, REPLICA_DONE, durable=False)
         root.remove_dir(tag)

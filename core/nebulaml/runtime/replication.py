@@ -149,7 +149,6 @@ class Replication:
         self._closing = False
         self._transfers = 0
         self._threads: list[threading.Thread] = []
-        self._sent = 0  # answers the sender has had (for `wait`)
 
     # the caller's side ---------------------------------------------------------------
     def start(self) -> Replication:
@@ -220,10 +219,11 @@ class Replication:
         """Replace fields of the status (under `_cond`)."""
         self._state = dataclasses.replace(self._state, **changes)
 
-    def _link_failed(self, what: str, exc: BaseException) -> None:
+    def _link_failed(self, what: str, exc: BaseException, *, sending: bool) -> None:
+        """The link of `what` failed (the sender's, when `sending`: nothing more is sent)."""
         with self._cond:
             closing = self._closing
-            if what == "send":
+            if sending:
                 self._update(link_down=True, sending=None, pending=None, last_error=str(exc))
             self._cond.notify_all()
         if not closing:
@@ -241,27 +241,27 @@ class Replication:
         to = self.ring.send_to
         try:
             while True:
+                quiet_until = time.monotonic() + self.keepalive_s
                 with self._cond:
-                    idle = False
                     while self._state.pending is None and not self._closing:
-                        if not self._cond.wait(self.keepalive_s):
-                            idle = True
+                        left = quiet_until - time.monotonic()
+                        if left <= 0:
                             break
+                        self._cond.wait(left)
                     tag, closing = self._state.pending, self._closing
                     if tag is not None:
                         self._update(pending=None, sending=tag)
                 if closing:
                     self._send_head(Head(Kind.BYE))
                     return
-                if tag is None:
-                    if idle:
-                        self._send_head(Head(Kind.KEEPALIVE))
+                if tag is None:  # nothing sent for `keepalive_s`
+                    self._send_head(Head(Kind.KEEPALIVE))
                     continue
                 if buffers is None:
                     buffers = _Buffers(self.chunk_bytes)
                 self._send_part(tag, buffers)
         except Exception as exc:  # noqa: BLE001 - the link's end, reported
-            self._link_failed(f"sending to rank {to}", exc)
+            self._link_failed(f"sending to rank {to}", exc, sending=True)
 
     def _send_head(self, head: Head) -> None:
         data = bytearray(encode_head(head))
@@ -389,7 +389,7 @@ class Replication:
                     buffers = _Buffers(head.chunk)
                 self._receive_part(source, head, buffers)
         except Exception as exc:  # noqa: BLE001 - the link's end, reported
-            self._link_failed(f"receiving from rank {source}", exc)
+            self._link_failed(f"receiving from rank {source}", exc, sending=False)
 
     def _receive_stream(
         self, source: int, total: int, buffers: _Buffers, take: Callable[[memoryview], None]
@@ -436,13 +436,19 @@ class Replication:
                 inbox = ReplicaInbox(
                     root, tag=begin.tag, rank=begin.rank, node=begin.node, files=begin.files
                 )
-        drop: Callable[[memoryview], None] = lambda _piece: None  # noqa: E731
-        self._receive_stream(source, head.payload, buffers, inbox.feed if inbox else drop)
-        end_raw = bytearray(HEAD_BYTES)
-        self.group.recv([torch.frombuffer(end_raw, dtype=torch.uint8)], source, DATA_TAG).wait()
-        end = decode_head(end_raw)
-        if end.kind != Kind.END or end.transfer != head.transfer:
-            raise WireError(f"a {end.kind.name} frame where transfer {head.transfer} ends")
+        try:
+            drop: Callable[[memoryview], None] = lambda _piece: None  # noqa: E731
+            self._receive_stream(source, head.payload, buffers, inbox.feed if inbox else drop)
+            end_raw = bytearray(HEAD_BYTES)
+            end_tensor = torch.frombuffer(end_raw, dtype=torch.uint8)
+            self.group.recv([end_tensor], source, DATA_TAG).wait()
+            end = decode_head(end_raw)
+            if end.kind != Kind.END or end.transfer != head.transfer:
+                raise WireError(f"a {end.kind.name} frame where transfer {head.transfer} ends")
+        except BaseException:
+            if inbox is not None:
+                inbox.abandon()  # the link failed mid-replica: no half replica stays
+            raise
         if inbox is not None:
             outcome = inbox.finish(sender_ok=end.status == Status.OK)
         else:

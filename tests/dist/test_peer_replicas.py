@@ -1,0 +1,138 @@
+"""Each node's memory tier replicated to its partner node over nebula's own gloo group:
+real ranks (tests/dist/peer_child.py), each on a simulated node of its own (its own
+memory-tier folder, LOCAL_WORLD_SIZE=1), meeting at a store this process serves.
+
+The ring's mapping as a table, the replicas' checks and the frames without a process
+group: tests/core/test_replicas.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+from dist_launch import assert_every_rank_ok, run_ranks
+
+from nebulaml.format.names import REPLICA_DONE, REPLICAS_DIR
+
+CHILD = Path(__file__).with_name("peer_child.py")
+
+
+def run(scenario: str, tmp_path: Path, memory: Path, nodes: int) -> list[tuple[int, str]]:
+    results = run_ranks(CHILD, scenario, tmp_path / "persistent", memory, nodes, nodes=nodes)
+    assert_every_rank_ok(results)
+    for _code, out in results:  # a thread left in a gloo wait at exit aborts the process
+        assert "terminate called" not in out, out
+    return results
+
+
+def replicas_of(memory: Path, node: int, rank: int) -> Path:
+    """The folder of `rank`'s replicas in node `node`'s memory tier."""
+    (found,) = (memory / f"node{node}").rglob(f"{REPLICAS_DIR}/rank-{rank}")
+    return found
+
+
+def sha256s(folder: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in folder.iterdir()
+        if p.name != REPLICA_DONE
+    }
+
+
+def part(tmp_path: Path, rank: int, tag: str) -> dict[str, str]:
+    return json.loads((tmp_path / "out" / f"part-{rank}-{tag}.json").read_text())
+
+
+@pytest.mark.parametrize("nodes", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_each_nodes_part_is_replicated_bit_for_bit_to_the_next_node(
+    tmp_path: Path, memory_tier: Path, nodes: int
+) -> None:
+    """Each rank saves global_step1 and global_step2 and replicates each; its partner
+    keeps the newest alone, byte for byte what the rank's memory tier holds, private.
+    catches: a ring that sends to the wrong node or to itself, a replica not bit-exact
+    (a chunk lost or written twice at a message boundary: 16 KiB messages here), the
+    older replica kept beside the newer, files other users can read, a process that
+    aborts at exit (a receiver left waiting in gloo)"""
+    results = run("replicate", tmp_path, memory_tier, nodes)
+    for rank, (_code, out) in enumerate(results):
+        receive_from = (rank - 1) % nodes
+        assert (
+            f"RING rank {rank} node {rank} partner {(rank + 1) % nodes} "
+            f"send_to {(rank + 1) % nodes} receive_from [{receive_from}]"
+        ) in out, out
+        assert "STATUS global_step2 replicated=global_step2 refused=None" in out, out
+        folder = replicas_of(memory_tier, (rank + 1) % nodes, rank)
+        assert sorted(p.name for p in folder.iterdir()) == ["global_step2"]
+        replica = folder / "global_step2"
+        assert sha256s(replica) == part(tmp_path, rank, "global_step2")
+        assert (replica / REPLICA_DONE).is_file()
+        for path in [folder.parent, *folder.parent.rglob("*")]:
+            assert path.lstat().st_mode & 0o777 == (0o700 if path.is_dir() else 0o600), path
+        status = json.loads((tmp_path / "out" / f"status-{rank}.json").read_text())
+        assert status == {"kept": {str(receive_from): "global_step2"}, "replicated": "global_step2"}
+
+
+def test_a_byte_flipped_in_transit_is_refused_and_the_older_replica_stays(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Rank 0's sender flips one byte of global_step2's first message (a test hook, on a
+    copy: its own memory tier is intact). catches: a replica committed without checking
+    its bytes against the marker's checksums, a refused replica that takes the older
+    whole one with it, a refusal the sender never hears of"""
+    results = run("corrupt", tmp_path, memory_tier, 2)
+    sender, receiver = results[0][1], results[1][1]
+    assert "FLIPPED a byte of global_step2" in sender
+    assert "STATUS global_step1 replicated=global_step1 refused=None" in sender
+    status = re.search(r"STATUS global_step2 replicated=(\S+) refused=(\S+) error=(.*)", sender)
+    assert status is not None, sender
+    assert status.group(1, 2) == ("global_step1", "global_step2"), sender
+    assert "not" in status.group(3) and "announced" in status.group(3), sender
+    assert "replica of rank 0's part of 'global_step2' (from node 0) refused" in receiver
+    folder = replicas_of(memory_tier, 1, 0)
+    assert sorted(p.name for p in folder.iterdir()) == ["global_step1"]
+    assert sha256s(folder / "global_step1") == part(tmp_path, 0, "global_step1")
+    # The other direction is untouched.
+    assert "STATUS global_step2 replicated=global_step2 refused=None" in receiver
+
+
+def test_the_caller_never_waits_for_the_partner(tmp_path: Path, memory_tier: Path) -> None:
+    """Rank 1 starts receiving 2 s late. catches: a `replicate` that sends on the
+    caller's thread (it would return only once rank 1 took the part)"""
+    results = run("late", tmp_path, memory_tier, 2)
+    out = results[0][1]
+    found = re.search(
+        r"REPLICATE global_step1 returned in (\S+) s, replicated then (\S+), "
+        r"answered after (\S+) s",
+        out,
+    )
+    assert found is not None, out
+    returned, replicated_then, answered = found.groups()
+    assert float(returned) < 0.1 and replicated_then == "None", out
+    assert float(answered) > 1.0, out  # the part went once rank 1 was there
+    assert "STATUS global_step1 replicated=global_step1" in out, out
+
+
+@pytest.mark.slow
+def test_an_idle_link_outlives_the_groups_timeout(tmp_path: Path, memory_tier: Path) -> None:
+    """The group's timeout is 3 s and the ranks wait 4 s before replicating. catches: no
+    keepalive (gloo closes a connection whose receive waited past the timeout, and the
+    next part is never sent)"""
+    results = run("idle", tmp_path, memory_tier, 2)
+    for _code, out in results:
+        assert "STATUS global_step1 replicated=global_step1 refused=None" in out, out
+
+
+@pytest.mark.slow
+def test_a_close_whose_partner_never_says_bye_ends_within_its_grace(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Rank 1 closes 6 s after rank 0: rank 0's receiver gets no BYE. catches: a close
+    that waits for the partner without bound, or leaves a thread in a gloo wait (the
+    process then aborts at exit: status 134 instead of 0)"""
+    results = run("close", tmp_path, memory_tier, 2)
+    closed = re.search(r"CLOSED in (\S+) s", results[0][1])
+    assert closed is not None and float(closed.group(1)) < 4, results[0][1]
