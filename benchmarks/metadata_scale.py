@@ -170,7 +170,7 @@ def _measure_api(
 
 def _profile(nm: Any, torch: Any, root: str, spec: dict[str, Any]) -> dict[str, Any]:
     """cProfile of list_checkpoints (this thread) and of one commit+persist: the save and
-    flush in this thread, the persist and its upkeep in the persister thread (its methods
+    flush in this thread, the persist and what follows it in the persister thread (its methods
     wrapped so that each runs under the profiler in that thread)."""
     import cProfile
     import functools

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import nebulaml as nm
-from nebulaml.runtime import persist_actions, persist_loop, save, steps, upkeep
+from nebulaml.runtime import history_queue, persist_actions, persist_loop, save, steps
 
 STEPS_LOGGER = "nebulaml.steps"
 
@@ -59,7 +59,8 @@ def test_the_save_pipeline_reads_in_the_order_of_its_steps() -> None:
 
 def test_the_persisters_steps_are_each_traced_in_their_order() -> None:
     traced = [
-        _trace_calls_in_source_order(module) for module in (persist_loop, persist_actions, upkeep)
+        _trace_calls_in_source_order(module)
+        for module in (persist_loop, persist_actions, history_queue)
     ]
     assert traced == [["persist", "evict"], ["retain"], ["history"]]
     assert sorted(step for steps_of in traced for step in steps_of) == sorted(steps.PERSIST)

@@ -2,11 +2,14 @@
 pipelines, the persister, and the fast path of a save.
 
 Holds: the process's session (session) and its exit path (exit), saving a checkpoint
-(save) and loading an item (load), finding a root's tiers, a tag or an item on them
-(locate), ranks (ranks), the job and its hold on the root (job), the memory budget
-(budget), the background persister (persister), the snapshot layout and fill (snapshot),
-what a buffer still holds from its last fill (unchanged), reused buffers (slots) and
-their fresh pages (pages), and lazy snapshots' fence (fence).
+(save, and its steps' names: steps) and loading an item (load), finding a root's tiers, a
+tag or an item on them (locate), ranks (ranks), the job and its hold on the root (job),
+the memory budget (budget), the background persister (persister: its scheduler
+persist_schedule, its actions persist_actions, its thread persist_loop, one persist's copy
+persist_step, retention after a persist retirement, the history's and the removals'
+queues history_queue and removal_queue, outages outage), the snapshot layout and fill
+(snapshot), what a buffer still holds from its last fill (unchanged), reused buffers
+(slots) and their fresh pages (pages), and lazy snapshots' fence (fence).
 
 May import: every layer below (`errors`, `config`, `format`, `storage`, `protocol`). Not
 for: the configuration itself (config.py), the public functions (api.py, checkpoint.py)

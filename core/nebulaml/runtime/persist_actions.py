@@ -2,7 +2,7 @@
 persister's lock and records the outcome in the schedule (persist_schedule.py) under it.
 
     Retention   what the persistent tier holds: learnt from a listing, and retention
-                applied after a persist or a streamed commit (upkeep.retire)
+                applied after a persist or a streamed commit (retirement.retire)
     Persisting  one tag persisted (persist_step.py): the root reached first if the
                 session could not, its history row, its outcome for the schedule
     Eviction    the memory copies the schedule no longer needs, deleted: after a persist,
@@ -10,12 +10,12 @@ persister's lock and records the outcome in the schedule (persist_schedule.py) u
                 eviction thread, or at the next save: `if_due`)
     Following   a follower rank looking for its leaders' markers and commits
     Removals    the checkpoints a framework removed (`Persister.forget`), deleted from
-                every tier (upkeep.RemovalQueue), and recorded in the memory tier
+                every tier (removal_queue.py), and recorded in the memory tier
 
-May import: every layer below runtime, and runtime.connect, outage, persist_schedule,
-persist_step, ranks, slots, steps, upkeep. Not for: deciding what to do, or when
-(persist_schedule.py), the thread (persist_loop.py), or the training thread's calls
-(persister.py).
+May import: every layer below runtime, and runtime.connect, history_queue, outage,
+persist_schedule, persist_step, ranks, removal_queue, retirement, slots, steps. Not for:
+deciding what to do, or when (persist_schedule.py), the thread (persist_loop.py), or the
+training thread's calls (persister.py).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from nebulaml.protocol.retention import Version
 from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.runtime.connect import keep_root
+from nebulaml.runtime.history_queue import HistoryQueue
 from nebulaml.runtime.persist_schedule import (
     FOLLOW_POLL_S,
     Follow,
@@ -46,9 +47,10 @@ from nebulaml.runtime.persist_schedule import (
     settled_parts,
 )
 from nebulaml.runtime.persist_step import discard_partial, leader_of, persist_part, persist_whole
+from nebulaml.runtime.removal_queue import RemovalQueue
+from nebulaml.runtime.retirement import retire
 from nebulaml.runtime.slots import SlotPool
 from nebulaml.runtime.steps import trace
-from nebulaml.runtime.upkeep import HistoryQueue, RemovalQueue, retire
 
 log = logging.getLogger("nebulaml")
 
@@ -59,7 +61,7 @@ Connect = Callable[[], Sequence[CheckpointInfo]]
 
 class Retention:
     """What the persistent tier holds committed, with each one's order and labels, as read
-    once (upkeep.retire): retention reads only the manifests it has not read. The thread
+    once (retirement.retire): retention reads only the manifests it has not read. The thread
     and a streamed commit apply it, one at a time."""
 
     def __init__(

@@ -2,14 +2,14 @@
 (persist_schedule.py's `Schedule.decide`), runs the action (persist_actions.py) and
 records the outcome, turn after turn, until the schedule says it is finished.
 
-A turn writes the history rows that wait (upkeep.HistoryQueue), runs the removals a
+A turn writes the history rows that wait (history_queue.py), runs the removals a
 framework asked for when no persist is due, looks for a follower's leaders' markers or
 commits, or persists one tag; after a persist that lands, the memory tier's copies the
 schedule no longer needs are evicted. The thread runs at a lower CPU priority than
 training.
 
 May import: every layer below runtime, and runtime.persist_actions, persist_schedule, steps and
-upkeep. Not for: deciding what to do, or when (persist_schedule.py), what an action does
+history_queue. Not for: deciding what to do, or when (persist_schedule.py), what an action does
 (persist_actions.py), or the training thread's calls (persister.py).
 """
 
@@ -24,10 +24,10 @@ from nebulaml._threads import start as start_thread
 from nebulaml.format.manifest import utc_now
 from nebulaml.format.names import step_of
 from nebulaml.protocol.history import skipped_row
+from nebulaml.runtime.history_queue import HistoryQueue
 from nebulaml.runtime.persist_actions import Eviction, Following, Persisting, Removals
 from nebulaml.runtime.persist_schedule import Schedule, Skip, Turn, Upkeep
 from nebulaml.runtime.steps import trace
-from nebulaml.runtime.upkeep import HistoryQueue
 
 log = logging.getLogger("nebulaml")
 

@@ -61,8 +61,9 @@ class Skip(NamedTuple):
 
 
 class Upkeep(NamedTuple):
-    """What the thread's other queues say (upkeep.py), read before a decision: history
-    rows to write, removals due now (not in their backoff), removals left at all."""
+    """What the thread's other queues say (history_queue.py, removal_queue.py), read
+    before a decision: history rows to write, removals due now (not in their backoff),
+    removals left at all."""
 
     history_due: bool = False
     removals_due: bool = False

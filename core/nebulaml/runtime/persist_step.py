@@ -8,7 +8,7 @@ the persistent tier and committed there, and what a failed one leaves removed.
 
 May import: every layer below runtime, runtime.outage and runtime.ranks. Not for: when a
 persist runs, or what follows a failed one (persister.py), retention and the history
-(upkeep.py).
+(persist_actions.py, history_queue.py).
 """
 
 from __future__ import annotations

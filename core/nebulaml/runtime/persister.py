@@ -22,10 +22,11 @@ outage like any other.
 evicted, and when) under one lock, starts the thread that works it (persist_loop.py), and
 hands the I/O to the actions (persist_actions.py). May import: every layer below runtime,
 and runtime.crew, outage, persist_actions, persist_loop, persist_schedule, ranks, slots,
-upkeep. Not for: the decisions themselves (persist_schedule.py), the thread
+history_queue. Not for: the decisions themselves (persist_schedule.py), the thread
 (persist_loop.py), the I/O of a persist, an eviction, a follower or a removal
-(persist_actions.py), one persist's copy (persist_step.py), retention and the history
-(upkeep.py), the commit protocol itself (commit.py) or process-wide state (session.py).
+(persist_actions.py), one persist's copy (persist_step.py), retention after a persist
+(retirement.py), the history's queue (history_queue.py), the commit protocol itself
+(commit.py) or process-wide state (session.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from nebulaml.protocol.history import HistoryRow
 from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.runtime.crew import EVICT_CREW
+from nebulaml.runtime.history_queue import HistoryQueue
 from nebulaml.runtime.outage import OutageWatch
 from nebulaml.runtime.persist_actions import (
     Connect,
@@ -55,7 +57,6 @@ from nebulaml.runtime.persist_loop import PersistLoop, record_skips
 from nebulaml.runtime.persist_schedule import Schedule
 from nebulaml.runtime.ranks import RankInfo
 from nebulaml.runtime.slots import SlotPool
-from nebulaml.runtime.upkeep import HistoryQueue
 from nebulaml.storage.deadline import within
 from nebulaml.storage.store import Store
 

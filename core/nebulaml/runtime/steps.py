@@ -4,7 +4,7 @@ one as it runs.
 A save's pipeline is read in runtime/save.py (`SaveJob.add` and `SaveJob.commit` call
 the steps of `SAVE` and `COMMIT` in this order) and runs on in the persister's thread
 (`PERSIST`: a turn of runtime/persist_loop.py, retention in persist_actions.py, the
-history rows written by upkeep.py). With the logger ``nebulaml.steps`` at DEBUG
+history rows written by history_queue.py). With the logger ``nebulaml.steps`` at DEBUG
 level, each step logs one line, ``<step> <tag>``: the trace of a save, which
 tests/core/test_pipeline.py matches against this order.
 
