@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -25,21 +26,22 @@ import torch.distributed as dist
 import nebulaml as nm
 from nebulaml.format.names import marker_name
 from nebulaml.runtime import session
-from nebulaml.runtime.peers import open_ring
+from nebulaml.runtime.peers import Peers, open_ring
 from nebulaml.runtime.replication import Replication, Tamper
+from nebulaml.storage.store import Store
 
 CHUNK = 16 << 10  # several messages per part: the stream's cuts are exercised
 
 
-def shard(rank: int, step: int) -> dict[str, torch.Tensor]:
+def shard(rank: int, step: int, size: int = 8192) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    return {"flat_param": torch.randn(8192, generator=gen), "step": torch.tensor(step)}
+    return {"flat_param": torch.randn(size, generator=gen), "step": torch.tensor(step)}
 
 
-def save(rank: int, step: int) -> str:
+def save(rank: int, step: int, size: int = 8192) -> str:
     tag = f"global_step{step}"
     ckpt = nm.Checkpoint(tag, -2)
-    ckpt.save(f"shard_rank{rank}", shard(rank, step))
+    ckpt.save(f"shard_rank{rank}", shard(rank, step, size))
     ckpt.save(f"extra_rank{rank}", {"lr": 0.1 * step})
     ckpt.commit()
     return tag
@@ -61,6 +63,49 @@ def flip_last_byte_of(target: str) -> Tamper:
     return tamper
 
 
+def slow_and_say_when(out: Path) -> Tamper:
+    """Rank 0's sends, slowed to 20 ms a message; `out/sending` appears at the 4th."""
+
+    def tamper(tag: str, index: int, data: memoryview) -> None:
+        if index == 3:
+            (out / "sending").touch()
+        time.sleep(0.02)
+
+    return tamper
+
+
+def partner_killed(rank: int, memory: Store, peers: Peers, out: Path) -> int:
+    """Rank 1 is SIGKILLed while rank 0's part of global_step1 is on its way to it: rank
+    0's replication says so, and its next save and `replicate` go on at once."""
+    if rank == 1:
+        Replication(peers, memory, chunk_bytes=CHUNK).start()
+        deadline = time.monotonic() + 60
+        while not (out / "sending").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    replication = Replication(
+        peers, memory, chunk_bytes=CHUNK, tamper=slow_and_say_when(out)
+    ).start()
+    replication.replicate(save(rank, 1, size=200_000))
+    state = replication.wait("global_step1", 60)
+    print(f"STATUS global_step1 replicated={state.replicated} link_down={state.link_down} "
+          f"error={state.last_error}", flush=True)  # fmt: skip
+    started = time.monotonic()
+    tag = save(rank, 2)
+    replication.replicate(tag)
+    print(f"SAVED {tag} and asked in {time.monotonic() - started:.2f} s", flush=True)
+    started = time.monotonic()
+    replication.close(grace_s=1.0)
+    print(f"CLOSED in {time.monotonic() - started:.2f} s", flush=True)
+    try:
+        nm.shutdown()
+    except nm.PersistError as exc:  # rank 1's parts never reached the persistent tier
+        print(f"SHUTDOWN {exc}", flush=True)
+    dist.destroy_process_group()
+    print(f"OK rank {rank}", flush=True)
+    return 0
+
+
 def main() -> int:
     scenario, root, port = sys.argv[1], sys.argv[2], sys.argv[3]
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -69,7 +114,9 @@ def main() -> int:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
-    nm.init(root, persistent_time_interval=3600, rank_timeout_s=60, keep_memory_tier=True)
+    # (a job that lost a rank: the exit's persist waits for its part 3 s, not 60)
+    rank_timeout = 3 if scenario == "kill" else 60
+    nm.init(root, persistent_time_interval=3600, rank_timeout_s=rank_timeout, keep_memory_tier=True)
     live = session.live()
     assert live is not None
     memory = live.tiers.memory
@@ -80,6 +127,8 @@ def main() -> int:
     ring = peers.ring
     print(f"RING rank {rank} node {ring.node} partner {ring.partner} send_to {ring.send_to} "
           f"receive_from {list(ring.receive_from)}", flush=True)  # fmt: skip
+    if scenario == "kill":
+        return partner_killed(rank, memory, peers, out)
     tamper = flip_last_byte_of("global_step2") if scenario == "corrupt" and rank == 0 else None
     keepalive = 0.5 if scenario == "idle" else 60.0
     replication = Replication(
