@@ -25,8 +25,16 @@ match its claim, when the claims of the items are not what the marker records fo
 announced. Only then is `.replica.json` written. After each commit the rank's other
 replicas go (`keep_newest`): the newest whole one is kept until a newer one is whole.
 Order is the checkpoints' (names.order_key: the tag's step, then when the part was
-written). Folders 0700, files 0600, nothing through a symbolic link: the memory tier's
-`Store` writes everything.
+written). The same part announced again (same files, sizes, checksums) keeps the replica
+held and drops the bytes; a tag saved again (other checksums) replaces it. Folders 0700,
+files 0600, nothing through a symbolic link: the memory tier's `Store` writes everything.
+
+    part_files       a rank's part of a tag in its memory tier, as its sender announces it
+    ReplicaInbox     one incoming replica: `feed` its bytes, `finish` (commit or refuse)
+    replica_root     the root of one rank's replicas in a memory tier
+    read_replica     a whole replica, or None; `whole_replicas`: all, newest first
+    keep_newest      every replica of a rank but the newest whole one removed
+    replica_ranks    the ranks whose replicas a memory tier holds
 
 May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: moving
 the bytes between nodes (runtime/replication.py), which nodes replicate to which

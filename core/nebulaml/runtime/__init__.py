@@ -9,7 +9,9 @@ persist_schedule, its actions persist_actions, its thread persist_loop, one pers
 persist_step, retention after a persist retirement, the history's and the removals'
 queues history_queue and removal_queue, outages outage), the snapshot layout and fill
 (snapshot), what a buffer still holds from its last fill (unchanged), reused buffers
-(slots) and their fresh pages (pages), and lazy snapshots' fence (fence).
+(slots) and their fresh pages (pages), lazy snapshots' fence (fence), and the replication
+of a node's memory tier to its partner node: the ring and nebula's own process group
+(peers), the sender and receivers (replication) and their messages (peer_wire).
 
 May import: every layer below (`errors`, `config`, `format`, `storage`, `protocol`). Not
 for: the configuration itself (config.py), the public functions (api.py, checkpoint.py)

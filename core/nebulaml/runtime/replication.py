@@ -12,8 +12,10 @@ each file (name, size, checksum: the marker's for the items), then sends the fil
 messages of `chunk_bytes` (4 MiB) from two buffers it reuses (one in flight while the
 other fills), and waits for the partner's answer: the part is *replicated* once the
 partner says it committed it whole. One tag waits at most: a newer `replicate` replaces
-one not yet begun, so a slow partner costs two buffers, never a queue. The messages:
-peer_wire.py.
+one not yet begun, so a slow partner costs two buffers, never a queue. The files are read
+as they are when they are sent: a part evicted meanwhile goes short (its END says so) and
+one whose buffers were reused for a newer save arrives changed; the partner refuses both.
+The messages: peer_wire.py.
 
 **Receiving.** One thread per rank that sends to this one (`Ring.receive_from`) takes
 its frames, writes each replica into this node's memory tier as its bytes arrive, and
