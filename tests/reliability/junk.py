@@ -30,11 +30,12 @@ from nebulaml.protocol.holds import HOLD_TTL_S
 TIMEOUT_S = 120.0  # a child or a command that takes longer has hung
 
 JOB = r"""
-import os, sys, torch, nebulaml as nm
+import os, sys, time, torch, nebulaml as nm
 root, steps, journal = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 nm.init(root, persistent_time_interval=0, num_of_version_in_retention=3)
 with open(journal, "a") as out:
     for step in range(1, steps + 1):
+        time.sleep(0.2)  # the step's training: junk lands meanwhile, however fast the save
         nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.full((64,), float(step))})
         nm.flush_persistence()
         out.write(f"{step}\n")
