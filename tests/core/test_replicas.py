@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 
 from nebulaml.errors import StorageError
-from nebulaml.format.checksum import checksum_of
+from nebulaml.format.checksum import BLOCK_BYTES, checksum_of
 from nebulaml.format.manifest import ItemEntry, Manifest, Producer, RankMarker, utc_now
 from nebulaml.format.names import MANIFEST_NAME, REPLICA_DONE, REPLICAS_DIR, marker_name
+from nebulaml.protocol.delete import delete_part
+from nebulaml.protocol.leases import hold_tag
 from nebulaml.protocol.replicas import (
     FileClaim,
+    Outcome,
     ReplicaInbox,
     keep_newest,
     part_files,
@@ -37,6 +40,13 @@ from nebulaml.runtime.peer_wire import (
     encode_head,
 )
 from nebulaml.runtime.peers import node_of, plan_ring
+from nebulaml.runtime.replica_delta import (
+    ChangedError,
+    FileDigests,
+    PartnerCopy,
+    new_ranges,
+    plan_file,
+)
 from nebulaml.storage.store import Store
 
 
@@ -249,6 +259,184 @@ def test_a_refused_announcement_never_removes_outside_its_folder(tiers) -> None:
     assert (outside / REPLICA_DONE).exists()
 
 
+# replicas built on the one held (only the changed blocks arrive) -----------------------------
+def receive_delta(
+    source: Store,
+    receiver: Store,
+    tag: str,
+    held: PartnerCopy | None,
+    *,
+    rank: int = 0,
+) -> tuple[Outcome, PartnerCopy, int]:
+    """`rank`'s part of `tag` as the sender sends it against `held` (what it sent last):
+    the inbox's outcome, what the partner holds if it committed, and the bytes fed."""
+    claims, small = part_files(source, tag, rank)
+    stream, runs = bytearray(), {}
+    digests: dict[str, FileDigests] = {}
+    for claim in claims:
+        if claim.name in small:
+            stream += small[claim.name]
+            continue
+        data = source.read_bytes(tag, claim.name)
+        base = held.files.get(claim.name) if held is not None else None
+        plan = plan_file(memoryview(data), claim, base)
+        assert plan.digests is not None
+        digests[claim.name] = plan.digests
+        if plan.runs:
+            runs[claim.name] = plan.runs
+        for offset, length in new_ranges(claim.size, plan.runs):
+            stream += data[offset : offset + length]
+    base_tag = held.tag if runs and held is not None else None
+    inbox = ReplicaInbox(replica_root(receiver, rank), tag=tag, rank=rank, node=1,
+                         files=claims, base=base_tag, reuse=runs)  # fmt: skip
+    rng, at = random.Random(3), 0
+    while at < len(stream):
+        n = rng.randint(1, 300_000)
+        inbox.feed(memoryview(stream)[at : at + n])
+        at += n
+    return inbox.finish(), PartnerCopy(tag, "", digests), len(stream)
+
+
+BIG = 3 << 20  # three pieces
+
+
+def lora_part(memory: Store, step: int, adapter: bytes) -> None:
+    """A part whose item holds a frozen base (the same at every step) and an adapter."""
+    frozen = random.Random(0).randbytes(BIG)
+    write_part(memory, f"global_step{step}", 0, {"model": frozen + adapter, "empty": b""})
+
+
+def test_a_replica_built_on_the_one_held_gets_only_the_changed_blocks(tiers) -> None:
+    """catches: a frozen base sent again; a run taken from the wrong offset (the replica
+    would not be bit-exact, and would be refused); a kept base removed before the new
+    replica is whole"""
+    sender, receiver = tiers
+    lora_part(sender, 1, os.urandom(40_000))
+    outcome, held, fed = receive_delta(sender, receiver, "global_step1", None)
+    assert outcome.committed and fed > BIG
+    lora_part(sender, 2, os.urandom(40_000))
+    outcome, held, fed = receive_delta(sender, receiver, "global_step2", held)
+    assert outcome.committed, outcome.reason
+    marker = len(sender.read_bytes("global_step2", marker_name(0)))
+    # The adapter's 40,000 bytes span at most 4 blocks of 16 KiB.
+    assert fed - marker <= 4 * BLOCK_BYTES, fed
+    folder = replica_dir(receiver, 0, "global_step2")
+    assert (folder / "model").read_bytes() == sender.read_bytes("global_step2", "model")
+    assert sorted(os.listdir(Path(folder).parent)) == ["global_step2"]  # the base went after
+
+
+def test_a_replica_built_on_a_corrupt_base_is_refused_and_the_base_stays(tiers) -> None:
+    """A byte of the held replica flipped in the receiver's memory: the frozen run taken
+    from it makes a file that does not match its checksum. catches: a replica whose
+    copied bytes are not hashed (it would commit wrong bytes); a refusal that takes the
+    held replica with it"""
+    sender, receiver = tiers
+    lora_part(sender, 1, os.urandom(40_000))
+    lora_part(sender, 2, os.urandom(40_000))
+    outcome, held, _ = receive_delta(sender, receiver, "global_step1", None)
+    assert outcome.committed
+    model = replica_dir(receiver, 0, "global_step1") / "model"
+    data = bytearray(model.read_bytes())
+    data[123_456] ^= 0x01
+    model.write_bytes(bytes(data))
+    outcome, _, _ = receive_delta(sender, receiver, "global_step2", held)
+    assert not outcome.committed and "base" in str(outcome.reason), outcome.reason
+    assert [r.tag for r in whole_replicas(replica_root(receiver, 0))] == ["global_step1"]
+    assert not replica_dir(receiver, 0, "global_step2").exists()
+    # Sent whole, it commits.
+    outcome, _, fed = receive_delta(sender, receiver, "global_step2", None)
+    assert outcome.committed and fed > BIG
+
+
+def test_a_base_that_is_not_held_whole_is_refused(tiers) -> None:
+    sender, receiver = tiers
+    lora_part(sender, 1, os.urandom(40_000))
+    lora_part(sender, 2, os.urandom(40_000))
+    held = receive_delta(sender, receiver, "global_step1", None)[1]
+    (replica_dir(receiver, 0, "global_step1") / REPLICA_DONE).unlink()
+    outcome, _, _ = receive_delta(sender, receiver, "global_step2", held)
+    assert not outcome.committed and "is not a whole replica here" in str(outcome.reason)
+
+
+@pytest.mark.parametrize(
+    ("base", "runs", "why"),
+    [
+        (None, {"model": [(0, 1)]}, "without a base"),
+        ("global_step2", {"model": [(0, 1)]}, "built on itself"),
+        ("../x", {"model": [(0, 1)]}, "unsafe base"),
+        ("global_step1", {".rank-0.json": [(0, 1)]}, "no item"),
+        ("global_step1", {"other": [(0, 1)]}, "no item"),
+        ("global_step1", {"model": [(5, 1), (0, 1)]}, "out of order"),
+        ("global_step1", {"model": [(0, 0)]}, "out of order"),
+        ("global_step1", {"model": [(0, BIG + 1)]}, "past its"),
+    ],
+)  # fmt: skip
+def test_runs_that_cannot_be_taken_from_a_base(
+    tiers, base: str | None, runs: dict, why: str
+) -> None:
+    sender, receiver = tiers
+    lora_part(sender, 2, b"")
+    claims, _ = part_files(sender, "global_step2", 0)
+    inbox = ReplicaInbox(replica_root(receiver, 0), tag="global_step2", rank=0, node=1,
+                         files=claims, base=base, reuse=runs)  # fmt: skip
+    outcome = inbox.finish()
+    assert not outcome.committed and why in str(outcome.reason), outcome.reason
+
+
+def test_a_withdrawn_replica_goes_quietly_and_the_held_one_stays(tiers, caplog) -> None:
+    sender, receiver = tiers
+    write_part(sender, "global_step1", 0, ITEMS)
+    write_part(sender, "global_step2", 0, ITEMS)
+    assert receive(sender, receiver, "global_step1")[0]
+    claims, _ = part_files(sender, "global_step2", 0)
+    inbox = ReplicaInbox(replica_root(receiver, 0), tag="global_step2", rank=0, node=1,
+                         files=claims)  # fmt: skip
+    inbox.feed(b"x" * 100)
+    with caplog.at_level("WARNING", logger="nebulaml"):
+        outcome = inbox.withdraw()
+    assert outcome.withdrawn and not outcome.committed and caplog.records == []
+    assert [r.tag for r in whole_replicas(replica_root(receiver, 0))] == ["global_step1"]
+
+
+def test_a_sent_file_whose_bytes_are_not_its_marker_is_not_planned() -> None:
+    """The save's leaves that do not make the checksum are not used; bytes that are not
+    the item's are never sent. catches: a delta planned from stale evidence"""
+    data = os.urandom(2 << 20)
+    claim = FileClaim("model", len(data), "xxh3_64_tree_1m", checksum_of(data))
+    stale = [bytes(8), bytes(8)]
+    assert plan_file(memoryview(data), claim, None, stale).digests is not None
+    changed = bytearray(data)
+    changed[5] ^= 1
+    with pytest.raises(ChangedError):
+        plan_file(memoryview(changed), claim, None)
+    # The save's leaves, right for the checksum, but a piece changed since: refused too.
+    leaves = plan_file(memoryview(data), claim, None).digests.leaves  # type: ignore[union-attr]
+    with pytest.raises(ChangedError, match="changed since its save"):
+        plan_file(memoryview(changed), claim, None, list(leaves))
+
+
+# the hold of a part being sent -------------------------------------------------------------
+def test_a_held_part_is_not_evicted_but_a_save_of_its_tag_replaces_it(tiers) -> None:
+    """A node's memory tier in a job over several nodes holds no manifest: the sender
+    holds the part by its marker. catches: a hold that eviction (delete_part) does not
+    see; a hold that makes an overwrite fail"""
+    memory, _ = tiers
+    write_part(memory, "global_step1", 0, ITEMS)
+    there, name = hold_tag(memory, "global_step1", committed=marker_name(0))
+    assert there and name is not None
+    assert not delete_part(memory, "global_step1", 0)
+    assert memory.exists("global_step1", "model")
+    memory.remove("global_step1", name)
+    assert delete_part(memory, "global_step1", 0)
+    assert not memory.exists("global_step1", "model")
+    write_part(memory, "global_step2", 0, ITEMS)
+    there, name = hold_tag(memory, "global_step2", committed=marker_name(0))
+    assert there
+    assert delete_part(memory, "global_step2", 0, replacing=True, keep_folder=True)
+    assert not memory.exists("global_step2", marker_name(0))
+    assert hold_tag(memory, "global_step3", committed=marker_name(0)) == (False, None)
+
+
 # the wire ----------------------------------------------------------------------------------
 def test_a_head_round_trips_and_a_damaged_one_is_refused() -> None:
     head = Head(Kind.END, transfer=7, status=Status.FAILED, chunk=1, body=2, payload=3)
@@ -265,7 +453,11 @@ def test_a_head_round_trips_and_a_damaged_one_is_refused() -> None:
     "body",
     [b"", b"[]", b'{"tag": "t"}', b'{"tag": 1, "rank": 0, "node": 0, "files": []}',
      b'{"tag": "t", "rank": -1, "node": 0, "files": []}',
-     b'{"tag": "t", "rank": 0, "node": 0, "files": [["a", "1", "x", "y"]]}'],
+     b'{"tag": "t", "rank": 0, "node": 0, "files": [["a", "1", "x", "y"]]}',
+     b'{"tag": "t", "rank": 0, "node": 0, "files": [], "base": 1, "reuse": {}}',
+     b'{"tag": "t", "rank": 0, "node": 0, "files": [], "base": "s", "reuse": {"m": [[0]]}}',
+     b'{"tag": "t", "rank": 0, "node": 0, "files": [], "base": "s", "reuse": {"m": [[0, -1]]}}',
+     b'{"tag": "t", "rank": 0, "node": 0, "files": [], "base": "s", "reuse": []}'],
 )  # fmt: skip
 def test_a_malformed_announcement_is_refused(body: bytes) -> None:
     with pytest.raises(WireError):
@@ -276,6 +468,10 @@ def test_an_announcement_round_trips() -> None:
     claims = (FileClaim(".rank-3.json", 10, "xxh3_64_tree_1m", "ab"), FileClaim("m", 0, "x", "y"))
     begin = decode_begin(encode_begin("global_step5", 3, 1, claims))
     assert (begin.tag, begin.rank, begin.node, begin.files) == ("global_step5", 3, 1, claims)
+    assert (begin.base, begin.reuse) == (None, {})
+    runs = {"m": ((0, 5), (9, 1))}
+    begin = decode_begin(encode_begin("global_step5", 3, 1, claims, "global_step4", runs))
+    assert (begin.base, begin.reuse) == ("global_step4", runs)
 
 
 # the ring ----------------------------------------------------------------------------------

@@ -160,12 +160,29 @@ def delete_part(
     files = store.list_files(tag)
     if not files:
         return True
-    if MANIFEST_NAME not in files:
+    if MANIFEST_NAME not in files and marker_name(rank) not in files:
         # Uncommitted: nobody can be reading it (leases.py), and a full disk must not keep
         # a failed write's leftovers from going for want of room for a claim.
         _remove_part(store, tag, rank, files, keep_folder, discard)
         return True
-    with delete_claim(store, tag, replacing=replacing, own_holds=own_holds) as readers:
+    # Committed: the tag (its manifest), or this rank's part of it on a tier that holds
+    # no manifest (a node's memory tier in a job over several nodes), which a replica's
+    # sender holds while it reads it (leases.hold_tag by the marker).
+    committed = MANIFEST_NAME if MANIFEST_NAME in files else marker_name(rank)
+    with contextlib.ExitStack() as stack:
+        try:
+            readers = stack.enter_context(
+                delete_claim(
+                    store, tag, replacing=replacing, own_holds=own_holds, committed=committed
+                )
+            )
+        except StorageError:
+            if committed == MANIFEST_NAME:
+                raise
+            # No room for a claim (a full RAM disk, which this delete is to make room on):
+            # removed unclaimed, as before parts were held; a sender reading it then
+            # finds its part changed, and the partner refuses what it sent.
+            readers = []
         if readers:
             return False
         _remove_part(store, tag, rank, files, keep_folder, discard)

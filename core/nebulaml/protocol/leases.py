@@ -29,6 +29,13 @@ it: retention, prune and eviction keep a held tag (a tag replaced by its own wri
 after it was taken, even while its process lives; each load renews it, and
 `Checkpoint.release()` ends it.
 
+A replica's sender (runtime/replication.py) holds the part it sends the same way, for as
+long as it reads it (renewed while the send goes on: `HandleHolds`), so that eviction
+neither deletes it nor hands its buffers to a newer save mid-send; a node's memory tier in
+a job over several nodes holds no manifest, so there the part's marker is what makes it
+committed (`hold_tag(..., committed=marker_name(rank))`, honoured by
+delete.py's `delete_part`). A tag saved again by its writer replaces it all the same.
+
 A listing may hold too (`ListingHolds`, `.lease-list-...`): the path
 `nm.get_latest_checkpoint_path()` names, and what `nm.list_checkpoints(hold=True)` names
 (a listing holds nothing by default: it writes nothing), are held for `LIST_TTL_S`, so
@@ -202,12 +209,15 @@ def delete_claim(
     ttl_s: float = LEASE_TTL_S,
     replacing: bool = False,
     own_holds: bool = True,
+    committed: str = MANIFEST_NAME,
 ) -> Iterator[list[Lease]]:
     """Publish this thread's delete claim on `tag`, then yield the live read leases and
     holds (`replacing`: the read leases only; a tag written again by its own writer,
     `overwrite=True`, does not wait for handles). `own_holds=False`: this process's own
     holds (its handles', its listings') do not count, only its reads; a session that
     releases its memory tier at its end does so, as its handles read another tier then.
+    `committed`: the file whose presence makes the folder one a reader may hold (the
+    manifest; a rank's marker for a part on a tier that holds no manifest: `hold_tag`).
 
     Empty: no reader holds the tag, and none can start reading before the claim goes;
     remove the manifest first, then the data, inside the block. Not empty: leave the tag
@@ -217,7 +227,7 @@ def delete_claim(
     kinds = (READ,) if replacing else (READ, HOLD, LIST)
     try:
         files = store.list_files(tag)
-        live = _live(store, tag, files, kinds, ttl_s) if MANIFEST_NAME in files else []
+        live = _live(store, tag, files, kinds, ttl_s) if committed in files else []
         if not own_holds:
             me = (_host(), os.getpid())
             live = [lease for lease in live if lease.kind == READ or (lease.host, lease.pid) != me]
@@ -228,10 +238,21 @@ def delete_claim(
 
 
 def hold_tag(
-    store: Store, tag: str, *, wait_s: float = CLAIM_WAIT_S, kind: str = HOLD
+    store: Store,
+    tag: str,
+    *,
+    wait_s: float = CLAIM_WAIT_S,
+    kind: str = HOLD,
+    committed: str = MANIFEST_NAME,
 ) -> tuple[bool, str | None]:
     """Publish a handle's hold (a listing's: `kind=LIST`) on the committed `tag` (see the
     module docstring).
+
+    `committed`: the file that makes the folder committed, the manifest; a replica's
+    sender (runtime/replication.py) holds one rank's part on a node's memory tier, which
+    holds no manifest in a job over several nodes, by that rank's marker
+    (`marker_name(rank)`: `delete_part` then honours the hold, as `delete_claim` with the
+    same `committed` does).
 
     Returns (there, name): `there` is False when the tag is gone or being deleted (nothing
     is held then); `name` is the hold's file, None where the store refuses the create
@@ -242,16 +263,16 @@ def hold_tag(
         >>> hold_tag(Store(tempfile.mkdtemp()), "global_step1")
         (False, None)
     """
-    if not store.exists(tag, MANIFEST_NAME):
+    if not store.exists(tag, committed):
         return False, None
     try:
         name = _publish(store, tag, kind)
     except StorageError as exc:
         log.debug("not holding %s: %s", store.display(tag), exc)
-        return _await_no_claim(store, tag, wait_s), None
+        return _await_no_claim(store, tag, wait_s, committed), None
     if name is None:
         return False, None
-    if _await_no_claim(store, tag, wait_s):
+    if _await_no_claim(store, tag, wait_s, committed):
         return True, name
     with contextlib.suppress(StorageError):
         store.remove(tag, name)
@@ -467,14 +488,14 @@ def delete_claims(store: Store, tag: str) -> list[Lease]:
     return _live(store, tag, store.list_files(tag), (DELETE,), LEASE_TTL_S)
 
 
-def _await_no_claim(store: Store, tag: str, wait_s: float) -> bool:
-    """With our lease published: True once the manifest is there and no live deleter
-    claims the tag; False once the manifest is gone, or after `wait_s`."""
+def _await_no_claim(store: Store, tag: str, wait_s: float, committed: str = MANIFEST_NAME) -> bool:
+    """With our lease published: True once the manifest (`committed`) is there and no
+    live deleter claims the tag; False once it is gone, or after `wait_s`."""
     deadline = time.monotonic() + wait_s
     delay_s = 0.002
     while True:
         files = store.list_files(tag)
-        if MANIFEST_NAME not in files:
+        if committed not in files:
             return False
         if not _live(store, tag, files, (DELETE,), LEASE_TTL_S):
             return True

@@ -22,15 +22,30 @@ there with its size. The sender announces each file (`FileClaim`: name, size, ch
 refuses the replica (removes it, says why in one warning) when a file's bytes do not
 match its claim, when the claims of the items are not what the marker records for them
 (nor, with a manifest, what the manifest records), or when fewer bytes arrive than
-announced. Only then is `.replica.json` written. After each commit the rank's other
-replicas go (`keep_newest`): the newest whole one is kept until a newer one is whole.
-Order is the checkpoints' (names.order_key: the tag's step, then when the part was
-written). The same part announced again (same files, sizes, checksums) keeps the replica
-held and drops the bytes; a tag saved again (other checksums) replaces it. Folders 0700,
-files 0600, nothing through a symbolic link: the memory tier's `Store` writes everything.
+announced. Only then is `.replica.json` written.
+
+**Built on the replica held.** A sender may announce a *base*, the whole replica of an
+older tag this node holds of the same rank, and for each item the runs (offset, length)
+to take from that replica's file of the same name: only the other bytes arrive
+(runtime/replica_delta.py decides which). The inbox copies each run from the base's file
+as the file's bytes come to it, and hashes every byte of the new file, copied or
+received, against its claim: a base whose bytes are not what the sender thinks (a byte
+flipped in this node's memory) makes a file that does not match, and the replica is
+refused like any other; so is one whose base is not here whole. The base stays until the
+new replica is whole. A sender that gives a replica up (its part was saved again while
+it was sent) ends it with `withdraw`: what was written goes, quietly.
+
+After each commit the rank's other replicas go (`keep_newest`): the newest whole one is
+kept until a newer one is whole. Order is the checkpoints' (names.order_key: the tag's
+step, then when the part was written). The same part announced again (same files, sizes,
+checksums) keeps the replica held and drops the bytes; a tag saved again (other
+checksums) replaces it. Folders 0700, files 0600, nothing through a symbolic link: the
+memory tier's `Store` writes everything.
 
     part_files       a rank's part of a tag in its memory tier, as its sender announces it
-    ReplicaInbox     one incoming replica: `feed` its bytes, `finish` (commit or refuse)
+    check_reuse      whether the runs announced can be taken from a base replica
+    ReplicaInbox     one incoming replica: `feed` its bytes, `finish` (commit or refuse),
+                     `withdraw` (the sender gave it up)
     replica_root     the root of one rank's replicas in a memory tier
     read_replica     a whole replica, or None; `whole_replicas`: all, newest first
     keep_newest      every replica of a rank but the newest whole one removed
@@ -46,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -70,6 +85,10 @@ log = logging.getLogger("nebulaml")
 
 DONE_SCHEMA_VERSION = 1
 _RANK_DIR = "rank-"
+MAX_RUNS = 1 << 18  # runs taken from a base, in one announcement: a few MiB of JSON
+_COPY_BYTES = 8 << 20  # a run is copied from the base's file this much at a time
+
+Runs = Mapping[str, Sequence[tuple[int, int]]]  # item file: (offset, length) from the base
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +124,10 @@ class Replica:
     def size_bytes(self) -> int:
         return sum(claim.size for claim in self.files)
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {claim.name: claim.size for claim in self.files}
+
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
@@ -116,6 +139,7 @@ class Outcome:
     committed: bool
     reason: str | None = None
     kept: bool = False
+    withdrawn: bool = False  # its sender gave it up (not a refusal)
 
 
 def rank_folder(rank: int) -> str:
@@ -208,6 +232,41 @@ def check_claims(tag: str, rank: int, files: Sequence[FileClaim]) -> str | None:
     return None
 
 
+def check_reuse(tag: str, files: Sequence[FileClaim], base: str | None, runs: Runs) -> str | None:
+    """Why the `runs` announced to take from the replica of `base` cannot be (None: they
+    can): a base that is the tag itself or no tag, runs without a base, of a file not
+    announced or not an item, out of order, overlapping, empty or past the file's end.
+
+    Example:
+        >>> files = [FileClaim(".rank-0.json", 9, "xxh3_64_tree_1m", "0"),
+        ...          FileClaim("model", 100, "xxh3_64_tree_1m", "0")]
+        >>> check_reuse("s2", files, "s1", {"model": [(0, 10), (50, 50)]}) is None
+        True
+        >>> check_reuse("s2", files, "s1", {"model": [(50, 51)]})
+        'model: runs out of order, overlapping or past its 100 bytes'
+    """
+    if base is None:
+        return "runs announced without a base replica" if runs else None
+    if base == tag:
+        return "a replica announced as built on itself"
+    try:
+        validate_name("tag", base)
+    except ValueError as exc:
+        return f"an unsafe base tag: {exc}"
+    sizes = {claim.name: claim.size for claim in files}
+    if sum(len(r) for r in runs.values()) > MAX_RUNS:
+        return f"more than {MAX_RUNS} runs from its base"
+    for name, file_runs in runs.items():
+        if name not in sizes or name.startswith(".") or name == MANIFEST_NAME:
+            return f"runs of {name!r}, which is no item announced"
+        at = 0
+        for offset, length in file_runs:
+            if offset < at or length < 1 or offset + length > sizes[name]:
+                return f"{name}: runs out of order, overlapping or past its {sizes[name]} bytes"
+            at = offset + length
+    return None
+
+
 class _Refused(Exception):
     """Thrown into a file's writer to end it without the file (not an OSError: the store
     would translate one)."""
@@ -218,21 +277,41 @@ class ReplicaInbox:
     (`replica_root`): `feed` it the files' bytes in the order of `files`, in pieces of any
     size, then `finish`. Nothing raises on the way: the first problem is kept, the bytes
     after it are taken and dropped (the sender's stream goes on), and `finish` refuses the
-    replica for it."""
+    replica for it.
+
+    With `base` (an older tag whose whole replica of `rank`'s part `root` holds), the
+    runs `reuse[name]` of each item file are taken from that replica's file of the same
+    name, and `feed` brings only the other bytes, in file order (`total` of them)."""
 
     def __init__(
-        self, root: Store, *, tag: str, rank: int, node: int, files: Sequence[FileClaim]
+        self,
+        root: Store,
+        *,
+        tag: str,
+        rank: int,
+        node: int,
+        files: Sequence[FileClaim],
+        base: str | None = None,
+        reuse: Runs | None = None,
     ) -> None:
         self.root, self.tag, self.rank, self.node = root, tag, rank, node
         self.files = tuple(files)
-        self.total = sum(max(0, claim.size) for claim in self.files)
+        self.base = base
+        self.reuse = {name: tuple(runs) for name, runs in (reuse or {}).items()}
+        taken = sum(length for runs in self.reuse.values() for _, length in runs)
+        self.total = max(0, sum(max(0, claim.size) for claim in self.files) - taken)
         self.received = 0
-        self._error = check_claims(tag, rank, self.files)
+        self._error = check_claims(tag, rank, self.files) or check_reuse(
+            tag, self.files, base, self.reuse
+        )
         self._index = 0  # the file the next byte belongs to
         self._filled = 0  # its bytes written so far
+        self._run = 0  # the next of its runs from the base
         self._out: Any = None  # its writer (the context manager's) and the manager
         self._opened: Any = None
         self._hasher: Any = None
+        self._source: contextlib.ExitStack | None = None  # the base's file, mapped
+        self._source_view: memoryview | None = None
         self._small: dict[str, bytearray] = {}  # the marker's and the manifest's bytes
         self._kept = False  # an identical whole replica is there: the bytes are dropped
         self._marker: RankMarker | None = None
@@ -253,6 +332,14 @@ class ReplicaInbox:
         if held is not None and held.rank == self.rank and held.files == self.files:
             self._kept = True
             return
+        if self.base is not None:
+            base = read_replica(self.root, self.base)
+            sizes = {} if base is None or base.rank != self.rank else base.sizes
+            for name, runs in self.reuse.items():
+                end = runs[-1][0] + runs[-1][1] if runs else 0
+                if sizes.get(name, -1) < end:
+                    self._fail(f"its base, {self.base!r}, is not a whole replica here")
+                    return
         remove_replica(self.root, self.tag)  # a replica of a tag saved again, or leftovers
         self._mine = True
         self.root.make_dir(self.tag)
@@ -263,6 +350,9 @@ class ReplicaInbox:
         self._close_current(failed=True)
 
     def _close_current(self, *, failed: bool = False) -> None:
+        source, self._source, self._source_view = self._source, None, None
+        if source is not None:
+            source.close()
         opened, self._opened, self._out = self._opened, None, None
         if opened is None:
             return
@@ -277,14 +367,23 @@ class ReplicaInbox:
         self._out = opened.__enter__()
         self._opened = opened
         self._hasher = new_hasher(claim.algo)
+        self._run = 0
         if claim.name in (marker_name(self.rank), MANIFEST_NAME):
             self._small[claim.name] = bytearray()
 
     def _advance(self) -> None:
-        """Close and check the current file when it is complete, and every empty file
-        after it (an empty item is a file too)."""
-        while self._index < len(self.files):
+        """Take the runs from the base that start where the current file is, close and
+        check the file when it is complete, and so on with the files after it (an empty
+        item, or one taken whole from the base, needs no byte of the stream)."""
+        while self._index < len(self.files) and self._error is None and not self._kept:
             claim = self.files[self._index]
+            runs = self.reuse.get(claim.name, ())
+            if self._run < len(runs) and runs[self._run][0] == self._filled:
+                if self._out is None:
+                    self._open_current()
+                self._copy_from_base(claim.name, *runs[self._run])
+                self._run += 1
+                continue
             if self._filled < claim.size:
                 return
             if self._out is None:
@@ -292,13 +391,32 @@ class ReplicaInbox:
             self._close_current()
             digest = self._hasher.hexdigest()
             if digest != claim.checksum:
+                built = " (built on its base, whose bytes are not the sender's)" if runs else ""
                 self._fail(
                     f"{claim.name}: {claim.size} bytes with {claim.algo} {digest}, "
-                    f"not {claim.checksum} as announced"
+                    f"not {claim.checksum} as announced{built}"
                 )
                 return
             self._index += 1
             self._filled = 0
+
+    def _copy_from_base(self, name: str, offset: int, length: int) -> None:
+        """Write the run (`offset`, `length`) of the base's file `name` into the current
+        file, hashing it as the bytes received are."""
+        assert self.base is not None  # runs come with a base (check_reuse)
+        if self._source is None:
+            stack = contextlib.ExitStack()
+            view = stack.enter_context(self.root.map_read(self.base, name))
+            self._source, self._source_view = stack, view
+        source = self._source_view
+        if source is None or len(source) < offset + length:
+            raise MissingFileError(f"{self.root.display(self.base, name)}: shorter than its runs")
+        out: BinaryIO = self._out
+        for at in range(offset, offset + length, _COPY_BYTES):
+            piece = source[at : min(at + _COPY_BYTES, offset + length)]
+            self._hasher.update(piece)
+            out.write(piece)
+        self._filled += length
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """The next bytes of the files, in order."""
@@ -314,11 +432,16 @@ class ReplicaInbox:
             self._fail(f"it could not be written: {exc}")
 
     def _write(self, view: memoryview) -> None:
-        while view and self._error is None:
+        while view and self._error is None and self._index < len(self.files):
             claim = self.files[self._index]
             if self._out is None:
                 self._open_current()
-            piece = view[: claim.size - self._filled]
+            runs = self.reuse.get(claim.name, ())
+            upto = runs[self._run][0] if self._run < len(runs) else claim.size
+            piece = view[: upto - self._filled]
+            if not piece:  # never: `_advance` took the run that starts here
+                self._fail(f"{claim.name}: no byte to take at {self._filled}")
+                return
             self._hasher.update(piece)
             out: BinaryIO = self._out
             out.write(piece)
@@ -334,6 +457,8 @@ class ReplicaInbox:
         one warning when refused. `sender_ok`: the sender read every file whole."""
         if self.received < self.total:
             self._fail(f"{self.received} of {self.total} bytes arrived")
+        elif self._index < len(self.files) and not self._kept:
+            self._fail(f"{self.files[self._index].name} did not arrive whole")
         if not sender_ok:
             self._fail("its sender could not read the part whole (evicted meanwhile?)")
         if self._error is None and not self._kept:
@@ -358,6 +483,15 @@ class ReplicaInbox:
         self._fail("its transfer was cut short")
         if self._mine:
             remove_replica(self.root, self.tag)
+
+    def withdraw(self) -> Outcome:
+        """Its sender gave the replica up (the part was saved again while it was sent):
+        what was written of it goes, without a warning; the replicas held stay."""
+        self._fail("withdrawn by its sender")
+        if self._mine:
+            remove_replica(self.root, self.tag)
+        log.debug("replica of rank %d's part of %r withdrawn by its sender", self.rank, self.tag)
+        return Outcome(self.tag, self.rank, committed=False, reason=self._error, withdrawn=True)
 
     def _fail_on(self, reason: str | None) -> None:
         if reason is not None:

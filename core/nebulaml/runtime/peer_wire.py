@@ -6,18 +6,23 @@ starts with a head of `HEAD_BYTES` bytes (`Head`, checked by its own xxh3); the 
 sender sends to one receiver, in order:
 
     BEGIN      a replica follows: `body` bytes of announcement (JSON: the tag, the rank
-               and node whose part it is, and each file's name, size and checksum, in
-               the order their bytes follow; `body_check`, its xxh3), then `payload`
-               bytes: the files, one after the other, both cut into messages of at most
-               `chunk` bytes (`pieces`)
-    END        the files are all sent; `status` OK, or ABORTED: the sender could not read
-               one whole (zeros were sent in its place, to keep the stream's length)
+               and node whose part it is, each file's name, size and checksum, in the
+               order their bytes follow, and, for a replica built on one the receiver
+               holds, that one's tag, `base`, and the runs (offset, length) of each item
+               to take from it, `reuse`; `body_check`, its xxh3), then `payload` bytes:
+               the files' bytes not taken from the base, one file after the other, both
+               cut into messages of at most `chunk` bytes (`pieces`)
+    END        the files are all sent; `status` OK, FAILED: the sender could not read
+               one whole (zeros were sent in its place, to keep the stream's length), or
+               ABANDONED: the sender gave the replica up (its part was saved again
+               meanwhile: the bytes sent are not that part's)
     KEEPALIVE  nothing to send for a while: the link is alive (gloo closes a connection
                whose operation waits longer than the group's timeout)
     BYE        the sender closes: the receiver ends
 
-and back, on another tag, after each replica: ACK, `status` COMMITTED or REFUSED, with a
-`body` of at most `MAX_REASON_BYTES` saying why it was refused.
+and back, on another tag, after each replica: ACK, `status` OK (committed), FAILED
+(refused) or ABANDONED (dropped, as its sender asked), with a `body` of at most
+`MAX_REASON_BYTES` saying why it was refused.
 
     encode_head, decode_head      a head to bytes and back (`WireError`: not one)
     encode_begin, decode_begin    a BEGIN's announcement
@@ -31,8 +36,8 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import xxhash
@@ -42,7 +47,7 @@ from nebulaml.protocol.replicas import FileClaim
 
 HEAD_BYTES = 64
 MAGIC = b"NBRP"
-VERSION = 1
+VERSION = 2  # 2: replicas built on the one the receiver holds (`base`, `reuse`)
 MAX_CHUNK_BYTES = 64 << 20  # what a receiver accepts as a sender's message size
 MAX_REASON_BYTES = 4096
 # magic, version, kind, status, transfer, chunk, body, payload, body_check; then padding,
@@ -62,6 +67,7 @@ class Kind(IntEnum):
 class Status(IntEnum):
     OK = 0  # END: every file was read whole; ACK: the replica is committed
     FAILED = 1  # END: a file could not be read; ACK: the replica was refused
+    ABANDONED = 2  # END: the sender gave the replica up; ACK: it was dropped, as asked
 
 
 class WireError(ValueError):
@@ -89,12 +95,16 @@ class Head:
 
 @dataclass(frozen=True, slots=True)
 class Begin:
-    """A BEGIN's announcement: rank `rank` (of node `node`) sends its part of `tag`."""
+    """A BEGIN's announcement: rank `rank` (of node `node`) sends its part of `tag`; with
+    `base`, built on the receiver's replica of that tag: `reuse[name]`, the runs (offset,
+    length) of item `name` taken from it."""
 
     tag: str
     rank: int
     node: int
     files: tuple[FileClaim, ...]
+    base: str | None = None
+    reuse: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
 
 def body_check(body: bytes | bytearray | memoryview) -> int:
@@ -138,16 +148,31 @@ def decode_head(data: bytes | bytearray | memoryview) -> Head:
         raise WireError(f"a frame of unknown kind or status ({kind}, {status})") from exc
 
 
-def encode_begin(tag: str, rank: int, node: int, files: Sequence[FileClaim]) -> bytes:
+def encode_begin(
+    tag: str,
+    rank: int,
+    node: int,
+    files: Sequence[FileClaim],
+    base: str | None = None,
+    reuse: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+) -> bytes:
     """A BEGIN's body.
 
     Example:
         >>> claim = FileClaim(".rank-0.json", 2, "xxh3_64_tree_1m", "ab")
         >>> decode_begin(encode_begin("global_step1", 0, 1, [claim])).files == (claim,)
         True
+        >>> begin = decode_begin(encode_begin("s2", 0, 1, [claim], "s1", {"m": [(0, 9)]}))
+        >>> begin.base, begin.reuse
+        ('s1', {'m': ((0, 9),)})
     """
-    doc = {"tag": tag, "rank": rank, "node": node, "files": [c.to_json() for c in files]}
-    return json.dumps(doc, sort_keys=True).encode()
+    doc: dict[str, object] = {
+        "tag": tag, "rank": rank, "node": node, "files": [c.to_json() for c in files]
+    }  # fmt: skip
+    if base is not None:
+        doc["base"] = base
+        doc["reuse"] = {name: [list(run) for run in runs] for name, runs in (reuse or {}).items()}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
 def decode_begin(body: bytes | bytearray | memoryview) -> Begin:
@@ -161,11 +186,17 @@ def decode_begin(body: bytes | bytearray | memoryview) -> Begin:
         files = tuple(
             FileClaim(name, size, algo, checksum) for name, size, algo, checksum in doc["files"]
         )
-        begin = Begin(doc["tag"], doc["rank"], doc["node"], files)
-    except (KeyError, TypeError, ValueError) as exc:
+        reuse = {
+            name: tuple((offset, length) for offset, length in runs)
+            for name, runs in doc.get("reuse", {}).items()
+        }
+        begin = Begin(doc["tag"], doc["rank"], doc["node"], files, doc.get("base"), reuse)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise WireError(f"a malformed announcement ({exc})") from exc
     texts = [begin.tag] + [f for c in files for f in (c.name, c.algo, c.checksum)]
+    texts += ([] if begin.base is None else [begin.base]) + list(reuse)
     numbers = [begin.rank, begin.node] + [c.size for c in files]
+    numbers += [n for runs in reuse.values() for run in runs for n in run]
     if not all(isinstance(t, str) for t in texts) or not all(
         isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers
     ):

@@ -12,10 +12,31 @@ each file (name, size, checksum: the marker's for the items), then sends the fil
 messages of `chunk_bytes` (4 MiB) from two buffers it reuses (one in flight while the
 other fills), and waits for the partner's answer: the part is *replicated* once the
 partner says it committed it whole. One tag waits at most: a newer `replicate` replaces
-one not yet begun, so a slow partner costs two buffers, never a queue. The files are read
-as they are when they are sent: a part evicted meanwhile goes short (its END says so) and
-one whose buffers were reused for a newer save arrives changed; the partner refuses both.
-The messages: peer_wire.py.
+one not yet begun, so a slow partner costs two buffers, never a queue. The messages:
+peer_wire.py.
+
+**Only what changed.** The sender remembers the digests of the replica the partner last
+committed (its newest whole one), and sends of each item only the 16 KiB blocks whose
+digest differs; the partner takes the rest from that replica and checks every file whole
+(replica_delta.py says how the blocks are found from the save's own digests, without
+reading a frozen base; protocol/replicas.py how the partner builds and checks). A
+replica the partner refuses (its base was not what the sender thought, a byte flipped on
+the way) makes the next one go whole. The items are read from their mappings (the slot
+pool's, which the save filled: `Store.map_read`), copied once, into the message buffers.
+`status()` counts the bytes the last replica put on the wire (`bytes_sent`) against the
+part's (`bytes_total`).
+
+**A hold on the part sent.** While it reads a part, the sender holds it as a checkpoint
+handle holds its tag (protocol/leases.py: a hold file in the tag folder, by the part's
+marker on a node that holds no manifest): eviction and retention leave it, and its
+buffers go to no newer save, until the send ends (the hold goes whatever happens). The
+hold is renewed as the messages go, and lapses on its own `HOLD_TTL_S` (60 s) after a
+send stops moving (a stuck partner never pins memory for longer); at most one part is
+held, one superseded copy of this rank's part beside the newer ones. A tag saved again
+(`overwrite=True`) replaces it all the same: the newer part wins. The sender then finds
+the part's marker changed when its bytes are sent, ends the replica ABANDONED, and the
+partner drops it quietly; the status says `abandoned`, not `refused`, and the newer part
+goes when it is asked for.
 
 **Receiving.** One thread per rank that sends to this one (`Ring.receive_from`) takes
 its frames, writes each replica into this node's memory tier as its bytes arrive, and
@@ -38,9 +59,10 @@ wait for their senders' BYE; what has not ended within `grace_s` has its connect
 connection to that peer: every operation waiting on it ends with an error). A job whose
 ranks close together ends with BYEs only.
 
-May import: every layer below, and runtime's peers.py and peer_wire.py. Not for: which
-ranks are partners or the process group (peers.py), the bytes of a frame (peer_wire.py),
-or what makes a replica whole (protocol/replicas.py).
+May import: every layer below, and runtime's peers.py, peer_wire.py and
+replica_delta.py. Not for: which ranks are partners or the process group (peers.py), the
+bytes of a frame (peer_wire.py), which bytes of a part changed (replica_delta.py), or
+what makes a replica whole (protocol/replicas.py).
 """
 
 from __future__ import annotations
@@ -59,6 +81,9 @@ import torch
 
 from nebulaml._threads import start as start_thread
 from nebulaml.errors import NebulaError
+from nebulaml.format.manifest import parse_marker
+from nebulaml.format.names import marker_name, order_key
+from nebulaml.protocol.leases import HandleHolds, hold_tag
 from nebulaml.protocol.replicas import FileClaim, Outcome, ReplicaInbox, part_files, replica_root
 from nebulaml.runtime.peer_wire import (
     HEAD_BYTES,
@@ -77,6 +102,7 @@ from nebulaml.runtime.peer_wire import (
     pieces,
 )
 from nebulaml.runtime.peers import Peers
+from nebulaml.runtime.replica_delta import FilePlan, PartnerCopy, new_ranges, plan_file
 from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
@@ -84,6 +110,7 @@ log = logging.getLogger("nebulaml")
 CHUNK_BYTES = 4 << 20
 KEEPALIVE_S = 60.0
 CLOSE_GRACE_S = 5.0
+HOLD_WAIT_S = 2.0  # how long a sender waits on a deleter's claim on the part it would send
 # Point-to-point tags on nebula's group: a sender's frames, the receiver's answers, and
 # one nothing is ever sent on (`close` cuts a connection with a receive on it).
 DATA_TAG = 1
@@ -94,6 +121,8 @@ CUT_TAG = 3
 # bytes) just before each message of a replica's files is sent; it may change the bytes
 # (a copy of the files': the memory tier's are never touched).
 Tamper = Callable[[str, int, memoryview], None]
+# The save's digests of each 1 MiB piece of an item (tag, item file), where it has them.
+Leaves = Callable[[str, str], list[bytes] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +133,11 @@ class ReplicationStatus:
     `pending`: a tag waiting to be sent; `sending`: the tag in flight; `refused`: the last
     tag the partner refused, and `last_error` why (or why the link failed); `link_down`:
     nothing more can be sent this run; `kept`: for each rank that sends to this one, the
-    newest tag of its part this node holds whole.
+    newest tag of its part this node holds whole; `abandoned`: the last tag whose replica
+    this rank gave up because the tag was saved again while it was sent (no error: the
+    newer part is sent when it is asked for); `bytes_sent`: the bytes the last replica put
+    on the wire (its frames' heads, announcement and payload), `bytes_total`: the bytes of
+    the part it replicates.
     """
 
     replicated: str | None = None
@@ -114,6 +147,9 @@ class ReplicationStatus:
     last_error: str | None = None
     link_down: bool = False
     kept: dict[int, str] = field(default_factory=dict)
+    abandoned: str | None = None
+    bytes_sent: int = 0
+    bytes_total: int = 0
 
 
 class _Buffers:
@@ -129,7 +165,9 @@ class Replication:
     """This rank's side of the ring of `peers` (peers.open_ring), over the memory tier
     `memory` of this node: its parts are sent from there, and the replicas it keeps are
     written there. `start` it, `replicate` each committed tag, `close` it before the
-    interpreter exits."""
+    interpreter exits. `leaves(tag, item)`: the save's digests of the item's 1 MiB pieces
+    where it has them (the session's slot pool: `SlotPool.leaves_of`); without them each
+    item sent is hashed again before it is compared (replica_delta.py)."""
 
     def __init__(
         self,
@@ -139,6 +177,7 @@ class Replication:
         chunk_bytes: int = CHUNK_BYTES,
         keepalive_s: float = KEEPALIVE_S,
         tamper: Tamper | None = None,
+        leaves: Leaves | None = None,
     ) -> None:
         if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be 1 to {MAX_CHUNK_BYTES}")
@@ -146,6 +185,8 @@ class Replication:
         self.chunk_bytes = chunk_bytes
         self.keepalive_s = keepalive_s
         self._tamper = tamper
+        self._leaves = leaves
+        self._partner: PartnerCopy | None = None  # the sender's thread's alone
         self._cond = threading.Condition()
         self._state = ReplicationStatus()
         self._closing = False
@@ -181,13 +222,13 @@ class Replication:
             return self._state
 
     def wait(self, tag: str, timeout_s: float) -> ReplicationStatus:
-        """Until the partner has answered for `tag` (replicated or refused), the link is
-        down, or `timeout_s` has passed; the status then."""
+        """Until the partner has answered for `tag` (replicated, refused, or dropped as
+        abandoned), the link is down, or `timeout_s` has passed; the status then."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
                 state = self._state
-                answered = tag in (state.replicated, state.refused)
+                answered = tag in (state.replicated, state.refused, state.abandoned)
                 if state.link_down or (answered and tag not in (state.pending, state.sending)):
                     return state
                 left = deadline - time.monotonic()
@@ -272,30 +313,70 @@ class Replication:
         ).wait()
 
     def _send_part(self, tag: str, buffers: _Buffers) -> None:
-        """One replica: announce, send the files, wait for the partner's answer."""
+        """One replica: hold the part, plan it against what the partner holds, announce,
+        send, wait for the partner's answer; the hold goes whatever happens."""
+        rank = self.ring.rank
         try:
-            claims, small = part_files(self.memory, tag, self.ring.rank)
+            there, name = hold_tag(
+                self.memory, tag, wait_s=HOLD_WAIT_S, committed=marker_name(rank)
+            )
         except NebulaError as exc:
-            log.warning("replication: rank %d's part of %r not sent: %s", self.ring.rank, tag, exc)
-            with self._cond:
-                self._update(sending=None, refused=tag, last_error=str(exc))
-                self._cond.notify_all()
+            there, name = False, None
+            log.debug("replication: %s not held: %s", self.memory.display(tag), exc)
+        if not there:
+            self._not_sent(tag, f"{marker_name(rank)} of {tag!r} is not in the memory tier")
             return
-        self._transfers += 1
-        transfer, to = self._transfers, self.ring.send_to
-        answer = bytearray(HEAD_BYTES)
-        answered = self.group.recv([torch.frombuffer(answer, dtype=torch.uint8)], to, ACK_TAG)
-        body = encode_begin(tag, self.ring.rank, self.ring.node, claims)
-        payload = sum(claim.size for claim in claims)
-        self._send_head(
-            Head(Kind.BEGIN, transfer, chunk=buffers.size, body=len(body), payload=payload,
-                 body_check=body_check(body))
-        )  # fmt: skip
-        self._send_stream(tag, iter([memoryview(body)]), len(body), buffers, tamper=False)
-        whole = [True]
-        stream = self._read_files(tag, claims, small, whole)
-        self._send_stream(tag, stream, payload, buffers, tamper=True)
-        self._send_head(Head(Kind.END, transfer, Status.OK if whole[0] else Status.FAILED))
+        holds = HandleHolds(tag)
+        holds.add(self.memory, name)  # None: a store that refused it (full): unheld
+        try:
+            self._send_held(tag, buffers, holds)
+        finally:
+            holds.release()
+
+    def _not_sent(self, tag: str, reason: str) -> None:
+        log.warning("replication: rank %d's part of %r not sent: %s", self.ring.rank, tag, reason)
+        with self._cond:
+            self._update(sending=None, refused=tag, last_error=reason)
+            self._cond.notify_all()
+
+    def _send_held(self, tag: str, buffers: _Buffers, holds: HandleHolds) -> None:
+        rank, to = self.ring.rank, self.ring.send_to
+        with contextlib.ExitStack() as views:
+            try:
+                claims, small = part_files(self.memory, tag, rank)
+                where = self.memory.display(tag, marker_name(rank))
+                created_at = parse_marker(small[marker_name(rank)], where).created_at
+                plans = self._plan(tag, claims, small, views)
+            except NebulaError as exc:
+                self._not_sent(tag, str(exc))
+                return
+            partner = self._partner
+            reuse = {name: plan.runs for name, (_view, plan) in plans.items() if plan.runs}
+            base = partner.tag if reuse and partner is not None else None
+            self._transfers += 1
+            transfer = self._transfers
+            answer = bytearray(HEAD_BYTES)
+            answered = self.group.recv([torch.frombuffer(answer, dtype=torch.uint8)], to, ACK_TAG)
+            body = encode_begin(tag, rank, self.ring.node, claims, base, reuse)
+            payload = sum(
+                claim.size if claim.name in small else plans[claim.name][1].sent_bytes(claim.size)
+                for claim in claims
+            )
+            self._send_head(
+                Head(Kind.BEGIN, transfer, chunk=buffers.size, body=len(body), payload=payload,
+                     body_check=body_check(body))
+            )  # fmt: skip
+            self._send_stream(tag, iter([memoryview(body)]), len(body), buffers, tamper=False)
+            stream = self._payload(claims, small, plans)
+            self._send_stream(tag, stream, payload, buffers, tamper=True, renew=holds.renew)
+            # The part saved again while it was sent (its marker changed or went): the bytes
+            # sent may be the new part's, the old one's or both. The newer part wins: this
+            # replica is given up, and the newer one is sent when it is asked for.
+            same = self._same_marker(tag, small[marker_name(rank)])
+        status = Status.OK if same else Status.ABANDONED
+        self._send_head(Head(Kind.END, transfer, status))
+        sent = 2 * HEAD_BYTES + len(body) + payload
+        total = sum(claim.size for claim in claims)
         answered.wait()
         head = decode_head(answer)
         if head.kind != Kind.ACK or head.transfer != transfer:
@@ -306,54 +387,99 @@ class Replication:
             self.group.recv([torch.frombuffer(text, dtype=torch.uint8)], to, ACK_TAG).wait()
             reason = text.decode(errors="replace")
         with self._cond:
+            counts = {"bytes_sent": sent, "bytes_total": total}
             if head.status == Status.OK:
-                self._update(sending=None, replicated=tag)
+                self._update(sending=None, replicated=tag, **counts)
+            elif head.status == Status.ABANDONED:
+                self._update(sending=None, abandoned=tag, **counts)
             else:
-                self._update(sending=None, refused=tag, last_error=reason)
+                self._update(sending=None, refused=tag, last_error=reason, **counts)
             self._cond.notify_all()
-        if head.status != Status.OK:
+        if head.status == Status.OK:
+            digests = {n: p.digests for n, (_v, p) in plans.items() if p.digests is not None}
+            copy = PartnerCopy(tag, created_at, digests)
+            held = self._partner
+            # The partner keeps its newest whole replica (protocol/replicas.py): an older
+            # tag sent late is committed and goes at once.
+            if held is None or order_key(tag, created_at) >= order_key(held.tag, held.created_at):
+                self._partner = copy
+        elif head.status == Status.ABANDONED:
+            log.info("replication: rank %d's part of %r was saved again while it was sent: "
+                     "given up", rank, tag)  # fmt: skip
+        else:
+            self._partner = None  # what it holds is not known: the next replica goes whole
             log.warning("replication: rank %d refused rank %d's part of %r: %s",
-                        to, self.ring.rank, tag, reason)  # fmt: skip
+                        to, rank, tag, reason)  # fmt: skip
 
-    def _read_files(
-        self, tag: str, claims: list[FileClaim], small: dict[str, bytes], whole: list[bool]
-    ) -> Iterator[memoryview]:
-        """The files' bytes in order, in pieces; a file that cannot be read whole is made
-        up with zeros to its announced size, and `whole[0]` set False."""
-        zeros = memoryview(bytes(min(CHUNK_BYTES, self.chunk_bytes)))
+    def _plan(
+        self,
+        tag: str,
+        claims: list[FileClaim],
+        small: dict[str, bytes],
+        views: contextlib.ExitStack,
+    ) -> dict[str, tuple[memoryview | None, FilePlan]]:
+        """Each item file's bytes (mapped: lent by the slot pool where it filled them, no
+        copy) and what of them crosses the wire (replica_delta.plan_file), against the
+        partner's replica unless that is of this very tag (saved again: the partner
+        replaces it before the new one is built)."""
+        partner = self._partner
+        if partner is not None and partner.tag == tag:
+            partner = None
+        plans: dict[str, tuple[memoryview | None, FilePlan]] = {}
         for claim in claims:
-            left = claim.size
+            if claim.name in small:
+                continue
+            view = views.enter_context(self.memory.map_read(tag, claim.name))
+            leaves = self._leaves(tag, claim.name) if self._leaves is not None else None
+            base = partner.files.get(claim.name) if partner is not None else None
+            plans[claim.name] = (view, plan_file(view, claim, base, leaves))
+        return plans
+
+    def _payload(
+        self,
+        claims: list[FileClaim],
+        small: dict[str, bytes],
+        plans: dict[str, tuple[memoryview | None, FilePlan]],
+    ) -> Iterator[memoryview]:
+        """The bytes the partner does not take from its replica, file after file."""
+        for claim in claims:
             if claim.name in small:
                 yield memoryview(small[claim.name])
                 continue
-            try:
-                with self.memory.open_read(tag, claim.name) as f:
-                    while left:
-                        data = f.read(min(left, self.chunk_bytes))
-                        if not data:
-                            break
-                        left -= len(data)
-                        yield memoryview(data)
-            except NebulaError as exc:
-                log.warning("replication: %s could not be read: %s", claim.name, exc)
-            if left:
-                whole[0] = False
-            while left:
-                piece = zeros[: min(left, len(zeros))]
-                left -= len(piece)
-                yield piece
+            view, plan = plans[claim.name]
+            if view is None:
+                continue  # an empty file
+            for offset, length in new_ranges(claim.size, plan.runs):
+                for at in range(offset, offset + length, self.chunk_bytes):
+                    yield view[at : min(at + self.chunk_bytes, offset + length)]
+
+    def _same_marker(self, tag: str, sent: bytes) -> bool:
+        """Whether the part's marker is still the one sent."""
+        try:
+            return self.memory.read_bytes(tag, marker_name(self.ring.rank)) == sent
+        except NebulaError:
+            return False
 
     def _send_stream(
-        self, tag: str, data: Iterator[memoryview], total: int, buffers: _Buffers, *, tamper: bool
+        self,
+        tag: str,
+        data: Iterator[memoryview],
+        total: int,
+        buffers: _Buffers,
+        *,
+        tamper: bool,
+        renew: Callable[[], None] | None = None,
     ) -> None:
         """Send `total` bytes taken from `data` as messages of `buffers.size` bytes, one
-        buffer in flight while the other fills."""
+        buffer in flight while the other fills; `renew` (the part's hold) before each."""
         works: list[Any] = [None, None]
         which, index = 0, 0
         piece = memoryview(b"")
         for size in pieces(total, buffers.size):
             if works[which] is not None:
                 works[which].wait()
+            if renew is not None:
+                renew()
             raw = memoryview(buffers.raw[which])
             filled = 0
             while filled < size:
@@ -436,7 +562,13 @@ class Replication:
                 reason = f"no folder for it: {exc}"
             else:
                 inbox = ReplicaInbox(
-                    root, tag=begin.tag, rank=begin.rank, node=begin.node, files=begin.files
+                    root,
+                    tag=begin.tag,
+                    rank=begin.rank,
+                    node=begin.node,
+                    files=begin.files,
+                    base=begin.base,
+                    reuse=begin.reuse,
                 )
         try:
             drop: Callable[[memoryview], None] = lambda _piece: None  # noqa: E731
@@ -451,7 +583,9 @@ class Replication:
             if inbox is not None:
                 inbox.abandon()  # the link failed mid-replica: no half replica stays
             raise
-        if inbox is not None:
+        if inbox is not None and end.status == Status.ABANDONED:
+            outcome = inbox.withdraw()
+        elif inbox is not None:
             outcome = inbox.finish(sender_ok=end.status == Status.OK)
         else:
             log.warning("replication: a replica from rank %d refused: %s", source, reason)
@@ -465,6 +599,8 @@ class Replication:
     def _answer(self, source: int, transfer: int, outcome: Outcome) -> None:
         reason = (outcome.reason or "").encode()[:MAX_REASON_BYTES]
         status = Status.OK if outcome.committed else Status.FAILED
+        if outcome.withdrawn:
+            status, reason = Status.ABANDONED, b""
         head = bytearray(encode_head(Head(Kind.ACK, transfer, status, body=len(reason))))
         self.group.send([torch.frombuffer(head, dtype=torch.uint8)], source, ACK_TAG).wait()
         if reason:

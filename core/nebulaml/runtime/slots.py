@@ -272,6 +272,25 @@ class SlotPool:
                 return None
             return mapped.view.toreadonly()
 
+    def leaves_of(self, tag: str, name: str) -> list[bytes] | None:
+        """The digest of each 1 MiB piece of item `name` in `tag` as its last fill hashed
+        them (unchanged.FillRecord), when this pool maps that very file and the fill is
+        done; else None. Evidence only: the caller checks it against the item's checksum
+        (a replica's sender sends only the pieces that changed: runtime/replica_delta.py)."""
+        path = self.store.local_path(tag, name)
+        if path is None:
+            return None
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return None
+        with self._lock:
+            mapped = self._maps.get((st.st_dev, st.st_ino))
+            record = None if mapped is None else mapped.memory.record
+            if record is None or record.size_bytes != st.st_size or b"" in record.leaves:
+                return None
+            return list(record.leaves)
+
     def _free_files(self, name: str, size_bytes: int) -> list[os.DirEntry[str]]:
         """Pool files for `name` (regular files, their status read), the one of the right
         size first."""
