@@ -1,0 +1,742 @@
+"""Recovery after a restart from the replicas partner nodes keep (issue #44): the ranks
+agree on the newest checkpoint complete somewhere, a rank whose part of it was lost with
+its node receives it back from the partner that keeps its replica, and the checkpoint is
+made durable, so that `get_latest_checkpoint()` returns it on every rank.
+
+    recover_from_peers   every rank, collectively, at init: agree, send back, persist;
+                         a `RecoveryResult`
+    agree                the answer every rank computes alike from every rank's `Offer`
+                         (pure): the checkpoint, and the parts to send back (`Plan`)
+
+**Where it is called.** Once per process, on every rank of the job, at the same point of
+its program: after `nm.init` (the session: its tiers and persister) and `peers.open_ring`
+(nebula's gloo group, which carries everything here), before the replication threads of
+runtime/replication.py start (they replace the replicas read here) and before the first
+save. Called before the session's own recovery of an earlier process's parts
+(session.py: where the generation is known at init, torchrun's, it discards this rank's
+parts of an earlier generation that the persistent tier cannot complete), a rank's own
+part is used as it is; called after it, that part comes back from the partner's replica.
+
+**1. Agree.** Each rank offers (one `all_gather_object` on nebula's group) what it holds:
+its own committed parts in its memory tier (`.rank-<r>.json` and every item it lists),
+the whole replicas its node keeps of other ranks' parts (protocol/replicas.py), and, the
+lowest rank alone, the persistent tier's newest committed checkpoint (one listing, within
+`PERSISTENT_WAIT_S`; not asked while the session knows the tier fails). Every rank then
+computes the same answer (`agree`): the newest checkpoint (format/names.py's `order_key`
+on its tag and the earliest `created_at` of its parts, the persistent copy's when it is
+there) for which every rank that writes it (its markers' `writers`, one generation) has
+its part in its own memory tier, or a replica of it on a node that has not failed it and
+that rank can receive it, or which the persistent tier holds whole. On a tie the
+persistent tier's copy wins (nothing moves), then the higher generation; a part is sent
+by the lowest rank that holds it. A tag the persistent tier holds as its newest is taken
+from there: versions of one tag (a tag saved again, Lightning's `last`) are not told
+apart by their parts, so the persisted one is what resumes.
+
+**2. Send back.** For each writing rank whose part is not in its own memory tier, the
+rank that holds its replica sends it (on a thread, while this rank receives its own):
+peer_wire.py's frames on `DATA_TAG` (4; replication's are 1 to 3): a BEGIN head and its
+announcement (the part's marker, then its items, with the sizes and checksums the
+replica's record claims), the files in messages of `chunk_bytes`, then END (FAILED when
+the holder could not read them whole: zeros keep the stream's length). A holder that has
+no whole replica any more sends END alone. The receiving rank writes the part into its
+own memory tier as a save leaves one (protocol/part_restore.py: each file checked as its
+bytes arrive, the items against the checksums the rank's marker records, the marker
+published last), so that the persister persists it as any other part.
+
+**3. Fall back.** Then every rank learns (a second `all_gather_object`) which parts were
+refused. A replica refused is never loaded and never offered again: the ranks agree
+anew, without it, on the newest checkpoint complete elsewhere (an older tag from their
+own tiers and replicas, or the persistent tier), and parts received of a tag not agreed
+in the end are removed. Each refusal is said in one warning naming the tag, the rank and
+the checkpoint resumed instead; a newer checkpoint that no node can complete (a rank's
+node and the partner keeping its replica both lost) in one warning naming the ranks; a
+resume from the persistent tier with nothing newer known, in one line at info. The job's
+lowest rank says them (once for the job); each rank says what it received at info.
+
+**4. Durable.** A checkpoint agreed from the nodes' parts is persisted now (the session's
+persister: each rank that writes it flushes its part, the lowest writer commits it) and
+the ranks wait for one another, so that on return `get_latest_checkpoint()` returns it
+on every rank: a node's memory tier holds parts, never a manifest, so a job of several
+nodes lists and loads what its persistent tier holds.
+
+May import: every layer below runtime, and runtime's peers.py, peer_wire.py (its frames,
+not its tags), ranks.py and persister.py (the type). Not for: replicating parts as they
+are saved (replication.py), the frames' bytes (peer_wire.py), writing a part received
+(protocol/part_restore.py), or the session's recovery of its own memory tier (session.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from nebulaml._threads import start as start_thread
+from nebulaml.errors import NebulaError
+from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES
+from nebulaml.format.names import OrderKey, order_key
+from nebulaml.protocol.catalog import list_committed
+from nebulaml.protocol.delete import delete_part
+from nebulaml.protocol.part_restore import (
+    HeldPart,
+    PartInbox,
+    Restored,
+    own_parts_held,
+    replica_files,
+    replicas_held,
+)
+from nebulaml.protocol.replicas import FileClaim
+from nebulaml.protocol.tiers import TierSet
+from nebulaml.runtime.peer_wire import (
+    HEAD_BYTES,
+    MAX_CHUNK_BYTES,
+    Head,
+    Kind,
+    Status,
+    WireError,
+    body_check,
+    decode_begin,
+    decode_head,
+    encode_begin,
+    encode_head,
+    pieces,
+)
+from nebulaml.runtime.peers import Peers
+from nebulaml.runtime.ranks import RankInfo
+from nebulaml.storage.deadline import within
+from nebulaml.storage.store import Store
+
+if TYPE_CHECKING:
+    from nebulaml.runtime.persister import Persister
+
+log = logging.getLogger("nebulaml")
+
+CHUNK_BYTES = 4 << 20
+# The point-to-point tag of a part sent back on nebula's group: replication.py uses 1 to 3
+# on the same group.
+DATA_TAG = 4
+# How long the lowest rank's listing of the persistent tier may take at a restart.
+PERSISTENT_WAIT_S = 30.0
+
+PARTS = "parts"  # the agreed checkpoint comes from the nodes' parts and replicas
+PERSISTENT = "persistent"  # from the persistent tier, whole
+NONE = "none"  # no checkpoint is complete anywhere
+
+
+# what the ranks agree on (pure) ---------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """What rank `rank` (of node `node`) can give: the parts it holds (its own, and the
+    replicas its node keeps), the persistent tier's newest checkpoint as (tag,
+    created_at) when it looked, and whether its memory tier can take a part
+    (`can_receive`)."""
+
+    rank: int
+    node: int
+    parts: tuple[HeldPart, ...] = ()
+    persistent: tuple[str, str] | None = None
+    can_receive: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Rank `rank`'s part of `tag` sent back to it by `holder`, which keeps its replica."""
+
+    tag: str
+    rank: int
+    holder: int
+
+
+@dataclass(frozen=True, slots=True)
+class Incomplete:
+    """A checkpoint newer than the one agreed that no node can complete: the ranks whose
+    part of it is nowhere (or only in replicas refused)."""
+
+    tag: str
+    missing: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What every rank computes alike (`agree`): the checkpoint `tag` and its `source`
+    (`PARTS`, `PERSISTENT`, `NONE`), the ranks that write it (from the parts), the parts
+    to send back, and the newer checkpoints that cannot be completed, newest first."""
+
+    tag: str | None = None
+    source: str = NONE
+    writers: tuple[int, ...] = ()
+    transfers: tuple[Transfer, ...] = ()
+    newer: tuple[Incomplete, ...] = ()
+
+
+@dataclass(slots=True)
+class _Parts:
+    """Every rank's offers of one (tag, generation)."""
+
+    writers: set[tuple[int, ...]] = field(default_factory=set)
+    created: list[str] = field(default_factory=list)
+    own: set[int] = field(default_factory=set)
+    holders: dict[int, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    key: OrderKey
+    persistent: bool
+    generation: str
+    tag: str
+    writers: tuple[int, ...] = ()
+    missing: tuple[int, ...] = ()
+    parts: _Parts | None = None
+
+    @property
+    def rank_key(self) -> tuple[OrderKey, bool, str]:
+        return (self.key, self.persistent, self.generation)
+
+
+def agree(offers: Sequence[Offer], excluded: Collection[tuple[str, int, int]] = ()) -> Plan:
+    """The checkpoint the ranks recover, from every rank's offer (the module's docstring
+    says how it is chosen); `excluded`: replicas refused, as (tag, rank whose part, node
+    that keeps it). Pure: every rank computes the same from the same offers.
+
+    Example:
+        >>> def part(tag, rank, replica=False):
+        ...     return HeldPart(tag, rank, "g1", (0, 1), f"2026-01-01T00:00:0{rank}Z", replica)
+        >>> node0 = Offer(0, 0, (part("global_step3", 0), part("global_step3", 1, True)),
+        ...               persistent=("global_step1", "2025-12-31T00:00:00Z"))
+        >>> node1 = Offer(1, 1)  # a fresh node: its memory tier was lost
+        >>> plan = agree([node0, node1])
+        >>> plan.tag, plan.source, plan.transfers
+        ('global_step3', 'parts', (Transfer(tag='global_step3', rank=1, holder=0),))
+        >>> plan = agree([node0, node1], excluded={("global_step3", 1, 0)})  # refused
+        >>> plan.tag, plan.source, plan.newer
+        ('global_step1', 'persistent', (Incomplete(tag='global_step3', missing=(1,)),))
+    """
+    bad = set(excluded)
+    by_rank = {offer.rank: offer for offer in offers}
+    groups: dict[tuple[str, str | None], _Parts] = {}
+    for offer in sorted(offers, key=lambda o: o.rank):
+        for part in offer.parts:
+            if part.replica == (part.rank == offer.rank):
+                continue  # a rank's own part is its own; a replica is another rank's
+            group = groups.setdefault((part.tag, part.generation), _Parts())
+            group.writers.add(tuple(part.writers))
+            group.created.append(part.created_at)
+            if not part.replica:
+                group.own.add(part.rank)
+            elif (part.tag, part.rank, offer.node) not in bad:
+                group.holders.setdefault(part.rank, []).append(offer.rank)
+    newest_persistent = max(
+        (o.persistent for o in offers if o.persistent is not None),
+        key=lambda p: order_key(p[0], p[1]),
+        default=None,
+    )
+    candidates: list[_Candidate] = []
+    if newest_persistent is not None:
+        tag, created = newest_persistent
+        candidates.append(_Candidate(order_key(tag, created), True, "", tag))
+    for (tag, generation), group in groups.items():
+        if len(group.writers) != 1 or (newest_persistent and tag == newest_persistent[0]):
+            continue  # parts that disagree on the job; a tag the persistent tier holds
+        (writers,) = group.writers
+
+        def available(w: int, group: _Parts = group) -> bool:
+            receiver = by_rank.get(w)
+            can = receiver is not None and receiver.can_receive
+            return w in group.own or (can and bool(group.holders.get(w)))
+
+        missing = tuple(w for w in writers if not available(w))
+        key = order_key(tag, min(group.created))
+        candidates.append(_Candidate(key, False, generation or "", tag, writers, missing, group))
+    complete = [c for c in candidates if not c.missing]
+    if not complete:
+        newer = sorted((c for c in candidates if c.missing), key=lambda c: c.rank_key)
+        return Plan(newer=tuple(Incomplete(c.tag, c.missing) for c in reversed(newer)))
+    chosen = max(complete, key=lambda c: c.rank_key)
+    newer = sorted(
+        (c for c in candidates if c.missing and c.rank_key > chosen.rank_key),
+        key=lambda c: c.rank_key,
+        reverse=True,
+    )
+    incomplete = tuple(Incomplete(c.tag, c.missing) for c in newer)
+    if chosen.persistent:
+        return Plan(chosen.tag, PERSISTENT, newer=incomplete)
+    assert chosen.parts is not None
+    transfers = tuple(
+        Transfer(chosen.tag, w, min(chosen.parts.holders[w]))
+        for w in sorted(chosen.writers)
+        if w not in chosen.parts.own
+    )
+    return Plan(chosen.tag, PARTS, tuple(sorted(chosen.writers)), transfers, incomplete)
+
+
+# what a rank reports --------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """One part sent back: rank `rank`'s part of `tag`, from `holder`; `size` bytes of
+    items in `seconds`."""
+
+    tag: str
+    rank: int
+    holder: int
+    size: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A replica refused: rank `rank`'s part of `tag` from `holder` (of node `node`), and
+    why."""
+
+    tag: str
+    rank: int
+    holder: int
+    node: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryResult:
+    """What `recover_from_peers` did.
+
+    `tag`: the checkpoint the ranks agreed on (None: none is complete anywhere), from
+    `source` (`PARTS`: the nodes' own parts and partners' replicas; `PERSISTENT`: the
+    persistent tier, whole; `NONE`). `received`: the parts this rank received and
+    committed into its memory tier; `sent`: those it sent back to their ranks; `refused`:
+    every replica refused on the way, the same on every rank; `newer`: the newer
+    checkpoints no node could complete. `durable`: the persistent tier holds `tag`
+    committed (so `get_latest_checkpoint()` returns it on every rank); `seconds`: the
+    whole recovery on this rank.
+    """
+
+    tag: str | None
+    source: str
+    received: tuple[Moved, ...] = ()
+    sent: tuple[Moved, ...] = ()
+    refused: tuple[Refusal, ...] = ()
+    newer: tuple[Incomplete, ...] = ()
+    durable: bool = False
+    seconds: float = 0.0
+
+
+# the collective -------------------------------------------------------------------------
+def recover_from_peers(
+    peers: Peers,
+    tiers: TierSet,
+    ranks: RankInfo,
+    *,
+    persister: Persister | None = None,
+    look_persistent: bool = True,
+    persist_timeout_s: float | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> RecoveryResult:
+    """Agree with every other rank on the checkpoint to resume, receive this rank's part
+    of it from the partner that keeps its replica if this node lost it, and make it
+    durable (the module's docstring: where to call it, and each step).
+
+    Collective over `peers.group` (peers.open_ring): every rank of the job calls it once,
+    at the same point of its program. `tiers`: this rank's (the session's `tiers`: its
+    memory tier holds its parts and the replicas its node keeps); `ranks`: this process
+    in the job (`world_size` ranks, as the group's). `persister`: the session's, which
+    persists a checkpoint agreed from the nodes' parts before this returns (None: not
+    persisted here; `durable` says so). `look_persistent`: the lowest rank lists the
+    persistent tier for its newest checkpoint (within `PERSISTENT_WAIT_S`; not while
+    `persister` knows the tier fails). `persist_timeout_s`: how long that persist may take
+    (None: the persister's own bounds). `chunk_bytes`: the messages of a part sent back.
+
+    A failure of the group (a rank gone meanwhile) raises what torch.distributed raises:
+    the job restarts again. Nothing else raises: a replica refused is fallen back from,
+    and a persist that fails leaves `durable` False, said in one warning.
+    """
+    import torch.distributed as dist
+
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be 1 to {MAX_CHUNK_BYTES}")
+    started = time.monotonic()
+    group, me = peers.group, ranks.rank
+    mine = _offer(peers, tiers, ranks, look=look_persistent, persister=persister)
+    gathered: list[Any] = [None] * ranks.world_size
+    dist.all_gather_object(gathered, mine, group=group)
+    offers: list[Offer] = gathered
+    nodes = {offer.rank: offer.node for offer in offers}
+    excluded: set[tuple[str, int, int]] = set()
+    refused: list[Refusal] = []
+    moved: list[Moved] = []  # every part committed by its rank, of every round
+    plan = agree(offers, excluded)
+    for _ in range(1 + sum(len(offer.parts) for offer in offers)):  # each round refuses one
+        if not plan.transfers:
+            break
+        got = _move(peers, tiers, ranks, plan, nodes, chunk_bytes)
+        outcomes: list[Any] = [None] * ranks.world_size
+        dist.all_gather_object(outcomes, got, group=group)
+        done = [m for each in outcomes for m in each if isinstance(m, Moved)]
+        failed = [r for each in outcomes for r in each if isinstance(r, Refusal)]
+        moved += done
+        if not failed:
+            break
+        offers = _with_received(offers, done)  # not sent again
+        for refusal in failed:
+            excluded.add((refusal.tag, refusal.rank, nodes[refusal.holder]))
+        refused += failed
+        plan = agree(offers, excluded)
+    # A part received of a tag not agreed in the end (another rank's part of it was
+    # refused) completes nothing: it goes.
+    for m in moved:
+        if m.rank == me and m.tag != plan.tag:
+            try:
+                delete_part(tiers.memory, m.tag, m.rank)
+            except NebulaError as exc:
+                log.debug("peer recovery: %r left: %s", m.tag, exc)
+    moved = [m for m in moved if m.tag == plan.tag]
+    received = [m for m in moved if m.rank == me]
+    if me == min(nodes):
+        _say(plan, refused, moved)
+    for m in received:
+        log.info(
+            "peer recovery: rank %d's part of %r received from rank %d (%d bytes in %.2f s)",
+            m.rank, m.tag, m.holder, m.size, m.seconds,
+        )  # fmt: skip
+    durable = _make_durable(peers, tiers, ranks, plan, persister, persist_timeout_s)
+    return RecoveryResult(
+        tag=plan.tag,
+        source=plan.source,
+        received=tuple(received),
+        sent=tuple(m for m in moved if m.holder == me),
+        refused=tuple(refused),
+        newer=plan.newer,
+        durable=durable,
+        seconds=time.monotonic() - started,
+    )
+
+
+def _with_received(offers: Sequence[Offer], moved: Sequence[Moved]) -> list[Offer]:
+    """`offers` with each part in `moved` its rank's own now (committed in its tier)."""
+    out = list(offers)
+    for m in moved:
+        for part in offers[m.holder].parts:
+            if (part.tag, part.rank, part.replica) == (m.tag, m.rank, True):
+                mine = out[m.rank]
+                own = dataclasses.replace(part, replica=False)
+                out[m.rank] = dataclasses.replace(mine, parts=(*mine.parts, own))
+                break
+    return out
+
+
+def _offer(
+    peers: Peers, tiers: TierSet, ranks: RankInfo, *, look: bool, persister: Persister | None
+) -> Offer:
+    parts: list[HeldPart] = []
+    if tiers.memory_usable:
+        parts = own_parts_held(tiers.memory, ranks.rank) + replicas_held(tiers.memory)
+    persistent = None
+    failing = persister is not None and persister.failing()
+    if look and ranks.rank == 0 and tiers.persistent is not None and not failing:
+        persistent = _newest_persistent(tiers.persistent)
+    return Offer(ranks.rank, peers.ring.node, tuple(parts), persistent, tiers.memory_usable)
+
+
+def _newest_persistent(store: Store) -> tuple[str, str] | None:
+    """The persistent tier's newest committed checkpoint as (tag, created_at), or None."""
+    try:
+        with within(PERSISTENT_WAIT_S):
+            listed = list_committed(store)
+    except NebulaError as exc:
+        log.warning("peer recovery: the persistent tier %s did not answer (%s): the ranks "
+                    "agree on what their nodes hold", store.url, exc)  # fmt: skip
+        return None
+    if not listed:
+        return None
+    return listed[-1].tag, listed[-1].manifest.created_at
+
+
+def _where(plan: Plan) -> str:
+    if plan.source == PERSISTENT:
+        return f"{plan.tag!r} (the persistent tier)"
+    if plan.source == PARTS:
+        return f"{plan.tag!r} (the nodes' memory tiers)"
+    return "no checkpoint (none is complete anywhere)"
+
+
+def _say(plan: Plan, refused: Sequence[Refusal], moved: Sequence[Moved]) -> None:
+    """The job's lines about the agreement (the lowest rank says them)."""
+    said: set[tuple[str, int]] = set()
+    for refusal in refused:
+        if (refusal.tag, refusal.rank) in said:
+            continue
+        said.add((refusal.tag, refusal.rank))
+        then = (
+            "another node's replica of it was whole"
+            if refusal.tag == plan.tag
+            else f"resuming from {_where(plan)} instead"
+        )
+        log.warning(
+            "peer recovery: rank %d's part of %r from its replica on node %d (rank %d) "
+            "failed its check and was not loaded (%s); %s",
+            refusal.rank, refusal.tag, refusal.node, refusal.holder, refusal.reason, then,
+        )  # fmt: skip
+    lost = [n for n in plan.newer if not any(r.tag == n.tag for r in refused)]
+    if lost:
+        newest = lost[0]
+        log.warning(
+            "peer recovery: %r cannot be completed: the part of rank(s) %s is on no node "
+            "(its node and the partner keeping its replica were both lost); resuming from %s",
+            newest.tag, ", ".join(map(str, newest.missing)), _where(plan),
+        )  # fmt: skip
+    elif not refused and plan.source == PERSISTENT:
+        log.info("peer recovery: no node holds a checkpoint newer than the persistent tier's "
+                 "%r: resuming from it", plan.tag)  # fmt: skip
+    elif plan.source == PARTS:
+        log.info("peer recovery: the ranks resume from %r, %d part(s) sent back to them "
+                 "(%d bytes)", plan.tag, len(moved), sum(m.size for m in moved))  # fmt: skip
+
+
+def _make_durable(
+    peers: Peers,
+    tiers: TierSet,
+    ranks: RankInfo,
+    plan: Plan,
+    persister: Persister | None,
+    timeout_s: float | None,
+) -> bool:
+    """Persist a checkpoint agreed from the nodes' parts (each writer its part, the lowest
+    commits), then wait for every rank: whether the persistent tier holds it."""
+    import torch.distributed as dist
+
+    if plan.source != PARTS:
+        return plan.source == PERSISTENT
+    ok = persister is not None and tiers.persistent is not None
+    if ok and ranks.rank in plan.writers:
+        assert persister is not None and plan.tag is not None
+        try:
+            persister.flush(plan.tag, timeout_s)
+        except NebulaError as exc:
+            ok = False
+            log.warning("peer recovery: %r, agreed from the nodes' parts, could not be "
+                        "persisted: %s", plan.tag, exc)  # fmt: skip
+    flags: list[Any] = [None] * ranks.world_size
+    dist.all_gather_object(flags, ok, group=peers.group)
+    return all(flags)
+
+
+# the wire -------------------------------------------------------------------------------
+class _Buffers:
+    """Two message buffers of `size` bytes, each with a tensor on its memory."""
+
+    def __init__(self, size: int) -> None:
+        import torch
+
+        self.size = size
+        self.raw = [bytearray(size), bytearray(size)]
+        self.tensors = [torch.frombuffer(raw, dtype=torch.uint8) for raw in self.raw]
+
+
+def _tensor(data: bytearray) -> Any:
+    import torch
+
+    return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def _move(
+    peers: Peers,
+    tiers: TierSet,
+    ranks: RankInfo,
+    plan: Plan,
+    nodes: dict[int, int],
+    chunk_bytes: int,
+) -> list[Moved | Refusal]:
+    """This rank's part of one round: the parts it holds for others sent on a thread, its
+    own received here; what became of its own."""
+    me = ranks.rank
+    sends = [t for t in plan.transfers if t.holder == me]
+    errors: list[BaseException] = []
+
+    def send_all() -> None:
+        try:
+            for transfer in sends:
+                _send(peers, tiers.memory, transfer, chunk_bytes)
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+            errors.append(exc)
+
+    sender = None
+    if sends:
+        sender = start_thread(
+            threading.Thread(target=send_all, name="nebula-recovery-send", daemon=True)
+        )
+    got: list[Moved | Refusal] = []
+    try:
+        for transfer in plan.transfers:
+            if transfer.rank == me:
+                got.append(_receive(peers, tiers, ranks, transfer, nodes))
+    finally:
+        if sender is not None:
+            sender.join()
+    if errors:
+        raise errors[0]
+    return got
+
+
+def _send_head(peers: Peers, to: int, head: Head) -> None:
+    data = bytearray(encode_head(head))
+    peers.group.send([_tensor(data)], to, DATA_TAG).wait()
+
+
+def _send(peers: Peers, memory: Store, transfer: Transfer, chunk_bytes: int) -> None:
+    """Send rank `transfer.rank`'s part of `transfer.tag` from this node's replica of it
+    (or END alone when there is no whole one); its receiver says what became of it."""
+    to = transfer.rank
+    found = replica_files(memory, transfer.tag, transfer.rank)
+    if found is None:
+        _send_head(peers, to, Head(Kind.END, 1, Status.FAILED))
+        return
+    root, node, claims = found
+    buffers = _Buffers(chunk_bytes)
+    body = encode_begin(transfer.tag, transfer.rank, node, claims)
+    payload = sum(claim.size for claim in claims)
+    _send_head(
+        peers, to, Head(Kind.BEGIN, 1, chunk=chunk_bytes, body=len(body), payload=payload,
+                        body_check=body_check(body))
+    )  # fmt: skip
+    _send_stream(peers, to, iter([memoryview(body)]), len(body), buffers)
+    whole = [True]
+    _send_stream(peers, to, _read_files(root, transfer.tag, claims, chunk_bytes, whole),
+                 payload, buffers)  # fmt: skip
+    _send_head(peers, to, Head(Kind.END, 1, Status.OK if whole[0] else Status.FAILED))
+
+
+def _read_files(
+    root: Store, tag: str, claims: Sequence[FileClaim], chunk_bytes: int, whole: list[bool]
+) -> Iterator[memoryview]:
+    """The files' bytes in order; a file that cannot be read whole is made up with zeros
+    to its announced size, and `whole[0]` set False."""
+    zeros = memoryview(bytes(chunk_bytes))
+    for claim in claims:
+        left = claim.size
+        try:
+            with root.open_read(tag, claim.name) as f:
+                while left:
+                    data = f.read(min(left, chunk_bytes))
+                    if not data:
+                        break
+                    left -= len(data)
+                    yield memoryview(data)
+        except NebulaError as exc:
+            log.warning("peer recovery: %s could not be read: %s", root.display(tag, claim.name),
+                        exc)  # fmt: skip
+        if left:
+            whole[0] = False
+        while left:
+            piece = zeros[: min(left, len(zeros))]
+            left -= len(piece)
+            yield piece
+
+
+def _send_stream(
+    peers: Peers, to: int, data: Iterator[memoryview], total: int, buffers: _Buffers
+) -> None:
+    """Send `total` bytes taken from `data` in messages of `buffers.size`, one buffer in
+    flight while the other fills."""
+    works: list[Any] = [None, None]
+    which = 0
+    piece = memoryview(b"")
+    for size in pieces(total, buffers.size):
+        if works[which] is not None:
+            works[which].wait()
+        raw = memoryview(buffers.raw[which])
+        filled = 0
+        while filled < size:
+            if not piece:
+                piece = next(data)
+            n = min(len(piece), size - filled)
+            raw[filled : filled + n] = piece[:n]
+            piece = piece[n:]
+            filled += n
+        works[which] = peers.group.send([buffers.tensors[which][:size]], to, DATA_TAG)
+        which = 1 - which
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def _receive_stream(
+    peers: Peers, source: int, total: int, buffers: _Buffers, take: Callable[[memoryview], None]
+) -> None:
+    """Receive `total` bytes from `source` in messages of `buffers.size`, one landing
+    while the one before it is taken."""
+    sizes = list(pieces(total, buffers.size))
+    works: list[Any] = [None, None]
+
+    def post(i: int) -> None:
+        if i < len(sizes):
+            which = i % 2
+            works[which] = peers.group.recv([buffers.tensors[which][: sizes[i]]], source, DATA_TAG)
+
+    post(0)
+    for i, size in enumerate(sizes):
+        post(i + 1)
+        which = i % 2
+        works[which].wait()
+        take(memoryview(buffers.raw[which])[:size])
+        works[which] = None
+
+
+def _receive_head(peers: Peers, source: int) -> Head:
+    raw = bytearray(HEAD_BYTES)
+    peers.group.recv([_tensor(raw)], source, DATA_TAG).wait()
+    return decode_head(raw)
+
+
+def _receive(
+    peers: Peers, tiers: TierSet, ranks: RankInfo, transfer: Transfer, nodes: dict[int, int]
+) -> Moved | Refusal:
+    """Receive this rank's part of `transfer.tag` from `transfer.holder` into the memory
+    tier: committed (`Moved`), or refused and nothing of it left (`Refusal`)."""
+    started = time.monotonic()
+    holder = transfer.holder
+    node = nodes.get(holder, -1)
+
+    def refusal(reason: str) -> Refusal:
+        return Refusal(transfer.tag, transfer.rank, holder, node, reason)
+
+    head = _receive_head(peers, holder)
+    if head.kind == Kind.END:
+        return refusal(f"rank {holder} holds no whole replica of it now")
+    if head.kind != Kind.BEGIN or not 0 < head.chunk <= MAX_CHUNK_BYTES:
+        raise WireError(f"a {head.kind.name} frame where a part begins")
+    if head.body > MAX_MANIFEST_BYTES:
+        raise WireError(f"an announcement of {head.body} bytes")
+    buffers = _Buffers(head.chunk)
+    body = bytearray()
+    _receive_stream(peers, holder, head.body, buffers, body.extend)
+    reason = None
+    inbox: PartInbox | None = None
+    try:
+        if body_check(body) != head.body_check:
+            raise WireError("its announcement arrived damaged")
+        begin = decode_begin(body)
+        if (begin.tag, begin.rank) != (transfer.tag, transfer.rank):
+            raise WireError(f"rank {begin.rank}'s part of {begin.tag!r} announced instead")
+    except WireError as exc:
+        reason = str(exc)
+    else:
+        inbox = PartInbox(tiers.memory, tag=transfer.tag, rank=transfer.rank,
+                          files=begin.files, world_size=ranks.world_size)  # fmt: skip
+    try:
+        drop: Callable[[memoryview], None] = lambda _piece: None  # noqa: E731
+        _receive_stream(peers, holder, head.payload, buffers, inbox.feed if inbox else drop)
+        end = _receive_head(peers, holder)
+        if end.kind != Kind.END:
+            raise WireError(f"a {end.kind.name} frame where a part ends")
+    except BaseException:
+        if inbox is not None:
+            inbox.abandon()
+        raise
+    if inbox is None:
+        return refusal(reason or "no part announced")
+    restored: Restored = inbox.finish(sender_ok=end.status == Status.OK)
+    if not restored.committed:
+        return refusal(restored.reason or "refused")
+    return Moved(transfer.tag, transfer.rank, holder, restored.size, time.monotonic() - started)
