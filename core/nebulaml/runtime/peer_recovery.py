@@ -719,6 +719,8 @@ def _receive(
         begin = decode_begin(body)
         if (begin.tag, begin.rank) != (transfer.tag, transfer.rank):
             raise WireError(f"rank {begin.rank}'s part of {begin.tag!r} announced instead")
+        if begin.base is not None:
+            raise WireError("a part announced as built on a replica (a part comes whole)")
     except WireError as exc:
         reason = str(exc)
     else:
