@@ -190,7 +190,8 @@ def _forget_bytecode(path: Path) -> None:
         pyc.unlink()
 
 
-_FIRST_FAILURE = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+# The test's id, parameters with spaces too, up to the " - " that starts the reason.
+_FIRST_FAILURE = re.compile(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", re.MULTILINE)
 
 
 def run_tests(copy: Path, tests: tuple[str, ...]) -> tuple[int, str, str]:
