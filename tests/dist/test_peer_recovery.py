@@ -150,6 +150,27 @@ def test_nothing_lost_moves_nothing_and_resumes_the_newest(
     assert warnings_in(outs) == [], outs
 
 
+def test_both_nodes_lost_resume_the_persistent_tier_said_once(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Both nodes of a two-node job are lost: nothing newer than the persistent tier's
+    global_step1 is known anywhere. catches: a rank that waits for a part, a resume
+    from nothing, the line said by every rank or not at all"""
+    saved_and_killed(tmp_path, memory_tier, 2)
+    lose_node(memory_tier, 0)
+    lose_node(memory_tier, 1)
+    outs = restarted(tmp_path, memory_tier, 2)
+    for out in outs:
+        result = result_of(out)
+        assert result["tag"] == "global_step1" and result["source"] == "persistent", out
+    said = [line for out in outs for line in out.splitlines() if "peer recovery:" in line]
+    assert said == [
+        "INFO nebulaml: peer recovery: no node holds a checkpoint newer than the persistent "
+        "tier's 'global_step1': resuming from it"
+    ], outs
+    resumed(outs, "global_step1")
+
+
 @pytest.mark.slow
 def test_both_nodes_of_a_pair_lost_resume_the_persistent_tier_said_once(
     tmp_path: Path, memory_tier: Path

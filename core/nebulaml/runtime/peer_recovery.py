@@ -57,7 +57,8 @@ lowest rank says them (once for the job); each rank says what it received at inf
 persister: each rank that writes it flushes its part, the lowest writer commits it) and
 the ranks wait for one another, so that on return `get_latest_checkpoint()` returns it
 on every rank: a node's memory tier holds parts, never a manifest, so a job of several
-nodes lists and loads what its persistent tier holds.
+nodes lists and loads what its persistent tier holds. While the persistent tier fails,
+init does not wait: the checkpoint is queued to persist once it answers (`durable` False).
 
 May import: every layer below runtime, and runtime's peers.py, peer_wire.py (its frames,
 not its tags), ranks.py and persister.py (the type). Not for: replicating parts as they
@@ -343,7 +344,9 @@ def recover_from_peers(
     memory tier holds its parts and the replicas its node keeps); `ranks`: this process
     in the job (`world_size` ranks, as the group's). `persister`: the session's, which
     persists a checkpoint agreed from the nodes' parts before this returns (None: not
-    persisted here; `durable` says so). `look_persistent`: the lowest rank lists the
+    persisted here; `durable` says so; while the persister knows the persistent tier
+    fails, it is asked to persist it once the tier answers, not waited for: init never
+    waits out an outage). `look_persistent`: the lowest rank lists the
     persistent tier for its newest checkpoint (within `PERSISTENT_WAIT_S`; not while
     `persister` knows the tier fails). `persist_timeout_s`: how long that persist may take
     (None: the persister's own bounds). `chunk_bytes`: the messages of a part sent back.
@@ -511,12 +514,18 @@ def _make_durable(
     ok = persister is not None and tiers.persistent is not None
     if ok and ranks.rank in plan.writers:
         assert persister is not None and plan.tag is not None
-        try:
-            persister.flush(plan.tag, timeout_s)
-        except NebulaError as exc:
+        if persister.failing():  # init does not wait out an outage: persisted after it
             ok = False
-            log.warning("peer recovery: %r, agreed from the nodes' parts, could not be "
-                        "persisted: %s", plan.tag, exc)  # fmt: skip
+            persister.request(plan.tag)
+            log.warning("peer recovery: %r, agreed from the nodes' parts, is persisted once "
+                        "the persistent tier answers", plan.tag)  # fmt: skip
+        else:
+            try:
+                persister.flush(plan.tag, timeout_s)
+            except NebulaError as exc:
+                ok = False
+                log.warning("peer recovery: %r, agreed from the nodes' parts, could not be "
+                            "persisted: %s", plan.tag, exc)  # fmt: skip
     flags: list[Any] = [None] * ranks.world_size
     dist.all_gather_object(flags, ok, group=peers.group)
     return all(flags)
