@@ -15,6 +15,7 @@ from nebulaml.format.checksum import checksum_of
 from nebulaml.format.manifest import ItemEntry, RankMarker
 from nebulaml.format.names import REPLICA_DONE, marker_name, writer_marker_name
 from nebulaml.protocol.part_restore import (
+    Damaged,
     HeldPart,
     PartInbox,
     Restored,
@@ -286,3 +287,19 @@ def test_a_leftover_at_an_items_name_is_replaced_never_written_through(
     restored = send_back(node0, node1)
     assert restored.committed, restored
     assert outside.read_bytes() == b"keep me"
+
+
+def test_a_replica_whose_marker_is_damaged_is_not_offered_but_named(
+    nodes: tuple[Store, Store],
+) -> None:
+    """catches: a replica offered on the word of a marker that is not the one its rank
+    wrote (its generation and writers would decide the agreement), or dropped silently"""
+    node0, _node1 = nodes
+    path = Path(replica_root(node0, 1).root) / "s3" / marker_name(1)
+    data = bytearray(path.read_bytes())
+    data[5] ^= 0x01
+    path.write_bytes(bytes(data))
+    damaged: list[Damaged] = []
+    assert replicas_held(node0, damaged) == []
+    (found,) = damaged
+    assert (found.tag, found.rank) == ("s3", 1) and marker_name(1) in found.reason

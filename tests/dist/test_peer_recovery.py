@@ -102,23 +102,24 @@ def test_a_lost_nodes_part_comes_back_from_its_partner_bit_for_bit(
     assert warnings_in(outs) == [], outs
 
 
+@pytest.mark.parametrize("damaged", ["shard_rank1", ".rank-1.json"])
 def test_a_flipped_byte_in_the_partners_replica_falls_back_and_is_never_loaded(
-    tmp_path: Path, memory_tier: Path
+    tmp_path: Path, memory_tier: Path, damaged: str
 ) -> None:
-    """Node 1 is lost, and one byte of node 0's replica of rank 1's global_step3 shard is
-    flipped. The replica of global_step2 went when global_step3's was whole (a node keeps
-    the newest), so the newest complete elsewhere is the persistent tier's global_step1.
-    catches: a part received without checking its bytes (global_step3 would be agreed,
-    persisted and loaded with the flipped byte), a refused part left in the memory tier,
-    a fallback not said, or said by every rank"""
+    """Node 1 is lost, and one byte of node 0's replica of rank 1's global_step3 is
+    flipped: of its shard (found as it is sent back) or of its marker (found when node 0
+    offers it). The replica of global_step2 went when global_step3's was whole (a node
+    keeps the newest), so the newest complete elsewhere is the persistent tier's
+    global_step1. catches: a part received without checking its bytes (global_step3
+    would be agreed, persisted and loaded with the flipped byte), a refused part left in
+    the memory tier, a fallback not said, said by every rank, or blamed on a lost node"""
     saved_and_killed(tmp_path, memory_tier, 2)
     lose_node(memory_tier, 1)
     replica = replica_folder(memory_tier, 0, 1, "global_step3")
     assert sorted(p.name for p in replica.parent.iterdir()) == ["global_step3"]
-    shard = replica / "shard_rank1"
-    data = bytearray(shard.read_bytes())
+    data = bytearray((replica / damaged).read_bytes())
     data[random.Random(7).randrange(len(data))] ^= 0x10
-    shard.write_bytes(bytes(data))
+    (replica / damaged).write_bytes(bytes(data))
     outs = restarted(tmp_path, memory_tier, 2)
     first, second = (result_of(out) for out in outs)
     assert first["tag"] == second["tag"] == "global_step1", outs
@@ -126,7 +127,7 @@ def test_a_flipped_byte_in_the_partners_replica_falls_back_and_is_never_loaded(
     assert second["received"] == "[]" and second["refused"] == "1", outs[1]
     (line,) = warnings_in(outs)
     assert "rank 1's part of 'global_step3'" in line and "'global_step1'" in line, line
-    assert "shard_rank1" in line, line
+    assert f"{damaged}:" in line and "failed its check" in line, line
     # Nothing of the refused part is left on node 1; global_step3 was never committed.
     assert not any((memory_tier / "node1").rglob(".rank-1.json")), outs[1]
     assert not (tmp_path / "persistent" / "global_step3" / "manifest.json").exists()

@@ -5,7 +5,8 @@ the replica another node kept of it: the protocol side of recovery from peer rep
     HeldPart         one part a memory tier holds: a rank's own, or a replica of another
                      node's rank's part (protocol/replicas.py), with what its marker says
     own_parts_held   a rank's committed parts in its memory tier, each whole
-    replicas_held    the whole replicas a memory tier keeps, each marker verified
+    replicas_held    the whole replicas a memory tier keeps, each marker verified (one
+                     that is not: `Damaged`)
     replica_files    the files of one replica to send back: its marker, then its items
     PartInbox        one part arriving: `feed` its bytes, `finish` (commit or refuse)
 
@@ -105,31 +106,46 @@ def own_parts_held(memory: Store, rank: int) -> list[HeldPart]:
     return held
 
 
-def _verified_marker(root: Store, replica: Replica) -> RankMarker | None:
+def _verified_marker(root: Store, replica: Replica) -> RankMarker | str:
     """The marker of `replica` in `root`, if its bytes are those its record claims and it
-    is that rank's part of that tag."""
+    is that rank's part of that tag; else why not."""
     name = marker_name(replica.rank)
     claim = next((c for c in replica.files if c.name == name), None)
     if claim is None:
-        return None
+        return f"its record lists no {name}"
     try:
         data = root.read_bytes(replica.tag, name)
         hasher = new_hasher(claim.algo)
         hasher.update(data)
-        if len(data) != claim.size or hasher.hexdigest() != claim.checksum:
-            return None
+        digest = hasher.hexdigest()
+        if len(data) != claim.size or digest != claim.checksum:
+            return (
+                f"{name}: {len(data)} bytes with {claim.algo} {digest}, not {claim.size} "
+                f"with {claim.checksum} as its record says"
+            )
         marker = parse_marker(data, root.display(replica.tag, name))
-    except (NebulaError, ValueError):
-        return None
+    except (NebulaError, ValueError) as exc:
+        return f"{name}: {exc}"
     if marker.tag != replica.tag or marker.rank != replica.rank:
-        return None
+        return f"{name} is rank {marker.rank}'s part of {marker.tag!r}"
     return marker
 
 
-def replicas_held(memory: Store) -> list[HeldPart]:
+@dataclass(frozen=True, slots=True)
+class Damaged:
+    """A whole replica of `rank`'s part of `tag` whose marker is not what its record
+    says (`reason`): it is never offered."""
+
+    tag: str
+    rank: int
+    reason: str
+
+
+def replicas_held(memory: Store, damaged: list[Damaged] | None = None) -> list[HeldPart]:
     """The whole replicas the memory tier `memory` keeps of other nodes' parts (newest
     first for each rank), each with what its marker says; a replica whose marker does not
-    match its record is none. Their items are checked when they are sent back.
+    match its record is none (appended to `damaged`, when given). Their items are checked
+    when they are sent back.
 
     Example:
         >>> import tempfile
@@ -148,7 +164,10 @@ def replicas_held(memory: Store) -> list[HeldPart]:
             if replica.rank != rank:
                 continue
             marker = _verified_marker(root, replica)
-            if marker is not None:
+            if isinstance(marker, str):
+                if damaged is not None:
+                    damaged.append(Damaged(replica.tag, rank, marker))
+            else:
                 held.append(_held(marker, replica=True))
     return held
 

@@ -83,6 +83,7 @@ from nebulaml.format.names import OrderKey, order_key
 from nebulaml.protocol.catalog import list_committed
 from nebulaml.protocol.delete import delete_part
 from nebulaml.protocol.part_restore import (
+    Damaged,
     HeldPart,
     PartInbox,
     Restored,
@@ -133,14 +134,16 @@ NONE = "none"  # no checkpoint is complete anywhere
 class Offer:
     """What rank `rank` (of node `node`) can give: the parts it holds (its own, and the
     replicas its node keeps), the persistent tier's newest checkpoint as (tag,
-    created_at) when it looked, and whether its memory tier can take a part
-    (`can_receive`)."""
+    created_at) when it looked, whether its memory tier can take a part (`can_receive`),
+    and the replicas there whose marker is not what their record says (`damaged`: not
+    offered, but said when they were needed)."""
 
     rank: int
     node: int
     parts: tuple[HeldPart, ...] = ()
     persistent: tuple[str, str] | None = None
     can_receive: bool = True
+    damaged: tuple[Damaged, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,6 +398,13 @@ def recover_from_peers(
             except NebulaError as exc:
                 log.debug("peer recovery: %r left: %s", m.tag, exc)
     moved = [m for m in moved if m.tag == plan.tag]
+    # A replica whose marker was damaged was never offered: said where it was needed.
+    for offer in offers:
+        for d in offer.damaged:
+            needed = any(n.tag == d.tag and d.rank in n.missing for n in plan.newer)
+            seen = any((r.tag, r.rank, r.node) == (d.tag, d.rank, offer.node) for r in refused)
+            if needed and not seen:
+                refused.append(Refusal(d.tag, d.rank, offer.rank, offer.node, d.reason))
     received = [m for m in moved if m.rank == me]
     if me == min(nodes):
         _say(plan, refused, moved)
@@ -433,13 +443,16 @@ def _offer(
     peers: Peers, tiers: TierSet, ranks: RankInfo, *, look: bool, persister: Persister | None
 ) -> Offer:
     parts: list[HeldPart] = []
+    damaged: list[Damaged] = []
     if tiers.memory_usable:
-        parts = own_parts_held(tiers.memory, ranks.rank) + replicas_held(tiers.memory)
+        parts = own_parts_held(tiers.memory, ranks.rank) + replicas_held(tiers.memory, damaged)
     persistent = None
     failing = persister is not None and persister.failing()
     if look and ranks.rank == 0 and tiers.persistent is not None and not failing:
         persistent = _newest_persistent(tiers.persistent)
-    return Offer(ranks.rank, peers.ring.node, tuple(parts), persistent, tiers.memory_usable)
+    return Offer(
+        ranks.rank, peers.ring.node, tuple(parts), persistent, tiers.memory_usable, tuple(damaged)
+    )
 
 
 def _newest_persistent(store: Store) -> tuple[str, str] | None:
