@@ -19,14 +19,13 @@ clears. Every file is checked as its bytes arrive against its announced size and
 (an item's file is never closed, so never left, with bytes that do not match); the marker
 must be the rank's part of that tag and record exactly the items announced, so every item
 matches the checksums the rank's marker records. A part refused leaves nothing: the files
-it wrote go (never a file another part wrote), the folder too when it made it and it is
-empty. The memory tier's `Store` writes everything (0600 files, 0700 folders, never
+it wrote go (never a file another part wrote), and the folder when nothing is left in
+it. The memory tier's `Store` writes everything (0600 files, 0700 folders, never
 through a symbolic link).
 
 May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, catalog.py,
-commit.py, markers.py and replicas.py. Not for: moving the bytes or deciding which
-checkpoint to restore (runtime/peer_recovery.py), or keeping replicas as they arrive
-(replicas.py).
+commit.py and replicas.py. Not for: moving the bytes or deciding which checkpoint to
+restore (runtime/peer_recovery.py), or keeping replicas as they arrive (replicas.py).
 """
 
 from __future__ import annotations
