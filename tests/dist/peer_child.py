@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 import nebulaml as nm
 from nebulaml.format.names import marker_name
+from nebulaml.protocol.replicas import replica_root
 from nebulaml.runtime import session
 from nebulaml.runtime.peers import Peers, open_ring
-from nebulaml.runtime.replication import Replication, Tamper
+from nebulaml.runtime.replication import Replication, ReplicationStatus, Tamper
 from nebulaml.storage.store import Store
 
 CHUNK = 16 << 10  # several messages per part: the stream's cuts are exercised
@@ -106,6 +107,132 @@ def partner_killed(rank: int, memory: Store, peers: Peers, out: Path) -> int:
     return 0
 
 
+# The LoRA scenarios' part: a frozen base of 12 MiB, the same at every step, and an
+# adapter of 2 MiB that changes at every step (float32).
+FROZEN, ADAPTER = 3 << 20, 1 << 19
+_frozen: dict[int, torch.Tensor] = {}
+
+
+def save_lora(rank: int, step: int, *, seed: int = 0, overwrite: bool = False) -> str:
+    tag = f"global_step{step}"
+    if rank not in _frozen:
+        _frozen[rank] = torch.randn(FROZEN, generator=torch.Generator().manual_seed(rank))
+    gen = torch.Generator().manual_seed(1000 * step + 100 * seed + rank)
+    state = {"frozen": _frozen[rank], "adapter": torch.randn(ADAPTER, generator=gen)}
+    ckpt = nm.Checkpoint(tag, -2, overwrite=overwrite)
+    ckpt.save(f"model_rank{rank}", state)
+    ckpt.commit()
+    return tag
+
+
+def record_part(memory: Store, out: Path, rank: int, tag: str, name: str = "") -> None:
+    own = own_part(Path(memory.root), tag, rank)
+    (out / f"part-{rank}-{name or tag}.json").write_text(json.dumps(own))
+
+
+def await_file(path: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def pause_once(tag: str, sending: Path, resume: Path) -> Tamper:
+    """At the 4th message of the first send of `tag`: say so (`sending`), then wait for
+    `resume`: the part is half sent meanwhile."""
+    paused: list[bool] = []
+
+    def tamper(sent: str, index: int, data: memoryview) -> None:
+        if sent == tag and index == 3 and not paused:
+            paused.append(True)
+            sending.touch()
+            await_file(resume)
+
+    return tamper
+
+
+def say(state: ReplicationStatus, tag: str) -> None:
+    print(f"STATUS {tag} replicated={state.replicated} refused={state.refused} "
+          f"abandoned={state.abandoned} bytes_sent={state.bytes_sent} "
+          f"bytes_total={state.bytes_total} error={state.last_error}", flush=True)  # fmt: skip
+
+
+def lora_scenario(scenario: str, rank: int, memory: Store, peers: Peers, out: Path) -> int:
+    """delta: two steps, the second sent as what changed; base: rank 1 flips a byte of
+    the replica it holds of rank 0's first step before the second comes; hold: each rank
+    saves twice more while its first step is half sent (its eviction would reuse that
+    step's buffers); overwrite: each rank saves its first step again while it is half
+    sent."""
+    live = session.live()
+    assert live is not None
+    tamper = None
+    if scenario in ("hold", "overwrite"):
+        sending, resume = out / f"sending-{rank}", out / f"resume-{rank}"
+        tamper = pause_once("global_step1", sending, resume)
+    chunk = (64 << 10) if tamper else (1 << 20)
+    replication = Replication(
+        peers, memory, chunk_bytes=chunk, tamper=tamper, leaves=live.pool.leaves_of
+    ).start()
+    if scenario == "overwrite":
+        # The job's first checkpoint is persisted at once; the second waits for the
+        # interval, so that saving it again waits for no persist of it.
+        save_lora(rank, 0)
+    tag = save_lora(rank, 1)
+    record_part(memory, out, rank, tag)
+    if scenario == "hold":
+        # Durable, global_step1 is the memory tier's to evict once a newer one commits.
+        assert nm.flush_persistence(tag, timeout_s=30)
+    replication.replicate(tag)
+    if scenario == "hold":
+        await_file(sending)
+        for step in (2, 3):  # each commit evicts what it supersedes: global_step1 is held
+            save_lora(rank, step)
+        print(f"HELD global_step1 kept={memory.exists('global_step1', marker_name(rank))}",
+              flush=True)  # fmt: skip
+        resume.touch()
+    if scenario == "overwrite":
+        await_file(sending)
+        save_lora(rank, 1, seed=1, overwrite=True)
+        record_part(memory, out, rank, tag, "global_step1-again")
+        resume.touch()
+    state = replication.wait(tag, 60)
+    say(state, tag)
+    if scenario == "overwrite":  # the newer part, asked for again
+        replication.replicate(tag)
+        say(replication.wait(tag, 60), tag)
+    if scenario == "hold":
+        dist.barrier()
+        save_lora(rank, 4)  # its eviction: global_step1, no longer held
+        live.persister.settle_eviction()
+        print(f"AFTER global_step1 kept={memory.exists('global_step1', marker_name(rank))}",
+              flush=True)  # fmt: skip
+    if scenario in ("delta", "base"):
+        dist.barrier()  # every replica of global_step1 is committed
+        if scenario == "base" and rank == 1:
+            item = Path(replica_root(memory, 0).root) / "global_step1" / "model_rank0"
+            data = bytearray(item.read_bytes())
+            data[len(data) // 3] ^= 0x01  # a byte of the frozen base, which is not sent again
+            item.write_bytes(bytes(data))
+            print("FLIPPED a byte of the replica of rank 0's global_step1", flush=True)
+        dist.barrier()
+        tag = save_lora(rank, 2)
+        record_part(memory, out, rank, tag)
+        files = memory.list_files(tag)
+        documents = sum(files.get(n, 0) for n in (marker_name(rank), "manifest.json"))
+        replication.replicate(tag)
+        say(replication.wait(tag, 60), tag)
+        print(f"SIZES documents={documents} changed={ADAPTER * 4}", flush=True)
+        if scenario == "base" and rank == 0:  # refused: sent again, whole
+            replication.replicate(tag)
+            say(replication.wait(tag, 60), f"{tag}-again")
+    dist.barrier()  # every replica is answered
+    replication.close(grace_s=1.0)
+    nm.shutdown()
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"OK rank {rank}", flush=True)
+    return 0
+
+
 def main() -> int:
     scenario, root, port = sys.argv[1], sys.argv[2], sys.argv[3]
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -129,6 +256,8 @@ def main() -> int:
           f"receive_from {list(ring.receive_from)}", flush=True)  # fmt: skip
     if scenario == "kill":
         return partner_killed(rank, memory, peers, out)
+    if scenario in ("delta", "base", "hold", "overwrite"):
+        return lora_scenario(scenario, rank, memory, peers, out)
     tamper = flip_last_byte_of("global_step2") if scenario == "corrupt" and rank == 0 else None
     keepalive = 0.5 if scenario == "idle" else 60.0
     replication = Replication(

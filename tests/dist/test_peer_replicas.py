@@ -159,3 +159,96 @@ def test_a_partner_killed_mid_replica_is_reported_and_never_stalls_a_save(
     assert asked is not None and float(asked.group(1)) < 2, out
     closed = re.search(r"CLOSED in (\S+) s", out)
     assert closed is not None and float(closed.group(1)) < 0.5, out
+
+
+def statuses(out: str, tag: str) -> list[dict[str, str]]:
+    """Each STATUS line of `tag` in a rank's output, as its fields."""
+    found = re.findall(rf"^STATUS {tag} (.*)$", out, re.M)
+    return [dict(re.findall(r"(\w+)=(\S*)", line.split(" error=")[0])) for line in found]
+
+
+def test_only_the_changed_bytes_cross_the_wire_and_the_replica_is_bit_exact(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Each rank saves a 12 MiB frozen base and a 2 MiB adapter, twice (the adapter
+    changed); the second replica is built on the first. catches: a frozen base sent
+    again (bytes on the wire > 1.05 x the adapter's), a replica built from the wrong
+    bytes of its base (it would not be bit-exact, or not committed)"""
+    results = run("delta", tmp_path, memory_tier, 2)
+    for rank, (_code, out) in enumerate(results):
+        (first,) = statuses(out, "global_step1")
+        (second,) = statuses(out, "global_step2")
+        assert first["replicated"] == "global_step1" and first["refused"] == "None", out
+        assert second["replicated"] == "global_step2" and second["refused"] == "None", out
+        sizes = re.search(r"SIZES documents=(\d+) changed=(\d+)", out)
+        assert sizes is not None, out
+        documents, changed = map(int, sizes.groups())
+        total, sent = int(second["bytes_total"]), int(second["bytes_sent"])
+        assert int(first["bytes_sent"]) > total > 14 << 20, out  # the first goes whole
+        # What the partner did not hold: the adapter (and the part's marker, which is new
+        # each time, a few hundred bytes); framing: 2 heads and the announcement.
+        assert sent - documents <= 1.05 * changed, (sent, documents, changed)
+        ratio = (sent - documents) / changed
+        print(f"rank {rank}: {sent} bytes sent of {total}; {changed} changed, "
+              f"{documents} of marker: {ratio:.4f} x the changed")  # fmt: skip
+        replica = replicas_of(memory_tier, (rank + 1) % 2, rank) / "global_step2"
+        assert sha256s(replica) == part(tmp_path, rank, "global_step2")
+
+
+def test_a_replica_built_on_a_corrupt_base_is_refused_and_the_next_goes_whole(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Rank 1 flips a byte of the frozen base in its replica of rank 0's global_step1;
+    rank 0's global_step2 is built on it. catches: a replica committed from a wrong base
+    (its copied bytes not checked), the older replica taken with the refusal, a sender
+    that builds on the same bad base again (the next send must go whole, and commit)"""
+    results = run("base", tmp_path, memory_tier, 2)
+    sender, receiver = results[0][1], results[1][1]
+    assert "FLIPPED" in receiver
+    (refused,) = statuses(sender, "global_step2")
+    assert refused["refused"] == "global_step2" and refused["replicated"] == "global_step1"
+    assert "base" in sender.split("STATUS global_step2 ")[1].splitlines()[0], sender
+    assert "replica of rank 0's part of 'global_step2' (from node 0) refused" in receiver
+    (again,) = statuses(sender, "global_step2-again")
+    assert again["replicated"] == "global_step2", sender
+    assert int(again["bytes_sent"]) > int(again["bytes_total"]) > 14 << 20  # whole
+    folder = replicas_of(memory_tier, 1, 0)
+    assert sorted(p.name for p in folder.iterdir()) == ["global_step2"]
+    assert sha256s(folder / "global_step2") == part(tmp_path, 0, "global_step2")
+
+
+def test_a_part_half_sent_is_held_against_eviction_and_its_replica_commits(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Each rank persists global_step1, then saves global_step2 and global_step3 while
+    global_step1 is half sent: the commits evict what they supersede, and global_step3
+    would take global_step1's buffers. catches: a send whose part is evicted or
+    overwritten under it (without the hold, the sender finds its part gone and gives the
+    replica up), a hold that outlives the send (global_step1 never evicted after)"""
+    results = run("hold", tmp_path, memory_tier, 2)
+    for rank, (_code, out) in enumerate(results):
+        assert "HELD global_step1 kept=True" in out, out
+        (state,) = statuses(out, "global_step1")
+        assert state["replicated"] == "global_step1" and state["refused"] == "None", out
+        assert "AFTER global_step1 kept=False" in out, out
+        assert "refused:" not in results[(rank + 1) % 2][1]
+        replica = replicas_of(memory_tier, (rank + 1) % 2, rank) / "global_step1"
+        assert sha256s(replica) == part(tmp_path, rank, "global_step1")
+
+
+def test_a_part_saved_again_mid_send_is_abandoned_quietly_and_the_newer_one_sent(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Each rank saves global_step1 again (overwrite=True) while it is half sent: the
+    newer part wins. catches: an overwrite that fails on the send's hold, a replica of
+    bytes the part no longer holds committed, a give-up reported as a refusal (a warning
+    on either side), the newer part not replicated when asked for"""
+    results = run("overwrite", tmp_path, memory_tier, 2)
+    for rank, (_code, out) in enumerate(results):
+        given_up, sent = statuses(out, "global_step1")
+        assert given_up["abandoned"] == "global_step1", out
+        assert given_up["refused"] == given_up["replicated"] == "None", out
+        assert sent["replicated"] == "global_step1" and sent["refused"] == "None", out
+        assert "refused " not in out and "refused:" not in out, out  # no warning of it
+        replica = replicas_of(memory_tier, (rank + 1) % 2, rank) / "global_step1"
+        assert sha256s(replica) == part(tmp_path, rank, "global_step1-again")

@@ -373,6 +373,7 @@ class Replication:
             # sent may be the new part's, the old one's or both. The newer part wins: this
             # replica is given up, and the newer one is sent when it is asked for.
             same = self._same_marker(tag, small[marker_name(rank)])
+        holds.release()  # the part is read: eviction may take it as soon as it likes
         status = Status.OK if same else Status.ABANDONED
         self._send_head(Head(Kind.END, transfer, status))
         sent = 2 * HEAD_BYTES + len(body) + payload
