@@ -36,7 +36,8 @@ held, one superseded copy of this rank's part beside the newer ones. A tag saved
 (`overwrite=True`) replaces it all the same: the newer part wins. The sender then finds
 the part's marker changed when its bytes are sent, ends the replica ABANDONED, and the
 partner drops it quietly; the status says `abandoned`, not `refused`, and the newer part
-goes when it is asked for.
+goes when it is asked for. So does a part evicted or saved again before its turn came
+(nothing of it is sent).
 
 **Receiving.** One thread per rank that sends to this one (`Ring.receive_from`) takes
 its frames, writes each replica into this node's memory tier as its bytes arrive, and
@@ -103,7 +104,7 @@ from nebulaml.runtime.peer_wire import (
 )
 from nebulaml.runtime.peers import Peers
 from nebulaml.runtime.replica_delta import FilePlan, PartnerCopy, new_ranges, plan_file
-from nebulaml.storage.store import Store
+from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
 
@@ -134,8 +135,8 @@ class ReplicationStatus:
     tag the partner refused, and `last_error` why (or why the link failed); `link_down`:
     nothing more can be sent this run; `kept`: for each rank that sends to this one, the
     newest tag of its part this node holds whole; `abandoned`: the last tag whose replica
-    this rank gave up because the tag was saved again while it was sent (no error: the
-    newer part is sent when it is asked for); `bytes_sent`: the bytes the last replica put
+    this rank gave up because the tag was saved again (or evicted) before or while it was
+    sent (no error: the newer part is sent when it is asked for); `bytes_sent`: the bytes the last replica put
     on the wire (its frames' heads, announcement and payload), `bytes_total`: the bytes of
     the part it replicates.
     """
@@ -323,8 +324,8 @@ class Replication:
         except NebulaError as exc:
             there, name = False, None
             log.debug("replication: %s not held: %s", self.memory.display(tag), exc)
-        if not there:
-            self._not_sent(tag, f"{marker_name(rank)} of {tag!r} is not in the memory tier")
+        if not there:  # evicted, or saved again, before its turn came: nothing to send
+            self._gone(tag, f"{marker_name(rank)} is not in the memory tier")
             return
         holds = HandleHolds(tag)
         holds.add(self.memory, name)  # None: a store that refused it (full): unheld
@@ -334,9 +335,17 @@ class Replication:
             holds.release()
 
     def _not_sent(self, tag: str, reason: str) -> None:
+        """The part is there but cannot be sent (its bytes are not what its marker says)."""
         log.warning("replication: rank %d's part of %r not sent: %s", self.ring.rank, tag, reason)
         with self._cond:
             self._update(sending=None, refused=tag, last_error=reason)
+            self._cond.notify_all()
+
+    def _gone(self, tag: str, reason: str) -> None:
+        """The part went, or was saved again, before it was sent: given up, no error."""
+        log.info("replication: rank %d's part of %r given up: %s", self.ring.rank, tag, reason)
+        with self._cond:
+            self._update(sending=None, abandoned=tag)
             self._cond.notify_all()
 
     def _send_held(self, tag: str, buffers: _Buffers, holds: HandleHolds) -> None:
@@ -344,11 +353,21 @@ class Replication:
         with contextlib.ExitStack() as views:
             try:
                 claims, small = part_files(self.memory, tag, rank)
+            except MissingFileError as exc:
+                self._gone(tag, str(exc))
+                return
+            except NebulaError as exc:
+                self._not_sent(tag, str(exc))
+                return
+            try:
                 where = self.memory.display(tag, marker_name(rank))
                 created_at = parse_marker(small[marker_name(rank)], where).created_at
                 plans = self._plan(tag, claims, small, views)
             except NebulaError as exc:
-                self._not_sent(tag, str(exc))
+                if self._same_marker(tag, small[marker_name(rank)]):
+                    self._not_sent(tag, str(exc))  # its bytes are not its marker's
+                else:
+                    self._gone(tag, f"saved again while it was read ({exc})")
                 return
             partner = self._partner
             reuse = {name: plan.runs for name, (_view, plan) in plans.items() if plan.runs}
