@@ -28,7 +28,7 @@ from nebulaml.errors import (
     StorageError,
 )
 from nebulaml.format.manifest import Manifest
-from nebulaml.format.names import validate_name
+from nebulaml.format.names import order_key, validate_name
 from nebulaml.protocol.catalog import CheckpointInfo, read_committed
 from nebulaml.protocol.leases import LISTINGS, HandleHolds, hold_tag
 from nebulaml.protocol.markers import read_writers
@@ -70,6 +70,22 @@ def init(
     received it, a frozen base model say; docs/architecture.md says how "unchanged" is
     known). Whatever it says, a persist to a local root writes only the bytes that
     differ from the item's previous version there, compared by digest.
+
+    `peer_replicas` (default `NEBULA_PEER_REPLICAS`, else 0): with 1, each node's committed
+    memory-tier parts are replicated to the next node of the job (a ring of torchrun's
+    nodes: `GROUP_RANK`, else `RANK // LOCAL_WORLD_SIZE`), so that a lost node's newest
+    checkpoint is still on a live node. nebula opens its own gloo process group for it,
+    beside the program's (NCCL's, say): call `init` on every rank, after
+    `torch.distributed.init_process_group` and at the same point of the program (opening
+    the group is collective). A job on one node, or without an initialised process group,
+    gets one warning and runs without replicas. The parts are sent on background threads
+    after each commit: no `save` or `commit` waits on the partner, and a partner that is
+    slow or gone never stops training (`persistence_status()` says how replication
+    stands). Memory: each node's memory tier also holds one replica of its partner
+    node's newest part (two while a newer one arrives, until it is whole), counted in the
+    node's memory budget (`NEBULA_MEMORY_BUFFER_SIZE`). The release of the memory tier at
+    a clean exit keeps the replicas while the persistent tier lacks their checkpoint.
+    Anything but 0 or 1 is refused (`InvalidArgumentError`).
 
     The persistent tier never stops training (`on_persist_error="retry"`, the default): a
     persist that fails (the store down, the disk full) leaves the checkpoint in the memory
@@ -382,12 +398,26 @@ class PersistenceStatus:
     `pending`: acknowledged checkpoints not durable yet (newest last), in the memory tier;
     `last_error`: why the persistent tier fails, while it does (else None);
     `failing_since`: since when (UTC, ISO 8601), while it does.
+
+    With `peer_replicas=1` (`nm.init`): `replicated`: the newest tag whose part of this
+    rank the partner node holds, verified against its checksums and committed whole there
+    (None until the partner has confirmed one, and always without replication);
+    `replication`: None without replication (`peer_replicas=0`, a job on one node, no
+    process group), "ok" while it works (before the first part is answered too), "failing"
+    when the link to the partner is down (its process ended or stopped answering: nothing
+    more is sent this run) or the partner refused the newest part it was sent (it stays
+    "failing" until a newer part is replicated); `replication_error`: why, while failing.
+    Replication failing stops nothing: saves and persists go on (`ok` is about the
+    persistent tier alone).
     """
 
     durable: str | None
     pending: tuple[str, ...]
     last_error: str | None
     failing_since: str | None
+    replicated: str | None = None
+    replication: str | None = None
+    replication_error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -397,8 +427,10 @@ class PersistenceStatus:
 
 def persistence_status() -> PersistenceStatus:
     """Where this process's checkpoints stand: the newest durable one, those waiting in
-    the memory tier, and whether (and since when) the persistent tier fails. Asks no
-    store: it reports what the background persister knows.
+    the memory tier, and whether (and since when) the persistent tier fails; with
+    `peer_replicas=1`, the newest replicated on the partner node and whether replication
+    fails (`PersistenceStatus`). Asks no store: it reports what the background persister
+    and replication know.
 
     Example:
         >>> import nebulaml as nm, tempfile, torch
@@ -410,12 +442,26 @@ def persistence_status() -> PersistenceStatus:
         >>> status.durable, status.pending, status.ok
         ('global_step1', (), True)
     """
-    state = _session.current("persistence_status", raise_pending=False).persister.status()
+    session = _session.current("persistence_status", raise_pending=False)
+    state = session.persister.status()
+    replication = session.replication_status()
+    failing, why = False, None
+    if replication is not None:
+        refused, replicated = replication.refused, replication.replicated
+        failing = replication.link_down or (
+            refused is not None
+            and refused != replicated
+            and (replicated is None or order_key(refused) > order_key(replicated))
+        )
+        why = replication.last_error if failing else None
     return PersistenceStatus(
         durable=state["durable"],  # type: ignore[arg-type]
         pending=tuple(state["pending"]),  # type: ignore[arg-type]
         last_error=state["last_error"],  # type: ignore[arg-type]
         failing_since=state["failing_since"],  # type: ignore[arg-type]
+        replicated=None if replication is None else replication.replicated,
+        replication=None if replication is None else ("failing" if failing else "ok"),
+        replication_error=why,
     )
 
 

@@ -10,6 +10,8 @@
     NEBULA_REUSE_UNCHANGED              init()'s reuse_unchanged (0/false/no/off turns off:
                                         every save copies every tensor)
     NEBULA_ON_PERSIST_ERROR             init()'s on_persist_error: "retry" (default) or "raise"
+    NEBULA_PEER_REPLICAS                init()'s peer_replicas: 0 (default) or 1 (each node's
+                                        memory tier replicated to the next node)
     NEBULA_PRIVATE                      init()'s private, and what the CLI writes to a local
                                         root or exports (1/true/yes/on: files 0600, folders
                                         0700)
@@ -52,6 +54,7 @@ ENV_LAZY = "NEBULA_LAZY_SNAPSHOT"
 ENV_KEEP_MEMORY_TIER = "NEBULA_KEEP_MEMORY_TIER"
 ENV_REUSE_UNCHANGED = "NEBULA_REUSE_UNCHANGED"
 ENV_ON_PERSIST_ERROR = "NEBULA_ON_PERSIST_ERROR"
+ENV_PEER_REPLICAS = "NEBULA_PEER_REPLICAS"
 ENV_PRIVATE = "NEBULA_PRIVATE"
 ENV_MEMORY_BUFFER = "NEBULA_MEMORY_BUFFER_SIZE"
 ENV_MEMORY_TIER_PATH = "NEBULA_MEMORY_TIER_PATH"
@@ -84,11 +87,15 @@ KNOWN_OPTIONS = (
     "on_persist_error",
     "private",
     "reuse_unchanged",
+    "peer_replicas",
 )
 # What a failed persist does: "raise" (the default, for now: the next call into nebula
 # raises the failure) or "retry" (the memory tier keeps the checkpoint and the persister
 # tries again until it is durable; training is never stopped).
 PERSIST_ERROR_MODES = ("retry", "raise")
+# How many other nodes keep a replica of each node's memory-tier parts (runtime/peers.py,
+# runtime/replication.py): none, or the next node of the ring.
+PEER_REPLICA_COUNTS = (0, 1)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -108,6 +115,7 @@ class Config:
     on_persist_error: str = "retry"
     private: bool = False
     reuse_unchanged: bool = True
+    peer_replicas: int = 0
 
 
 def _number(value: object, source: str, kind: type, minimum: float) -> Any:
@@ -199,6 +207,11 @@ def resolve_config(
         reuse = os.environ.get(ENV_REUSE_UNCHANGED, "1").strip().lower() not in _FALSE
     if not isinstance(reuse, bool):
         raise InvalidArgumentError(f"reuse_unchanged must be True or False, not {reuse!r}")
+    peers = options.get("peer_replicas")
+    peers_src = "peer_replicas"
+    if peers is None and os.environ.get(ENV_PEER_REPLICAS, "").strip():
+        peers, peers_src = os.environ[ENV_PEER_REPLICAS].strip(), ENV_PEER_REPLICAS
+    peer_replicas = _peer_replicas(0 if peers is None else peers, peers_src)
     storage_options = options.get("storage_options") or {}
     if not isinstance(storage_options, dict):
         raise InvalidArgumentError("storage_options must be a dict")
@@ -214,6 +227,25 @@ def resolve_config(
         on_persist_error=on_error,
         private=private,
         reuse_unchanged=reuse,
+        peer_replicas=peer_replicas,
+    )
+
+
+def _peer_replicas(value: object, source: str) -> int:
+    """`peer_replicas` (or `NEBULA_PEER_REPLICAS`, a string) as 0 or 1; anything else is
+    refused.
+
+    Example:
+        >>> _peer_replicas("1", "NEBULA_PEER_REPLICAS"), _peer_replicas(0, "peer_replicas")
+        (1, 0)
+    """
+    if isinstance(value, str) and value.strip() in ("0", "1"):
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value in PEER_REPLICA_COUNTS:
+        return value
+    raise InvalidArgumentError(
+        f"{source} must be 0 (no replicas) or 1 (each node's memory tier replicated to the "
+        f"next node of the job), not {value!r}"
     )
 
 

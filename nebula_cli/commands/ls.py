@@ -30,7 +30,9 @@ def ls_command(
     """List committed checkpoints, newest first, with the tiers that hold them.
 
     When ROOT is a persistent root, the memory tier of the same root on this node is
-    listed beside it.
+    listed beside it, and the replicas that memory tier keeps of other nodes' parts
+    (peer_replicas=1): each a row of the tier "replica (rank R)", R the rank whose part
+    it is ("replicas" in --json).
 
     Example: nebula ls /mnt/checkpoints/run1 --all
     """
@@ -39,13 +41,15 @@ def ls_command(
     location = nm.check_root(root)
     committed = nm.list_checkpoints(root, hold=False)
     incomplete = nm.list_incomplete(root) if all_ else []
+    replicas = nm.ops.list_replicas(root)
     if as_json:
         doc = {"root": location, "checkpoints": committed}
         if all_:
             doc["incomplete"] = incomplete
+        doc["replicas"] = [r.to_json() for r in replicas]
         emit_json(doc)
         return
-    if not committed and not incomplete:  # a header alone would say nothing
+    if not committed and not incomplete and not replicas:  # a header alone says nothing
         sys.stderr.write(printable(_empty_hint(nm, root, location, all_)) + "\n")
         return
     table = Table(title=location, title_justify="left")
@@ -61,6 +65,16 @@ def ls_command(
             str(len(c["items"])),
             human_age(c["committed_at"]),
             Text(",".join(c["labels"])),
+        )
+    for r in replicas:
+        table.add_row(
+            Text(r.tag),
+            "" if r.step is None else str(r.step),
+            f"replica (rank {r.rank})",
+            human_bytes(r.size_bytes),
+            "",
+            human_age(r.received_at),
+            "" if r.persisted is not False else Text("not persisted", style="yellow"),
         )
     for c in incomplete:
         started = [w["started_at"] for w in c["writers"] if isinstance(w.get("started_at"), str)]

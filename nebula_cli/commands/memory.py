@@ -38,6 +38,9 @@ def memory_command(as_json: JsonOpt = False) -> None:
     orphaned (no record of its root); unsafe (not yours alone: nebula never touches it);
     unknown (its root cannot be read from here). "persisted" says whether the newest
     checkpoint is committed on the root too; "writer" whether a live job holds the tier.
+    "replicas": the replicas a tier keeps of other nodes' parts (peer_replicas=1), the
+    newest of each rank, as "TAG (rank R)"; one marked "not persisted" is kept by gc
+    (a restart of its job may restore a lost node from it).
 
     nebula gc releases the tiers no job needs. Persist an unpersisted checkpoint first
     with nebula flush ROOT (on this node).
@@ -80,13 +83,26 @@ def persisted_cell(tier: MemoryTierInfo) -> str:
     return "yes" if tier.persisted else "no"
 
 
+def replicas_cell(tier: MemoryTierInfo) -> Text:
+    """The replicas a tier keeps of other nodes' parts: "TAG (rank R)" each, one a line;
+    one whose checkpoint the root lacks is marked."""
+    cell = Text()
+    for i, replica in enumerate(tier.replicas):
+        cell.append(("\n" if i else "") + f"{replica.tag} (rank {replica.rank})")
+        if replica.persisted is not True:
+            cell.append(" not persisted", style="yellow")
+    return cell if tier.replicas else Text("-")
+
+
 def tiers_table(tiers: list[MemoryTierInfo], title: str, *, stacked: bool = False) -> Table:
     """One row a tier; `stacked` (a narrow terminal): its path below its root, in one cell."""
     table = Table(title=title, title_justify="left")
+    replicas = any(t.replicas for t in tiers)
     columns = ["root / path" if stacked else "root", "state", "newest", "persisted", "size"]
+    columns += ["replicas"] if replicas else []
     columns += ["writer"] + ([] if stacked else ["path"])
     for column in columns:
-        fold = column.startswith("root") or column in ("newest", "path")
+        fold = column.startswith("root") or column in ("newest", "path", "replicas")
         table.add_column(
             column,
             justify="right" if column == "size" else "left",
@@ -103,6 +119,7 @@ def tiers_table(tiers: list[MemoryTierInfo], title: str, *, stacked: bool = Fals
             Text(t.newest or "-"),
             persisted_cell(t),
             human_bytes(t.size_bytes),
+            *([replicas_cell(t)] if replicas else []),
             Text("alive", style="green") if t.writer_alive else "-",
             *([] if stacked else [Text(t.path)]),
         )

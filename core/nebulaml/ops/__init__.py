@@ -2,7 +2,8 @@
 
 `nebulaml.ops` is the public home of the operator functions, beside the training API of
 `nebulaml`: copying and flushing (copying), pruning (pruning), inspection (inspection),
-verification (verification), this user's memory tiers (memory_tiers), reading the
+verification (verification), this user's memory tiers and the replicas of other nodes'
+parts they keep (memory_tiers), reading the
 history file back (history), advising how often to checkpoint from it (advice),
 comparing two checkpoints (diff), exporting items as plain .pt or .safetensors files
 (export) and breaking a root's job hold (unlocking). Use them
@@ -47,8 +48,10 @@ from nebulaml.ops.memory_tiers import (
     GcAction,
     GcResult,
     MemoryTierInfo,
+    ReplicaInfo,
     execute_gc,
     list_memory_tiers,
+    list_replicas,
     memory_tiers_folder,
     plan_gc,
 )
@@ -83,9 +86,11 @@ __all__ = [
     # this node's memory tiers
     "memory_tiers_folder",
     "list_memory_tiers",
+    "list_replicas",
     "plan_gc",
     "execute_gc",
     "MemoryTierInfo",
+    "ReplicaInfo",
     "GcAction",
     "GcResult",
     # a root's job hold

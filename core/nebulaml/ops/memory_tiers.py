@@ -8,22 +8,32 @@ stale tiers (their root is gone, or was created again), tiers of finished jobs w
 newest checkpoint is persisted, and - only when asked - unpersisted checkpoints of jobs
 that are gone.
 
-May import: protocol's tiers, memory_tier, tier_identity, tier_lifetime and catalog;
-storage; errors. Not for: a running job's own tier (session.py), or persisting what a
-crashed job left (copying.persist_memory_tier).
+A tier may also hold replicas of other nodes' parts (`peer_replicas=1`: its
+`.replicas/` folder, protocol/replicas.py): each tier's `replicas` (`ReplicaInfo`, the
+newest whole one of each rank), and `list_replicas(root)` for one root's. A tier whose
+replicas the root lacks (protocol/replicas_held.py: neither their checkpoint nor a later
+step is persisted) is kept by `nebula gc` as an unpersisted checkpoint is: a restart of
+their job may need them.
+
+May import: protocol's tiers, memory_tier, tier_identity, tier_lifetime, catalog,
+replicas and replicas_held; runtime.locate (a root's tiers); storage; errors. Not for: a
+running job's own tier (session.py), or persisting what a crashed job left
+(copying.persist_memory_tier).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nebulaml.errors import NebulaError, UnsafeMemoryTierError
-from nebulaml.format.names import order_key
+from nebulaml.format.names import order_key, step_of
 from nebulaml.protocol.catalog import list_committed, read_committed
 from nebulaml.protocol.memory_tier import check_private_dir, memory_base
+from nebulaml.protocol.replicas import Replica
+from nebulaml.protocol.replicas_held import held_replicas, needed_replicas
 from nebulaml.protocol.tier_identity import (
     OK,
     ORPHANED,
@@ -33,9 +43,83 @@ from nebulaml.protocol.tier_identity import (
     read_record,
 )
 from nebulaml.protocol.tier_lifetime import in_use, release_memory_tier, tier_contents
+from nebulaml.runtime.locate import tiers_for
 from nebulaml.storage.store import Store
 
 UNKNOWN = "unknown"  # its root cannot be reached from here (credentials, network)
+REPLICA_TIER = "replica"  # what `nebula ls` calls a replica's tier
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """A replica this node's memory tier keeps of another node's part: rank `rank`'s part
+    of `tag` (of step `step`, None for a tag without one), sent by node `node`,
+    `size_bytes` in all, whole since `received_at` (UTC, ISO 8601); `created_at` is when
+    the rank wrote the part. `persisted`: whether the
+    root holds its checkpoint committed, or one of a later step (then the replica is no
+    longer needed); None where that cannot be told (the root cannot be read)."""
+
+    rank: int
+    node: int
+    tag: str
+    step: int | None
+    size_bytes: int
+    created_at: str
+    received_at: str
+    persisted: bool | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tag": self.tag,
+            "step": self.step,
+            "tier": REPLICA_TIER,
+            "rank": self.rank,
+            "node": self.node,
+            "size_bytes": self.size_bytes,
+            "created_at": self.created_at,
+            "received_at": self.received_at,
+            "persisted": self.persisted,
+        }
+
+
+def _replica_infos(memory: Store, persistent: Store | None) -> tuple[ReplicaInfo, ...]:
+    """The replicas `memory` holds (the newest whole one of each rank), each with whether
+    `persistent` (None: a memory-only job's tier) makes it needless."""
+    held = held_replicas(memory)
+    if not held:
+        return ()
+    needed: list[Replica] | None
+    try:
+        needed = needed_replicas(held, persistent)
+    except NebulaError:
+        needed = None  # the root cannot be read: cannot be told
+    return tuple(
+        ReplicaInfo(
+            rank=r.rank,
+            node=r.node,
+            tag=r.tag,
+            step=step_of(r.tag),
+            size_bytes=r.size_bytes,
+            created_at=r.created_at,
+            received_at=r.received_at,
+            persisted=None if needed is None else r not in needed,
+        )
+        for r in held
+    )
+
+
+def list_replicas(persist_path: str | os.PathLike[str] | None = None) -> list[ReplicaInfo]:
+    """The replicas of other nodes' parts this node keeps in the memory tier of
+    `persist_path` (default: the live session's root), by rank: the newest whole one of
+    each (`peer_replicas=1` at `nm.init`). Reads; writes nothing.
+
+    Example:
+        >>> import nebulaml as nm, tempfile
+        >>> nm.ops.list_replicas(tempfile.mkdtemp())
+        []
+    """
+    tiers = tiers_for(persist_path, "list_replicas")
+    return list(_replica_infos(tiers.memory, tiers.persistent))
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +130,8 @@ class MemoryTierInfo:
     of its root), "unsafe" (not this user's alone), or "unknown" (its root cannot be
     read from here); `note` says why. `persisted`: whether the newest checkpoint is
     committed on the root (None where that cannot be told; False for a memory-only job).
+    `replicas`: the replicas it keeps of other nodes' parts (`ReplicaInfo`), counted in
+    `size_bytes`.
     """
 
     path: str
@@ -57,6 +143,12 @@ class MemoryTierInfo:
     persisted: bool | None
     size_bytes: int
     writer_alive: bool
+    replicas: tuple[ReplicaInfo, ...] = ()
+
+    @property
+    def unpersisted_replicas(self) -> tuple[ReplicaInfo, ...]:
+        """The replicas a restart of their job may still need (or that cannot be told)."""
+        return tuple(r for r in self.replicas if r.persisted is not True)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +161,7 @@ class MemoryTierInfo:
             "persisted": self.persisted,
             "size_bytes": self.size_bytes,
             "writer_alive": self.writer_alive,
+            "replicas": [replica.to_json() for replica in self.replicas],
         }
 
 
@@ -130,19 +223,33 @@ def describe_memory_tier(path: str) -> MemoryTierInfo:
     record = read_record(memory)
     if record is None:
         note = "no record of its root (an older nebula's, or a job that died at its start)"
-        return MemoryTierInfo(path, None, ORPHANED, note, tuple(tags), newest, None, size, alive)
+        replicas = tuple(replace(r, persisted=None) for r in _replica_infos(memory, None))
+        return MemoryTierInfo(
+            path, None, ORPHANED, note, tuple(tags), newest, None, size, alive, replicas
+        )
     if record.persistent is None:  # a memory-only job: nothing was ever persisted
         return MemoryTierInfo(
             path, None, OK, "a job without a persistent root", tuple(tags), newest,
-            False if tags else None, size, alive,
+            False if tags else None, size, alive, _replica_infos(memory, None),
         )  # fmt: skip
     state, why, persisted = _judge_root(memory, record.persistent, record.location, newest_info)
     if newest is not None and newest_info is None and state == OK:
         persisted = _part_persisted(record.persistent, str(newest))
+    root = _root_store(record.persistent) if state == OK else None
+    replicas = _replica_infos(memory, root)
+    if root is None:  # the root cannot be asked (or is not this tier's any more)
+        replicas = tuple(replace(r, persisted=None) for r in replicas)
     return MemoryTierInfo(
         path, record.persistent, state, why, tuple(tags), newest,
-        persisted if tags else None, size, alive,
+        persisted if tags else None, size, alive, replicas,
     )  # fmt: skip
+
+
+def _root_store(url: str) -> Store | None:
+    try:
+        return Store(url)
+    except NebulaError:
+        return None
 
 
 def _judge_root(
@@ -194,7 +301,9 @@ def plan_gc(
     Released: stale tiers and empty ones, and tiers of finished jobs (no live writer)
     whose newest checkpoint is persisted. Never: a tier a live job holds, or one that is
     not this user's alone. An unpersisted checkpoint of a finished job (or one whose root
-    cannot be read from here) only with `discard_unpersisted`.
+    cannot be read from here) only with `discard_unpersisted`; so too a replica of another
+    node's part whose checkpoint the root lacks (`MemoryTierInfo.unpersisted_replicas`: a
+    restart of its job may restore a lost node from it).
 
     Example:
         >>> plan_gc([])
@@ -208,21 +317,35 @@ def plan_gc(
             actions.append(GcAction(tier, False, f"not released: {tier.note}"))
         elif tier.state == STALE:
             actions.append(GcAction(tier, True, f"stale: {tier.note}"))
-        elif not tier.tags:
+        elif not tier.tags and not tier.unpersisted_replicas:
             actions.append(GcAction(tier, True, "holds no checkpoint"))
-        elif tier.persisted and tier.state == OK:
+        elif tier.persisted and tier.state == OK and not tier.unpersisted_replicas:
             actions.append(GcAction(tier, True, f"{tier.newest} is persisted; its job ended"))
         elif discard_unpersisted:
-            why = tier.note or f"{tier.newest} is not persisted"
+            why = _unpersisted(tier)
             actions.append(GcAction(tier, True, f"{why}; discarded (--discard-unpersisted)"))
         else:
-            why = tier.note or f"{tier.newest} is not persisted"
-            if tier.root:
+            own = bool(tier.tags) and not (tier.persisted and tier.state == OK)
+            if own and tier.root:
                 how = f"run `nebula flush {tier.root}` first"
-            else:  # nothing to flush to: the folder reads as a root of its own
+            elif own:  # nothing to flush to: the folder reads as a root of its own
                 how = f"copy it first (`nebula copy {tier.path} {tier.newest} DEST`)"
+            else:
+                how = "keep it until the root holds their checkpoint"
+            why = _unpersisted(tier)
             actions.append(GcAction(tier, False, f"{why}: {how}, or --discard-unpersisted"))
     return actions
+
+
+def _unpersisted(tier: MemoryTierInfo) -> str:
+    """What a tier holds that its root lacks: its newest checkpoint, replicas."""
+    whys = []
+    if tier.tags and not (tier.persisted and tier.state == OK):
+        whys.append(tier.note or f"{tier.newest} is not persisted")
+    if tier.unpersisted_replicas:
+        parts = ", ".join(f"rank {r.rank}'s part of {r.tag}" for r in tier.unpersisted_replicas)
+        whys.append(f"it holds the replica of {parts}, not persisted")
+    return "; ".join(whys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +407,8 @@ def _changed(planned: MemoryTierInfo, now: MemoryTierInfo) -> str | None:
         return "a live job took hold of it"
     if (now.tags, now.newest) != (planned.tags, planned.newest):
         return "its checkpoints changed"
+    if now.unpersisted_replicas != planned.unpersisted_replicas:
+        return "its replicas changed"
     if (now.state, now.persisted) != (planned.state, planned.persisted):
         return f"its state changed ({now.state}, persisted: {now.persisted})"
     return None

@@ -9,8 +9,9 @@ commit's sequence, its place in "newest" order (sequence), copying between tiers
 of a job (tiers); one memory tier: where it lives and its privacy (memory_tier), whose
 root it is (tier_identity), its sessions' holds and its release (tier_lifetime), the ranks
 alive on the node (rank_presence) and the removals a rank left unfinished (removals); the
-replicas a node keeps of other nodes' parts, checked and committed whole (replicas); and
-the history rows (history). Every reserved file name is spelled in `nebulaml.format.names`.
+replicas a node keeps of other nodes' parts, checked and committed whole (replicas), and
+those a memory tier holds that a restart may still need (replicas_held); and the history
+rows (history). Every reserved file name is spelled in `nebulaml.format.names`.
 
 May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: a
 running job's state (runtime) or operator commands (ops).

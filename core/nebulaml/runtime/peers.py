@@ -27,7 +27,9 @@ every rank's (node, local rank), so that the ring is the same on every rank even
 nodes run different numbers of ranks.
 
 Replication needs two nodes: a job on one node, or without an initialised process group,
-gets one warning and no ring (None).
+gets one warning and no ring (None). No group is made where that is known without one (no
+process group, one rank, `LOCAL_WORLD_SIZE` covering the world); one made for ranks whose
+places then put them all on one node is destroyed again.
 
 May import: `nebulaml.errors`, `nebulaml.config` and runtime/ranks.py. Not for: what
 crosses the ring (replication.py), or where the replicas are kept (protocol/replicas.py).
@@ -166,7 +168,9 @@ def open_ring(*, timeout: timedelta = PEER_TIMEOUT) -> Peers | None:
         )
         return None
     ranks = detect_ranks()
-    if ranks.world_size < 2:
+    # Every rank on this node (LOCAL_WORLD_SIZE covers the world, as every rank of the
+    # job sees alike): one node, told without a group.
+    if ranks.world_size < 2 or ranks.all_local:
         _warn_once("one node", "peer_replicas: the job runs on one node: replication is off")
         return None
     group = dist.new_group(backend="gloo", timeout=timeout)

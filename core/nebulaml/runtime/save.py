@@ -18,7 +18,9 @@ The pipeline reads in two methods, each step named as in runtime/steps.py (and t
                               record    the writer marker dropped, the history row made
                               hand over the persister told (persister.notify_committed);
                                         after the eviction it runs, the next save is
-                                        prepared (_prepare_next_save)
+                                        prepared (_prepare_next_save); with peer
+                                        replicas, the part handed to the sender too
+                                        (session.replicate: it returns at once)
 
 A lazy save (fence.py) runs `room` and `snapshot` on the snapshot worker and returns at
 once. What follows the hand-over (persist, retain, evict, history) runs on the
@@ -449,6 +451,9 @@ class SaveJob:
             leader=min(self.writers(session)),
             after_eviction=self._prepare_next_save(session, used),
         )
+        # Peer replicas: the part goes to the partner node on the sender's thread (returns
+        # at once; a no-op without replication).
+        session.replicate(self.tag)
         return True
 
     def _prepare_next_save(self, session: Session, used: int | None) -> Callable[[], None]:

@@ -10,29 +10,48 @@ size) and its generation are read again at the first save (`bind_ranks`,
 cannot be told at `init()`, the recovery waits for that first save. `close()` persists
 what is pending and releases the memory tier once everything in it is persisted.
 
+**Peer replicas** (`peer_replicas=1`, #44). The session opens nebula's own gloo group
+and this rank's place in the ring (peers.open_ring: collective, so every rank's `init()`
+calls it at the same point, after torch.distributed's `init_process_group`; one node, or
+no process group, gets one warning and nothing else), then runs the restart's recovery
+from the partners' replicas (`_recover_from_peers`, the hook), then starts this rank's
+replication (replication.py: a sender and receivers on threads of their own). Each commit
+hands its tag to the sender after the persister (save.py: `replicate`, which returns at
+once). `close()` ends replication first (bounded: `REPLICATION_CLOSE_S`, within the
+close's deadline; the partner's ranks close at about the same time) and destroys the
+group. The release at a clean exit keeps the replicas this node holds for other nodes
+while a restart may still need them (protocol/replicas_held.py: the persistent tier holds
+neither their checkpoint nor a later step); the rest of the tier goes as ever.
+
 May import: every layer below runtime, `nebulaml.config`, and the runtime modules the
-session owns (budget, fence, job, persister, ranks, slots, snapshot). Not for: the
-configuration (config.py), the exit path (exit.py), saving and loading (save.py,
-load.py), or the public functions (api.py, checkpoint.py).
+session owns (budget, fence, job, peers, persister, ranks, replication, slots, snapshot).
+Not for: the configuration (config.py), the exit path (exit.py), saving and loading
+(save.py, load.py), or the public functions (api.py, checkpoint.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from nebulaml.config import Config, elastic_generation
 from nebulaml.errors import NebulaError, NotInitializedError, RootInUseError
 from nebulaml.format.manifest import RankMarker
 from nebulaml.format.names import order_key
-from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed
+from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed, tag_folders
 from nebulaml.protocol.commit import read_markers
+from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.rank_presence import RankPresence
 from nebulaml.protocol.recovery import discard_stale_parts, remove_dead_writers
 from nebulaml.protocol.removals import read_removals
+from nebulaml.protocol.replicas import Replica
+from nebulaml.protocol.replicas_held import held_replicas, needed_replicas
 from nebulaml.protocol.sequence import SequenceReservation
 from nebulaml.protocol.tier_lifetime import TierHold, release_memory_tier
 from nebulaml.protocol.tiers import TierSet, claim_tiers, tighten_root
@@ -56,11 +75,18 @@ from nebulaml.runtime.snapshot import LayoutCache
 from nebulaml.storage.deadline import within
 from nebulaml.storage.store import Store
 
+if TYPE_CHECKING:  # imported when replication starts: it imports torch
+    from nebulaml.runtime.peers import Peers
+    from nebulaml.runtime.replication import Replication, ReplicationStatus
+
 log = logging.getLogger("nebulaml")
 
 # What a close gives the release of its hold on the root (one or two requests) when the
 # persist before it took all of its time.
 CLOSE_GRACE_S = 2.0
+# What a close gives replication to end politely (the part in flight, the partner's BYE)
+# before it cuts the connections (replication.py's `close`), at most.
+REPLICATION_CLOSE_S = 5.0
 
 
 class Session:
@@ -136,6 +162,14 @@ class Session:
         self.budget = MemoryBudget(
             limit, pool=self.pool, persister=self.persister, wait_s=config.exit_timeout_s
         )
+        # Peer replicas (the module's docstring): the ring, the restart's recovery from
+        # the partners, replication; before this rank's own recovery below, which then
+        # persists what the partners gave back like anything an earlier process left.
+        self.peers: Peers | None = None
+        self.replication: Replication | None = None
+        self.peer_recovered: str | None = None  # what the recovery restored from a partner
+        if config.peer_replicas:
+            self._start_peers()
         # What an earlier process left: recovered now if this process knows who it is in
         # the job (and, with several ranks, its generation), else at the first save.
         self.recovered: str | None = None
@@ -182,6 +216,74 @@ class Session:
         persister = getattr(self, "persister", None)
         if persister is not None:
             persister.fail(RootInUseError(self.tiers.display, why))
+
+    # peer replicas ---------------------------------------------------------------------
+    def _start_peers(self) -> None:
+        """Open nebula's group and this rank's ring (collective: every rank, here), run the
+        restart's recovery from the partners, start replication. One node, or no process
+        group: peers.open_ring's one warning, and nothing else."""
+        from nebulaml.runtime.peers import open_ring
+
+        peers = open_ring()
+        if peers is None:
+            return
+        self.peers = peers
+        try:
+            self.peer_recovered = self._recover_from_peers(peers)
+            from nebulaml.runtime.replication import Replication
+
+            self.replication = Replication(peers, self.tiers.memory).start()
+        except BaseException:
+            self._close_peers(0.0)
+            raise
+
+    def _recover_from_peers(self, peers: Peers) -> str | None:
+        """HOOK (#44, the restart's recovery from the partners' replicas). Called on every
+        rank, at this one point of `init`: after nebula's group is open (`peers`) and
+        before replication's threads start (none is on the group yet, and none has
+        touched the replicas this node keeps), and before this session's own recovery of
+        what an earlier process left (`_recover_once`, right after in `__init__` or at the
+        first save). Wire runtime/peer_recovery.py here once it lands:
+        `recover_from_peers(peers, self.tiers, self.bind_ranks(), persister=self.persister)`,
+        collective over `peers.group` (so every rank calls it, whatever its own tiers
+        hold). It must return the tag of the checkpoint the ranks agreed on when this
+        rank's memory tier received a part of it from a partner (the session keeps it as
+        `peer_recovered`), else None; a checkpoint it does not make durable itself is
+        persisted by `_recover_once` as the memory tier's newest. It may raise what
+        torch.distributed raises when a rank is gone (`init` then raises, nebula's group
+        destroyed: the job restarts again); nothing else should."""
+        return None
+
+    def replicate(self, tag: str) -> None:
+        """Hand this rank's committed part of `tag` to the replication's sender (save.py,
+        after the hand-over to the persister); returns at once: the training thread never
+        waits on the partner. A no-op without replication."""
+        replication = self.replication
+        if replication is not None:
+            replication.replicate(tag)
+
+    def replication_status(self) -> ReplicationStatus | None:
+        """Where this rank's replication stands; None when it is off (`peer_replicas=0`,
+        one node, no process group, or closed)."""
+        replication = self.replication
+        return None if replication is None else replication.status()
+
+    def _close_peers(self, grace_s: float) -> None:
+        """End replication (within about `grace_s`, twice that at worst: replication.py's
+        `close`) and destroy nebula's group. A program that destroyed every group first
+        (`destroy_process_group()`) is fine: the connections are cut all the same."""
+        replication, self.replication = self.replication, None
+        peers, self.peers = self.peers, None
+        if replication is not None:
+            try:
+                replication.close(grace_s)
+            except Exception as exc:  # noqa: BLE001 - the close goes on: the persist matters more
+                log.warning("replication did not close cleanly: %s", exc)
+        if peers is not None:
+            dist = sys.modules.get("torch.distributed")
+            if dist is not None:
+                with contextlib.suppress(Exception):  # destroyed with the program's already
+                    dist.destroy_process_group(peers.group)
 
     def wait_for_snapshots(self) -> None:
         """The fence: every lazy save's snapshot and commit done; raises their failure."""
@@ -357,6 +459,14 @@ class Session:
         ends = None if timeout_s is None else time.monotonic() + timeout_s
         if self.snapshots is not None:
             self.snapshots.close()  # the lazy saves commit first, then are persisted
+        if self.peers is not None:
+            # Before the persist, whose length varies by rank: the partners reach their
+            # close at about the same time, and end with BYEs, not cut connections.
+            grace = (
+                REPLICATION_CLOSE_S if timeout_s is None else min(REPLICATION_CLOSE_S, timeout_s)
+            )
+            self._close_peers(grace)
+            timeout_s = None if ends is None else max(0.0, ends - time.monotonic())
         left = self.persister.close(timeout_s)
         rest = None if ends is None else max(CLOSE_GRACE_S, ends - time.monotonic())
         with within(rest):
@@ -380,6 +490,23 @@ class Session:
                     rank_timeout_s=self.config.rank_timeout_s,
                 )
             ):
+                needed = self._replicas_needed()
+                if needed:
+                    # This node's own checkpoints go (each by the delete protocol: one
+                    # being read stays); the folder stays, for the replicas.
+                    memory = self.tiers.memory
+                    for tag in tag_folders(memory):
+                        delete_checkpoint(memory, tag, own_holds=False)
+                    parts = ", ".join(f"rank {r.rank}'s part of {r.tag!r}" for r in needed)
+                    log.info(
+                        "kept the memory tier %s: it holds the replicas of %s, which the "
+                        "persistent tier lacks and a restart of the job may need (this "
+                        "node's own checkpoints are persisted; `nebula gc` releases it once "
+                        "those are too)",
+                        self.tiers.memory.url,
+                        parts,
+                    )
+                    return left
                 done = release_memory_tier(self.tiers.memory, self.hold)
                 if done.tags or done.size:
                     log.info("released the memory tier %s (%s: %d bytes, all persisted)",
@@ -397,6 +524,15 @@ class Session:
             self.hold.close()
             self.job.close()
         return left
+
+    def _replicas_needed(self) -> list[Replica]:
+        """The replicas of other nodes' parts this memory tier holds that a restart may
+        still need (protocol/replicas_held.py); all of them when that cannot be told."""
+        held = held_replicas(self.tiers.memory)
+        try:
+            return needed_replicas(held, self.tiers.persistent)
+        except NebulaError:
+            return list(held)
 
 
 _lock = threading.RLock()
