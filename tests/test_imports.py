@@ -66,6 +66,8 @@ def test_public_api_is_exactly_all() -> None:
             assert issubclass(torch_nebula.Checkpoint, nebulaml.Checkpoint)
         elif name == "get_checkpoint":  # DeepSpeed's: warns when the tag is not there
             assert torch_nebula.get_checkpoint.__wrapped__ is nebulaml.get_checkpoint
+        elif name == "init":  # DeepSpeed's: also reads the ds_config's "nebula" block
+            assert torch_nebula.init.__wrapped__ is nebulaml.init
         else:
             assert getattr(torch_nebula, name) is getattr(nebulaml, name)
         obj = getattr(nebulaml, name)

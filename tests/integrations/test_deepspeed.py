@@ -283,6 +283,43 @@ def test_the_engines_resave_of_a_tag_replaces_it(
     assert torch_nebula.get_checkpoint(tag="best", persist_path=str(root)) is None
 
 
+# A DeepSpeed config whose "nebula" block holds nebula's own keys; its engine is made
+# (create_checkpoint_engine, as deepspeed.initialize does) and the session reports.
+ENGINE_WITH_BLOCK = """
+import sys
+from deepspeed.runtime.checkpoint_engine.utils import create_checkpoint_engine
+from deepspeed.runtime.config import DeepSpeedConfig
+from nebulaml.runtime import session
+for value in (2, 1):
+    block = {"enabled": True, "persistent_storage_path": sys.argv[1],
+             "persistent_time_interval": 7, "num_of_version_in_retention": 2,
+             "peer_replicas": value}
+    config = DeepSpeedConfig({"train_batch_size": 1, "nebula": block})
+    try:
+        create_checkpoint_engine(config_params=config, groups=None, zero_stage=0,
+                                 has_moe_layers=False, optimize_dp_state=False)
+    except Exception as exc:
+        print("REFUSED", value, type(exc).__name__, exc)
+    else:
+        live = session.live()
+        print("CONFIG", live.config.peer_replicas, live.config.persistent_time_interval_s)
+"""
+
+
+@pytest.mark.slow
+def test_the_blocks_peer_replicas_reaches_nm_init(tmp_path: Path) -> None:
+    """`"nebula": {..., "peer_replicas": 1}` in the ds_config, which DeepSpeed's config
+    drops (its engine passes the path, interval and retention alone): torch_nebula.init
+    reads it. Bugs caught: the key lost on the way (replication never on under
+    DeepSpeed), a bad value in the block accepted."""
+    require("deepspeed")
+    argv = ["-c", ENGINE_WITH_BLOCK, str(tmp_path / "root")]
+    done = run_script(argv, child_env(tmp_path / "memory-tier"))
+    assert done.returncode == 0, done.output
+    assert "REFUSED 2 InvalidArgumentError peer_replicas must be 0" in done.output
+    assert "CONFIG 1 7.0" in done.output
+
+
 @pytest.fixture(scope="module")
 def resave_job(shared_root: Path) -> tuple[Path, dict]:
     """ds_child's "resave" then "reload" phases, 2 ranks, RESAVE_STAGES: the per-rank JSON

@@ -403,6 +403,36 @@ def test_the_callback_warns_without_the_plugin_and_refuses_link(kit: Kit, tmp_pa
         kit.ours.NebulaCallback(save_last="link")
 
 
+def test_peer_replicas_reach_nm_init_at_setup(
+    kit: Kit, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`config_params={"peer_replicas": 1}` before torch.distributed is up (Lightning sets
+    the process group up after the callback is made): nebula starts at the callback's
+    `setup` (a one-device Trainer makes no group: replication is off, said once). Bugs
+    caught: the key dropped on its way to nm.init, nebula started at construction (or
+    from the environment by the plugin) without it, a bad value accepted."""
+    from nebulaml.runtime import peers, session
+
+    monkeypatch.setattr(peers, "_warned", set())
+    with pytest.raises(nm.InvalidArgumentError, match="peer_replicas must be 0"):
+        kit.ours.NebulaCallback(config_params={"peer_replicas": 2})
+    root = tmp_path / "tier3"
+    params = {"persistent_storage_path": str(root), "peer_replicas": 1}
+    callback = kit.ours.NebulaCallback(
+        dirpath=str(tmp_path / "ckpts"), every_n_train_steps=2, config_params=params
+    )
+    assert session.live() is None  # not yet: at setup
+    trainer = kit.trainer(
+        tmp_path, max_steps=2, plugins=[kit.ours.NebulaCheckpointIO()], callbacks=[callback]
+    )
+    trainer.fit(kit.Module(), _loader())
+    live = session.live()
+    assert live is not None and live.config.peer_replicas == 1 and live.peers is None
+    assert live.config.persistent_storage_path == str(root)
+    nm.flush_persistence()
+    assert _tags(root) == ["epoch=0-step=2"]
+
+
 def test_nm_names_pick_the_package_in_use() -> None:
     """`nm.NebulaCheckpointIO` is the class for the package the program imported; with both
     imported it cannot know. Bug caught: a Trainer given the other package's plugin."""

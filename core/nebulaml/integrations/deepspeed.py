@@ -15,6 +15,10 @@ DeepSpeed's `NebulaCheckpointEngine` imports `torch_nebula` and calls
                   when the tag is not there (DeepSpeed's engine then loads the newest
                   checkpoint instead, silently: `load_checkpoint(tag="global_step4")`
                   after global_step4 was superseded before its persist)
+    init          `torch_nebula.init`: `nebulaml.init`, which also takes nebula's own
+                  keys of the ds_config's `"nebula"` block (`peer_replicas`) that
+                  DeepSpeed's engine does not pass (it passes the path, the interval
+                  and the retention alone)
 
 May import: the public API and the layers below. DeepSpeed itself is not imported: its
 engine imports `torch_nebula`, and `materialize` runs without it.
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from nebulaml.api import get_checkpoint as _get_checkpoint
+from nebulaml.api import init as _init
 from nebulaml.checkpoint import Checkpoint as _Checkpoint
 from nebulaml.errors import CheckpointNotFoundError, NebulaError
 from nebulaml.format.names import validate_name
@@ -45,6 +50,62 @@ log = logging.getLogger("nebulaml")
 
 PathLike = str | os.PathLike[str]
 LATEST_FILE = "latest"  # DeepSpeed's save_dir/latest: the tag of the last save
+# nm.init's options the ds_config's "nebula" block may hold beside DeepSpeed's own keys
+# (DeepSpeed's config reads its five keys and drops the rest; `init` reads these).
+BLOCK_OPTIONS = ("peer_replicas",)
+_ENGINE = "NebulaCheckpointEngine"  # DeepSpeed's class that calls torch_nebula.init
+
+
+def init(
+    persistent_storage_path: PathLike | None = None,
+    persistent_time_interval: float | None = None,
+    num_of_version_in_retention: int | None = None,
+    **kwargs: Any,
+) -> None:
+    """`nebulaml.init`, as DeepSpeed's Nebula engine calls it (`torch_nebula.init`). The
+    engine passes the block's `persistent_storage_path`, `persistent_time_interval` and
+    `num_of_version_in_retention` alone; the other keys of nm.init's that the block holds
+    (`BLOCK_OPTIONS`: `"peer_replicas": 1`) are read from the ds_config and passed too.
+    Arguments win over the block, the block over the environment (`NEBULA_PEER_REPLICAS`).
+    Called from anywhere else, it is `nebulaml.init`.
+
+    Example:
+        >>> import tempfile, nebulaml as nm, torch_nebula
+        >>> torch_nebula.init(tempfile.mkdtemp(), 100, 2)
+        >>> torch_nebula.init.__wrapped__ is nm.init
+        True
+    """
+    block = _engine_block(sys._getframe(1))
+    for key in BLOCK_OPTIONS:
+        if key in block and key not in kwargs:
+            kwargs[key] = block[key]
+    _init(persistent_storage_path, persistent_time_interval, num_of_version_in_retention, **kwargs)
+
+
+init.__wrapped__ = _init  # type: ignore[attr-defined]
+
+
+def _engine_block(frame: Any) -> dict[str, Any]:
+    """The ds_config's `"nebula"` block, when `frame` is DeepSpeed's
+    `NebulaCheckpointEngine.__init__` calling `init`: its `config_params` (the block as
+    DeepSpeed read it, without the other keys) is the `nebula_config` of the DeepSpeed
+    config a caller of the engine holds, whose `_param_dict` is the whole ds_config. {}
+    otherwise: called by anything else, or a DeepSpeed that keeps its config otherwise."""
+    engine = frame.f_locals.get("self")
+    params = frame.f_locals.get("config_params")
+    if type(engine).__name__ != _ENGINE or params is None:
+        return {}
+    outer = frame.f_back
+    for _ in range(4):  # create_checkpoint_engine(config_params=<DeepSpeedConfig>, ...)
+        if outer is None:
+            break
+        for value in list(outer.f_locals.values()):
+            whole = getattr(value, "_param_dict", None)
+            if getattr(value, "nebula_config", None) is params and isinstance(whole, dict):
+                block = whole.get("nebula")
+                return dict(block) if isinstance(block, dict) else {}
+        outer = outer.f_back
+    return {}
 
 
 class Checkpoint(_Checkpoint):

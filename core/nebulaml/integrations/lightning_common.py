@@ -24,6 +24,11 @@ folder is as with its own files: `ckpt_path="last"` finds `last.ckpt`, a new run
 used folder saves `last-v1`. Checkpoints saved by hand (`trainer.save_checkpoint`)
 elsewhere are nebula's, as any: its retention applies, `is_best` labels one to keep.
 
+`NebulaCallback(config_params=...)` starts nebula with them (`nm.init`) as it is made;
+with peer replicas (`"peer_replicas": 1`, or `NEBULA_PEER_REPLICAS`) while
+torch.distributed is not initialised yet, at its `setup` instead, on every rank, once
+Lightning has set the process group up: nebula's own group is opened from it.
+
 Not for: the checkpoint format (a Lightning checkpoint dict, saved as one nebula item that
 plain `torch.load` reads) or nebula's own semantics (checkpoint.py, api.py).
 """
@@ -40,6 +45,7 @@ from typing import Any
 
 from nebulaml.api import get_checkpoint, init
 from nebulaml.checkpoint import Checkpoint
+from nebulaml.config import resolve_config
 from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError, NebulaError
 from nebulaml.format.names import validate_name
 from nebulaml.protocol.catalog import read_committed
@@ -74,7 +80,9 @@ def _session_for(persist_path: Any) -> _session.Session:
     """The session that saves into `persist_path` (the current one when None).
 
     A different root re-initialises nebula for it, keeping the interval, retention and
-    options of the current configuration: from then on nebula persists there.
+    options of the current configuration: from then on nebula persists there. Without
+    peer replicas: Lightning saves on rank 0 alone, and opening nebula's process group
+    for them is collective (every rank would have to re-initialise with it).
     """
     live = _session.current_or_none()
     if persist_path is None:
@@ -92,6 +100,7 @@ def _session_for(persist_path: Any) -> _session.Session:
             storage_options=dict(config.storage_options),
             exit_timeout_s=config.exit_timeout_s,
             rank_timeout_s=config.rank_timeout_s,
+            peer_replicas=0,  # (NEBULA_PEER_REPLICAS too): this rank alone re-initialises
         )
     return _session.current("NebulaCheckpointIO.save_checkpoint")
 
@@ -295,11 +304,19 @@ class CallbackMixin:
             )
         super().__init__(*args, **kwargs)
         self.config_params: dict[str, Any] = dict(config_params or {})
-        if config_params is not None:
+        # Peer replicas open nebula's process group, which needs torch.distributed's:
+        # Lightning sets that up after the callback is made, before `setup` (every rank).
+        self._init_at_setup = config_params is not None and _waits_for_process_group(
+            self.config_params
+        )
+        if config_params is not None and not self._init_at_setup:
             init(**self.config_params)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         _refuse_checkpoints_without_checkpoint_io(trainer.strategy)
+        if self._init_at_setup:
+            self._init_at_setup = False
+            init(**self.config_params)
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         if not isinstance(trainer.strategy.checkpoint_io, self._checkpoint_io_class):
             warnings.warn(
@@ -308,6 +325,23 @@ class CallbackMixin:
                 "plugins=[nm.NebulaCheckpointIO()] to the Trainer to checkpoint with nebula",
                 stacklevel=2,
             )
+
+
+def _waits_for_process_group(config_params: dict[str, Any]) -> bool:
+    """Whether `nm.init(**config_params)` asks for peer replicas (or NEBULA_PEER_REPLICAS
+    does) while torch.distributed is not initialised yet: the callback then starts nebula
+    at `setup`, once Lightning has set the process group up, on every rank alike. Bad
+    values are refused here, as `nm.init` would."""
+    options = dict(config_params)
+    config = resolve_config(
+        options.pop("persistent_storage_path", None),
+        options.pop("persistent_time_interval", None),
+        options.pop("num_of_version_in_retention", None),
+        options,
+    )
+    dist = sys.modules.get("torch.distributed")  # never import torch just to ask
+    up = dist is not None and dist.is_available() and dist.is_initialized()
+    return config.peer_replicas > 0 and not up
 
 
 def _refuse_checkpoints_without_checkpoint_io(strategy: Any) -> None:
