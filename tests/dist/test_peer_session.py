@@ -105,7 +105,6 @@ def test_a_job_on_one_node_gets_one_warning_and_no_group(tmp_path: Path, memory_
         assert warnings == ["peer_replicas: the job runs on one node: replication is off"], out
 
 
-@pytest.mark.slow
 def test_a_partner_killed_is_reported_and_saves_go_on_and_persist(
     tmp_path: Path, memory_tier: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
