@@ -136,9 +136,9 @@ class ReplicationStatus:
     nothing more can be sent this run; `kept`: for each rank that sends to this one, the
     newest tag of its part this node holds whole; `abandoned`: the last tag whose replica
     this rank gave up because the tag was saved again (or evicted) before or while it was
-    sent (no error: the newer part is sent when it is asked for); `bytes_sent`: the bytes the last replica put
-    on the wire (its frames' heads, announcement and payload), `bytes_total`: the bytes of
-    the part it replicates.
+    sent (no error: the newer part is sent when it is asked for); `bytes_sent`: the
+    bytes the last replica put on the wire (its frames' heads, announcement and payload),
+    `bytes_total`: the bytes of the part it replicates.
     """
 
     replicated: str | None = None

@@ -232,27 +232,29 @@ class Session:
             self.peer_recovered = self._recover_from_peers(peers)
             from nebulaml.runtime.replication import Replication
 
-            self.replication = Replication(peers, self.tiers.memory).start()
+            self.replication = Replication(
+                peers, self.tiers.memory, leaves=self.pool.leaves_of
+            ).start()
         except BaseException:
             self._close_peers(0.0)
             raise
 
     def _recover_from_peers(self, peers: Peers) -> str | None:
-        """HOOK (#44, the restart's recovery from the partners' replicas). Called on every
-        rank, at this one point of `init`: after nebula's group is open (`peers`) and
-        before replication's threads start (none is on the group yet, and none has
+        """The restart's recovery from the partners' replicas (runtime/peer_recovery.py),
+        on every rank, at this one point of `init`: after nebula's group is open (`peers`)
+        and before replication's threads start (none is on the group yet, and none has
         touched the replicas this node keeps), and before this session's own recovery of
-        what an earlier process left (`_recover_once`, right after in `__init__` or at the
-        first save). Wire runtime/peer_recovery.py here once it lands:
-        `recover_from_peers(peers, self.tiers, self.bind_ranks(), persister=self.persister)`,
-        collective over `peers.group` (so every rank calls it, whatever its own tiers
-        hold). It must return the tag of the checkpoint the ranks agreed on when this
-        rank's memory tier received a part of it from a partner (the session keeps it as
-        `peer_recovered`), else None; a checkpoint it does not make durable itself is
-        persisted by `_recover_once` as the memory tier's newest. It may raise what
+        what an earlier process left (`_recover_once`). The ranks agree on the newest
+        checkpoint complete from their parts, their partners' replicas and the persistent
+        tier; a lost node's parts come back from its partner, checked, and the checkpoint
+        is made durable. Returns its tag when this rank's memory tier received a part of
+        it (the session keeps it as `peer_recovered`), else None. Raises what
         torch.distributed raises when a rank is gone (`init` then raises, nebula's group
-        destroyed: the job restarts again); nothing else should."""
-        return None
+        destroyed: the job restarts again)."""
+        from nebulaml.runtime.peer_recovery import recover_from_peers
+
+        result = recover_from_peers(peers, self.tiers, self.bind_ranks(), persister=self.persister)
+        return result.tag if result.received else None
 
     def replicate(self, tag: str) -> None:
         """Hand this rank's committed part of `tag` to the replication's sender (save.py,
