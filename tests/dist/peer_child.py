@@ -233,6 +233,44 @@ def lora_scenario(scenario: str, rank: int, memory: Store, peers: Peers, out: Pa
     return 0
 
 
+def slow_partner(rank: int, memory: Store, peers: Peers) -> int:
+    """Rank 1 starts receiving only after rank 0 saved and replicated global_step1..8
+    (4 MiB shards, back to back): rank 0's memory tier holds the part it is sending and
+    the newest, never a queue of the ones in between, which no replica ever gets."""
+    replication = Replication(peers, memory, chunk_bytes=CHUNK)
+    if rank == 0:
+        replication.start()
+        for step in range(1, 9):
+            tag = f"global_step{step}"
+            nm.Checkpoint(tag, ranks=[0]).save("shard_rank0", shard(rank, step, 1 << 20))
+            replication.replicate(tag)
+        live = session.live()
+        assert live is not None
+        live.persister.settle_eviction()  # what the last commit superseded, evicted now
+        held_tags = sorted(
+            p.parent.name for p in Path(memory.root).glob(f"global_step*/{marker_name(0)}")
+        )
+        print("HELD " + " ".join(held_tags), flush=True)
+        dist.barrier()  # rank 1 starts receiving now
+        state = replication.wait("global_step8", 60)
+        print(f"STATUS replicated={state.replicated} refused={state.refused}", flush=True)
+    else:
+        dist.barrier()
+        replication.start()
+        deadline = time.monotonic() + 60
+        while replication.status().kept.get(0) != "global_step8" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        kept = sorted(p.name for p in Path(replica_root(memory, 0).root).iterdir())
+        print("KEPT " + " ".join(kept), flush=True)
+    dist.barrier()
+    replication.close(grace_s=1.0)
+    nm.shutdown()
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"OK rank {rank}", flush=True)
+    return 0
+
+
 def main() -> int:
     scenario, root, port = sys.argv[1], sys.argv[2], sys.argv[3]
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -256,6 +294,8 @@ def main() -> int:
           f"receive_from {list(ring.receive_from)}", flush=True)  # fmt: skip
     if scenario == "kill":
         return partner_killed(rank, memory, peers, out)
+    if scenario == "slow":
+        return slow_partner(rank, memory, peers)
     if scenario in ("delta", "base", "hold", "overwrite"):
         return lora_scenario(scenario, rank, memory, peers, out)
     tamper = flip_last_byte_of("global_step2") if scenario == "corrupt" and rank == 0 else None

@@ -119,6 +119,23 @@ def test_the_caller_never_waits_for_the_partner(tmp_path: Path, memory_tier: Pat
     assert "STATUS global_step1 replicated=global_step1" in out, out
 
 
+def test_a_slow_partner_never_makes_the_sender_hold_more(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Rank 1 receives nothing until rank 0 saved and replicated global_step1..8. catches:
+    a queue of tags to send (each held against eviction until sent: the memory tier grows
+    with the partner's delay), or a newer tag that does not replace the one waiting"""
+    results = run("slow", tmp_path, memory_tier, 2)
+    sender, receiver = results[0][1], results[1][1]
+    held = re.search(r"^HELD (.*)$", sender, re.MULTILINE)
+    assert held is not None, sender
+    # The part in flight when rank 1 was away (the first), and the newest: nothing between.
+    assert set(held.group(1).split()) <= {"global_step1", "global_step8"}, sender
+    assert "STATUS replicated=global_step8 refused=None" in sender, sender
+    kept = re.search(r"^KEPT (.*)$", receiver, re.MULTILINE)
+    assert kept is not None and kept.group(1).split() == ["global_step8"], receiver
+
+
 @pytest.mark.slow
 def test_an_idle_link_outlives_the_groups_timeout(tmp_path: Path, memory_tier: Path) -> None:
     """The group's timeout is 3 s and the ranks wait 4 s before replicating. catches: no
