@@ -21,7 +21,7 @@ from nebulaml.protocol.replicas import (
     FileClaim,
     Outcome,
     ReplicaInbox,
-    keep_newest,
+    keep_only,
     part_files,
     read_replica,
     replica_ranks,
@@ -175,7 +175,7 @@ def test_claims_that_the_marker_does_not_vouch_for_are_refused(tiers) -> None:
     assert not committed and "marker" in str(reason)
 
 
-def test_the_newest_whole_replica_is_kept_and_the_others_go(tiers) -> None:
+def test_the_replica_committed_last_is_kept_and_the_others_go(tiers) -> None:
     sender, receiver = tiers
     for step in (1, 2, 3):
         write_part(sender, f"global_step{step}", 0, {"model": os.urandom(1000 * step)})
@@ -184,10 +184,11 @@ def test_the_newest_whole_replica_is_kept_and_the_others_go(tiers) -> None:
     (Path(root.root) / "global_step9").mkdir()  # a transfer cut short left a folder
     assert receive(sender, receiver, "global_step3")[0]
     assert sorted(os.listdir(root.root)) == ["global_step3"]
-    # An older part arriving late is committed, and goes: the newest stays.
+    # A part of an older tag sent after it is the sender's newest (its job resumed an
+    # older checkpoint): it stays, the one before goes.
     assert receive(sender, receiver, "global_step1")[0]
-    assert sorted(os.listdir(root.root)) == ["global_step3"]
-    assert keep_newest(root) == []
+    assert sorted(os.listdir(root.root)) == ["global_step1"]
+    assert keep_only(root, "global_step1") == []
 
 
 def test_the_same_part_again_keeps_the_replica_and_a_changed_one_replaces_it(tiers) -> None:
@@ -323,6 +324,33 @@ def test_a_replica_built_on_the_one_held_gets_only_the_changed_blocks(tiers) -> 
     folder = replica_dir(receiver, 0, "global_step2")
     assert (folder / "model").read_bytes() == sender.read_bytes("global_step2", "model")
     assert sorted(os.listdir(Path(folder).parent)) == ["global_step2"]  # the base went after
+
+
+def test_after_a_restart_from_an_older_checkpoint_the_new_replicas_are_kept(tiers) -> None:
+    """The job resumed global_step1 (its node 1 was lost at global_step3, whose replica
+    the receiver still holds) and saves global_step2 again: that replica is the sender's
+    newest, and the next one is built on it. catches: the stale global_step3 of the run
+    before kept as "the newest" and each new replica removed as soon as it was committed
+    and answered (the sender's `replicated` names a replica the partner no longer holds,
+    and every other one is refused: its base is not there; found by the node-loss
+    campaign, tests/reliability/node_loss.py)"""
+    sender, receiver = tiers
+    lora_part(sender, 3, os.urandom(40_000))  # the run before the restart
+    outcome, _held, _fed = receive_delta(sender, receiver, "global_step3", None)
+    assert outcome.committed
+    shutil.rmtree(Path(sender.root) / "global_step3")
+    lora_part(sender, 2, os.urandom(40_000))  # the run after it: a new sender, nothing held
+    outcome, held, _fed = receive_delta(sender, receiver, "global_step2", None)
+    assert outcome.committed, outcome.reason
+    root = replica_root(receiver, 0)
+    assert [r.tag for r in whole_replicas(root)] == ["global_step2"]
+    lora_part(sender, 3, os.urandom(40_000))
+    outcome, _held, fed = receive_delta(sender, receiver, "global_step3", held)
+    assert outcome.committed, outcome.reason
+    assert fed < BIG  # built on global_step2: the frozen base did not go again
+    folder = replica_dir(receiver, 0, "global_step3")
+    assert (folder / "model").read_bytes() == sender.read_bytes("global_step3", "model")
+    assert [r.tag for r in whole_replicas(root)] == ["global_step3"]
 
 
 def test_a_replica_built_on_a_corrupt_base_is_refused_and_the_base_stays(tiers) -> None:

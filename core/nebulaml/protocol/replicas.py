@@ -35,9 +35,12 @@ refused like any other; so is one whose base is not here whole. The base stays u
 new replica is whole. A sender that gives a replica up (its part was saved again while
 it was sent) ends it with `withdraw`: what was written goes, quietly.
 
-After each commit the rank's other replicas go (`keep_newest`): the newest whole one is
-kept until a newer one is whole. Order is the checkpoints' (names.order_key: the tag's
-step, then when the part was written). The same part announced again (same files, sizes,
+After each commit the rank's other replicas go (`keep_only`): the one just committed is
+kept until a newer one is whole. Newer is the sender's order, not the tags': a rank sends
+its parts in the order it committed them, and a job that resumed an older checkpoint
+(after a lost node, or rolled back) saves tags older than the replica held of the run
+before, which is of no use any more (kept as the newest, it would remove each new
+replica as soon as it was answered). The same part announced again (same files, sizes,
 checksums) keeps the replica held and drops the bytes; a tag saved again (other
 checksums) replaces it. Folders 0700, files 0600, nothing through a symbolic link: the
 memory tier's `Store` writes everything.
@@ -48,7 +51,7 @@ memory tier's `Store` writes everything.
                      `withdraw` (the sender gave it up)
     replica_root     the root of one rank's replicas in a memory tier
     read_replica     a whole replica, or None; `whole_replicas`: all, newest first
-    keep_newest      every replica of a rank but the newest whole one removed
+    keep_only        every replica of a rank but the one of a tag removed
     replica_ranks    the ranks whose replicas a memory tier holds
 
 May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: moving
@@ -473,8 +476,7 @@ class ReplicaInbox:
                 self.rank, self.tag, self.node, self._error,
             )  # fmt: skip
             return Outcome(self.tag, self.rank, committed=False, reason=self._error)
-        if not self._kept:
-            keep_newest(self.root)
+        keep_only(self.root, self.tag)
         return Outcome(self.tag, self.rank, committed=True, kept=self._kept)
 
     def abandon(self) -> None:
@@ -612,11 +614,10 @@ def remove_replica(root: Store, tag: str) -> None:
         log.debug("replica folder %s left: %s", root.display(tag), exc)
 
 
-def keep_newest(root: Store) -> list[str]:
-    """Remove every replica in `root` but the newest whole one (older ones, and folders
-    left by a transfer cut short); the tags removed. Only `root`'s receiver calls it."""
-    whole = whole_replicas(root)
-    keep = whole[0].tag if whole else None
+def keep_only(root: Store, keep: str) -> list[str]:
+    """Remove every replica in `root` but the one of `keep` (the one its receiver just
+    committed, or kept: its sender's newest), with the folders left by a transfer cut
+    short; the tags removed. Only `root`'s receiver calls it."""
     removed = [tag for tag in root.list_dirs() if tag != keep]
     for tag in removed:
         remove_replica(root, tag)
