@@ -28,6 +28,7 @@ from clock_steps import clock_steps_campaign
 from concurrency import concurrency_campaign
 from elastic import elastic_campaign
 from junk import junk_campaign
+from node_loss import node_loss_campaign
 from operators import operators_campaign
 from outages import outage_campaign
 from signals import double_signal_campaign
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             ),
             ("elastic restarts", lambda w: elastic_campaign(w, 3 if args.quick else 30)),
+            ("node loss", lambda w: node_loss_campaign(w, 2 if args.quick else 30)),
             ("junk", lambda w: junk_campaign(w, 2 if args.quick else 20)),
             ("soak", lambda w: soak_campaign(w, *((2000, 250) if args.quick else (5000, 1000)))),
             *(
