@@ -310,6 +310,24 @@ class RankGoneError(RankTimeoutError):
         self.tag = tag
 
 
+class PartSupersededError(RankTimeoutError):
+    """Another rank saved the tag again (`overwrite=True`) before this part of an earlier
+    save of it was committed: its part of that save is gone, so this one can never be
+    committed, and nothing waits for it (this rank's own save of it again follows)."""
+
+    def __init__(self, where: str, ranks: list[int], tag: str | None = None) -> None:
+        NebulaError.__init__(
+            self,
+            f"{where}: rank(s) {', '.join(map(str, ranks[:16]))} saved it again before "
+            f"this part of an earlier save of it was committed; that save is abandoned "
+            f"(the newer one is persisted instead)",
+        )
+        self.where, self.missing, self.timeout_s = where, ranks, 0.0
+        self.stale: list[int] = list(ranks)
+        self.wrote: list[int] = []
+        self.tag = tag
+
+
 class PersistTimeoutError(NebulaError, TimeoutError):
     """A wait for the persister (flush, exit) ran past its limit."""
 

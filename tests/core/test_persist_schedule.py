@@ -10,7 +10,12 @@ from typing import Any
 
 import pytest
 
-from nebulaml.errors import CorruptCheckpointError, PersistError, StorageFullError
+from nebulaml.errors import (
+    CorruptCheckpointError,
+    PartSupersededError,
+    PersistError,
+    StorageFullError,
+)
 from nebulaml.protocol.retention import Version
 from nebulaml.runtime.outage import RETRY_MAX_S, Outage, OutageWatch
 from nebulaml.runtime.persist_schedule import (
@@ -314,6 +319,73 @@ def test_persisted(
         assert schedule.done[S1] is error and schedule.error is error
     else:
         assert schedule.watch.retry_at == 10.5  # tried again after the backoff
+
+
+def saved_again(tag: str = S1) -> PersistError:
+    """Another rank saved the tag again before this rank's part of the earlier save was
+    committed (its part of that save is gone): given up at once, never retried."""
+    return _error(tag, PartSupersededError(f"/ckpt/{tag}", [1], tag=tag))
+
+
+@pytest.mark.parametrize(
+    ("state", "skips", "left"),
+    [
+        pytest.param(
+            {"inflight": S1},
+            [Skip(S1, S1, row=True, dropped=False)],
+            {"pending": None, "forced": [], "gave_up": False},
+            id="the leader's: skipped for its save again, not pending again",
+        ),
+        pytest.param(
+            {"inflight": S1, "pending": S2},
+            [Skip(S1, S1, row=True, dropped=False)],
+            {"pending": S2, "forced": []},
+            id="a newer commit stays pending",
+        ),
+        pytest.param(
+            {"inflight": S1, "inflight_forced": True, "forced": [S3]},
+            [Skip(S1, S1, row=True, dropped=False)],
+            {"forced": [S3], "pending": None},
+            id="a forced (labelled) one is not put back: its save again is queued",
+        ),
+        pytest.param(
+            {"inflight": S1, "retries": False},
+            [Skip(S1, S1, row=True, dropped=False)],
+            {"pending": None},
+            id="on_error=raise: nothing to raise",
+        ),
+        pytest.param(
+            {"inflight": S1, "stopping": True},
+            [Skip(S1, S1, row=True, dropped=False)],
+            {"gave_up": False, "pending": None},
+            id="at exit: no give-up, what is left is persisted",
+        ),
+        pytest.param(
+            {"inflight": S1, "ranks": FOLLOWER, "leaders": {S1: 0}},
+            [Skip(S1, S1, row=False, dropped=False)],
+            {"pending": None, "candidates": []},
+            id="a follower's: no row, not pending again",
+        ),
+    ],
+)
+def test_a_save_another_rank_saved_again_is_given_up(
+    state: dict[str, Any], skips: list, left: dict
+) -> None:
+    """The persist of a save that can never commit (another rank saved the tag again:
+    `PartSupersededError`) is given up at once. Bug caught (tests/dist/
+    test_follower_catches_up.py): retried as an outage, and the leader's own save of the
+    tag again waited rank_timeout_s for the persist."""
+    schedule = make(state)
+    error = saved_again()
+    assert schedule.persisted(S1, error, 10.0) == skips
+    assert {k: getattr(schedule, k) for k in left} == left
+    assert schedule.inflight is None and not schedule.busy(S1)
+    assert schedule.watch.outage is None and schedule.watch.retry_at is None
+    assert schedule.error is None  # nothing raised on the next call
+    assert schedule.done == {S1: error}  # a flush of this save hears why it is not durable
+    # The rank's own save of the tag again is queued as any commit.
+    schedule.committed(S1, leader=0)
+    assert S1 not in schedule.done and S1 in schedule.waiting()
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import nebulaml as nm
+from nebulaml.errors import PartSupersededError
 from nebulaml.format.manifest import RankMarker, parse_manifest, parse_marker
 from nebulaml.protocol.catalog import read_committed
 from nebulaml.protocol.commit import (
@@ -81,6 +82,47 @@ def test_parts_of_two_generations_are_never_committed_together(tmp_path: Path) -
         parse_marker(store.read_bytes(TAG, f".rank-{r}.json"), "m").generation for r in (0, 1)
     ]
     assert markers == ["run.1", "run.1"]
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "there_first", "gives_up"),
+    [
+        pytest.param("run.0", "run.0/2", False, True, id="their second save, our first"),
+        pytest.param("run.0/2", "run.0/3", False, True, id="their third, our second"),
+        pytest.param("run.0/2", "run.0", False, False, id="theirs older: it comes"),
+        pytest.param("run.1", "run.0/2", False, False, id="another run's: stale, waited out"),
+        pytest.param(
+            "run.0", "run.0/3", True, False, id="there from the start: an earlier session's?"
+        ),
+    ],
+)
+def test_the_wait_gives_up_at_once_a_save_another_rank_saved_again(
+    tmp_path: Path, ours: str, theirs: str, there_first: bool, gives_up: bool
+) -> None:
+    """While rank 0 waits for rank 1's part of its save, rank 1 persists its part of a
+    later save of the tag (it saved the tag again, overwrite=True, meanwhile): its part of
+    rank 0's save will never come. Bug caught (tests/dist/test_follower_catches_up.py):
+    the leader's persist of the earlier save waited rank_timeout_s for it, and so did its
+    own save of the tag again. A part of a later save there before the wait began may be
+    an earlier session's (which counted its saves of the tag from 1 again): waited out."""
+    store = Store(tmp_path / "root")
+    if there_first:
+        assert _part(store, 1, ["b"], generation=theirs) is None
+    assert _part(store, 0, ["a"], generation=ours) is None
+    late = threading.Timer(0.1, _part, (store, 1, ["b"]), {"generation": theirs})
+    if not there_first:
+        late.start()
+    started = time.monotonic()
+    error = PartSupersededError if gives_up else nm.RankTimeoutError
+    try:
+        with pytest.raises(error) as caught:
+            await_commit(store, TAG, world_size=2, generation=ours, timeout_s=1.5)
+    finally:
+        if not there_first:
+            late.join()
+    assert caught.value.stale == [1]
+    assert (time.monotonic() - started < 1.2) is gives_up
+    assert read_committed(store, TAG) is None  # never from parts of two saves
 
 
 def test_an_item_name_twice_is_never_committed(tmp_path: Path) -> None:

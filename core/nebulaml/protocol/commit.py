@@ -8,6 +8,8 @@
     commit_rank       publish this rank's marker; the manifest once every writing rank's
                       is there (all ranks, or those the checkpoint names), of one generation
     await_commit      wait until those markers are there and the manifest published
+    later_save        whether a part's generation is of a later save of the tag than
+                      another's (a rank saved it again: the earlier save never commits)
     publish_manifest  the manifest from the writing ranks' markers (create-only), with
                       the commit sequence sequence.py reserves
 
@@ -42,6 +44,7 @@ from nebulaml.errors import (
     ItemCollisionError,
     ManifestError,
     NebulaError,
+    PartSupersededError,
     RankGoneError,
     RankTimeoutError,
 )
@@ -294,11 +297,18 @@ def await_commit(
 
     Raises `RankTimeoutError` naming the ranks whose part is missing (or is of another
     generation) after `timeout_s`; `RankGoneError` as soon as `gone(missing)`, asked
-    every `GONE_POLL_S`, names ranks among them whose process has ended.
+    every `GONE_POLL_S`, names ranks among them whose process has ended;
+    `PartSupersededError` as soon as (looked at as often) a rank replaced its part there,
+    during this wait, with one of a later save of the tag than `generation` (it saved the
+    tag again: its part of this save is gone, and this one can never be committed). A
+    part of a later save there from the start is waited out as before: it may be an
+    earlier session's, which counted its saves of the tag on its own.
     """
     writers = writer_ranks(some_ranks(ranks, world_size), world_size)
     deadline = time.monotonic() + timeout_s
     next_gone = time.monotonic() + GONE_POLL_S
+    next_look = time.monotonic()
+    there_first: dict[int, str | None] | None = None  # later saves' parts at the start
     while True:
         info = read_committed(store, tag)
         if info is not None:
@@ -310,6 +320,14 @@ def await_commit(
             )
             if manifest is not None:
                 return manifest
+        elif generation is not ANY_GENERATION and time.monotonic() >= next_look:
+            next_look = time.monotonic() + GONE_POLL_S
+            later = _later_parts(store, tag, writers, generation)
+            if there_first is None:
+                there_first = later
+            again = [r for r, g in later.items() if r not in there_first or there_first[r] != g]
+            if again:
+                raise PartSupersededError(store.display(tag), again, tag=tag)
         if time.monotonic() >= deadline:
             files = store.list_files(tag)
             missing = [r for r in writers if marker_name(r) not in files]
@@ -326,6 +344,51 @@ def await_commit(
                 raise RankGoneError(store.display(tag), ended, tag=tag)
         time.sleep(poll_s)
         poll_s = min(max_poll_s, poll_s * 2)
+
+
+def later_save(theirs: str | None, ours: str | None) -> bool:
+    """Whether a part of generation `theirs` is of a later save of its tag, in the same
+    run and restart of the job, than a part of generation `ours`: the job's generation,
+    then "/<n>" from a process's n-th save of one tag on (runtime/session.py's
+    `part_generation`). A rank never saves a tag's earlier save again: once its part of
+    a later one is there, its part of the earlier one will never come.
+
+    Example:
+        >>> later_save("ab12/2", "ab12"), later_save("ab12/3", "ab12/2")
+        (True, True)
+        >>> later_save("ab12", "ab12/2"), later_save("cd34/2", "ab12"), later_save("ab12", "ab12")
+        (False, False, False)
+    """
+
+    def save_of(generation: str | None) -> tuple[str, int]:
+        base, slash, n = (generation or "").rpartition("/")
+        if slash and n.isdigit() and int(n) >= 2:
+            return base, int(n)
+        return generation or "", 1
+
+    their_base, their_n = save_of(theirs)
+    our_base, our_n = save_of(ours)
+    return their_base == our_base and their_n > our_n
+
+
+def _later_parts(
+    store: Store, tag: str, writers: Sequence[int], generation: Any
+) -> dict[int, str | None]:
+    """The ranks of `writers` whose part of `tag` on `store` is of a later save of it than
+    `generation` (`later_save`), with that part's generation."""
+    files = store.list_files(tag)
+    later: dict[int, str | None] = {}
+    for rank in writers:
+        if marker_name(rank) not in files:
+            continue
+        try:
+            where = store.display(tag, marker_name(rank))
+            marker = parse_marker(store.read_bytes(tag, marker_name(rank)), where)
+        except NebulaError:
+            continue  # being replaced, or unreadable: looked at again
+        if later_save(marker.generation, generation):
+            later[rank] = marker.generation
+    return later
 
 
 def _stale(store: Store, tag: str, rank: int, generation: Any) -> bool:

@@ -44,6 +44,7 @@ from nebulaml.runtime.persist_schedule import (
     Follow,
     Removal,
     Schedule,
+    saved_again,
     settled_parts,
 )
 from nebulaml.runtime.persist_step import discard_partial, leader_of, persist_part, persist_whole
@@ -195,12 +196,18 @@ class Persisting:
             error.__cause__ = exc
         counts = self.reuse.take_counts(tag)
         if error is not None:
-            if self.on_error == "raise":
+            superseded = saved_again(error)
+            if self.on_error == "raise" and not superseded:
                 log.error("%s", error)
             with self.cond:
                 reached = self.schedule.reached
             if reached:
                 discard_partial(persistent, tag, ranks)
+            if superseded:
+                # Not a failure: the tag's newer save is persisted instead (the schedule
+                # gives this one up; its leader's `skipped` row says so).
+                log.info("gave up persisting %r: %s", tag, error.__cause__ or error)
+                return error
             with self.cond:
                 repeated = self.schedule.repeated_failure(tag)
             if repeated:

@@ -11,6 +11,7 @@
     Skip            a persist skipped, and the newer commit that superseded it
     Follow          a follower's next move after looking for its leaders' markers
     settled_parts   of this rank's parts in the memory tier, those eviction may consider
+    saved_again     whether a persist failed because another rank saved its tag again
 
 Nothing here reads a clock, a store or a thread: a decision that depends on the time takes
 it (`now`, monotonic seconds), and what a decision means for the stores and the history
@@ -36,7 +37,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from nebulaml.errors import NebulaError, PersistError
+from nebulaml.errors import NebulaError, PartSupersededError, PersistError, exception_chain
 from nebulaml.format.names import MANIFEST_NAME, order_key, step_of, writer_marker_name
 from nebulaml.protocol.retention import Version, plan_retention
 from nebulaml.runtime.outage import OutageWatch, is_broken
@@ -47,6 +48,14 @@ FOLLOW_POLL_S = 0.2  # how often a follower looks for its leaders' markers and c
 
 def _newest(tags: Iterable[str]) -> str:
     return max(tags, key=lambda t: order_key(t, ""))
+
+
+def saved_again(error: BaseException) -> bool:
+    """Whether a persist failed because another rank saved its tag again before this
+    rank's part of the earlier save was committed (`PartSupersededError`, down the chain
+    of causes): that save can never be committed, and this rank's save of the tag again
+    follows (every rank saves a tag as often as the others)."""
+    return any(isinstance(current, PartSupersededError) for current in exception_chain(error))
 
 
 class Skip(NamedTuple):
@@ -434,9 +443,12 @@ class Schedule:
 
     def persisted(self, tag: str, error: PersistError | None, now: float) -> list[Skip]:
         """The persist of `tag` ended, with `error` or not. A failure the store may get
-        over (on_error="retry") is tried again (`failed`); any other is its answer, and
-        kept to be raised. What it skipped."""
+        over (on_error="retry") is tried again (`failed`); one of a save another rank
+        saved again is given up (`abandoned`); any other is its answer, and kept to be
+        raised. What it skipped."""
         self.inflight = None
+        if error is not None and saved_again(error):
+            return self.abandoned(tag, error)
         if error is not None and self.retries and not is_broken(error):
             return self.failed(tag, error, now)
         self.done[tag] = error
@@ -447,6 +459,18 @@ class Schedule:
         else:
             self.landed(tag)
         return []
+
+    def abandoned(self, tag: str, error: PersistError) -> list[Skip]:
+        """The persist of `tag` was given up at once: another rank saved the tag again
+        before its part of this save was committed (`saved_again`). Never retried (it can
+        never commit), no outage, no error kept: this rank's own save of the tag again
+        follows and is queued as any commit. A flush of this save gets the error (it
+        cannot become durable). Its leader writes the `skipped` row."""
+        self.done[tag] = error
+        skip = Skip(tag, tag, row=self.leads(tag), dropped=False)
+        if tag != self.pending and tag not in self.forced + self.candidates:
+            self.leaders.pop(tag, None)
+        return [skip]
 
     def failed(self, tag: str, error: PersistError, now: float) -> list[Skip]:
         """The persist of `tag` failed ("retry"): it stays queued where it was (a newer
