@@ -20,12 +20,14 @@ from nebulaml.protocol.leases import hold_tag
 from nebulaml.protocol.replicas import (
     FileClaim,
     Outcome,
+    OwnParts,
     ReplicaInbox,
     keep_only,
     part_files,
     read_replica,
     replica_ranks,
     replica_root,
+    replica_tags,
     whole_replicas,
 )
 from nebulaml.runtime.peer_wire import (
@@ -77,6 +79,7 @@ def receive(
     flip: int | None = None,
     cut: int = 0,
     sender_ok: bool = True,
+    own: OwnParts | None = None,
 ) -> tuple[bool, str | None]:
     """`rank`'s part of `tag` from `source`'s memory tier into `receiver`'s replicas, fed
     in pieces of random sizes; `flip`: the byte of the stream flipped on the way; `cut`:
@@ -89,7 +92,8 @@ def receive(
     if flip is not None:
         stream[flip] ^= 0x01
     del stream[len(stream) - cut :]
-    inbox = ReplicaInbox(replica_root(receiver, rank), tag=tag, rank=rank, node=1, files=claims)
+    root = replica_root(receiver, rank)
+    inbox = ReplicaInbox(root, tag=tag, rank=rank, node=1, files=claims, own=own)
     rng, at = random.Random(7), 0
     while at < len(stream):
         n = rng.randint(1, 5000)
@@ -189,6 +193,49 @@ def test_the_replica_committed_last_is_kept_and_the_others_go(tiers) -> None:
     assert receive(sender, receiver, "global_step1")[0]
     assert sorted(os.listdir(root.root)) == ["global_step1"]
     assert keep_only(root, "global_step1") == []
+
+
+def test_the_replica_before_stays_until_the_own_part_of_the_newer_tag_is_committed(tiers) -> None:
+    """Rank 0 (node 0) is a step ahead of rank 1 (node 1), which keeps rank 0's replicas:
+    replica global_step2 arrives before rank 1's own part of global_step2 is committed.
+    Node 0 lost then, node 1 must still complete a checkpoint: global_step1 (replica +
+    own part). catches: the older replica removed as soon as the newer one is whole
+    (nothing complete on node 1: 3 of 30 restarts of the node-loss campaign resumed the
+    persistent tier, 6-30 steps behind)"""
+    sender, receiver = tiers
+    own = OwnParts(receiver, 1)
+    root = replica_root(receiver, 0)
+    for step in (1, 2, 3):
+        write_part(sender, f"global_step{step}", 0, {"model": os.urandom(1000 * step)})
+    write_part(receiver, "global_step1", 1, {"model": os.urandom(100)})
+    assert receive(sender, receiver, "global_step1", own=own)[0]
+    assert receive(sender, receiver, "global_step2", own=own)[0]  # own global_step2: not yet
+    assert [r.tag for r in whole_replicas(root)] == ["global_step2", "global_step1"]
+    write_part(receiver, "global_step2", 1, {"model": os.urandom(100)})
+    assert receive(sender, receiver, "global_step3", own=own)[0]  # ahead again
+    assert [r.tag for r in whole_replicas(root)] == ["global_step3", "global_step2"]
+    write_part(receiver, "global_step3", 1, {"model": os.urandom(100)})
+    assert receive(sender, receiver, "global_step3", own=own)[0]  # the same part again
+    assert [r.tag for r in whole_replicas(root)] == ["global_step3"]
+    assert replica_tags(receiver) == {"global_step3"}
+
+
+def test_the_replica_kept_beside_the_newest_is_the_one_received_last(tiers) -> None:
+    """After a restart from an older checkpoint the replica of the run before (a newer
+    tag) is not the one kept beside the sender's newest: the one received last is.
+    catches: the older replica chosen by its tag"""
+    sender, receiver = tiers
+    own = OwnParts(receiver, 1)
+    root = replica_root(receiver, 0)
+    for step in (5, 3, 4):
+        write_part(sender, f"global_step{step}", 0, {"model": os.urandom(100 * step)})
+    write_part(receiver, "global_step5", 1, {"model": os.urandom(100)})  # the run before
+    assert receive(sender, receiver, "global_step5", own=own)[0]
+    assert receive(sender, receiver, "global_step3", own=own)[0]  # this run resumed 2
+    assert [r.tag for r in whole_replicas(root)] == ["global_step5", "global_step3"]
+    write_part(receiver, "global_step3", 1, {"model": os.urandom(100)})
+    assert receive(sender, receiver, "global_step4", own=own)[0]
+    assert [r.tag for r in whole_replicas(root)] == ["global_step4", "global_step3"]
 
 
 def test_the_same_part_again_keeps_the_replica_and_a_changed_one_replaces_it(tiers) -> None:

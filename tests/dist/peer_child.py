@@ -313,6 +313,10 @@ def main() -> int:
         (out / f"part-{rank}-{tag}.json").write_text(json.dumps(own))
         if scenario == "idle":
             time.sleep(4)  # idle longer than the group's timeout: the keepalives carry it
+        if scenario == "replicate":
+            # Every rank's own part of the tag is committed before its partner's replica
+            # comes: the replica before goes then (protocol/replicas.py keep_only).
+            dist.barrier()
         started = time.monotonic()
         replication.replicate(tag)
         returned = time.monotonic() - started

@@ -55,10 +55,11 @@ def test_each_nodes_part_is_replicated_bit_for_bit_to_the_next_node(
     tmp_path: Path, memory_tier: Path, nodes: int
 ) -> None:
     """Each rank saves global_step1 and global_step2 and replicates each; its partner
-    keeps the newest alone, byte for byte what the rank's memory tier holds, private.
-    catches: a ring that sends to the wrong node or to itself, a replica not bit-exact
-    (a chunk lost or written twice at a message boundary: 16 KiB messages here), the
-    older replica kept beside the newer, files other users can read, a process that
+    keeps the newest alone (its own part of that tag committed first), byte for byte what
+    the rank's memory tier holds, private. catches: a ring that sends to the wrong node
+    or to itself, a replica not bit-exact (a chunk lost or written twice at a message
+    boundary: 16 KiB messages here), the older replica kept beside the newer once the
+    receiver's own part of the newer is there, files other users can read, a process that
     aborts at exit (a receiver left waiting in gloo)"""
     results = run("replicate", tmp_path, memory_tier, nodes)
     for rank, (_code, out) in enumerate(results):

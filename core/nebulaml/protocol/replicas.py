@@ -40,7 +40,14 @@ kept until a newer one is whole. Newer is the sender's order, not the tags': a r
 its parts in the order it committed them, and a job that resumed an older checkpoint
 (after a lost node, or rolled back) saves tags older than the replica held of the run
 before, which is of no use any more (kept as the newest, it would remove each new
-replica as soon as it was answered). The same part announced again (same files, sizes,
+replica as soon as it was answered). **One older replica stays** while the receiving
+rank's own part of the tag just committed is not in its memory tier yet (`OwnParts`: the
+partner is a step ahead, replication being asynchronous): the one received last of those
+whose tag its own part is committed for, so that a loss of the partner still finds a
+checkpoint complete on this node (the partner's part from the replica, this rank's own
+from its memory tier; runtime/persist_schedule.py's eviction keeps that own part while
+the replica stands). It goes at the next commit after this rank's own part of a newer
+replica's tag is there. The same part announced again (same files, sizes,
 checksums) keeps the replica held and drops the bytes; a tag saved again (other
 checksums) replaces it. Folders 0700, files 0600, nothing through a symbolic link: the
 memory tier's `Store` writes everything.
@@ -51,7 +58,10 @@ memory tier's `Store` writes everything.
                      `withdraw` (the sender gave it up)
     replica_root     the root of one rank's replicas in a memory tier
     read_replica     a whole replica, or None; `whole_replicas`: all, newest first
-    keep_only        every replica of a rank but the one of a tag removed
+    keep_only        every replica of a rank but the one of a tag removed (and an older one
+                     while the receiving rank's own part of that tag is not committed)
+    OwnParts         the receiving rank's own committed parts, as `keep_only` asks
+    replica_tags     the tags of the replicas a memory tier holds, whole or arriving
     replica_ranks    the ranks whose replicas a memory tier holds
 
 May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`. Not for: moving
@@ -64,6 +74,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -130,6 +141,21 @@ class Replica:
     @property
     def sizes(self) -> dict[str, int]:
         return {claim.name: claim.size for claim in self.files}
+
+
+@dataclass(frozen=True, slots=True)
+class OwnParts:
+    """The receiving rank `rank`'s own parts in its node's memory tier `memory`: a tag's is
+    committed once the rank's marker is there (a save publishes it last)."""
+
+    memory: Store
+    rank: int
+
+    def committed(self, tag: str) -> bool:
+        try:
+            return self.memory.exists(tag, marker_name(self.rank))
+        except NebulaError:
+            return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +310,9 @@ class ReplicaInbox:
 
     With `base` (an older tag whose whole replica of `rank`'s part `root` holds), the
     runs `reuse[name]` of each item file are taken from that replica's file of the same
-    name, and `feed` brings only the other bytes, in file order (`total` of them)."""
+    name, and `feed` brings only the other bytes, in file order (`total` of them).
+    `own`: the receiving rank's own parts (`keep_only` keeps an older replica while its
+    own part of this tag is not committed)."""
 
     def __init__(
         self,
@@ -296,8 +324,10 @@ class ReplicaInbox:
         files: Sequence[FileClaim],
         base: str | None = None,
         reuse: Runs | None = None,
+        own: OwnParts | None = None,
     ) -> None:
         self.root, self.tag, self.rank, self.node = root, tag, rank, node
+        self.own = own
         self.files = tuple(files)
         self.base = base
         self.reuse = {name: tuple(runs) for name, runs in (reuse or {}).items()}
@@ -476,7 +506,7 @@ class ReplicaInbox:
                 self.rank, self.tag, self.node, self._error,
             )  # fmt: skip
             return Outcome(self.tag, self.rank, committed=False, reason=self._error)
-        keep_only(self.root, self.tag)
+        keep_only(self.root, self.tag, own=self.own)
         return Outcome(self.tag, self.rank, committed=True, kept=self._kept)
 
     def abandon(self) -> None:
@@ -614,11 +644,57 @@ def remove_replica(root: Store, tag: str) -> None:
         log.debug("replica folder %s left: %s", root.display(tag), exc)
 
 
-def keep_only(root: Store, keep: str) -> list[str]:
+def keep_only(root: Store, keep: str, *, own: OwnParts | None = None) -> list[str]:
     """Remove every replica in `root` but the one of `keep` (the one its receiver just
     committed, or kept: its sender's newest), with the folders left by a transfer cut
-    short; the tags removed. Only `root`'s receiver calls it."""
-    removed = [tag for tag in root.list_dirs() if tag != keep]
+    short; the tags removed. Only `root`'s receiver calls it.
+
+    With `own` (the receiving rank's own parts), while its own part of `keep` is not
+    committed, the whole replica received last of those whose tag its own part is
+    committed for stays too: the partner is ahead, and without it no checkpoint would be
+    complete on this node (the module's docstring)."""
+    others = [tag for tag in root.list_dirs() if tag != keep]
+    spare: str | None = None
+    if own is not None and others and not own.committed(keep):
+        complete = [
+            replica
+            for tag in others
+            if (replica := read_replica(root, tag)) is not None and own.committed(tag)
+        ]
+        if complete:
+            spare = max(complete, key=lambda r: (r.received_at, r.sort_key)).tag
+    removed = [tag for tag in others if tag != spare]
     for tag in removed:
         remove_replica(root, tag)
     return removed
+
+
+def replica_tags(memory: Store) -> set[str]:
+    """The tags of every replica the memory tier `memory` holds of other nodes' parts,
+    whole or still arriving (a folder under `.replicas/rank-<r>/`); nothing is made or
+    removed, and a folder that cannot be read holds none. Eviction keeps this node's own
+    parts of them (runtime/persist_schedule.py).
+
+    Example:
+        >>> import tempfile
+        >>> replica_tags(Store(tempfile.mkdtemp(), durable=False, private=True))
+        set()
+    """
+    tags: set[str] = set()
+    try:
+        ranks = replica_ranks(memory)
+    except (NebulaError, OSError):
+        return tags
+    for rank in ranks:
+        path = memory.local_path(REPLICAS_DIR, rank_folder(rank))
+        if path is None or os.path.islink(path):
+            continue
+        try:
+            folders = Store(path, durable=False, private=True).list_dirs()
+        except (NebulaError, OSError):
+            continue
+        for tag in folders:
+            with contextlib.suppress(ValueError):
+                validate_name("tag", tag)
+                tags.add(tag)
+    return tags

@@ -18,10 +18,11 @@ the bytes of one being allocated are not counted as free.
 Replicas count: the memory tier's usage (slots.SlotPool.usage_bytes, every file under it)
 includes the replicas it keeps of other nodes' parts (`peer_replicas=1`: `.replicas/`,
 one replica of the partner's newest part, two while a newer one arrives until it is
-whole), and so does the filesystem's free space. They take room from this node's own
-checkpoints, and no eviction here frees them: the receiver replaces a replica only with a
-newer whole one (runtime/replication.py), and the release at exit keeps those a restart
-may need (session.py).
+whole, or while this rank's own part of the newer one's tag is not committed yet), and
+so does the filesystem's free space. They take room from this node's own checkpoints,
+and no eviction here frees them: the receiver replaces a replica only with a newer whole
+one (runtime/replication.py), and the release at exit keeps those a restart may need
+(session.py).
 
 Not for: choosing which old copies are evictable (persister.py), how the pool reuses
 files (slots.py), or streaming (checkpoint.py).

@@ -43,7 +43,9 @@ goes when it is asked for. So does a part evicted or saved again before its turn
 its frames, writes each replica into this node's memory tier as its bytes arrive, and
 checks and commits it there (protocol/replicas.py: `<memory tier>/.replicas/rank-<r>/`);
 then answers COMMITTED, or REFUSED with the reason (also one warning here, and one on the
-sender's side).
+sender's side). The replica before stays while this rank's own part of the new one's tag
+is not committed yet (`OwnParts`): a lost partner then still finds a checkpoint complete
+here.
 
 **Failures.** gloo cannot mend a connection: an error of the group (the partner's
 process ended, a damaged frame head, an operation that waited past the group's timeout)
@@ -85,7 +87,14 @@ from nebulaml.errors import NebulaError
 from nebulaml.format.manifest import parse_marker
 from nebulaml.format.names import marker_name, order_key
 from nebulaml.protocol.leases import HandleHolds, hold_tag
-from nebulaml.protocol.replicas import FileClaim, Outcome, ReplicaInbox, part_files, replica_root
+from nebulaml.protocol.replicas import (
+    FileClaim,
+    Outcome,
+    OwnParts,
+    ReplicaInbox,
+    part_files,
+    replica_root,
+)
 from nebulaml.runtime.peer_wire import (
     HEAD_BYTES,
     MAX_CHUNK_BYTES,
@@ -589,6 +598,7 @@ class Replication:
                     files=begin.files,
                     base=begin.base,
                     reuse=begin.reuse,
+                    own=OwnParts(self.memory, self.ring.rank),
                 )
         try:
             drop: Callable[[memoryview], None] = lambda _piece: None  # noqa: E731
