@@ -31,6 +31,7 @@ from nebulaml.runtime.peer_recovery import (
     Offer,
     Transfer,
     agree,
+    why_incomplete,
 )
 from nebulaml.storage.store import Store
 
@@ -144,6 +145,47 @@ def test_every_rank_computes_the_same_plan_whatever_the_order_of_the_offers() ->
     # Node 0's replica of rank 4 refused: both of node 0's ranks hold the same files.
     plan = agree(offers, {("s5", 4, 0)})
     assert plan.tag is None and plan.newer == (Incomplete("s5", (4,)),)
+
+
+W3 = ("global_step1", "global_step3", "rank 1's node was lost, and node 0 keeps its replica "
+      "of 'global_step2', not of it")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("offers", "said"),
+    [
+        pytest.param(
+            [Offer(0, 0, (own("global_step3", 0), rep("global_step2", 1)), PERSISTED),
+             Offer(1, 1)],
+            (*W3[:2], W3[2] + "; 'global_step2' cannot be completed either: rank(s) 0 no "
+             "longer hold their own part of it"),
+            id="the campaign's: the replica a step behind the survivor's own part",
+        ),
+        pytest.param(
+            [Offer(0, 0, (own("global_step3", 0), own("global_step2", 0),
+                          rep("global_step2", 1)), PERSISTED), Offer(1, 1)],
+            ("global_step2", "global_step3", W3[2]),
+            id="its own part kept: the replica's tag resumes, the newer was not replicated",
+        ),
+        pytest.param(
+            [Offer(0, 0, (own("global_step3", 0, writers=(0, 1, 2)),
+                          rep("global_step3", 2, writers=(0, 1, 2))), PERSISTED),
+             Offer(1, 1), Offer(2, 2)],
+            ("global_step1", "global_step3", "the part of rank(s) 1 is on no node (its node and "
+             "the partner keeping its replica were both lost)"),
+            id="both nodes of a pair lost (three nodes)",
+        ),
+    ],
+)  # fmt: skip
+def test_why_a_newer_checkpoint_cannot_be_completed(
+    offers: list[Offer], said: tuple[str, str, str]
+) -> None:
+    """The warning's words, from the offers. catches: a node whose own part of the
+    replica's tag was evicted said to have lost both nodes of the pair (the node-loss
+    campaign's restarts behind the replicated step)"""
+    plan = agree(offers)
+    assert (plan.tag, plan.newer[0].tag) == said[:2]
+    assert why_incomplete(plan.newer[0], plan.newer, offers) == said[2]
 
 
 def test_a_rank_whose_memory_tier_cannot_take_a_part_is_not_sent_one() -> None:

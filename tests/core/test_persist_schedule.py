@@ -576,6 +576,67 @@ def test_evictable(state: dict[str, Any], superseded_newest: bool, doomed: list[
 
 
 @pytest.mark.parametrize(
+    ("state", "replicas", "superseded_newest", "doomed"),
+    [
+        # The node-loss campaign's restarts behind the replicated step: the node kept its
+        # partner's replica of S2 and its own part of S3 only; the partner lost, nothing
+        # was complete there.
+        pytest.param({}, {S2}, False, [S1], id="the own part of the replica's tag stays"),
+        pytest.param(
+            {},
+            {S1, S2},
+            False,
+            [],
+            id="two replicas (one while the own part of the newer is not committed)",
+        ),
+        pytest.param({}, {S3}, False, [S1, S2], id="a replica of the newest: nothing more"),
+        pytest.param({}, {S5}, False, [S1, S2], id="a replica of a tag this rank lacks"),
+        pytest.param({}, {S2}, True, [S1], id="the budget: it stays while not durable"),
+        pytest.param(
+            {"durable_tags": {S2}},
+            {S2},
+            True,
+            [S1, S2],
+            id="the budget: it goes once durable",
+        ),
+        pytest.param(
+            {"durable_tags": {S4}},
+            {S2},
+            True,
+            [S1, S2, S3],
+            id="the budget: or once a newer one is",
+        ),
+        pytest.param(
+            {"durable_tags": {S2}},
+            {S2},
+            False,
+            [S1],
+            id="durable, but the budget did not ask",
+        ),
+        pytest.param(
+            {"persistent": False},
+            {S1},
+            False,
+            [],
+            id="the only tier: it stays beside retention's (2)",
+        ),
+    ],
+)
+def test_evictable_keeps_the_own_part_of_a_replicas_tag(
+    state: dict[str, Any], replicas: set[str], superseded_newest: bool, doomed: list[str]
+) -> None:
+    """The tags of the replicas the node keeps of its partner's parts (`replicas`): this
+    rank's own part of each stays like the newest. catches: a node whose newest replica
+    is a step behind its own newest part (replication is asynchronous) holding no
+    checkpoint complete, so that a lost partner set the job back to the persistent tier
+    (3 of 30 restarts of the node-loss campaign, 6-30 steps behind)"""
+    versions = _versions(S1, S2, S3)
+    schedule = make(state)
+    got = schedule.evictable(versions, 2, superseded_newest=superseded_newest, replicas=replicas)
+    assert got == doomed
+
+
+@pytest.mark.parametrize(
     ("state", "may"),
     [
         pytest.param({}, True, id="nothing holds it"),

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import nebulaml as nm
-from nebulaml.format.names import marker_name
+from nebulaml.format.names import REPLICA_DONE, marker_name
 from nebulaml.protocol.replicas import replica_root
 from nebulaml.runtime import session
 from nebulaml.runtime.peers import Peers, open_ring
@@ -200,9 +200,22 @@ def lora_scenario(scenario: str, rank: int, memory: Store, peers: Peers, out: Pa
         replication.replicate(tag)
         say(replication.wait(tag, 60), tag)
     if scenario == "hold":
+        dist.barrier()  # every replica of global_step1 is committed: its bytes, recorded
+        (source,) = peers.ring.receive_from
+        folder = Path(replica_root(memory, source).root) / tag
+        held = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()
+                if p.name != REPLICA_DONE}  # fmt: skip
+        (out / f"replica-{source}-{tag}.json").write_text(json.dumps(held))
+        tag = save_lora(rank, 4)
+        # The partner's replica of global_step1 goes once its replica of global_step4 is
+        # whole (every own part of global_step4 committed first): the eviction after it
+        # takes global_step1, no longer held, and no longer the tag of a replica here.
         dist.barrier()
-        save_lora(rank, 4)  # its eviction: global_step1, no longer held
+        replication.replicate(tag)
+        say(replication.wait(tag, 60), tag)
+        dist.barrier()
         live.persister.settle_eviction()
+        live.persister.evict_memory()
         print(f"AFTER global_step1 kept={memory.exists('global_step1', marker_name(rank))}",
               flush=True)  # fmt: skip
     if scenario in ("delta", "base"):

@@ -5,10 +5,16 @@ Usage: recovery_child.py PHASE ROOT PORT; RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and
 node's NEBULA_MEMORY_TIER_PATH come from the environment (dist_launch.run_ranks).
 
     save     saves global_step1..3 (persistent_time_interval=3600: only global_step1 is
-             persisted, waited for), each replicated to the partner node and answered;
-             writes `<ROOT>/../out/part-<rank>-<tag>.json` (the sha256 of each file of its
-             own part), then every rank SIGKILLs itself (the job dies; the test then
-             deletes, or damages, what a lost node loses)
+             persisted, waited for), each replicated to the partner node once every rank
+             committed its own part, and answered; writes
+             `<ROOT>/../out/part-<rank>-<tag>.json` (the sha256 of each file of its own
+             part), evicts what the memory tier no longer needs, then every rank SIGKILLs
+             itself (the job dies; the test then deletes, or damages, what a lost node
+             loses)
+    ahead    saves global_step1..2 as `save` does, then global_step3, which no rank
+             replicates (the lost node's replica of it never reached its partner:
+             replication is asynchronous); prints HELD (the steps of its own parts left
+             after the eviction global_step3's commit asked for), then SIGKILLs itself
     restart  `nm.init`, nebula's ring, `recover_from_peers`; prints RESULT, LATEST (what
              `get_latest_checkpoint()` returns) and LOADED (its shard, compared with what
              was saved at that step); writes `restored-<rank>-<tag>.json` (the sha256 of
@@ -69,23 +75,36 @@ def wait_for(path: Path, timeout_s: float = 60) -> None:
         time.sleep(0.02)
 
 
-def save_and_die(rank: int, root: str, out: Path) -> int:
+def save_and_die(rank: int, root: str, out: Path, *, ahead: bool = False) -> int:
     live = session.live()
     assert live is not None
     memory = live.tiers.memory
     peers = open_ring(timeout=timedelta(minutes=2))
     assert peers is not None
     replication = Replication(peers, memory, chunk_bytes=CHUNK).start()
-    for step in (1, 2, 3):
+    for step in (1, 2) if ahead else (1, 2, 3):
         tag = save(rank, step)
         part = own_part(Path(memory.root), tag, rank)
         (out / f"part-{rank}-{tag}.json").write_text(json.dumps(part))
+        # Every rank's own part is committed before its partner's replica comes: the
+        # receiver keeps the newest replica alone (protocol/replicas.py keep_only).
+        dist.barrier()
         replication.replicate(tag)
         state = replication.wait(tag, 60)
         assert state.replicated == tag, state
         if step == 1:  # the first commit is persisted at once; the interval holds the rest
             wait_for(Path(root) / tag / "manifest.json")
     dist.barrier()  # every replica answered: each receiver committed its own
+    if ahead:
+        save(rank, 3)  # never replicated
+        live.persister.settle_eviction()  # what its commit asked for, evicted now
+    else:
+        live.persister.evict_memory()  # what the next commit would evict
+    held = sorted(
+        p.parent.name for p in Path(memory.root).glob(f"global_step*/{marker_name(rank)}")
+    )
+    print(f"HELD rank {rank} {' '.join(held)}", flush=True)
+    dist.barrier()
     print(f"SAVED rank {rank}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
     return 1
@@ -134,8 +153,8 @@ def main() -> int:
     )
     nm.init(root, persistent_time_interval=3600, rank_timeout_s=30, keep_memory_tier=True)
     dist.barrier()  # together into the group's creation
-    if phase == "save":
-        return save_and_die(rank, root, out)
+    if phase in ("save", "ahead"):
+        return save_and_die(rank, root, out, ahead=phase == "ahead")
     return restart(rank, out)
 
 

@@ -102,6 +102,42 @@ def test_a_lost_nodes_part_comes_back_from_its_partner_bit_for_bit(
     assert warnings_in(outs) == [], outs
 
 
+def test_a_node_a_step_ahead_of_its_partners_replica_still_completes_it(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Both nodes save and replicate global_step1..2, then save global_step3, which no
+    replica reaches (replication is asynchronous: the node-loss campaign lost a node
+    there); node 1 is lost. Node 0 holds rank 1's replica of global_step2 and its own
+    parts of global_step2 and global_step3: the job resumes global_step2, bit for bit.
+    catches: this rank's own part of the replica's tag evicted as soon as a newer one
+    was committed (nothing complete on node 0: the job resumed the persistent tier's
+    global_step1, 3 of 30 restarts of the campaign 6-30 steps behind), and the warning
+    that then blamed both nodes of the pair"""
+    results = launch("ahead", tmp_path, memory_tier, 2)
+    for rank, (code, out) in enumerate(results):
+        assert code == -9 and f"SAVED rank {rank}" in out, out
+    held = re.search(r"HELD rank 0 (.*)", results[0][1])
+    assert held is not None, results[0][1]
+    assert {"global_step2", "global_step3"} <= set(held.group(1).split()), results[0][1]
+    lose_node(memory_tier, 1)
+    replica = replica_folder(memory_tier, 0, 1, "global_step2")
+    assert sorted(p.name for p in replica.parent.iterdir()) == ["global_step2"]
+    outs = restarted(tmp_path, memory_tier, 2)
+    first, second = (result_of(out) for out in outs)
+    assert first["tag"] == second["tag"] == "global_step2", outs
+    assert first["source"] == second["source"] == "parts", outs
+    assert second["received"] == "[('global_step2', 1, 0)]", outs[1]
+    assert first["durable"] == second["durable"] == "True", outs
+    restored = saved_part(tmp_path, "restored", 1, "global_step2")
+    assert restored == saved_part(tmp_path, "part", 1, "global_step2")
+    resumed(outs, "global_step2")
+    (line,) = warnings_in(outs)
+    assert (
+        "'global_step3' cannot be completed: rank 1's node was lost, and node 0 keeps its "
+        "replica of 'global_step2', not of it; resuming from 'global_step2'"
+    ) in line, line
+
+
 @pytest.mark.parametrize("damaged", ["shard_rank1", ".rank-1.json"])
 def test_a_flipped_byte_in_the_partners_replica_falls_back_and_is_never_loaded(
     tmp_path: Path, memory_tier: Path, damaged: str

@@ -242,16 +242,19 @@ def test_a_part_half_sent_is_held_against_eviction_and_its_replica_commits(
     global_step1 is half sent: the commits evict what they supersede, and global_step3
     would take global_step1's buffers. catches: a send whose part is evicted or
     overwritten under it (without the hold, the sender finds its part gone and gives the
-    replica up), a hold that outlives the send (global_step1 never evicted after)"""
+    replica up), a hold that outlives the send (global_step1 never evicted after, once
+    the partner's replica of it gave way to global_step4's)"""
     results = run("hold", tmp_path, memory_tier, 2)
     for rank, (_code, out) in enumerate(results):
         assert "HELD global_step1 kept=True" in out, out
         (state,) = statuses(out, "global_step1")
         assert state["replicated"] == "global_step1" and state["refused"] == "None", out
+        ((step4,),) = [[s["replicated"] for s in statuses(out, "global_step4")]]
+        assert step4 == "global_step4", out
         assert "AFTER global_step1 kept=False" in out, out
         assert "refused:" not in results[(rank + 1) % 2][1]
-        replica = replicas_of(memory_tier, (rank + 1) % 2, rank) / "global_step1"
-        assert sha256s(replica) == part(tmp_path, rank, "global_step1")
+        held = json.loads((tmp_path / "out" / f"replica-{rank}-global_step1.json").read_text())
+        assert held == part(tmp_path, rank, "global_step1")
 
 
 def test_a_part_saved_again_mid_send_is_abandoned_quietly_and_the_newer_one_sent(

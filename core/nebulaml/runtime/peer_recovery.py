@@ -7,6 +7,8 @@ made durable, so that `get_latest_checkpoint()` returns it on every rank.
                          a `RecoveryResult`
     agree                the answer every rank computes alike from every rank's `Offer`
                          (pure): the checkpoint, and the parts to send back (`Plan`)
+    why_incomplete       why a newer checkpoint cannot be completed, from the offers
+                         (pure): the warning's words
 
 **Where it is called.** Once per process, on every rank of the job, at the same point of
 its program: after `nm.init` (the session: its tiers and persister) and `peers.open_ring`
@@ -48,9 +50,12 @@ refused. A replica refused is never loaded and never offered again: the ranks ag
 anew, without it, on the newest checkpoint complete elsewhere (an older tag from their
 own tiers and replicas, or the persistent tier), and parts received of a tag not agreed
 in the end are removed. Each refusal is said in one warning naming the tag, the rank and
-the checkpoint resumed instead; a newer checkpoint that no node can complete (a rank's
-node and the partner keeping its replica both lost) in one warning naming the ranks; a
-resume from the persistent tier with nothing newer known, in one line at info. The job's
+the checkpoint resumed instead; a newer checkpoint that no node can complete in one
+warning saying why (`why_incomplete`): a rank's node lost and the replica its partner
+keeps of an older tag (replication is asynchronous), and when that tag cannot be
+completed either, the ranks that no longer hold their own part of it; or a rank's node
+and the partner keeping its replica both lost; a resume from the persistent tier with
+nothing newer known, in one line at info. The job's
 lowest rank says them (once for the job); each rank says what it received at info.
 
 **4. Durable.** A checkpoint agreed from the nodes' parts is persisted now (the session's
@@ -278,6 +283,66 @@ def agree(offers: Sequence[Offer], excluded: Collection[tuple[str, int, int]] = 
     return Plan(chosen.tag, PARTS, tuple(sorted(chosen.writers)), transfers, incomplete)
 
 
+def why_incomplete(newest: Incomplete, newer: Sequence[Incomplete], offers: Sequence[Offer]) -> str:
+    """Why `newest` (of `newer`, the checkpoints newer than the one agreed that no node can
+    complete) cannot be completed, from every rank's offer (pure). For each rank whose part
+    is missing: no node keeps a replica of its part at all (its node and the partner
+    keeping its replicas both lost), or the newest one a node keeps is of another tag; and
+    when that tag cannot be completed either, which ranks no longer hold their own part of
+    it (their node is there: it offers parts of other tags).
+
+    Example:
+        >>> def part(tag, rank, replica=False):
+        ...     return HeldPart(tag, rank, "g1", (0, 1), "2026-01-01T00:00:00Z", replica)
+        >>> node0 = Offer(0, 0, (part("global_step3", 0), part("global_step2", 1, True)))
+        >>> newer = [Incomplete("global_step3", (1,)), Incomplete("global_step2", (0,))]
+        >>> for said in why_incomplete(newer[0], newer, [node0, Offer(1, 1)]).split("; "):
+        ...     print(said)
+        rank 1's node was lost, and node 0 keeps its replica of 'global_step2', not of it
+        'global_step2' cannot be completed either: rank(s) 0 no longer hold their own part of it
+        >>> "were both lost" in why_incomplete(newer[0], newer, [Offer(0, 0), Offer(1, 1)])
+        True
+    """
+    alive = {o.rank for o in offers if any(not p.replica for p in o.parts)}
+    held: dict[int, list[tuple[OrderKey, str, int]]] = {}
+    for offer in offers:
+        for p in offer.parts:
+            if p.replica and p.rank != offer.rank:
+                held.setdefault(p.rank, []).append(
+                    (order_key(p.tag, p.created_at), p.tag, offer.node)
+                )
+    replicas = {rank: max(found) for rank, found in held.items()}  # each rank's newest
+    said: list[str] = []
+    nowhere = [w for w in newest.missing if w not in replicas]
+    if nowhere:
+        said.append(
+            f"the part of rank(s) {', '.join(map(str, nowhere))} is on no node (its node and "
+            "the partner keeping its replica were both lost)"
+        )
+    behind: list[str] = []
+    for w in newest.missing:
+        if w not in replicas:
+            continue
+        _key, tag, node = replicas[w]
+        what = f"rank {w} holds no part of it" if w in alive else f"rank {w}'s node was lost"
+        said.append(f"{what}, and node {node} keeps its replica of {tag!r}, not of it")
+        if tag != newest.tag and tag not in behind:
+            behind.append(tag)
+    for tag in behind:
+        incomplete = next((n for n in newer if n.tag == tag), None)
+        if incomplete is None:
+            continue
+        own = [w for w in incomplete.missing if w in alive]
+        gone = [w for w in incomplete.missing if w not in alive]
+        why = []
+        if own:
+            why.append(f"rank(s) {', '.join(map(str, own))} no longer hold their own part of it")
+        if gone:
+            why.append(f"the part of rank(s) {', '.join(map(str, gone))} is on no node")
+        said.append(f"{tag!r} cannot be completed either: {' and '.join(why)}")
+    return "; ".join(said)
+
+
 # what a rank reports --------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Moved:
@@ -407,7 +472,7 @@ def recover_from_peers(
                 refused.append(Refusal(d.tag, d.rank, offer.rank, offer.node, d.reason))
     received = [m for m in moved if m.rank == me]
     if me == min(nodes):
-        _say(plan, refused, moved)
+        _say(plan, refused, moved, offers)
     for m in received:
         log.info(
             "peer recovery: rank %d's part of %r received from rank %d (%d bytes in %.2f s)",
@@ -477,7 +542,9 @@ def _where(plan: Plan) -> str:
     return "no checkpoint (none is complete anywhere)"
 
 
-def _say(plan: Plan, refused: Sequence[Refusal], moved: Sequence[Moved]) -> None:
+def _say(
+    plan: Plan, refused: Sequence[Refusal], moved: Sequence[Moved], offers: Sequence[Offer]
+) -> None:
     """The job's lines about the agreement (the lowest rank says them)."""
     said: set[tuple[str, int]] = set()
     for refusal in refused:
@@ -498,9 +565,8 @@ def _say(plan: Plan, refused: Sequence[Refusal], moved: Sequence[Moved]) -> None
     if lost:
         newest = lost[0]
         log.warning(
-            "peer recovery: %r cannot be completed: the part of rank(s) %s is on no node "
-            "(its node and the partner keeping its replica were both lost); resuming from %s",
-            newest.tag, ", ".join(map(str, newest.missing)), _where(plan),
+            "peer recovery: %r cannot be completed: %s; resuming from %s",
+            newest.tag, why_incomplete(newest, lost, offers), _where(plan),
         )  # fmt: skip
     elif not refused and plan.source == PERSISTENT:
         log.info("peer recovery: no node holds a checkpoint newer than the persistent tier's "

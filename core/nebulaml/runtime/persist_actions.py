@@ -7,7 +7,8 @@ persister's lock and records the outcome in the schedule (persist_schedule.py) u
                 session could not, its history row, its outcome for the schedule
     Eviction    the memory copies the schedule no longer needs, deleted: after a persist,
                 for the budget (budget.py), and the one a commit asks for (on the
-                eviction thread, or at the next save: `if_due`)
+                eviction thread, or at the next save: `if_due`); the tags of the
+                replicas the node keeps (`.replicas/`) are the schedule's to weigh
     Following   a follower rank looking for its leaders' markers and commits
     Removals    the checkpoints a framework removed (`Persister.forget`), deleted from
                 every tier (removal_queue.py), and recorded in the memory tier
@@ -34,6 +35,7 @@ from nebulaml.protocol.history import make_row
 from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.rank_presence import rank_gone
 from nebulaml.protocol.removals import write_removals
+from nebulaml.protocol.replicas import replica_tags
 from nebulaml.protocol.retention import Version
 from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet
@@ -272,9 +274,10 @@ class Eviction:
             ]
         if not versions:
             return
+        replicas = replica_tags(memory)  # this rank's own parts of them stay
         with self.cond:
             doomed = self.schedule.evictable(
-                versions, self.retention, superseded_newest=superseded_newest
+                versions, self.retention, superseded_newest=superseded_newest, replicas=replicas
             )
         for tag in doomed:
             # Re-check under the lock: a flush may have asked for it meanwhile, or the

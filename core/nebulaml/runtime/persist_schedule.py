@@ -4,7 +4,8 @@
                     the outage) and its decisions: which tag to persist next and when the
                     interval makes it due, which pending one a newer commit supersedes,
                     what follows a failed persist (the capped backoff of outage.py, or
-                    the error kept), which memory copies may go, what a follower does
+                    the error kept), which memory copies may go (never this rank's part
+                    of a tag its node keeps a partner's replica of), what a follower does
                     after looking for its leaders' markers, and when the thread is done
     Turn            what the thread does on one turn of its loop (`Schedule.decide`)
     Upkeep          what the other queues of the thread say before a turn
@@ -324,22 +325,35 @@ class Schedule:
         return step is not None and any(s is not None and s > step for s in steps)
 
     def evictable(
-        self, versions: Sequence[Version], retention: int, *, superseded_newest: bool = False
+        self,
+        versions: Sequence[Version],
+        retention: int,
+        *,
+        superseded_newest: bool = False,
+        replicas: Collection[str] = (),
     ) -> list[str]:
         """Which of the memory tier's `versions` may go. With a persistent tier it keeps
         its newest and the protected ones; with `superseded_newest` (the memory budget
         needs room) the newest goes too once the persistent tier holds it or a newer
-        one. Without one it is the only tier, and retention (`retention`) applies."""
+        one. Without one it is the only tier, and retention (`retention`) applies.
+
+        `replicas`: the tags of the replicas this node keeps of its partners' parts
+        (`peer_replicas`; protocol/replicas.py `replica_tags`). This rank's own part of
+        each is kept like the newest, so that a lost partner finds the tag complete on
+        this node (its part from the replica, this rank's from here): replication is
+        asynchronous, and the newest replica is often a step behind this rank's newest
+        part. With `superseded_newest` it goes once the persistent tier holds it or a
+        newer one (a restart resumes that)."""
         if not versions:
             return []
         protected = self.protected()
         if not self.persistent:
-            return plan_retention(versions, retention, protected)
+            return plan_retention(versions, retention, protected | set(replicas))
         newest = max(versions, key=lambda v: v.sort_key).tag
-        keep: str | None = newest
-        if superseded_newest and self.superseded(newest):
-            keep = None
-        return [v.tag for v in versions if v.tag != keep and v.tag not in protected]
+        keep = {newest, *replicas}
+        if superseded_newest:
+            keep = {tag for tag in keep if not self.superseded(tag)}
+        return [v.tag for v in versions if v.tag not in keep and v.tag not in protected]
 
     def may_evict(self, tag: str) -> bool:
         """Checked again just before a delete: a flush may have asked for `tag`, or the
