@@ -591,6 +591,14 @@ def test_evictable(state: dict[str, Any], superseded_newest: bool, doomed: list[
         ),
         pytest.param({}, {S3}, False, [S1, S2], id="a replica of the newest: nothing more"),
         pytest.param({}, {S5}, False, [S1, S2], id="a replica of a tag this rank lacks"),
+        pytest.param(
+            {},
+            {S1},
+            False,
+            [],
+            id="the part whose replica has not begun to arrive stays too (a step ahead)",
+        ),
+        pytest.param({}, set(), False, [S1, S2], id="no replica here: the newest alone"),
         pytest.param({}, {S2}, True, [S1], id="the budget: it stays while not durable"),
         pytest.param(
             {"durable_tags": {S2}},

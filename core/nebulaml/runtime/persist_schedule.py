@@ -12,6 +12,7 @@
     Skip            a persist skipped, and the newer commit that superseded it
     Follow          a follower's next move after looking for its leaders' markers
     settled_parts   of this rank's parts in the memory tier, those eviction may consider
+    awaited         this rank's part whose partner's replica may still come (kept)
     saved_again     whether a persist failed because another rank saved its tag again
 
 Nothing here reads a clock, a store or a thread: a decision that depends on the time takes
@@ -342,15 +343,18 @@ class Schedule:
         each is kept like the newest, so that a lost partner finds the tag complete on
         this node (its part from the replica, this rank's from here): replication is
         asynchronous, and the newest replica is often a step behind this rank's newest
-        part. With `superseded_newest` it goes once the persistent tier holds it or a
-        newer one (a restart resumes that)."""
+        part. So is the newest part but one while its step is newer than every replica's
+        (`awaited`: the partner's replica of it has not begun to arrive yet). With
+        `superseded_newest` they go once the persistent tier holds them or a newer one
+        (a restart resumes that)."""
         if not versions:
             return []
         protected = self.protected()
+        kept = set(replicas) | set(awaited(versions, replicas))
         if not self.persistent:
-            return plan_retention(versions, retention, protected | set(replicas))
+            return plan_retention(versions, retention, protected | kept)
         newest = max(versions, key=lambda v: v.sort_key).tag
-        keep = {newest, *replicas}
+        keep = {newest, *kept}
         if superseded_newest:
             keep = {tag for tag in keep if not self.superseded(tag)}
         return [v.tag for v in versions if v.tag not in keep and v.tag not in protected]
@@ -610,6 +614,28 @@ class Schedule:
             return Removal.LATER  # being saved again right now: looked at again later
         self.removing = tag
         return Removal.GO
+
+
+def awaited(versions: Sequence[Version], replicas: Collection[str]) -> list[str]:
+    """Of this rank's parts (`versions`), the one whose partner's replica may still come,
+    given the tags of the replicas its node keeps (`replicas`): its newest part but one,
+    while its step is newer than every replica's (the partner sends a part once it has
+    committed it, and this rank may be a step ahead); none when the node keeps no
+    replica, or a tag has no step to tell.
+
+    Example:
+        >>> parts = [Version(f"global_step{i}", "") for i in (1, 2, 3)]
+        >>> awaited(parts, {"global_step1"}), awaited(parts, {"global_step2"})
+        (['global_step2'], [])
+    """
+    ordered = sorted(versions, key=lambda v: v.sort_key)
+    if len(ordered) < 2 or not replicas:
+        return []
+    step = step_of(ordered[-2].tag)
+    steps = [step_of(tag) for tag in replicas]
+    if step is None or any(s is None or s >= step for s in steps):
+        return []
+    return [ordered[-2].tag]
 
 
 def settled_parts(
