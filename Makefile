@@ -13,7 +13,7 @@ AZURITE := .azurite/node_modules/.bin/azurite-blob
 AZURITE_COPY_VERSION := 3.37.0
 AZURITE_COPY := .azurite-$(AZURITE_COPY_VERSION)/node_modules/.bin/azurite-blob
 
-.PHONY: venv test check lint demo scale reliability clean azurite bench bench-azure test-integrations bug-round
+.PHONY: venv test check lint demo scale reliability clean azurite bench bench-azure bench-peers test-integrations bug-round
 
 # The suite runs in parallel workers (pytest-xdist): each starts with an even share of the
 # tests, in the order they are collected, and a worker that runs out takes half of the
@@ -99,7 +99,8 @@ demo: venv
 # The peer benchmark (issue #3): nebula vs torch.save, DCP and torchsnapshot on a GPT-2-style
 # state built in memory, then the LoRA fine-tune workload (issue #30: a 200 MB state, 95%
 # frozen, and its all-changed control; nebula to a local root and to an Azurite it starts;
-# about 2 min). `make bench PRESET=small` for a quick run (~4 min); default ~17 min.
+# about 2 min), then peer replicas (bench-peers below). `make bench PRESET=small` for a quick
+# run (~7.5 min); default ~22 min.
 # `make bench BENCH_ARGS='--workloads lora'` runs the LoRA workload alone.
 PRESET ?= default
 BENCH_STAMP := $(VENV)/.nebula-bench-installed
@@ -109,8 +110,19 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 BENCH_ARGS ?=
+# Then peer replicas (issue #44, benchmarks/peer_replicas.py, 3.5-5.5 min on 2 cores; ~3.5 min
+# with PRESET=small, which runs 2 loops of each kind and 1 restart of each; PEERS=0 skips it).
+PEERS ?= 1
+PEERS_ARGS ?= $(if $(filter small,$(PRESET)),--runs 2 --recoveries 1,)
 bench: $(BENCH_STAMP) $(AZURITE) $(AZURITE_COPY)
 	$(PY) benchmarks/bench.py --preset $(PRESET) $(BENCH_ARGS)
+	test "$(PEERS)" = 0 || $(PY) benchmarks/peer_replicas.py $(PEERS_ARGS)
+
+# Peer replicas alone (issue #44): on 2 simulated nodes, save() stall with peer_replicas=1
+# vs 0, bytes on the wire vs bytes changed, recovery of a lost node from its partner vs
+# the persistent tier (local disk and an Azurite it starts), memory-tier footprint.
+bench-peers: venv $(AZURITE) $(AZURITE_COPY)
+	$(PY) benchmarks/peer_replicas.py $(PEERS_ARGS)
 
 # Commit latency against the number of ranks (scale.py), then metadata at scale (issue #29,
 # metadata_scale.py: 100 / 1,000 / 10,000 tags locally, 100 / 1,000 on Azurite; about
