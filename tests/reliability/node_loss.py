@@ -82,12 +82,6 @@ SHORT_INTERVALS = 1 / 3  # of the incarnations
 START_KILLS = 0.15  # of the losses: while the incarnation starts (init, recovery, resume)
 SURVIVOR_DELAY_S = 0.5  # the other node's rank is SIGKILLed up to this long after
 WAIT_S = 180.0  # for an incarnation to start, resume, or end
-# A restart behind what the partner held, as the campaign finds it on main (#44, open): a
-# node keeps its own part of its newest checkpoint only, and the replica of the partner's
-# part of the newest the partner sent, so that while one is a step ahead of the other
-# (most of the time, replication being asynchronous) no checkpoint is complete from the
-# surviving node, and the job resumes the persistent tier's newest.
-RESUMED_BEHIND = "behind step"
 
 
 def keep_folder() -> Path:
