@@ -11,7 +11,8 @@ queues history_queue and removal_queue, outages outage), the snapshot layout and
 (snapshot), what a buffer still holds from its last fill (unchanged), reused buffers
 (slots) and their fresh pages (pages), lazy snapshots' fence (fence), and the replication
 of a node's memory tier to its partner node: the ring and nebula's own process group
-(peers), the sender and receivers (replication), their messages (peer_wire) and what of
+(peers), the sender and receivers (replication), their messages (peer_wire), the byte
+streams both they and the restart's recovery send (peer_streams) and what of
 a part crosses the wire (replica_delta).
 
 May import: every layer below (`errors`, `config`, `format`, `storage`, `protocol`). Not

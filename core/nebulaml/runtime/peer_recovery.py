@@ -65,10 +65,11 @@ on every rank: a node's memory tier holds parts, never a manifest, so a job of s
 nodes lists and loads what its persistent tier holds. While the persistent tier fails,
 init does not wait: the checkpoint is queued to persist once it answers (`durable` False).
 
-May import: every layer below runtime, and runtime's peers.py, peer_wire.py (its frames,
-not its tags), ranks.py and persister.py (the type). Not for: replicating parts as they
-are saved (replication.py), the frames' bytes (peer_wire.py), writing a part received
-(protocol/part_restore.py), or the session's recovery of its own memory tier (session.py).
+May import: every layer below runtime, and runtime's peers.py, peer_streams.py,
+peer_wire.py (its frames, not its tags), ranks.py and persister.py (the type). Not for:
+replicating parts as they are saved (replication.py), the frames' bytes (peer_wire.py),
+writing a part received (protocol/part_restore.py), or the session's recovery of its own
+memory tier (session.py).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ from nebulaml.protocol.part_restore import (
 )
 from nebulaml.protocol.replicas import FileClaim
 from nebulaml.protocol.tiers import TierSet
+from nebulaml.runtime.peer_streams import MessageBuffers, as_tensor, receive_stream, send_stream
 from nebulaml.runtime.peer_wire import (
     HEAD_BYTES,
     MAX_CHUNK_BYTES,
@@ -110,7 +112,6 @@ from nebulaml.runtime.peer_wire import (
     decode_head,
     encode_begin,
     encode_head,
-    pieces,
 )
 from nebulaml.runtime.peers import Peers
 from nebulaml.runtime.ranks import RankInfo
@@ -611,23 +612,6 @@ def _make_durable(
 
 
 # the wire -------------------------------------------------------------------------------
-class _Buffers:
-    """Two message buffers of `size` bytes, each with a tensor on its memory."""
-
-    def __init__(self, size: int) -> None:
-        import torch
-
-        self.size = size
-        self.raw = [bytearray(size), bytearray(size)]
-        self.tensors = [torch.frombuffer(raw, dtype=torch.uint8) for raw in self.raw]
-
-
-def _tensor(data: bytearray) -> Any:
-    import torch
-
-    return torch.frombuffer(data, dtype=torch.uint8)
-
-
 def _move(
     peers: Peers,
     tiers: TierSet,
@@ -669,7 +653,7 @@ def _move(
 
 def _send_head(peers: Peers, to: int, head: Head) -> None:
     data = bytearray(encode_head(head))
-    peers.group.send([_tensor(data)], to, DATA_TAG).wait()
+    peers.group.send([as_tensor(data)], to, DATA_TAG).wait()
 
 
 def _send(peers: Peers, memory: Store, transfer: Transfer, chunk_bytes: int) -> None:
@@ -681,17 +665,17 @@ def _send(peers: Peers, memory: Store, transfer: Transfer, chunk_bytes: int) -> 
         _send_head(peers, to, Head(Kind.END, 1, Status.FAILED))
         return
     root, node, claims = found
-    buffers = _Buffers(chunk_bytes)
+    buffers = MessageBuffers(chunk_bytes)
     body = encode_begin(transfer.tag, transfer.rank, node, claims)
     payload = sum(claim.size for claim in claims)
     _send_head(
         peers, to, Head(Kind.BEGIN, 1, chunk=chunk_bytes, body=len(body), payload=payload,
                         body_check=body_check(body))
     )  # fmt: skip
-    _send_stream(peers, to, iter([memoryview(body)]), len(body), buffers)
+    send_stream(peers.group, to, DATA_TAG, iter([memoryview(body)]), len(body), buffers)
     whole = [True]
-    _send_stream(peers, to, _read_files(root, transfer.tag, claims, chunk_bytes, whole),
-                 payload, buffers)  # fmt: skip
+    files = _read_files(root, transfer.tag, claims, chunk_bytes, whole)
+    send_stream(peers.group, to, DATA_TAG, files, payload, buffers)
     _send_head(peers, to, Head(Kind.END, 1, Status.OK if whole[0] else Status.FAILED))
 
 
@@ -722,58 +706,9 @@ def _read_files(
             yield piece
 
 
-def _send_stream(
-    peers: Peers, to: int, data: Iterator[memoryview], total: int, buffers: _Buffers
-) -> None:
-    """Send `total` bytes taken from `data` in messages of `buffers.size`, one buffer in
-    flight while the other fills."""
-    works: list[Any] = [None, None]
-    which = 0
-    piece = memoryview(b"")
-    for size in pieces(total, buffers.size):
-        if works[which] is not None:
-            works[which].wait()
-        raw = memoryview(buffers.raw[which])
-        filled = 0
-        while filled < size:
-            if not piece:
-                piece = next(data)
-            n = min(len(piece), size - filled)
-            raw[filled : filled + n] = piece[:n]
-            piece = piece[n:]
-            filled += n
-        works[which] = peers.group.send([buffers.tensors[which][:size]], to, DATA_TAG)
-        which = 1 - which
-    for work in works:
-        if work is not None:
-            work.wait()
-
-
-def _receive_stream(
-    peers: Peers, source: int, total: int, buffers: _Buffers, take: Callable[[memoryview], None]
-) -> None:
-    """Receive `total` bytes from `source` in messages of `buffers.size`, one landing
-    while the one before it is taken."""
-    sizes = list(pieces(total, buffers.size))
-    works: list[Any] = [None, None]
-
-    def post(i: int) -> None:
-        if i < len(sizes):
-            which = i % 2
-            works[which] = peers.group.recv([buffers.tensors[which][: sizes[i]]], source, DATA_TAG)
-
-    post(0)
-    for i, size in enumerate(sizes):
-        post(i + 1)
-        which = i % 2
-        works[which].wait()
-        take(memoryview(buffers.raw[which])[:size])
-        works[which] = None
-
-
 def _receive_head(peers: Peers, source: int) -> Head:
     raw = bytearray(HEAD_BYTES)
-    peers.group.recv([_tensor(raw)], source, DATA_TAG).wait()
+    peers.group.recv([as_tensor(raw)], source, DATA_TAG).wait()
     return decode_head(raw)
 
 
@@ -796,9 +731,9 @@ def _receive(
         raise WireError(f"a {head.kind.name} frame where a part begins")
     if head.body > MAX_MANIFEST_BYTES:
         raise WireError(f"an announcement of {head.body} bytes")
-    buffers = _Buffers(head.chunk)
+    buffers = MessageBuffers(head.chunk)
     body = bytearray()
-    _receive_stream(peers, holder, head.body, buffers, body.extend)
+    receive_stream(peers.group, holder, DATA_TAG, head.body, buffers, body.extend)
     reason = None
     inbox: PartInbox | None = None
     try:
@@ -816,7 +751,9 @@ def _receive(
                           files=begin.files, world_size=ranks.world_size)  # fmt: skip
     try:
         drop: Callable[[memoryview], None] = lambda _piece: None  # noqa: E731
-        _receive_stream(peers, holder, head.payload, buffers, inbox.feed if inbox else drop)
+        receive_stream(
+            peers.group, holder, DATA_TAG, head.payload, buffers, inbox.feed if inbox else drop
+        )
         end = _receive_head(peers, holder)
         if end.kind != Kind.END:
             raise WireError(f"a {end.kind.name} frame where a part ends")

@@ -62,7 +62,7 @@ wait for their senders' BYE; what has not ended within `grace_s` has its connect
 connection to that peer: every operation waiting on it ends with an error). A job whose
 ranks close together ends with BYEs only.
 
-May import: every layer below, and runtime's peers.py, peer_wire.py and
+May import: every layer below, and runtime's peers.py, peer_wire.py, peer_streams.py and
 replica_delta.py. Not for: which ranks are partners or the process group (peers.py), the
 bytes of a frame (peer_wire.py), which bytes of a part changed (replica_delta.py), or
 what makes a replica whole (protocol/replicas.py).
@@ -95,6 +95,7 @@ from nebulaml.protocol.replicas import (
     part_files,
     replica_root,
 )
+from nebulaml.runtime.peer_streams import MessageBuffers, as_tensor, receive_stream, send_stream
 from nebulaml.runtime.peer_wire import (
     HEAD_BYTES,
     MAX_CHUNK_BYTES,
@@ -109,7 +110,6 @@ from nebulaml.runtime.peer_wire import (
     decode_head,
     encode_begin,
     encode_head,
-    pieces,
 )
 from nebulaml.runtime.peers import Peers
 from nebulaml.runtime.replica_delta import FilePlan, PartnerCopy, new_ranges, plan_file
@@ -160,15 +160,6 @@ class ReplicationStatus:
     abandoned: str | None = None
     bytes_sent: int = 0
     bytes_total: int = 0
-
-
-class _Buffers:
-    """Two message buffers of `size` bytes, each with a tensor on its memory."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.raw = [bytearray(size), bytearray(size)]
-        self.tensors = [torch.frombuffer(raw, dtype=torch.uint8) for raw in self.raw]
 
 
 class Replication:
@@ -290,7 +281,7 @@ class Replication:
 
     # sending ---------------------------------------------------------------------------
     def _send_loop(self) -> None:
-        buffers: _Buffers | None = None
+        buffers: MessageBuffers | None = None
         to = self.ring.send_to
         try:
             while True:
@@ -311,18 +302,16 @@ class Replication:
                     self._send_head(Head(Kind.KEEPALIVE))
                     continue
                 if buffers is None:
-                    buffers = _Buffers(self.chunk_bytes)
+                    buffers = MessageBuffers(self.chunk_bytes)
                 self._send_part(tag, buffers)
         except Exception as exc:  # noqa: BLE001 - the link's end, reported
             self._link_failed(f"sending to rank {to}", exc, sending=True)
 
     def _send_head(self, head: Head) -> None:
         data = bytearray(encode_head(head))
-        self.group.send(
-            [torch.frombuffer(data, dtype=torch.uint8)], self.ring.send_to, DATA_TAG
-        ).wait()
+        self.group.send([as_tensor(data)], self.ring.send_to, DATA_TAG).wait()
 
-    def _send_part(self, tag: str, buffers: _Buffers) -> None:
+    def _send_part(self, tag: str, buffers: MessageBuffers) -> None:
         """One replica: hold the part, plan it against what the partner holds, announce,
         send, wait for the partner's answer; the hold goes whatever happens."""
         rank = self.ring.rank
@@ -357,7 +346,14 @@ class Replication:
             self._update(sending=None, abandoned=tag)
             self._cond.notify_all()
 
-    def _send_held(self, tag: str, buffers: _Buffers, holds: HandleHolds) -> None:
+    def _damage(self, tag: str) -> Callable[[int, memoryview], None] | None:
+        """The test's damage in transit (`tamper`) to the messages of `tag`'s payload."""
+        tamper = self._tamper
+        if tamper is None:
+            return None
+        return lambda index, message: tamper(tag, index, message)
+
+    def _send_held(self, tag: str, buffers: MessageBuffers, holds: HandleHolds) -> None:
         rank, to = self.ring.rank, self.ring.send_to
         with contextlib.ExitStack() as views:
             try:
@@ -384,7 +380,7 @@ class Replication:
             self._transfers += 1
             transfer = self._transfers
             answer = bytearray(HEAD_BYTES)
-            answered = self.group.recv([torch.frombuffer(answer, dtype=torch.uint8)], to, ACK_TAG)
+            answered = self.group.recv([as_tensor(answer)], to, ACK_TAG)
             body = encode_begin(tag, rank, self.ring.node, claims, base, reuse)
             payload = sum(
                 claim.size if claim.name in small else plans[claim.name][1].sent_bytes(claim.size)
@@ -394,9 +390,12 @@ class Replication:
                 Head(Kind.BEGIN, transfer, chunk=buffers.size, body=len(body), payload=payload,
                      body_check=body_check(body))
             )  # fmt: skip
-            self._send_stream(tag, iter([memoryview(body)]), len(body), buffers, tamper=False)
+            send_stream(self.group, to, DATA_TAG, iter([memoryview(body)]), len(body), buffers)
             stream = self._payload(claims, small, plans)
-            self._send_stream(tag, stream, payload, buffers, tamper=True, renew=holds.renew)
+            send_stream(
+                self.group, to, DATA_TAG, stream, payload, buffers,
+                before=holds.renew, edit=self._damage(tag),
+            )  # fmt: skip
             # The part saved again while it was sent (its marker changed or went): the bytes
             # sent may be the new part's, the old one's or both. The newer part wins: this
             # replica is given up, and the newer one is sent when it is asked for.
@@ -413,7 +412,7 @@ class Replication:
         reason = None
         if head.body:
             text = bytearray(min(head.body, MAX_REASON_BYTES))
-            self.group.recv([torch.frombuffer(text, dtype=torch.uint8)], to, ACK_TAG).wait()
+            self.group.recv([as_tensor(text)], to, ACK_TAG).wait()
             reason = text.decode(errors="replace")
         with self._cond:
             counts = {"bytes_sent": sent, "bytes_total": total}
@@ -489,49 +488,11 @@ class Replication:
         except NebulaError:
             return False
 
-    def _send_stream(
-        self,
-        tag: str,
-        data: Iterator[memoryview],
-        total: int,
-        buffers: _Buffers,
-        *,
-        tamper: bool,
-        renew: Callable[[], None] | None = None,
-    ) -> None:
-        """Send `total` bytes taken from `data` as messages of `buffers.size` bytes, one
-        buffer in flight while the other fills; `renew` (the part's hold) before each."""
-        works: list[Any] = [None, None]
-        which, index = 0, 0
-        piece = memoryview(b"")
-        for size in pieces(total, buffers.size):
-            if works[which] is not None:
-                works[which].wait()
-            if renew is not None:
-                renew()
-            raw = memoryview(buffers.raw[which])
-            filled = 0
-            while filled < size:
-                if not piece:
-                    piece = next(data)
-                n = min(len(piece), size - filled)
-                raw[filled : filled + n] = piece[:n]
-                piece = piece[n:]
-                filled += n
-            if tamper and self._tamper is not None:
-                self._tamper(tag, index, raw[:size])
-            message = buffers.tensors[which][:size]
-            works[which] = self.group.send([message], self.ring.send_to, DATA_TAG)
-            which, index = 1 - which, index + 1
-        for work in works:
-            if work is not None:
-                work.wait()
-
     # receiving -------------------------------------------------------------------------
     def _receive_loop(self, source: int) -> None:
         head_raw = bytearray(HEAD_BYTES)
-        head_tensor = torch.frombuffer(head_raw, dtype=torch.uint8)
-        buffers: _Buffers | None = None
+        head_tensor = as_tensor(head_raw)
+        buffers: MessageBuffers | None = None
         try:
             while True:
                 self.group.recv([head_tensor], source, DATA_TAG).wait()
@@ -543,36 +504,14 @@ class Replication:
                 if head.kind != Kind.BEGIN or not 0 < head.chunk <= MAX_CHUNK_BYTES:
                     raise WireError(f"a {head.kind.name} frame where a replica begins")
                 if buffers is None or buffers.size != head.chunk:
-                    buffers = _Buffers(head.chunk)
+                    buffers = MessageBuffers(head.chunk)
                 self._receive_part(source, head, buffers)
         except Exception as exc:  # noqa: BLE001 - the link's end, reported
             self._link_failed(f"receiving from rank {source}", exc, sending=False)
 
-    def _receive_stream(
-        self, source: int, total: int, buffers: _Buffers, take: Callable[[memoryview], None]
-    ) -> None:
-        """Receive `total` bytes from `source` in messages of `buffers.size` bytes, one
-        message landing while the one before it is taken."""
-        sizes = list(pieces(total, buffers.size))
-        works: list[Any] = [None, None]
-
-        def post(i: int) -> None:
-            if i < len(sizes):
-                which = i % 2
-                message = buffers.tensors[which][: sizes[i]]
-                works[which] = self.group.recv([message], source, DATA_TAG)
-
-        post(0)
-        for i, size in enumerate(sizes):
-            post(i + 1)
-            which = i % 2
-            works[which].wait()
-            take(memoryview(buffers.raw[which])[:size])
-            works[which] = None
-
-    def _receive_part(self, source: int, head: Head, buffers: _Buffers) -> None:
+    def _receive_part(self, source: int, head: Head, buffers: MessageBuffers) -> None:
         body = bytearray()
-        self._receive_stream(source, head.body, buffers, lambda piece: body.extend(piece))
+        receive_stream(self.group, source, DATA_TAG, head.body, buffers, body.extend)
         begin: Begin | None = None
         reason: str | None = None
         try:
@@ -602,9 +541,11 @@ class Replication:
                 )
         try:
             drop: Callable[[memoryview], None] = lambda _piece: None  # noqa: E731
-            self._receive_stream(source, head.payload, buffers, inbox.feed if inbox else drop)
+            receive_stream(
+                self.group, source, DATA_TAG, head.payload, buffers, inbox.feed if inbox else drop
+            )
             end_raw = bytearray(HEAD_BYTES)
-            end_tensor = torch.frombuffer(end_raw, dtype=torch.uint8)
+            end_tensor = as_tensor(end_raw)
             self.group.recv([end_tensor], source, DATA_TAG).wait()
             end = decode_head(end_raw)
             if end.kind != Kind.END or end.transfer != head.transfer:
@@ -632,7 +573,7 @@ class Replication:
         if outcome.withdrawn:
             status, reason = Status.ABANDONED, b""
         head = bytearray(encode_head(Head(Kind.ACK, transfer, status, body=len(reason))))
-        self.group.send([torch.frombuffer(head, dtype=torch.uint8)], source, ACK_TAG).wait()
+        self.group.send([as_tensor(head)], source, ACK_TAG).wait()
         if reason:
             text = bytearray(reason)
-            self.group.send([torch.frombuffer(text, dtype=torch.uint8)], source, ACK_TAG).wait()
+            self.group.send([as_tensor(text)], source, ACK_TAG).wait()
