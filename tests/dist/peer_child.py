@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from peer_parts import own_part, save, shard
 
 import nebulaml as nm
 from nebulaml.format.names import REPLICA_DONE, marker_name
@@ -32,27 +33,6 @@ from nebulaml.runtime.replication import Replication, ReplicationStatus, Tamper
 from nebulaml.storage.store import Store
 
 CHUNK = 16 << 10  # several messages per part: the stream's cuts are exercised
-
-
-def shard(rank: int, step: int, size: int = 8192) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return {"flat_param": torch.randn(size, generator=gen), "step": torch.tensor(step)}
-
-
-def save(rank: int, step: int, size: int = 8192) -> str:
-    tag = f"global_step{step}"
-    ckpt = nm.Checkpoint(tag, -2)
-    ckpt.save(f"shard_rank{rank}", shard(rank, step, size))
-    ckpt.save(f"extra_rank{rank}", {"lr": 0.1 * step})
-    ckpt.commit()
-    return tag
-
-
-def own_part(memory: Path, tag: str, rank: int) -> dict[str, str]:
-    """The sha256 of each file of this rank's part of `tag` in its memory tier."""
-    marker = json.loads((memory / tag / marker_name(rank)).read_text())
-    names = [marker_name(rank), *(item["file"] for item in marker["items"])]
-    return {n: hashlib.sha256((memory / tag / n).read_bytes()).hexdigest() for n in names}
 
 
 def flip_last_byte_of(target: str) -> Tamper:

@@ -16,7 +16,6 @@ rank saw goes to stdout and `<ROOT>/../out/`; its last line is "OK rank <r>".
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -25,11 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
+from peer_parts import own_part, save, shard
 
 import nebulaml as nm
-from nebulaml.format.names import marker_name
 from nebulaml.runtime import replication as replication_module
 from nebulaml.runtime import session
 
@@ -43,28 +41,6 @@ class Warnings(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
-
-
-def shard(rank: int, step: int, size: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return {"flat_param": torch.randn(size, generator=gen), "step": torch.tensor(step)}
-
-
-def save_shard(rank: int, step: int, size: int = 65536) -> str:
-    """Every rank's part of global_step<step> (two items), committed."""
-    tag = f"global_step{step}"
-    ckpt = nm.Checkpoint(tag, -2)
-    ckpt.save(f"shard_rank{rank}", shard(rank, step, size))
-    ckpt.save(f"extra_rank{rank}", {"lr": 0.1 * step})
-    ckpt.commit()
-    return tag
-
-
-def own_part(memory: Path, tag: str, rank: int) -> dict[str, str]:
-    """The sha256 of each file of this rank's part of `tag` in its memory tier."""
-    marker = json.loads((memory / tag / marker_name(rank)).read_text())
-    names = [marker_name(rank), *(item["file"] for item in marker["items"])]
-    return {n: hashlib.sha256((memory / tag / n).read_bytes()).hexdigest() for n in names}
 
 
 def wait_status(
@@ -89,7 +65,7 @@ def wired(rank: int, root: str, out: Path) -> None:
     assert live is not None and live.peers is not None
     memory = Path(live.tiers.memory.root)
     for step in (1, 2, 3):
-        tag = save_shard(rank, step)
+        tag = save(rank, step, 65536)
     (out / f"part-{rank}-{tag}.json").write_text(json.dumps(own_part(memory, tag, rank)))
     say(wait_status(tag), tag)
     dist.barrier()  # every replica answered: each node holds its partner's
@@ -108,7 +84,7 @@ def slow(rank: int, root: str) -> None:
     nm.init(root, persistent_time_interval=3600, peer_replicas=1)
     dist.barrier()
     started = time.monotonic()
-    tag = save_shard(rank, 1, size=1 << 20)  # 4 MiB a rank: several messages
+    tag = save(rank, 1, 1 << 20)  # 4 MiB a rank: several messages
     returned = time.monotonic() - started
     then = nm.persistence_status().replicated
     status = wait_status(tag)
@@ -128,7 +104,7 @@ def one_node(rank: int, root: str) -> None:
     live = session.live()
     assert live is not None
     made = dist.distributed_c10d._world.group_count - groups
-    tag = save_shard(rank, 1)
+    tag = save(rank, 1, 65536)
     status = nm.persistence_status()
     print(f"ONE NODE groups made {made}, peers {live.peers}, replication "
           f"{live.replication}", flush=True)  # fmt: skip

@@ -23,7 +23,6 @@ node's NEBULA_MEMORY_TIER_PATH come from the environment (dist_launch.run_ranks)
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from peer_parts import own_part, save, shard
 
 import nebulaml as nm
 from nebulaml.format.names import marker_name
@@ -44,27 +44,6 @@ from nebulaml.runtime.peers import open_ring
 from nebulaml.runtime.replication import Replication
 
 CHUNK = 16 << 10  # several messages per part: the stream's cuts are exercised
-
-
-def shard(rank: int, step: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return {"flat_param": torch.randn(8192, generator=gen), "step": torch.tensor(step)}
-
-
-def save(rank: int, step: int) -> str:
-    tag = f"global_step{step}"
-    ckpt = nm.Checkpoint(tag, -2)
-    ckpt.save(f"shard_rank{rank}", shard(rank, step))
-    ckpt.save(f"extra_rank{rank}", {"lr": 0.1 * step})
-    ckpt.commit()
-    return tag
-
-
-def own_part(memory: Path, tag: str, rank: int) -> dict[str, str]:
-    """The sha256 of each file of this rank's part of `tag` in its memory tier."""
-    marker = json.loads((memory / tag / marker_name(rank)).read_text())
-    names = [marker_name(rank), *(item["file"] for item in marker["items"])]
-    return {n: hashlib.sha256((memory / tag / n).read_bytes()).hexdigest() for n in names}
 
 
 def wait_for(path: Path, timeout_s: float = 60) -> None:
