@@ -14,9 +14,11 @@ import json
 import os
 import random
 import shutil
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,31 @@ class Figures:
 
     def add(self, key: str, n: int | float = 1) -> None:
         self.counts[key] = self.counts.get(key, 0) + n
+
+
+def median_max(figures: Figures, what: str, values: list[float]) -> None:
+    """`what`'s median and max (s) among `figures`' counts, when there are values."""
+    if values:
+        figures.counts[f"{what} median (s)"] = round(statistics.median(values), 2)
+        figures.counts[f"{what} max (s)"] = round(max(values), 2)
+
+
+def utc_clock(when: float) -> str:
+    """The UTC time of day of `when` (time.time()), to the microsecond, as logs print it."""
+    return datetime.fromtimestamp(when, timezone.utc).strftime("%H:%M:%S.%f")
+
+
+def keep_failed(folder: Path, dst: Path, failures: list[str], notes: dict[str, list[str]]) -> None:
+    """A failed job's `folder` copied to `dst` for diagnosis (links kept as links), with
+    `failures.txt` and each of `notes` (a file name: its lines); a copy that fails is
+    one failure more."""
+    try:
+        shutil.copytree(folder, dst, symlinks=True, dirs_exist_ok=True)
+        (dst / "failures.txt").write_text("\n".join(failures) + "\n")
+        for name, lines in notes.items():
+            (dst / name).write_text("\n".join(lines) + "\n")
+    except OSError as exc:
+        failures.append(f"{dst.name}: could not keep its folder in {dst}: {exc}")
 
 
 def _state(seed: int) -> dict[str, Any]:

@@ -39,7 +39,6 @@ import random
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -47,11 +46,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 
 import warm
-from campaigns import Figures
+from campaigns import Figures, keep_failed, median_max, utc_clock
 from elastic_worker import check_loaded
 
 import nebulaml as nm
@@ -428,7 +427,7 @@ def check_job(job: Job, rc: int | None, figures: Figures, timings: Timings) -> l
             back_s = (max(w for _s, w in inc.resumed.values()) - kill.at
                       if len(inc.resumed) == WORLD_SIZE else math.nan)  # fmt: skip
             timings.rows.append(
-                f"{job.name}\t{k - 1}\t{kill.rank}\t{_utc(kill.at)}\t{phase}\t{both}\t"
+                f"{job.name}\t{k - 1}\t{kill.rank}\t{utc_clock(kill.at)}\t{phase}\t{both}\t"
                 f"{sorted(s for s, _w in inc.resumed.values())}\t{back_s:.2f}\t{survivor:.2f}\t"
                 f"{'SIGKILL' if set(kill.survivor_pids) & forced else 'exited'}"
             )
@@ -477,32 +476,16 @@ def _check_root(job: Job, last_acked: int, figures: Figures) -> list[str]:
     return failures
 
 
-def _utc(when: float) -> str:
-    return datetime.fromtimestamp(when, timezone.utc).strftime("%H:%M:%S.%f")
-
-
 def _keep(job: Job, stamp: str, failures: list[str]) -> None:
     """A failed job's folder (roots, memory tier, journals, snapshots, torchrun's output)
     under the keep folder, for diagnosis."""
-    dst = keep_folder() / stamp / job.name
-    try:
-        shutil.copytree(job.folder, dst, symlinks=True, dirs_exist_ok=True)
-        (dst / "failures.txt").write_text("\n".join(failures) + "\n")
-        kills = [
-            f"incarnation {k.incarnation}: rank {k.rank} SIGKILLed at {_utc(k.at)} "
-            f"(aimed at its {k.wanted}); survivors {k.survivor_pids} gone at "
-            f"{_utc(k.survivors_gone) if k.survivors_gone else 'never'}"
-            for k in job.kills
-        ]
-        (dst / "kills.txt").write_text("\n".join(kills) + "\n")
-    except OSError as exc:
-        failures.append(f"{job.name}: could not keep its folder in {dst}: {exc}")
-
-
-def _median_max(figures: Figures, what: str, values: list[float]) -> None:
-    if values:
-        figures.counts[f"{what} median (s)"] = round(statistics.median(values), 2)
-        figures.counts[f"{what} max (s)"] = round(max(values), 2)
+    kills = [
+        f"incarnation {k.incarnation}: rank {k.rank} SIGKILLed at {utc_clock(k.at)} "
+        f"(aimed at its {k.wanted}); survivors {k.survivor_pids} gone at "
+        f"{utc_clock(k.survivors_gone) if k.survivors_gone else 'never'}"
+        for k in job.kills
+    ]
+    keep_failed(job.folder, keep_folder() / stamp / job.name, failures, {"kills.txt": kills})
 
 
 def elastic_campaign(work: Path, restarts: int, seed: int = 0) -> Figures:
@@ -524,10 +507,10 @@ def elastic_campaign(work: Path, restarts: int, seed: int = 0) -> Figures:
             (keep_folder() / stamp / "logs").mkdir(parents=True, exist_ok=True)
             shutil.copy2(job.log, keep_folder() / stamp / "logs" / f"{job.name}.log")
         shutil.rmtree(job.folder, ignore_errors=True)
-    _median_max(figures, "restart", timings.restart)
-    _median_max(figures, "survivor exit after the kill", timings.survivor)
-    _median_max(figures, "survivor exit after SIGTERM", timings.after_sigterm)
-    _median_max(figures, "new incarnation start to resume", timings.start_to_resume)
+    median_max(figures, "restart", timings.restart)
+    median_max(figures, "survivor exit after the kill", timings.survivor)
+    median_max(figures, "survivor exit after SIGTERM", timings.after_sigterm)
+    median_max(figures, "new incarnation start to resume", timings.start_to_resume)
     for key in ("resumed behind an acknowledged step", "ranks resumed different steps",
                 "torn or failed resumes", "torn checkpoints after the job", "jobs failed",
                 "latest is not the last acknowledged"):  # fmt: skip

@@ -52,18 +52,16 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO
 
 import warm
-from campaigns import Figures
+from campaigns import Figures, keep_failed, median_max, utc_clock
 from node_loss_worker import check_loaded
 from rendezvous import rendezvous
 
@@ -462,7 +460,7 @@ def check_job(job: Job, figures: Figures, tally: Tally) -> list[str]:
             if resumed < newest_acked:
                 figures.add("restarts set back, with replicas")
         tally.rows.append(
-            f"{job.name}\t{k}\t{loss.node}\t{_utc(loss.at)}\t{phase}\t"
+            f"{job.name}\t{k}\t{loss.node}\t{utc_clock(loss.at)}\t{phase}\t"
             f"{job.intervals.get(k, math.nan):g}\t{newest_begun}\t{newest_acked}\t"
             f"{replicated}\t{loss.persisted}\t{steps}\t{received}\t{back_s:.2f}\t"
             f"{loss.kept_own}\t{loss.kept_replica}"
@@ -542,32 +540,16 @@ def _check_end(job: Job, incs: dict[int, Incarnation], figures: Figures) -> list
     return failures
 
 
-def _utc(when: float) -> str:
-    return datetime.fromtimestamp(when, timezone.utc).strftime("%H:%M:%S.%f")
-
-
 def _keep(job: Job, stamp: str, failures: list[str]) -> None:
     """A failed job's folder (root, both memory tiers, journals, snapshots, the ranks'
     output) under the keep folder, for diagnosis."""
-    dst = keep_folder() / stamp / job.name
-    try:
-        shutil.copytree(job.folder, dst, symlinks=True, dirs_exist_ok=True)
-        (dst / "failures.txt").write_text("\n".join(failures) + "\n")
-        losses = [
-            f"incarnation {x.incarnation}: node {x.node} lost at {_utc(x.at)} (aimed at its "
-            f"{x.wanted}; the other SIGKILLed {x.survivor_delay_s:.2f} s later); persisted "
-            f"then: step {x.persisted}"
-            for x in job.losses
-        ]
-        (dst / "losses.txt").write_text("\n".join(losses) + "\n")
-    except OSError as exc:
-        failures.append(f"{job.name}: could not keep its folder in {dst}: {exc}")
-
-
-def _median_max(figures: Figures, what: str, values: list[float]) -> None:
-    if values:
-        figures.counts[f"{what} median (s)"] = round(statistics.median(values), 2)
-        figures.counts[f"{what} max (s)"] = round(max(values), 2)
+    losses = [
+        f"incarnation {x.incarnation}: node {x.node} lost at {utc_clock(x.at)} (aimed at its "
+        f"{x.wanted}; the other SIGKILLed {x.survivor_delay_s:.2f} s later); persisted "
+        f"then: step {x.persisted}"
+        for x in job.losses
+    ]
+    keep_failed(job.folder, keep_folder() / stamp / job.name, failures, {"losses.txt": losses})
 
 
 def node_loss_campaign(work: Path, rounds: int, seed: int = 0) -> Figures:
@@ -590,8 +572,8 @@ def node_loss_campaign(work: Path, rounds: int, seed: int = 0) -> Figures:
             for rank in range(NODES):
                 shutil.copy2(job.log(rank), logs / f"{job.name}-rank{rank}.log")
         shutil.rmtree(job.folder, ignore_errors=True)
-    _median_max(figures, "restart", tally.restart_s)
-    _median_max(figures, "nm.init with the recovery", tally.init_s)
+    median_max(figures, "restart", tally.restart_s)
+    median_max(figures, "nm.init with the recovery", tally.init_s)
     for key in ("resumed behind the replicated or persisted",
                 "ranks resumed different steps", "torn or failed resumes",
                 "resumed a step not every rank began", "resumed a checkpoint not saved whole",
