@@ -5,15 +5,15 @@
     NEBULA_NUM_OF_VERSION_IN_RETENTION  init()'s num_of_version_in_retention (default 2)
     NEBULA_EXIT_TIMEOUT_S               init()'s exit_timeout_s (default 600)
     NEBULA_RANK_TIMEOUT_S               init()'s rank_timeout_s (default 300)
-    NEBULA_LAZY_SNAPSHOT                init()'s lazy_snapshot (1/true/yes/on; default off)
-    NEBULA_KEEP_MEMORY_TIER             init()'s keep_memory_tier (1/true/yes/on; default off)
-    NEBULA_REUSE_UNCHANGED              init()'s reuse_unchanged (0/false/no/off turns off:
+    NEBULA_LAZY_SNAPSHOT                init()'s lazy_snapshot (a boolean; default off)
+    NEBULA_KEEP_MEMORY_TIER             init()'s keep_memory_tier (a boolean; default off)
+    NEBULA_REUSE_UNCHANGED              init()'s reuse_unchanged (a boolean; default on; off:
                                         every save copies every tensor)
     NEBULA_ON_PERSIST_ERROR             init()'s on_persist_error: "retry" (default) or "raise"
     NEBULA_PEER_REPLICAS                init()'s peer_replicas: 0 (default) or 1 (each node's
                                         memory tier replicated to the next node)
     NEBULA_PRIVATE                      init()'s private, and what the CLI writes to a local
-                                        root or exports (1/true/yes/on: files 0600, folders
+                                        root or exports (a boolean; on: files 0600, folders
                                         0700)
     NEBULA_MEMORY_BUFFER_SIZE           the node's memory budget in bytes (half for checkpoints)
     NEBULA_MEMORY_TIER_PATH             the base folder of this user's memory tiers
@@ -29,7 +29,8 @@
     TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT  torchrun's run and restart: the
                                         generation of a job's checkpoint parts (ranks.py)
 
-`init()`'s settings are resolved here (`resolve_config`: arguments first, then the
+A boolean is 1/true/yes/on or 0/false/no/off, in any case (`env_flag`); unset or empty:
+the default. `init()`'s settings are resolved here (`resolve_config`: arguments first, then the
 environment, then the defaults; bad values refused), the others read when they are used.
 
 May import: `nebulaml.errors` only (the base layer). Not for: Azure's own variables
@@ -96,6 +97,7 @@ PERSIST_ERROR_MODES = ("retry", "raise")
 # How many other nodes keep a replica of each node's memory-tier parts (runtime/peers.py,
 # runtime/replication.py): none, or the next node of the ring.
 PEER_REPLICA_COUNTS = (0, 1)
+# The words a boolean variable accepts, in any case; anything else is refused.
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -127,6 +129,8 @@ def _number(value: object, source: str, kind: type, minimum: float) -> Any:
             raise ValueError
     except (TypeError, ValueError):
         raise InvalidArgumentError(f"{source} must be a {kind.__name__}, not {value!r}") from None
+    if number != number:  # NaN: every comparison with it is False
+        raise InvalidArgumentError(f"{source} must be a number, not {value!r}")
     if number < minimum:
         raise InvalidArgumentError(f"{source} must be at least {minimum}, not {value!r}")
     return number
@@ -174,39 +178,25 @@ def resolve_config(
     if retention is None:
         retention = os.environ.get(ENV_RETENTION, DEFAULT_RETENTION)
         retention_src = ENV_RETENTION if ENV_RETENTION in os.environ else retention_src
-    rank_timeout = options.get("rank_timeout_s")
-    if rank_timeout is None:
-        rank_timeout = os.environ.get(ENV_RANK_TIMEOUT, DEFAULT_RANK_TIMEOUT_S)
-    exit_timeout = options.get("exit_timeout_s")
-    if exit_timeout is None:
-        exit_timeout = os.environ.get(ENV_EXIT_TIMEOUT, DEFAULT_EXIT_TIMEOUT_S)
-    lazy = options.get("lazy_snapshot")
-    if lazy is None:
-        lazy = os.environ.get(ENV_LAZY, "0").strip().lower() in _TRUE
-    if not isinstance(lazy, bool):
-        raise InvalidArgumentError(f"lazy_snapshot must be True or False, not {lazy!r}")
-    keep = options.get("keep_memory_tier")
-    if keep is None:
-        keep = os.environ.get(ENV_KEEP_MEMORY_TIER, "0").strip().lower() in _TRUE
-    if not isinstance(keep, bool):
-        raise InvalidArgumentError(f"keep_memory_tier must be True or False, not {keep!r}")
-    on_error = options.get("on_persist_error")
-    if on_error is None:
-        on_error = os.environ.get(ENV_ON_PERSIST_ERROR, "").strip().lower() or "retry"
+    rank_timeout, rank_timeout_src = _option_or_env(
+        options, "rank_timeout_s", ENV_RANK_TIMEOUT, DEFAULT_RANK_TIMEOUT_S
+    )
+    exit_timeout, exit_timeout_src = _option_or_env(
+        options, "exit_timeout_s", ENV_EXIT_TIMEOUT, DEFAULT_EXIT_TIMEOUT_S
+    )
+    lazy = _flag(options, "lazy_snapshot", ENV_LAZY, False)
+    keep = _flag(options, "keep_memory_tier", ENV_KEEP_MEMORY_TIER, False)
+    on_error, on_error_src = _option_or_env(
+        options, "on_persist_error", ENV_ON_PERSIST_ERROR, "retry"
+    )
+    if on_error_src == ENV_ON_PERSIST_ERROR:
+        on_error = on_error.strip().lower() or "retry"
     if on_error not in PERSIST_ERROR_MODES:
         raise InvalidArgumentError(
-            f"on_persist_error must be one of {', '.join(PERSIST_ERROR_MODES)}, not {on_error!r}"
+            f"{on_error_src} must be one of {', '.join(PERSIST_ERROR_MODES)}, not {on_error!r}"
         )
-    private = options.get("private")
-    if private is None:
-        private = private_default()
-    if not isinstance(private, bool):
-        raise InvalidArgumentError(f"private must be True or False, not {private!r}")
-    reuse = options.get("reuse_unchanged")
-    if reuse is None:
-        reuse = os.environ.get(ENV_REUSE_UNCHANGED, "1").strip().lower() not in _FALSE
-    if not isinstance(reuse, bool):
-        raise InvalidArgumentError(f"reuse_unchanged must be True or False, not {reuse!r}")
+    private = _flag(options, "private", ENV_PRIVATE, False)
+    reuse = _flag(options, "reuse_unchanged", ENV_REUSE_UNCHANGED, True)
     peers = options.get("peer_replicas")
     peers_src = "peer_replicas"
     if peers is None and os.environ.get(ENV_PEER_REPLICAS, "").strip():
@@ -219,8 +209,8 @@ def resolve_config(
         persistent_storage_path=path,
         persistent_time_interval_s=_number(interval, interval_src, float, 0),
         num_of_version_in_retention=_number(retention, retention_src, int, 1),
-        exit_timeout_s=_number(exit_timeout, "exit_timeout_s", float, 0),
-        rank_timeout_s=_number(rank_timeout, "rank_timeout_s", float, 0),
+        exit_timeout_s=_number(exit_timeout, exit_timeout_src, float, 0),
+        rank_timeout_s=_number(rank_timeout, rank_timeout_src, float, 0),
         storage_options=tuple(sorted(storage_options.items())),
         lazy_snapshot=lazy,
         keep_memory_tier=keep,
@@ -228,6 +218,53 @@ def resolve_config(
         private=private,
         reuse_unchanged=reuse,
         peer_replicas=peer_replicas,
+    )
+
+
+def _option_or_env(
+    options: dict[str, Any], option: str, variable: str, default: Any
+) -> tuple[Any, str]:
+    """The option if given, else the variable if set, else the default; with the name an
+    error about the value should give (the option's, or the variable's)."""
+    if options.get(option) is not None:
+        return options[option], option
+    if variable in os.environ:
+        return os.environ[variable], variable
+    return default, option
+
+
+def _flag(options: dict[str, Any], option: str, variable: str, default: bool) -> bool:
+    """A boolean option (True or False), else its variable (`env_flag`), else the default."""
+    value = options.get(option)
+    if value is None:
+        return env_flag(variable, default)
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{option} must be True or False, not {value!r}")
+    return value
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The boolean environment variable `name`: 1/true/yes/on or 0/false/no/off, in any
+    case; unset or empty: `default`. Anything else raises `InvalidArgumentError` naming
+    the variable and these words (`NEBULA_PRIVATE=y` too: a guess could leave files
+    readable that were meant to be private).
+
+    Example:
+        >>> import os
+        >>> os.environ["NEBULA_EXAMPLE_FLAG"] = "Off"
+        >>> env_flag("NEBULA_EXAMPLE_FLAG", True), env_flag("NEBULA_NOT_SET", True)
+        (False, True)
+        >>> del os.environ["NEBULA_EXAMPLE_FLAG"]
+    """
+    value = os.environ.get(name, "")
+    word = value.strip().lower()
+    if not word:
+        return default
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise InvalidArgumentError(
+        f"{name} must be one of {', '.join(_TRUE)} (on) or {', '.join(_FALSE)} (off), "
+        f"in any case; not {value!r}"
     )
 
 
@@ -259,7 +296,7 @@ def private_default() -> bool:
         >>> private_default()
         False
     """
-    return os.environ.get(ENV_PRIVATE, "0").strip().lower() in _TRUE
+    return env_flag(ENV_PRIVATE, False)
 
 
 def env_count(name: str) -> int | None:
