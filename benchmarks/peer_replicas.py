@@ -1001,7 +1001,7 @@ def replica_costs(folder: Path, size: int, repeats: int = 3) -> dict[str, float]
     import mmap
 
     from nebulaml.format.checksum import new_hasher
-    from nebulaml.protocol.replicas import _COPY_BYTES
+    from nebulaml.protocol.replica_inbox import _COPY_BYTES
 
     folder.mkdir(parents=True, exist_ok=True)
     source, target = folder / "base", folder / "new"

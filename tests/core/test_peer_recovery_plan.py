@@ -1,5 +1,5 @@
 """Recovery from peer replicas without a process group: the agreement every rank computes
-(runtime/peer_recovery.py's `agree`, as a table of offers in, plan out), what a memory
+(protocol/peer_plan.py's `agree`, as a table of offers in, plan out), what a memory
 tier offers, and a part restored into a memory tier from the bytes a partner sends
 (protocol/part_restore.py). The collective over real ranks: tests/dist/test_peer_recovery.py.
 """
@@ -23,8 +23,7 @@ from nebulaml.protocol.part_restore import (
     replica_files,
     replicas_held,
 )
-from nebulaml.protocol.replicas import FileClaim, ReplicaInbox, part_files, replica_root
-from nebulaml.runtime.peer_recovery import (
+from nebulaml.protocol.peer_plan import (
     PARTS,
     PERSISTENT,
     Incomplete,
@@ -33,6 +32,8 @@ from nebulaml.runtime.peer_recovery import (
     agree,
     why_incomplete,
 )
+from nebulaml.protocol.replica_inbox import ReplicaInbox
+from nebulaml.protocol.replicas import FileClaim, part_files, replica_root
 from nebulaml.storage.store import Store
 
 T0 = "2026-01-01T00:00:00Z"

@@ -17,11 +17,10 @@ from nebulaml.format.manifest import ItemEntry, Manifest, Producer, RankMarker, 
 from nebulaml.format.names import MANIFEST_NAME, REPLICA_DONE, REPLICAS_DIR, marker_name
 from nebulaml.protocol.delete import delete_part
 from nebulaml.protocol.leases import hold_tag
+from nebulaml.protocol.replica_inbox import Outcome, ReplicaInbox
 from nebulaml.protocol.replicas import (
     FileClaim,
-    Outcome,
     OwnParts,
-    ReplicaInbox,
     keep_only,
     part_files,
     read_replica,

@@ -25,7 +25,7 @@ through a symbolic link).
 
 May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, catalog.py,
 commit.py and replicas.py. Not for: moving the bytes or deciding which checkpoint to
-restore (runtime/peer_recovery.py), or keeping replicas as they arrive (replicas.py).
+restore (runtime/peer_recovery.py), or keeping replicas as they arrive (replica_inbox.py).
 """
 
 from __future__ import annotations

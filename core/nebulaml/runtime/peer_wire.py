@@ -29,7 +29,7 @@ and back, on another tag, after each replica: ACK, `status` OK (committed), FAIL
     pieces                        the sizes of the messages of `total` bytes
 
 May import: `nebulaml.format` and protocol/replicas.py (`FileClaim`). Not for: sending
-(replication.py), or checking the files received (protocol/replicas.py).
+(replication.py), or checking the files received (protocol/replica_inbox.py).
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ file whole against the checksum announced, so a base that is not what the sender
 (a flipped byte in the partner's memory, another replica) never commits: the replica is
 refused, and the sender sends the next one whole.
 
-May import: `nebulaml.errors`, `nebulaml.format` and protocol/replicas.py (`FileClaim`).
-Not for: sending (replication.py), the frames (peer_wire.py), or building and checking
-the replica (protocol/replicas.py).
+May import: `nebulaml.errors`, `nebulaml.format`, protocol/replicas.py (`FileClaim`) and
+protocol/replica_inbox.py (`MAX_RUNS`). Not for: sending (replication.py), the frames
+(peer_wire.py), or building and checking the replica (protocol/replica_inbox.py).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ from nebulaml.format.checksum import (
     tree_hexdigest,
     tree_leaves,
 )
-from nebulaml.protocol.replicas import MAX_RUNS, FileClaim
+from nebulaml.protocol.replica_inbox import MAX_RUNS
+from nebulaml.protocol.replicas import FileClaim
 
 Run = tuple[int, int]  # (offset, length): bytes taken from the partner's replica
 

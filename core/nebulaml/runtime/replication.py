@@ -19,7 +19,7 @@ peer_wire.py.
 committed (its newest whole one), and sends of each item only the 16 KiB blocks whose
 digest differs; the partner takes the rest from that replica and checks every file whole
 (replica_delta.py says how the blocks are found from the save's own digests, without
-reading a frozen base; protocol/replicas.py how the partner builds and checks). A
+reading a frozen base; protocol/replica_inbox.py how the partner builds and checks). A
 replica the partner refuses (its base was not what the sender thought, a byte flipped on
 the way) makes the next one go whole. The items are read from their mappings (the slot
 pool's, which the save filled: `Store.map_read`), copied once, into the message buffers.
@@ -41,11 +41,11 @@ goes when it is asked for. So does a part evicted or saved again before its turn
 
 **Receiving.** One thread per rank that sends to this one (`Ring.receive_from`) takes
 its frames, writes each replica into this node's memory tier as its bytes arrive, and
-checks and commits it there (protocol/replicas.py: `<memory tier>/.replicas/rank-<r>/`);
-then answers COMMITTED, or REFUSED with the reason (also one warning here, and one on the
-sender's side). The replica before stays while this rank's own part of the new one's tag
-is not committed yet (`OwnParts`): a lost partner then still finds a checkpoint complete
-here.
+checks and commits it there (protocol/replica_inbox.py, into
+`<memory tier>/.replicas/rank-<r>/`: protocol/replicas.py); then answers COMMITTED, or
+REFUSED with the reason (also one warning here, and one on the sender's side). The
+replica before stays while this rank's own part of the new one's tag is not committed
+yet (`OwnParts`): a lost partner then still finds a checkpoint complete here.
 
 **Failures.** gloo cannot mend a connection: an error of the group (the partner's
 process ended, a damaged frame head, an operation that waited past the group's timeout)
@@ -87,11 +87,10 @@ from nebulaml.errors import NebulaError
 from nebulaml.format.manifest import parse_marker
 from nebulaml.format.names import marker_name, order_key
 from nebulaml.protocol.leases import HandleHolds, hold_tag
+from nebulaml.protocol.replica_inbox import Outcome, ReplicaInbox
 from nebulaml.protocol.replicas import (
     FileClaim,
-    Outcome,
     OwnParts,
-    ReplicaInbox,
     part_files,
     replica_root,
 )
