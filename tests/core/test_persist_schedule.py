@@ -1,4 +1,5 @@
-"""The persister's decisions (runtime/persist_schedule.py): pure, table-driven.
+"""The persister's decisions (runtime/persist_schedule.py, and evict_plan.py's for
+eviction): pure, table-driven.
 
 Each row is a state in and a decision out: a `Schedule` made from the row's fields, one
 call, and what it answered and left. No thread, no store, no clock: the time is the row's.
@@ -17,6 +18,7 @@ from nebulaml.errors import (
     StorageFullError,
 )
 from nebulaml.protocol.retention import Version
+from nebulaml.runtime.evict_plan import settled_parts
 from nebulaml.runtime.outage import RETRY_MAX_S, Outage, OutageWatch
 from nebulaml.runtime.persist_schedule import (
     FOLLOW_POLL_S,
@@ -26,7 +28,6 @@ from nebulaml.runtime.persist_schedule import (
     Skip,
     Turn,
     Upkeep,
-    settled_parts,
 )
 from nebulaml.runtime.ranks import RankInfo
 

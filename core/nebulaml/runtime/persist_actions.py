@@ -9,14 +9,16 @@ persister's lock and records the outcome in the schedule (persist_schedule.py) u
                 for the budget (budget.py), and the one a commit asks for (on the
                 eviction thread, or at the next save: `if_due`); the tags of the
                 replicas the node keeps (`.replicas/`) are the schedule's to weigh
+                (evict_plan.py)
     Following   a follower rank looking for its leaders' markers and commits
     Removals    the checkpoints a framework removed (`Persister.forget`), deleted from
                 every tier (removal_queue.py), and recorded in the memory tier
 
-May import: every layer below runtime, and runtime.connect, history_queue, outage,
-persist_schedule, persist_step, ranks, removal_queue, retirement, slots, steps. Not for:
-deciding what to do, or when (persist_schedule.py), the thread (persist_loop.py), or the
-training thread's calls (persister.py).
+May import: every layer below runtime, and runtime.connect, evict_plan, history_queue,
+outage, persist_schedule, persist_step, ranks, removal_queue, retirement, slots, steps.
+Not for: deciding what to do, or when (persist_schedule.py), which memory copies may go
+(evict_plan.py), the thread (persist_loop.py), or the training thread's calls
+(persister.py).
 """
 
 from __future__ import annotations
@@ -40,15 +42,9 @@ from nebulaml.protocol.retention import Version
 from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet
 from nebulaml.runtime.connect import keep_root
+from nebulaml.runtime.evict_plan import settled_parts
 from nebulaml.runtime.history_queue import HistoryQueue
-from nebulaml.runtime.persist_schedule import (
-    FOLLOW_POLL_S,
-    Follow,
-    Removal,
-    Schedule,
-    saved_again,
-    settled_parts,
-)
+from nebulaml.runtime.persist_schedule import FOLLOW_POLL_S, Follow, Removal, Schedule, saved_again
 from nebulaml.runtime.persist_step import discard_partial, leader_of, persist_part, persist_whole
 from nebulaml.runtime.removal_queue import RemovalQueue
 from nebulaml.runtime.retirement import retire

@@ -4,15 +4,13 @@
                     the outage) and its decisions: which tag to persist next and when the
                     interval makes it due, which pending one a newer commit supersedes,
                     what follows a failed persist (the capped backoff of outage.py, or
-                    the error kept), which memory copies may go (never this rank's part
-                    of a tag its node keeps a partner's replica of), what a follower does
-                    after looking for its leaders' markers, and when the thread is done
+                    the error kept), which tags the memory tier must keep (eviction
+                    weighs them in evict_plan.py), what a follower does after looking
+                    for its leaders' markers, and when the thread is done
     Turn            what the thread does on one turn of its loop (`Schedule.decide`)
     Upkeep          what the other queues of the thread say before a turn
     Skip            a persist skipped, and the newer commit that superseded it
     Follow          a follower's next move after looking for its leaders' markers
-    settled_parts   of this rank's parts in the memory tier, those eviction may consider
-    awaited         this rank's part whose partner's replica may still come (kept)
     saved_again     whether a persist failed because another rank saved its tag again
 
 Nothing here reads a clock, a store or a thread: a decision that depends on the time takes
@@ -27,8 +25,9 @@ a newer commit supersedes it. A follower rank (not its tag's leader, the lowest 
 writes it) persists what the leader persists: its tags are "candidates" until it sees the
 leader's marker of them, or of a newer one.
 
-May import: `nebulaml.errors`, `nebulaml.format`, protocol.retention, runtime.outage and
-runtime.ranks. Not for: I/O of any kind (persist_actions.py), the thread
+May import: `nebulaml.errors`, `nebulaml.format`, protocol.retention, runtime.evict_plan,
+runtime.outage and runtime.ranks. Not for: I/O of any kind (persist_actions.py), which
+memory copies may go given what the schedule keeps (evict_plan.py), the thread
 (persist_loop.py), or what the training thread calls (persister.py).
 """
 
@@ -40,8 +39,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from nebulaml.errors import NebulaError, PartSupersededError, PersistError, exception_chain
-from nebulaml.format.names import MANIFEST_NAME, order_key, step_of, writer_marker_name
-from nebulaml.protocol.retention import Version, plan_retention
+from nebulaml.format.names import order_key
+from nebulaml.protocol.retention import Version
+from nebulaml.runtime import evict_plan
 from nebulaml.runtime.outage import OutageWatch, is_broken
 from nebulaml.runtime.ranks import RankInfo
 
@@ -316,14 +316,8 @@ class Schedule:
 
     def superseded(self, tag: str) -> bool:
         """Whether the persistent tier holds `tag`, or a newer checkpoint, committed, as
-        this job knows it."""
-        if not self.persistent:
-            return False
-        if tag in self.durable_tags:
-            return True
-        step = step_of(tag)
-        steps = [step_of(t) for t in self.durable_tags]
-        return step is not None and any(s is not None and s > step for s in steps)
+        this job knows it (evict_plan.py)."""
+        return self.persistent and evict_plan.superseded(tag, self.durable_tags)
 
     def evictable(
         self,
@@ -333,31 +327,20 @@ class Schedule:
         superseded_newest: bool = False,
         replicas: Collection[str] = (),
     ) -> list[str]:
-        """Which of the memory tier's `versions` may go. With a persistent tier it keeps
-        its newest and the protected ones; with `superseded_newest` (the memory budget
-        needs room) the newest goes too once the persistent tier holds it or a newer
-        one. Without one it is the only tier, and retention (`retention`) applies.
-
-        `replicas`: the tags of the replicas this node keeps of its partners' parts
-        (`peer_replicas`; protocol/replicas.py `replica_tags`). This rank's own part of
-        each is kept like the newest, so that a lost partner finds the tag complete on
-        this node (its part from the replica, this rank's from here): replication is
-        asynchronous, and the newest replica is often a step behind this rank's newest
-        part. So is the newest part but one while its step is newer than every replica's
-        (`awaited`: the partner's replica of it has not begun to arrive yet). With
-        `superseded_newest` they go once the persistent tier holds them or a newer one
-        (a restart resumes that)."""
-        if not versions:
-            return []
-        protected = self.protected()
-        kept = set(replicas) | set(awaited(versions, replicas))
-        if not self.persistent:
-            return plan_retention(versions, retention, protected | kept)
-        newest = max(versions, key=lambda v: v.sort_key).tag
-        keep = {newest, *kept}
-        if superseded_newest:
-            keep = {tag for tag in keep if not self.superseded(tag)}
-        return [v.tag for v in versions if v.tag not in keep and v.tag not in protected]
+        """Which of the memory tier's `versions` may go (evict_plan.py's `evictable`),
+        never a protected one: with a persistent tier its newest stays (unless
+        `superseded_newest` and the persistent tier holds it or a newer one), without
+        one retention (`retention`) applies; this rank's own parts of the tags of
+        `replicas` stay too."""
+        durable = self.durable_tags if self.persistent else None
+        return evict_plan.evictable(
+            versions,
+            retention,
+            self.protected(),
+            durable,
+            superseded_newest=superseded_newest,
+            replicas=replicas,
+        )
 
     def may_evict(self, tag: str) -> bool:
         """Checked again just before a delete: a flush may have asked for `tag`, or the
@@ -614,56 +597,3 @@ class Schedule:
             return Removal.LATER  # being saved again right now: looked at again later
         self.removing = tag
         return Removal.GO
-
-
-def awaited(versions: Sequence[Version], replicas: Collection[str]) -> list[str]:
-    """Of this rank's parts (`versions`), the one whose partner's replica may still come,
-    given the tags of the replicas its node keeps (`replicas`): its newest part but one,
-    while its step is newer than every replica's (the partner sends a part once it has
-    committed it, and this rank may be a step ahead); none when the node keeps no
-    replica, or a tag has no step to tell.
-
-    Example:
-        >>> parts = [Version(f"global_step{i}", "") for i in (1, 2, 3)]
-        >>> awaited(parts, {"global_step1"}), awaited(parts, {"global_step2"})
-        (['global_step2'], [])
-    """
-    ordered = sorted(versions, key=lambda v: v.sort_key)
-    if len(ordered) < 2 or not replicas:
-        return []
-    step = step_of(ordered[-2].tag)
-    steps = [step_of(tag) for tag in replicas]
-    if step is None or any(s is None or s >= step for s in steps):
-        return []
-    return [ordered[-2].tag]
-
-
-def settled_parts(
-    versions: Sequence[Version], files: Mapping[str, Collection[str]], rank: int
-) -> list[Version]:
-    """Of this rank's parts in a shared memory tier (`versions`, with each tag folder's
-    `files`), those eviction may consider. Not a part still being written (its writer
-    marker is there until the commit: Lightning's `last`, saved again each epoch, was
-    evicted between its rank marker and its manifest, and the save failed). Not a part of
-    a tag the other ranks have not committed yet, newer than the newest committed one
-    (they are still saving it, or died): keeping it and evicting the committed one before
-    it lost a checkpoint both ranks had acknowledged (the elastic campaign).
-
-    Example:
-        >>> parts = [Version("global_step1", ""), Version("global_step2", "")]
-        >>> files = {"global_step1": ["manifest.json"], "global_step2": [".rank-0.json"]}
-        >>> [v.tag for v in settled_parts(parts, files, 0)]
-        ['global_step1']
-    """
-    whole = {t for t, names in files.items() if MANIFEST_NAME in names}
-    writing = {
-        t for t, names in files.items() if t not in whole and writer_marker_name(rank) in names
-    }
-    versions = [v for v in versions if v.tag not in writing]
-    if whole:
-        newest_whole = max((v for v in versions if v.tag in whole), key=lambda v: v.sort_key)
-        in_progress = {
-            v.tag for v in versions if v.tag not in whole and v.sort_key > newest_whole.sort_key
-        }
-        versions = [v for v in versions if v.tag not in in_progress]
-    return versions

@@ -22,11 +22,12 @@ outage like any other.
 evicted, and when) under one lock, starts the thread that works it (persist_loop.py), and
 hands the I/O to the actions (persist_actions.py). May import: every layer below runtime,
 and runtime.crew, outage, persist_actions, persist_loop, persist_schedule, ranks, slots,
-history_queue. Not for: the decisions themselves (persist_schedule.py), the thread
-(persist_loop.py), the I/O of a persist, an eviction, a follower or a removal
-(persist_actions.py), one persist's copy (persist_step.py), retention after a persist
-(retirement.py), the history's queue (history_queue.py), the commit protocol itself
-(commit.py) or process-wide state (session.py).
+history_queue. Not for: the decisions themselves (persist_schedule.py; which memory
+copies may go: evict_plan.py), the thread (persist_loop.py), the I/O of a persist, an
+eviction, a follower or a removal (persist_actions.py), one persist's copy
+(persist_step.py), retention after a persist (retirement.py), the history's queue
+(history_queue.py), the commit protocol itself (commit.py) or process-wide state
+(session.py).
 """
 
 from __future__ import annotations
