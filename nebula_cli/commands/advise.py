@@ -158,6 +158,15 @@ def _print(location: str, a: Advice) -> None:
         out.print(f"MTBF: {a.mtbf_note}.", highlight=False, markup=False)
     if advised is None:
         return
+    if a.mtbf_s is not None and a.mtbf_s <= a.stall_s:
+        out.print(
+            f"No checkpoint interval helps: a failure every {duration(a.mtbf_s)} on average "
+            f"is sooner than a save's stall ({duration(a.stall_s)}); even at the best interval, "
+            f"{_share(advised.waste)} of training time is lost.",
+            highlight=False,
+            markup=False,
+        )
+        return
     every = duration(advised.interval_s)
     what = f"Save every {advised.steps} steps (about {every})" if advised.steps else (
         f"Save every {every}")  # fmt: skip

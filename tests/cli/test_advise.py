@@ -93,6 +93,22 @@ def test_an_mtbf_it_cannot_estimate_is_asked_for(root: Path) -> None:
     assert given.code == 0 and json.loads(given.stdout)["advised"]["steps"] >= 1
 
 
+def test_an_mtbf_shorter_than_a_save_says_no_interval_helps(tmp_path: Path) -> None:
+    # Catches: OverflowError from exp((tau + C)/M) (a traceback, exit 1), and advice to
+    # "save every 1 steps" as if it helped when a failure comes before a save ends.
+    write_two_rank_history(tmp_path)  # a stall of 2.25 s per save
+    run = in_a_pipe("advise", str(tmp_path), "--mtbf", "0.01s")
+    assert run.code == 0, run.stderr
+    table = {line[:29].strip(): line[29:].split() for line in run.stdout.splitlines()[2:11]}
+    assert table["time lost (stalls + rework)"] == ["100.00%", "100.00%"]
+    assert run.stdout.splitlines()[-1] == (
+        "No checkpoint interval helps: a failure every 0.010 s on average is sooner than "
+        "a save's stall (2.250 s); even at the best interval, 100.00% of training time is lost."
+    )
+    doc = json.loads(in_a_pipe("advise", str(tmp_path), "--mtbf", "0.01s", "--json").stdout)
+    assert doc["advised"]["waste"] == 1.0 and doc["now"]["waste"] == 1.0
+
+
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [

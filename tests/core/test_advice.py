@@ -60,6 +60,15 @@ def test_expected_waste_against_hand_computed_values() -> None:
         expected_waste(-1, 8, 14400)
 
 
+def test_an_mtbf_far_below_the_stall_loses_all_time_without_overflow() -> None:
+    # Catches: exp((tau + C)/M) overflowing (OverflowError) once (tau + C)/M passes ~709,
+    # as `nebula advise ROOT --mtbf 0.01s` did with a 2 s stall.
+    assert expected_waste(10, 2.25, 0.01) == 1.0
+    assert expected_waste(0, 2.25, 0.01) == 1.0
+    assert expected_waste(700 * 0.01, 0, 0.01) == pytest.approx(1.0, abs=1e-12)
+    assert daly_interval(2.25, 0.01) == 0.01  # C >= 2M: the interval is M
+
+
 def test_parse_duration() -> None:
     # Catches: a unit misread (m as months, d as ...), compound durations refused, a bare
     # number taken as some unit, zero accepted.

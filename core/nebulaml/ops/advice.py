@@ -57,6 +57,8 @@ PathLike = str | os.PathLike[str]
 GAP_FACTOR = 3.0
 GAP_MIN_S = 5.0
 PERSIST_QUANTILE = 0.95  # the persist time the persistent interval must not be below
+# exp(x) overflows a double past x = 709.78; from x = 700 on, 1 - x*exp(-x) is 1 exactly.
+_EXP_LIMIT = 700.0
 
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _DURATION = re.compile(r"(?:\d+(?:\.\d+)?[smhdw])+")
@@ -95,6 +97,8 @@ def expected_waste(interval_s: float, cost_s: float, mtbf_s: float) -> float:
         0.033
         >>> expected_waste(0, 2, 3600)    # nothing but checkpoints
         1.0
+        >>> expected_waste(10, 2, 0.01)   # failures far more often than saves: all lost
+        1.0
     """
     if interval_s < 0 or cost_s < 0 or mtbf_s <= 0:
         raise InvalidArgumentError(
@@ -102,7 +106,10 @@ def expected_waste(interval_s: float, cost_s: float, mtbf_s: float) -> float:
         )
     if interval_s + cost_s == 0:
         return 0.0
-    return 1.0 - interval_s / (mtbf_s * math.expm1((interval_s + cost_s) / mtbf_s))
+    exponent = (interval_s + cost_s) / mtbf_s
+    if exponent > _EXP_LIMIT:  # tau / (M (exp(x) - 1)) <= x exp(-x): 0 to a double
+        return 1.0
+    return 1.0 - interval_s / (mtbf_s * math.expm1(exponent))
 
 
 def parse_duration(text: str) -> float:
