@@ -7,8 +7,8 @@ tag or an item on them (locate), ranks (ranks), the job and its hold on the root
 the memory budget (budget), the background persister (persister: its scheduler
 persist_schedule, which memory copies it lets go evict_plan, its actions persist_actions,
 its thread persist_loop, one persist's copy persist_step, retention after a persist
-retirement, the history's and the removals' queues history_queue and removal_queue,
-outages outage), the snapshot layout and fill
+retirement, the history's and the removals' queues history_queue and removal_queue
+and their wait after a failure retry_queue, outages outage), the snapshot layout and fill
 (snapshot), what a buffer still holds from its last fill (unchanged), reused buffers
 (slots) and their fresh pages (pages), lazy snapshots' fence (fence), and the replication
 of a node's memory tier to its partner node: the ring and nebula's own process group

@@ -2,25 +2,23 @@
 every tier (`RemovalQueue`): while a tier fails, or a reader holds one, they wait and are
 tried again.
 
-May import: every layer below runtime, and runtime.outage (its backoff). Not for: the
-delete itself (protocol/delete.py, run by persist_actions.py's `Removals`), or the record
-of what is left to remove (protocol/removals.py).
+May import: every layer below runtime, and runtime.retry_queue (the wait after a failed
+try). Not for: the delete itself (protocol/delete.py, run by persist_actions.py's
+`Removals`), or the record of what is left to remove (protocol/removals.py).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 
 from nebulaml.errors import NebulaError
-from nebulaml.runtime.outage import RETRY_MAX_S
+from nebulaml.runtime.retry_queue import RetryQueue
 
 log = logging.getLogger("nebulaml")
 
 
-class RemovalQueue:
+class RemovalQueue(RetryQueue[str]):
     """Checkpoints a framework removed, on their way out of every tier.
 
     The framework's decision is the retention (a Lightning ModelCheckpoint drops a
@@ -37,9 +35,7 @@ class RemovalQueue:
     """
 
     def __init__(self, journal: Callable[[list[str]], None] | None = None) -> None:
-        self._tags: list[str] = []
-        self._lock = threading.Lock()
-        self._retry_at: float | None = None
+        super().__init__()  # the tags, and the wait after a failed try
         # Told, under the lock, each time what is left to remove changes: the persister
         # records it in the memory tier, so that a process killed before its thread ran
         # a removal leaves it to the next session (session.py's recovery).
@@ -47,16 +43,16 @@ class RemovalQueue:
 
     def add(self, tag: str) -> None:
         with self._lock:
-            if tag not in self._tags:
-                self._tags.append(tag)
-                self._note(self._tags)
+            if tag not in self._items:
+                self._items.append(tag)
+                self._note(self._items)
 
     def discard(self, tag: str) -> None:
         """`tag` is saved again: it is no longer to be removed."""
         with self._lock:
-            if tag in self._tags:
-                self._tags.remove(tag)
-                self._note(self._tags)
+            if tag in self._items:
+                self._items.remove(tag)
+                self._note(self._items)
 
     def _note(self, tags: list[str]) -> None:
         if self._journal is not None:
@@ -64,24 +60,14 @@ class RemovalQueue:
 
     def pending(self) -> list[str]:
         with self._lock:
-            return list(self._tags)
-
-    def due(self) -> bool:
-        """Tags to remove, and not in the wait after a failed try."""
-        with self._lock:
-            retry = self._retry_at
-            return bool(self._tags) and (retry is None or time.monotonic() >= retry)
-
-    def retry_at(self) -> float | None:
-        with self._lock:
-            return self._retry_at if self._tags else None
+            return list(self._items)
 
     def run(self, remove: Callable[[str], bool], *, last: bool = False) -> list[str]:
         """Call `remove(tag)` for each queued tag (True: gone from every tier); the tags
         removed. A tag it refuses, or fails on, stays for a later try; with `last` (the
         process exits) it is given up, and said."""
         with self._lock:
-            tags = list(self._tags)
+            tags = list(self._items)
         removed: list[str] = []
         failed: dict[str, str] = {}
         for tag in tags:
@@ -93,13 +79,13 @@ class RemovalQueue:
             except NebulaError as exc:
                 failed[tag] = str(exc)
         with self._lock:
-            self._tags = [t for t in self._tags if t not in removed]
+            self._items = [t for t in self._items if t not in removed]
             if removed:
                 # Given up at exit, a failed one stays recorded for the next session.
-                self._note(self._tags)
+                self._note(self._items)
             if last:
-                self._tags = [t for t in self._tags if t not in failed]
-            self._retry_at = time.monotonic() + RETRY_MAX_S if failed and not last else None
+                self._items = [t for t in self._items if t not in failed]
+            self._tried(ok=not failed or last)
         for tag, why in failed.items():
             say = log.warning if last else log.debug
             say(
