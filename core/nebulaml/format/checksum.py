@@ -189,6 +189,62 @@ def block_digests(piece: bytes | bytearray | memoryview) -> bytes:
     return b"".join(digest(view[at : at + BLOCK_BYTES]) for at in range(0, len(view), BLOCK_BYTES))
 
 
+Range = tuple[int, int, bool]  # (offset, length, the same bytes as in the older version)
+
+
+def compare_pieces(
+    data: memoryview,
+    leaves: Sequence[bytes],
+    base: tuple[Sequence[bytes], Sequence[bytes | None]] | None,
+    check: Callable[[int, memoryview, bytes], None] | None = None,
+) -> tuple[list[Range], list[bytes | None]]:
+    """Which bytes of `data` (its pieces' `leaves`) are those of an older version of the
+    same size (`base`: its leaves and each piece's `block_digests`, None where not
+    hashed): a piece whose leaf is the older one's is the same whole, without reading it;
+    another is compared in `BLOCK_BYTES` blocks. Returns the ranges, each of one kind,
+    merged, and the blocks' digests of each piece (the older version's where the piece
+    is the same). `check(i, piece, leaf)` runs on each piece read, first (it may raise).
+
+    Example:
+        >>> old = bytes(2 << 20)
+        >>> new = bytearray(old); new[5] = 1                      # one byte of piece 0
+        >>> base = (tree_leaves(old), [block_digests(old[:LEAF_BYTES]), None])
+        >>> ranges, blocks = compare_pieces(memoryview(new), tree_leaves(new), base)
+        >>> ranges == [(0, BLOCK_BYTES, False), (BLOCK_BYTES, (2 << 20) - BLOCK_BYTES, True)]
+        True
+    """
+    ranges: list[Range] = []
+    blocks: list[bytes | None] = []
+
+    def add(offset: int, length: int, same: bool) -> None:
+        if ranges and ranges[-1][2] == same and ranges[-1][0] + ranges[-1][1] == offset:
+            last = ranges.pop()
+            ranges.append((last[0], last[1] + length, same))
+        else:
+            ranges.append((offset, length, same))
+
+    for i, leaf in enumerate(leaves):
+        start = i * LEAF_BYTES
+        piece = data[start : start + LEAF_BYTES]
+        if base is not None and base[0][i] == leaf:
+            add(start, len(piece), True)
+            blocks.append(base[1][i])
+            continue
+        if check is not None:
+            check(i, piece, leaf)
+        digests = block_digests(piece)
+        blocks.append(digests)
+        older = base[1][i] if base is not None else None
+        if older is None or len(older) != len(digests):
+            add(start, len(piece), False)
+            continue
+        for k in range(0, len(digests), BLOCK_DIGEST_BYTES):
+            at = k // BLOCK_DIGEST_BYTES * BLOCK_BYTES
+            same = digests[k : k + BLOCK_DIGEST_BYTES] == older[k : k + BLOCK_DIGEST_BYTES]
+            add(start + at, min(BLOCK_BYTES, len(piece) - at), same)
+    return ranges, blocks
+
+
 class HashingWriter:
     """A write-only file wrapper that counts and hashes every byte on its way through.
 

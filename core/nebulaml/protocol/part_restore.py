@@ -30,11 +30,10 @@ restore (runtime/peer_recovery.py), or keeping replicas as they arrive (replica_
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 from nebulaml.errors import ManifestError, NebulaError, StorageError
 from nebulaml.format.checksum import new_hasher
@@ -42,6 +41,7 @@ from nebulaml.format.manifest import RankMarker, parse_marker
 from nebulaml.format.names import MANIFEST_NAME, marker_name, writer_marker_name
 from nebulaml.protocol.catalog import tag_folders
 from nebulaml.protocol.commit import begin_tag
+from nebulaml.protocol.inbox import FileInbox
 from nebulaml.protocol.replicas import (
     FileClaim,
     Replica,
@@ -190,11 +190,6 @@ def replica_files(memory: Store, tag: str, rank: int) -> tuple[Store, int, list[
     return root, replica.node, files
 
 
-class _Refused(Exception):
-    """Thrown into an item's writer to end it without the file (not an OSError: the store
-    would translate one)."""
-
-
 @dataclass(frozen=True, slots=True)
 class Restored:
     """What became of one part arriving: `committed` into the memory tier, or refused for
@@ -207,7 +202,7 @@ class Restored:
     size: int = 0
 
 
-class PartInbox:
+class PartInbox(FileInbox):
     """Rank `rank`'s part of `tag` arriving into the memory tier `memory` as the files
     `files` (the marker and the items, in the order their bytes follow): `feed` their
     bytes in pieces of any size, then `finish`. Nothing raises on the way: the first
@@ -217,6 +212,7 @@ class PartInbox:
     def __init__(
         self, memory: Store, *, tag: str, rank: int, files: Sequence[FileClaim], world_size: int
     ) -> None:
+        super().__init__()
         self.memory, self.tag, self.rank = memory, tag, rank
         self.files = tuple(files)
         self.total = sum(max(0, claim.size) for claim in self.files)
@@ -227,8 +223,6 @@ class PartInbox:
             self._error = "a manifest announced with a rank's part"
         self._index = 0  # the file the next byte belongs to
         self._filled = 0  # its bytes taken so far
-        self._opened: Any = None  # the current item's writer (the context manager)
-        self._out: BinaryIO | None = None
         self._hasher: Any = None
         self._marker = bytearray()
         self._written: list[str] = []  # item files this inbox wrote (removed if refused)
@@ -238,33 +232,12 @@ class PartInbox:
         if self._error is None:
             self._advance()
 
-    def _guard(self, step: Any) -> None:
-        try:
-            step()
-        except NebulaError as exc:
-            self._fail(f"it could not be written: {exc}")
-
     def _begin(self, world_size: int) -> None:
         # Clears what the rank left of the tag uncommitted, and names this process its
         # writer: a restore cut short is a dead writer's leftover.
         begin_tag(self.memory, self.tag, rank=self.rank, overwrite=False,
                   world_size=max(2, world_size))  # fmt: skip
         self._begun = True
-
-    def _fail(self, reason: str) -> None:
-        if self._error is None:
-            self._error = reason
-        self._close_current(refused=True)
-
-    def _close_current(self, *, refused: bool = False) -> None:
-        opened, self._opened, self._out = self._opened, None, None
-        if opened is None:
-            return
-        if refused:
-            with contextlib.suppress(_Refused, NebulaError):
-                opened.__exit__(_Refused, _Refused(), None)  # the writer removes the file
-        else:
-            opened.__exit__(None, None, None)
 
     def _start_current(self) -> None:
         claim = self.files[self._index]
@@ -274,9 +247,7 @@ class PartInbox:
         # A file of that name is removed first, never written through: it may be a
         # leftover linked to another file.
         self.memory.remove(self.tag, claim.name, durable=False)
-        opened = self.memory.open_write(self.tag, claim.name)
-        self._out = opened.__enter__()
-        self._opened = opened
+        self._open_writer(self.memory, self.tag, claim.name)
         self._written.append(claim.name)
 
     def _advance(self) -> None:

@@ -39,12 +39,13 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 from nebulaml.errors import ManifestError, NebulaError
 from nebulaml.format.checksum import new_hasher
 from nebulaml.format.manifest import RankMarker, parse_manifest, parse_marker, utc_now
 from nebulaml.format.names import MANIFEST_NAME, REPLICA_DONE, marker_name, validate_name
+from nebulaml.protocol.inbox import FileInbox
 from nebulaml.protocol.replicas import (
     DONE_SCHEMA_VERSION,
     FileClaim,
@@ -112,12 +113,7 @@ def check_reuse(tag: str, files: Sequence[FileClaim], base: str | None, runs: Ru
     return None
 
 
-class _Refused(Exception):
-    """Thrown into a file's writer to end it without the file (not an OSError: the store
-    would translate one)."""
-
-
-class ReplicaInbox:
+class ReplicaInbox(FileInbox):
     """One incoming replica of `rank`'s part of `tag` (from node `node`) into `root`
     (`replica_root`): `feed` it the files' bytes in the order of `files`, in pieces of any
     size, then `finish`. Nothing raises on the way: the first problem is kept, the bytes
@@ -142,6 +138,7 @@ class ReplicaInbox:
         reuse: Runs | None = None,
         own: OwnParts | None = None,
     ) -> None:
+        super().__init__()
         self.root, self.tag, self.rank, self.node = root, tag, rank, node
         self.own = own
         self.files = tuple(files)
@@ -156,8 +153,6 @@ class ReplicaInbox:
         self._index = 0  # the file the next byte belongs to
         self._filled = 0  # its bytes written so far
         self._run = 0  # the next of its runs from the base
-        self._out: Any = None  # its writer (the context manager's) and the manager
-        self._opened: Any = None
         self._hasher: Any = None
         self._source: contextlib.ExitStack | None = None  # the base's file, mapped
         self._source_view: memoryview | None = None
@@ -169,12 +164,6 @@ class ReplicaInbox:
             self._guard(self._prepare)
         if self._error is None:
             self._guard(self._advance)
-
-    def _guard(self, step: Any) -> None:
-        try:
-            step()
-        except NebulaError as exc:
-            self._fail(f"it could not be written: {exc}")
 
     def _prepare(self) -> None:
         held = read_replica(self.root, self.tag)
@@ -193,28 +182,15 @@ class ReplicaInbox:
         self._mine = True
         self.root.make_dir(self.tag)
 
-    def _fail(self, reason: str) -> None:
-        if self._error is None:
-            self._error = reason
-        self._close_current(failed=True)
-
     def _close_current(self, *, failed: bool = False) -> None:
         source, self._source, self._source_view = self._source, None, None
         if source is not None:
             source.close()
-        opened, self._opened, self._out = self._opened, None, None
-        if opened is None:
-            return
-        if failed:
-            opened.__exit__(_Refused, _Refused(), None)  # the writer removes the file
-        else:
-            opened.__exit__(None, None, None)
+        super()._close_current(failed=failed)
 
     def _open_current(self) -> None:
         claim = self.files[self._index]
-        opened = self.root.open_write(self.tag, claim.name)
-        self._out = opened.__enter__()
-        self._opened = opened
+        self._open_writer(self.root, self.tag, claim.name)
         self._hasher = new_hasher(claim.algo)
         self._run = 0
         if claim.name in (marker_name(self.rank), MANIFEST_NAME):
@@ -260,7 +236,8 @@ class ReplicaInbox:
         source = self._source_view
         if source is None or len(source) < offset + length:
             raise MissingFileError(f"{self.root.display(self.base, name)}: shorter than its runs")
-        out: BinaryIO = self._out
+        out = self._out
+        assert out is not None  # opened first
         for at in range(offset, offset + length, _COPY_BYTES):
             piece = source[at : min(at + _COPY_BYTES, offset + length)]
             self._hasher.update(piece)
@@ -292,7 +269,8 @@ class ReplicaInbox:
                 self._fail(f"{claim.name}: no byte to take at {self._filled}")
                 return
             self._hasher.update(piece)
-            out: BinaryIO = self._out
+            out = self._out
+            assert out is not None  # opened first
             out.write(piece)
             small = self._small.get(claim.name)
             if small is not None:

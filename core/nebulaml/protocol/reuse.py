@@ -44,19 +44,15 @@ from dataclasses import dataclass, field
 
 from nebulaml.errors import CorruptCheckpointError
 from nebulaml.format.checksum import (
-    BLOCK_BYTES,
-    BLOCK_DIGEST_BYTES,
     CHECKSUM_ALGO,
-    LEAF_BYTES,
-    block_digests,
+    Range,
+    compare_pieces,
     tree_hexdigest,
     tree_leaves,
 )
 from nebulaml.format.manifest import ItemEntry
 from nebulaml.protocol.catalog import read_committed
 from nebulaml.storage.store import Store
-
-Range = tuple[int, int, bool]  # (offset, length, taken from the older version)
 
 
 @dataclass
@@ -149,7 +145,7 @@ def plan_item(
     compare it with `base` (module docstring): the ranges to write and to take from `base`.
 
     Example:
-        >>> from nebulaml.format.checksum import checksum_of
+        >>> from nebulaml.format.checksum import BLOCK_BYTES
         >>> old = bytes(3 << 20)
         >>> new = bytearray(old); new[(1 << 20) + 5] = 1          # one byte of piece 1
         >>> first = plan_item(memoryview(old), "s1", _entry(old), None)
@@ -178,36 +174,10 @@ def plan_item(
         )
     if base is not None and (base.size_bytes != size or len(base.leaves) != len(leaves)):
         base = None
-    ranges: list[Range] = []
-    blocks: list[bytes | None] = []
-    for i, leaf in enumerate(leaves):
-        start = i * LEAF_BYTES
-        piece = view[start : start + LEAF_BYTES]
-        if base is not None and base.leaves[i] == leaf:
-            _add(ranges, start, len(piece), True)
-            blocks.append(base.blocks[i])
-            continue
-        digests = block_digests(piece)
-        blocks.append(digests)
-        older = base.blocks[i] if base is not None else None
-        if older is None or len(older) != len(digests):
-            _add(ranges, start, len(piece), False)
-            continue
-        for k in range(0, len(digests), BLOCK_DIGEST_BYTES):
-            at = k // BLOCK_DIGEST_BYTES * BLOCK_BYTES
-            same = digests[k : k + BLOCK_DIGEST_BYTES] == older[k : k + BLOCK_DIGEST_BYTES]
-            _add(ranges, start + at, min(BLOCK_BYTES, len(piece) - at), same)
+    older = None if base is None else (base.leaves, base.blocks)
+    ranges, blocks = compare_pieces(view, leaves, older)
     version = ItemVersion(tag, item.file, size, item.checksum, leaves, blocks)
     return ItemPlan(tuple(ranges), base, version)
-
-
-def _add(ranges: list[Range], offset: int, length: int, reuse: bool) -> None:
-    """Append a range, merged with the one before it when they are of one kind."""
-    if ranges and ranges[-1][2] == reuse and sum(ranges[-1][:2]) == offset:
-        last = ranges.pop()
-        ranges.append((last[0], last[1] + length, reuse))
-    else:
-        ranges.append((offset, length, reuse))
 
 
 def _entry(data: bytes) -> ItemEntry:

@@ -74,7 +74,6 @@ from typing import TYPE_CHECKING, Any
 
 from nebulaml._threads import start as start_thread
 from nebulaml.errors import NebulaError
-from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES
 from nebulaml.protocol.catalog import list_committed
 from nebulaml.protocol.delete import delete_part
 from nebulaml.protocol.part_restore import (
@@ -98,19 +97,14 @@ from nebulaml.protocol.peer_plan import (
 )
 from nebulaml.protocol.replicas import FileClaim
 from nebulaml.protocol.tiers import TierSet
-from nebulaml.runtime.peer_streams import MessageBuffers, as_tensor, receive_stream, send_stream
+from nebulaml.runtime import peer_streams as streams
 from nebulaml.runtime.peer_wire import (
-    HEAD_BYTES,
     MAX_CHUNK_BYTES,
     Head,
     Kind,
     Status,
     WireError,
-    body_check,
-    decode_begin,
-    decode_head,
     encode_begin,
-    encode_head,
 )
 from nebulaml.runtime.peers import Peers
 from nebulaml.runtime.ranks import RankInfo
@@ -437,32 +431,25 @@ def _move(
     return got
 
 
-def _send_head(peers: Peers, to: int, head: Head) -> None:
-    data = bytearray(encode_head(head))
-    peers.group.send([as_tensor(data)], to, DATA_TAG).wait()
-
-
 def _send(peers: Peers, memory: Store, transfer: Transfer, chunk_bytes: int) -> None:
     """Send rank `transfer.rank`'s part of `transfer.tag` from this node's replica of it
     (or END alone when there is no whole one); its receiver says what became of it."""
     to = transfer.rank
     found = replica_files(memory, transfer.tag, transfer.rank)
     if found is None:
-        _send_head(peers, to, Head(Kind.END, 1, Status.FAILED))
+        streams.send_head(peers.group, to, DATA_TAG, Head(Kind.END, 1, Status.FAILED))
         return
     root, node, claims = found
-    buffers = MessageBuffers(chunk_bytes)
+    buffers = streams.MessageBuffers(chunk_bytes)
     body = encode_begin(transfer.tag, transfer.rank, node, claims)
     payload = sum(claim.size for claim in claims)
-    _send_head(
-        peers, to, Head(Kind.BEGIN, 1, chunk=chunk_bytes, body=len(body), payload=payload,
-                        body_check=body_check(body))
-    )  # fmt: skip
-    send_stream(peers.group, to, DATA_TAG, iter([memoryview(body)]), len(body), buffers)
+    streams.send_begin(peers.group, to, DATA_TAG, 1, body, payload, buffers)
     whole = [True]
     files = _read_files(root, transfer.tag, claims, chunk_bytes, whole)
-    send_stream(peers.group, to, DATA_TAG, files, payload, buffers)
-    _send_head(peers, to, Head(Kind.END, 1, Status.OK if whole[0] else Status.FAILED))
+    streams.send_stream(peers.group, to, DATA_TAG, files, payload, buffers)
+    streams.send_head(
+        peers.group, to, DATA_TAG, Head(Kind.END, 1, Status.OK if whole[0] else Status.FAILED)
+    )
 
 
 def _read_files(
@@ -492,12 +479,6 @@ def _read_files(
             yield piece
 
 
-def _receive_head(peers: Peers, source: int) -> Head:
-    raw = bytearray(HEAD_BYTES)
-    peers.group.recv([as_tensor(raw)], source, DATA_TAG).wait()
-    return decode_head(raw)
-
-
 def _receive(
     peers: Peers, tiers: TierSet, ranks: RankInfo, transfer: Transfer, nodes: dict[int, int]
 ) -> Moved | Refusal:
@@ -510,37 +491,28 @@ def _receive(
     def refusal(reason: str) -> Refusal:
         return Refusal(transfer.tag, transfer.rank, holder, node, reason)
 
-    head = _receive_head(peers, holder)
+    head = streams.receive_head(peers.group, holder, DATA_TAG)
     if head.kind == Kind.END:
         return refusal(f"rank {holder} holds no whole replica of it now")
-    if head.kind != Kind.BEGIN or not 0 < head.chunk <= MAX_CHUNK_BYTES:
-        raise WireError(f"a {head.kind.name} frame where a part begins")
-    if head.body > MAX_MANIFEST_BYTES:
-        raise WireError(f"an announcement of {head.body} bytes")
-    buffers = MessageBuffers(head.chunk)
-    body = bytearray()
-    receive_stream(peers.group, holder, DATA_TAG, head.body, buffers, body.extend)
+    buffers = streams.MessageBuffers(head.chunk if 0 < head.chunk <= MAX_CHUNK_BYTES else 1)
+    begin = streams.receive_begin(peers.group, holder, DATA_TAG, head, buffers)
     reason = None
     inbox: PartInbox | None = None
-    try:
-        if body_check(body) != head.body_check:
-            raise WireError("its announcement arrived damaged")
-        begin = decode_begin(body)
-        if (begin.tag, begin.rank) != (transfer.tag, transfer.rank):
-            raise WireError(f"rank {begin.rank}'s part of {begin.tag!r} announced instead")
-        if begin.base is not None:
-            raise WireError("a part announced as built on a replica (a part comes whole)")
-    except WireError as exc:
-        reason = str(exc)
+    if isinstance(begin, WireError):
+        reason = str(begin)
+    elif (begin.tag, begin.rank) != (transfer.tag, transfer.rank):
+        reason = f"rank {begin.rank}'s part of {begin.tag!r} announced instead"
+    elif begin.base is not None:
+        reason = "a part announced as built on a replica (a part comes whole)"
     else:
         inbox = PartInbox(tiers.memory, tag=transfer.tag, rank=transfer.rank,
                           files=begin.files, world_size=ranks.world_size)  # fmt: skip
     try:
         drop: Callable[[memoryview], None] = lambda _piece: None  # noqa: E731
-        receive_stream(
+        streams.receive_stream(
             peers.group, holder, DATA_TAG, head.payload, buffers, inbox.feed if inbox else drop
         )
-        end = _receive_head(peers, holder)
+        end = streams.receive_head(peers.group, holder, DATA_TAG)
         if end.kind != Kind.END:
             raise WireError(f"a {end.kind.name} frame where a part ends")
     except BaseException:

@@ -7,9 +7,13 @@ recovery (peer_recovery.py) send their parts so.
     as_tensor       a tensor on a bytearray's memory (a head, an answer)
     send_stream     send `total` bytes taken from an iterator of views
     receive_stream  receive `total` bytes, each message handed to `take`
+    send_head       one frame's head; `receive_head`: the next one, decoded
+    send_begin      a BEGIN head and its announcement (the files and their claims);
+                    `receive_begin`: the announcement after a BEGIN head, checked
 
-May import: torch, and runtime.peer_wire. Not for: the frames (peer_wire.py), or what the
-bytes are and where they come from or go (replication.py, peer_recovery.py).
+May import: torch, `nebulaml.format`, and runtime.peer_wire. Not for: the frames' bytes
+(peer_wire.py), or what the bytes are and where they come from or go (replication.py,
+peer_recovery.py).
 """
 
 from __future__ import annotations
@@ -19,7 +23,20 @@ from typing import Any
 
 import torch
 
-from nebulaml.runtime.peer_wire import pieces
+from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES
+from nebulaml.runtime.peer_wire import (
+    HEAD_BYTES,
+    MAX_CHUNK_BYTES,
+    Begin,
+    Head,
+    Kind,
+    WireError,
+    body_check,
+    decode_begin,
+    decode_head,
+    encode_head,
+    pieces,
+)
 
 
 class MessageBuffers:
@@ -115,3 +132,58 @@ def receive_stream(
         works[which].wait()
         take(memoryview(buffers.raw[which])[:size])
         works[which] = None
+
+
+def send_head(group: Any, to: int, tag: int, head: Head) -> None:
+    """Send one frame's head to rank `to` (point-to-point `tag`) and wait until it left."""
+    data = bytearray(encode_head(head))
+    group.send([as_tensor(data)], to, tag).wait()
+
+
+def receive_head(group: Any, source: int, tag: int) -> Head:
+    """The next frame's head from rank `source` (point-to-point `tag`); `WireError` when
+    it is not one."""
+    raw = bytearray(HEAD_BYTES)
+    group.recv([as_tensor(raw)], source, tag).wait()
+    return decode_head(raw)
+
+
+def send_begin(
+    group: Any,
+    to: int,
+    tag: int,
+    transfer: int,
+    body: bytes,
+    payload: int,
+    buffers: MessageBuffers,
+) -> None:
+    """Begin transfer `transfer` to rank `to`: its BEGIN head (the announcement's length
+    and check, the `payload` bytes that follow it), then the announcement `body`
+    (peer_wire.encode_begin's)."""
+    send_head(
+        group, to, tag, Head(Kind.BEGIN, transfer, chunk=buffers.size, body=len(body),
+                             payload=payload, body_check=body_check(body))
+    )  # fmt: skip
+    send_stream(group, to, tag, iter([memoryview(body)]), len(body), buffers)
+
+
+def receive_begin(
+    group: Any, source: int, tag: int, head: Head, buffers: MessageBuffers
+) -> Begin | WireError:
+    """The announcement that follows the BEGIN `head` from rank `source`, decoded; a
+    `WireError` (returned, not raised: the payload still follows, and is taken) when it
+    arrived damaged, too long, or is none. A head that is no BEGIN, or announces a
+    message size no receiver takes, raises `WireError`: the stream cannot go on."""
+    if head.kind != Kind.BEGIN or not 0 < head.chunk <= MAX_CHUNK_BYTES:
+        raise WireError(f"a {head.kind.name} frame where a transfer begins")
+    if head.body > MAX_MANIFEST_BYTES:
+        receive_stream(group, source, tag, head.body, buffers, lambda _piece: None)
+        return WireError(f"an announcement of {head.body} bytes")
+    body = bytearray()
+    receive_stream(group, source, tag, head.body, buffers, body.extend)
+    if body_check(body) != head.body_check:
+        return WireError("its announcement arrived damaged")
+    try:
+        return decode_begin(body)
+    except WireError as exc:
+        return exc

@@ -42,11 +42,9 @@ from dataclasses import dataclass
 
 from nebulaml.errors import NebulaError
 from nebulaml.format.checksum import (
-    BLOCK_BYTES,
-    BLOCK_DIGEST_BYTES,
     CHECKSUM_ALGO,
     LEAF_BYTES,
-    block_digests,
+    compare_pieces,
     leaf_digest,
     tree_hexdigest,
     tree_leaves,
@@ -109,7 +107,7 @@ def plan_file(
     are not those of `claim`. More than `max_runs` runs: the file is sent whole.
 
     Example:
-        >>> from nebulaml.format.checksum import checksum_of
+        >>> from nebulaml.format.checksum import BLOCK_BYTES
         >>> old = bytes(3 << 20)
         >>> new = bytearray(old); new[(1 << 20) + 5] = 1              # one byte of piece 1
         >>> first = plan_file(memoryview(old), _claim(old), None)
@@ -134,26 +132,14 @@ def plan_file(
         raise ChangedError(f"{claim.name}: its bytes are not what its marker records")
     if base is not None and (base.size != size or len(base.leaves) != count):
         base = None
-    runs: list[Run] = []
-    blocks: list[bytes | None] = []
-    for i, leaf in enumerate(found):
-        start = i * LEAF_BYTES
-        piece = data[start : start + LEAF_BYTES]
-        if base is not None and base.leaves[i] == leaf:
-            _add(runs, start, len(piece))
-            blocks.append(base.blocks[i])
-            continue
+
+    def check(i: int, piece: memoryview, leaf: bytes) -> None:
         if checked and leaf_digest(piece) != leaf:
             raise ChangedError(f"{claim.name}: changed since its save (piece {i})")
-        digests = block_digests(piece)
-        blocks.append(digests)
-        older = base.blocks[i] if base is not None else None
-        if older is None or len(older) != len(digests):
-            continue
-        for k in range(0, len(digests), BLOCK_DIGEST_BYTES):
-            if digests[k : k + BLOCK_DIGEST_BYTES] == older[k : k + BLOCK_DIGEST_BYTES]:
-                at = k // BLOCK_DIGEST_BYTES * BLOCK_BYTES
-                _add(runs, start + at, min(BLOCK_BYTES, len(piece) - at))
+
+    older = None if base is None else (base.leaves, base.blocks)
+    ranges, blocks = compare_pieces(data, found, older, check)
+    runs = [(offset, length) for offset, length, same in ranges if same]
     if len(runs) > max_runs:
         runs = []
     return FilePlan(tuple(runs), FileDigests(size, claim.checksum, tuple(found), tuple(blocks)))
@@ -173,14 +159,6 @@ def new_ranges(size: int, runs: Sequence[Run]) -> Iterator[Run]:
         at = offset + length
     if at < size:
         yield at, size - at
-
-
-def _add(runs: list[Run], offset: int, length: int) -> None:
-    """Append a run, merged with the one before it when they touch."""
-    if runs and sum(runs[-1]) == offset:
-        runs[-1] = (runs[-1][0], runs[-1][1] + length)
-    else:
-        runs.append((offset, length))
 
 
 def _claim(data: bytes) -> FileClaim:

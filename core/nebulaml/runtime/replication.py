@@ -94,7 +94,16 @@ from nebulaml.protocol.replicas import (
     part_files,
     replica_root,
 )
-from nebulaml.runtime.peer_streams import MessageBuffers, as_tensor, receive_stream, send_stream
+from nebulaml.runtime.peer_streams import (
+    MessageBuffers,
+    as_tensor,
+    receive_begin,
+    receive_head,
+    receive_stream,
+    send_begin,
+    send_head,
+    send_stream,
+)
 from nebulaml.runtime.peer_wire import (
     HEAD_BYTES,
     MAX_CHUNK_BYTES,
@@ -104,8 +113,6 @@ from nebulaml.runtime.peer_wire import (
     Kind,
     Status,
     WireError,
-    body_check,
-    decode_begin,
     decode_head,
     encode_begin,
     encode_head,
@@ -307,8 +314,7 @@ class Replication:
             self._link_failed(f"sending to rank {to}", exc, sending=True)
 
     def _send_head(self, head: Head) -> None:
-        data = bytearray(encode_head(head))
-        self.group.send([as_tensor(data)], self.ring.send_to, DATA_TAG).wait()
+        send_head(self.group, self.ring.send_to, DATA_TAG, head)
 
     def _send_part(self, tag: str, buffers: MessageBuffers) -> None:
         """One replica: hold the part, plan it against what the partner holds, announce,
@@ -385,11 +391,7 @@ class Replication:
                 claim.size if claim.name in small else plans[claim.name][1].sent_bytes(claim.size)
                 for claim in claims
             )
-            self._send_head(
-                Head(Kind.BEGIN, transfer, chunk=buffers.size, body=len(body), payload=payload,
-                     body_check=body_check(body))
-            )  # fmt: skip
-            send_stream(self.group, to, DATA_TAG, iter([memoryview(body)]), len(body), buffers)
+            send_begin(self.group, to, DATA_TAG, transfer, body, payload, buffers)
             stream = self._payload(claims, small, plans)
             send_stream(
                 self.group, to, DATA_TAG, stream, payload, buffers,
@@ -509,18 +511,15 @@ class Replication:
             self._link_failed(f"receiving from rank {source}", exc, sending=False)
 
     def _receive_part(self, source: int, head: Head, buffers: MessageBuffers) -> None:
-        body = bytearray()
-        receive_stream(self.group, source, DATA_TAG, head.body, buffers, body.extend)
+        announced = receive_begin(self.group, source, DATA_TAG, head, buffers)
         begin: Begin | None = None
         reason: str | None = None
-        try:
-            if body_check(body) != head.body_check:
-                raise WireError("its announcement arrived damaged")
-            begin = decode_begin(body)
-            if begin.rank != source:
-                raise WireError(f"rank {source} announced rank {begin.rank}'s part")
-        except WireError as exc:
-            begin, reason = None, str(exc)
+        if isinstance(announced, WireError):
+            reason = str(announced)
+        elif announced.rank != source:
+            reason = f"rank {source} announced rank {announced.rank}'s part"
+        else:
+            begin = announced
         inbox = None
         if begin is not None:
             try:
@@ -543,10 +542,7 @@ class Replication:
             receive_stream(
                 self.group, source, DATA_TAG, head.payload, buffers, inbox.feed if inbox else drop
             )
-            end_raw = bytearray(HEAD_BYTES)
-            end_tensor = as_tensor(end_raw)
-            self.group.recv([end_tensor], source, DATA_TAG).wait()
-            end = decode_head(end_raw)
+            end = receive_head(self.group, source, DATA_TAG)
             if end.kind != Kind.END or end.transfer != head.transfer:
                 raise WireError(f"a {end.kind.name} frame where transfer {head.transfer} ends")
         except BaseException:
