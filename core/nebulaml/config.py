@@ -63,6 +63,9 @@ ENV_STORAGE_RETRIES = "NEBULA_STORAGE_RETRIES"
 ENV_STORAGE_RETRY_BASE_S = "NEBULA_STORAGE_RETRY_BASE_S"
 ENV_STORAGE_RETRY_MAX_S = "NEBULA_STORAGE_RETRY_MAX_S"
 ENV_STORAGE_CALL_TIMEOUT_S = "NEBULA_STORAGE_CALL_TIMEOUT_S"
+# A persistent root whose store has no atomic create-only publish, used by one writer at a
+# time (storage/atomic_probe.py).
+ENV_SINGLE_WRITER = "NEBULA_SINGLE_WRITER"
 # torchrun's (and most launchers'): who this process is in the job.
 ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"
@@ -382,3 +385,15 @@ def storage_retry_env() -> dict[str, str]:
         ENV_STORAGE_CALL_TIMEOUT_S,
     )
     return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def single_writer_env() -> bool:
+    """`NEBULA_SINGLE_WRITER` (a boolean, parsed as `env_flag`; off when unset): a
+    persistent root whose store cannot publish create-only atomically is used anyway, its
+    user promising one writer at a time (storage/atomic_probe.py).
+
+    Example:
+        >>> single_writer_env() in (True, False)
+        True
+    """
+    return env_flag(ENV_SINGLE_WRITER, False)

@@ -69,7 +69,8 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Root]:
 def test_every_backend_implements_the_protocol(backend: Root) -> None:
     store = backend.open()
     assert isinstance(store._backend, Backend)
-    assert store.is_local is backend.is_local and store.is_azure is (backend.kind == "azure")
+    assert store.is_local is backend.is_local
+    assert store.capabilities.range_copy is (backend.kind == "azure")
     assert store.durable is (backend.kind != "memory-tier")
     assert store.private is (backend.kind == "memory-tier")
 

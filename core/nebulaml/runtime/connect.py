@@ -36,9 +36,11 @@ CONNECT_WAIT_S = 3.0
 
 
 def identify(persistent: Store) -> str | None:
-    """Make the root and read its identity, giving it one if it has none. A failure that
-    may pass (the store down, the disk full) is raised; another (a read-only credential)
-    is said once and the root goes without an identity (its persists then say why).
+    """Make the root, check that its store publishes create-only atomically (once per root
+    and process: `Store.require_atomic_create`, an `InvalidArgumentError` if not), and read
+    its identity, giving it one if it has none. A failure that may pass (the store down,
+    the disk full) is raised; another (a read-only credential) is said once and the root
+    goes without an identity (its persists then say why).
 
     Example:
         >>> import tempfile
@@ -47,6 +49,7 @@ def identify(persistent: Store) -> str | None:
     """
     persistent.make_dir()
     try:
+        persistent.require_atomic_create()  # its probe writes: a read-only root fails so
         return root_identity(persistent, create=True)
     except StorageError as exc:
         if may_pass(exc):

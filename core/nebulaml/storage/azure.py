@@ -15,26 +15,34 @@ and translates them):
 - `list_folder`: one uncached listing request, no existence probes;
 - `ensure_container`: the root's container, created when missing.
 
+`open_azure` is its factory, registered for `az://`, `abfs://` and `abfss://`
+(builtins.py): an atomic create, object appends and server-side range copies.
+
 Not for: credentials, the adlfs filesystem and its options (azure_auth.py opens it), or
 what every fsspec store shares (remote.py). May import: `nebulaml.errors`,
-`nebulaml.format` and storage/'s azure_ranges.py, backend.py, remote.py, retry.py.
+`nebulaml.format` and storage/'s azure_auth.py, azure_ranges.py, backend.py, remote.py,
+retry.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import uuid
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from nebulaml.storage import azure_ranges
+from nebulaml.storage import azure_auth, azure_ranges
 from nebulaml.storage.azure_ranges import MAX_BLOCKS
 from nebulaml.storage.azure_ranges import run_on_loop as _run
-from nebulaml.storage.backend import Parts, Written
+from nebulaml.storage.backend import Capabilities, OpenRequest, Parts, Written
 from nebulaml.storage.remote import RemoteBackend
 from nebulaml.storage.retry import RetryPolicy, call_async
+
+# One Put Blob with If-None-Match: *; appends as blobs; Put Block From URL for ranges.
+AZURE_CAPABILITIES = Capabilities(atomic_create=True, object_appends=True, range_copy=True)
 
 
 def ensure_container(fs: Any, container: str) -> None:
@@ -301,9 +309,10 @@ class AzureBackend(RemoteBackend):
         policy: RetryPolicy,
         name: Callable[[Parts], str],
         describe: Callable[[BaseException], str],
+        url: str | None = None,
+        location: str | None = None,
     ) -> None:
-        super().__init__(fs, root)
-        self.appends_as_objects = True
+        super().__init__(fs, root, capabilities=AZURE_CAPABILITIES, url=url, location=location)
         self._block_bytes, self._concurrency = block_bytes, concurrency
         self._policy, self._name, self._describe = policy, name, describe
         self._container_ready = False
@@ -371,3 +380,28 @@ class AzureBackend(RemoteBackend):
             if bytes(self.fs.cat_file(path)) == data:
                 return
             raise
+
+
+def open_azure(request: OpenRequest) -> AzureBackend:
+    """The backend of an `az://`, `abfs://` or `abfss://` root: adlfs's filesystem with the
+    credentials azure_auth.py resolves (the storage options, else the environment; what
+    the Azure SDK may read from the environment is masked in every message too).
+
+    Example (not run here: it needs an account or Azurite):
+        open_azure(OpenRequest("az://container/run1", "az", {"account_name": "acct"}))
+    """
+    request.add_secrets(azure_auth.environment_secrets(os.environ).values())
+    fs, root = azure_auth.open_filesystem(request.url, request.options, os.environ)
+    block_bytes, concurrency = azure_auth.upload_settings(request.options)
+    url = azure_auth.canonical_url(request.url)
+    return AzureBackend(
+        fs,
+        root.rstrip("/"),
+        block_bytes=block_bytes,
+        concurrency=concurrency,
+        policy=request.policy,
+        name=request.name,
+        describe=request.describe,
+        url=url,
+        location=f"{azure_auth.endpoint_of(fs)}|{url}",
+    )

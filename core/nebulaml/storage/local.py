@@ -10,6 +10,9 @@ fsync) and `private` (folders 0700, files 0600).
 No file or folder under the root is ever read, written or deleted through a symbolic link
 (`_local`), and only regular files are read (mapped_reads.open_regular).
 
+`open_local` is its factory, registered for plain paths, `file://` and `local://`
+(builtins.py): it declares every capability but the server's (`Capabilities`).
+
 Not for: fsspec or Azure stores (remote.py, azure.py), or errors as callers see them
 (store.py translates). May import: `nebulaml.errors`, `nebulaml.format` and storage/'s
 redaction.py, local_files.py, view_writes.py, mapped_reads.py, backend.py.
@@ -28,7 +31,7 @@ from datetime import datetime, timezone
 from typing import BinaryIO
 
 from nebulaml.errors import StorageError
-from nebulaml.storage.backend import Parts, Written
+from nebulaml.storage.backend import Capabilities, OpenRequest, Parts, Written
 from nebulaml.storage.local_files import (
     PRIVATE_FILE_MODE,
     PUBLIC_FILE_MODE,
@@ -51,6 +54,11 @@ from nebulaml.storage.mapped_reads import (
 from nebulaml.storage.redaction import redact
 from nebulaml.storage.view_writes import write_view_chunks
 
+# A local disk: hard links publish create-only, O_APPEND appends, copy_file_range clones.
+LOCAL_CAPABILITIES = Capabilities(
+    atomic_create=True, object_appends=False, range_copy=False, clones=True, local_path=True
+)
+
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -61,11 +69,14 @@ class LocalBackend:
 
     writer_retries = False
     aborted_write_may_leave_file = False  # LocalWriter.abort removes the file
+    capabilities = LOCAL_CAPABILITIES
 
     def __init__(
         self, root: str, *, durable: bool, private: bool, secrets: tuple[str, ...] = ()
     ) -> None:
         self.root = root
+        self.url = root
+        self.location = os.path.realpath(root)  # one root, whatever link reached it
         self.durable = durable
         self.private = private
         self.file_mode = PRIVATE_FILE_MODE if private else PUBLIC_FILE_MODE
@@ -542,3 +553,20 @@ class LocalBackend:
             yield fd
         finally:
             os.close(fd)
+
+
+def open_local(request: OpenRequest) -> LocalBackend:
+    """The backend of a local root: a plain path, `file://...` or `local://...` (storage
+    options do not apply to local roots).
+
+    Example:
+        >>> import tempfile
+        >>> backend = open_local(OpenRequest("file://" + tempfile.gettempdir(), "file", {}))
+        >>> backend.capabilities.local_path, backend.root == tempfile.gettempdir()
+        (True, True)
+    """
+    from fsspec.implementations.local import LocalFileSystem
+
+    path = LocalFileSystem._strip_protocol(request.url)
+    return LocalBackend(os.path.abspath(path), durable=request.durable, private=request.private,
+                        secrets=tuple(request.secrets))  # fmt: skip

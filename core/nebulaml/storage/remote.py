@@ -1,19 +1,25 @@
-"""The fsspec backend: a root on any fsspec store that is not a local disk (memory://,
-S3, GCS, ...), and the base of the Azure backend (azure.py).
+"""The fsspec backend: a root on any fsspec store that no other backend is registered for
+(memory://, GCS, ...), and the base of the S3 and Azure backends (s3.py, azure.py).
 
 `RemoteBackend` implements the `Backend` primitives (backend.py) with fsspec calls. What
 object stores lack, it builds:
 
 - a create-only publish: an exclusive create (`xb`);
-- appends that concurrent writers cannot lose: on object stores, where an object can only
-  be written whole, each append is an object of its own, `.<file>.d/<append id>.part`
-  (`segments_folder`), created create-only and read back in the order of their names;
-  other fsspec stores read, then rewrite the file (safe for one writer at a time only).
+- appends that concurrent writers cannot lose: where an object can only be written whole
+  (`Capabilities.object_appends`, declared by every fsspec store nebula opens: it does not
+  guess from the protocol's name which stores have appends), each append is an object of
+  its own, `.<file>.d/<append id>.part` (`segments_folder`), created create-only and read
+  back in the order of their names; a backend that declares otherwise reads, then
+  rewrites the file (safe for one writer at a time only).
+
+`open_fsspec` is the factory of a root whose protocol no backend is registered for
+(registry.py): it declares an atomic create (fsspec's `xb`), which the probe at init
+checks on a persistent root (atomic_probe.py), and object appends.
 
 Each method is one backend request or a few; `Store` retries and translates them.
 
-Not for: local disks (local.py: `Store` never reads a local root through fsspec) or
-Azure's requests (azure.py). May import: `nebulaml.errors`, `nebulaml.format` and
+Not for: local disks (local.py: `Store` never reads a local root through fsspec), S3's or
+Azure's requests (s3.py, azure.py). May import: `nebulaml.errors`, `nebulaml.format` and
 storage/'s backend.py.
 """
 
@@ -31,25 +37,41 @@ from typing import Any
 import fsspec
 
 from nebulaml.format.names import segments_folder
-from nebulaml.storage.backend import Parts
+from nebulaml.storage.backend import Capabilities, OpenRequest, Parts
 
-# Stores without appends (memory:// is fsspec's in-process object store, used in tests).
-OBJECT_STORE_PROTOCOLS = frozenset({"az", "abfs", "abfss", "s3", "s3a", "gs", "gcs", "memory"})
+# What a store reached through fsspec alone declares: `xb` as its create-only publish (the
+# probe at init checks it), each append an object of its own (safe on any store).
+FSSPEC_CAPABILITIES = Capabilities(atomic_create=True, object_appends=True)
+
+# The options that name where a store's data is (never a secret): part of its location.
+_WHERE_OPTIONS = ("endpoint_url", "host", "port", "project", "account_name", "bucket")
 
 
 class RemoteBackend:
-    """A root at `root` (no protocol, no trailing slash) on the fsspec filesystem `fs`."""
+    """A root at `root` (no protocol, no trailing slash) on the fsspec filesystem `fs`,
+    doing what `capabilities` declare; `url` and `location` as `Backend`'s (by default
+    the filesystem's URL of the root, and that URL)."""
 
     writer_retries = False
     # fsspec's writers have no abort: an abandoned one is closed, which may leave a file.
     aborted_write_may_leave_file = True
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        root: str,
+        *,
+        capabilities: Capabilities = FSSPEC_CAPABILITIES,
+        url: str | None = None,
+        location: str | None = None,
+    ) -> None:
         self.fs = fs
         self.root = root
+        self.capabilities = capabilities
+        self.url = url if url is not None else fs.unstrip_protocol(root)
+        self.location = location if location is not None else self.url
         quiet_async_exit(fs)
-        protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-        self.appends_as_objects = bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
+        self.appends_as_objects = capabilities.object_appends
 
     def path(self, parts: Parts) -> str:
         return "/".join([self.root, *parts]) if parts else self.root
@@ -211,6 +233,34 @@ class RemoteBackend:
                 self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             return
+
+
+def remote_location(url: str, options: dict[str, Any]) -> str:
+    """A remote root's location: its URL and the options that name where its data is
+    (an endpoint, a project), never a secret; two servers with one bucket and path are two
+    roots.
+
+    Example:
+        >>> remote_location("s3://b/run1", {"endpoint_url": "http://127.0.0.1:9000", "secret": "x"})
+        "s3://b/run1|[('endpoint_url', 'http://127.0.0.1:9000')]"
+    """
+    where = sorted((k, str(v)) for k, v in options.items() if k in _WHERE_OPTIONS)
+    return f"{url}|{where}" if where else url
+
+
+def open_fsspec(request: OpenRequest) -> RemoteBackend:
+    """The backend of a root on an fsspec store that no backend is registered for
+    (memory://, gs://, ...): fsspec's filesystem for the URL, given the storage options.
+
+    Example:
+        >>> backend = open_fsspec(OpenRequest("memory://example-run", "memory", {}))
+        >>> backend.url, backend.capabilities.object_appends
+        ('memory:///example-run', True)
+    """
+    fs, root = fsspec.core.url_to_fs(request.url, **request.options)
+    backend = RemoteBackend(fs, str(root).rstrip("/"))
+    backend.location = remote_location(backend.url, request.options)
+    return backend
 
 
 # interpreter exit ------------------------------------------------------------------------

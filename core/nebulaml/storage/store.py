@@ -4,7 +4,10 @@
 protocol the primitives it needs on any backend: durable writes (fsync on local disks), a
 create-only publish of small files (a hard link on local disks, a conditional create on
 object stores), appends that concurrent writers cannot lose, and listing. Each operation
-is delegated to the root's backend (backend.py: local.py, remote.py or azure.py).
+is delegated to the root's backend, opened by the factory registered for the root's
+protocol (registry.py); what the backend can do beyond the primitives is what it declares
+(`Capabilities`: a local path, clones, server-side range copies), never what its protocol's
+name suggests.
 
 It is also the storage boundary: backend exceptions are translated here, once, into
 `StorageError` (with secrets redacted from every message), and on network stores each
@@ -18,9 +21,10 @@ within the deadline of the block it runs in (`deadline.within`), or raises
 One short method per operation, each with the contract its callers rely on; the work is
 in the backends.
 
-Not for: knowing what a checkpoint is (protocol/ builds on these primitives), or how one
-backend does an operation (local.py, remote.py, azure.py). May import: `nebulaml.errors`,
-`nebulaml.config`, `nebulaml.format` and the rest of storage/.
+Not for: knowing what a checkpoint is (protocol/ builds on these primitives), how one
+backend does an operation (local.py, remote.py, s3.py, azure.py), or which backend a
+protocol has (registry.py). May import: `nebulaml.errors`, `nebulaml.config`,
+`nebulaml.format` and the rest of storage/.
 """
 
 from __future__ import annotations
@@ -30,23 +34,29 @@ import contextvars
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar, cast
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from nebulaml._threads import quiet
 from nebulaml.config import storage_retry_env
 from nebulaml.errors import CommitConflictError, InvalidArgumentError, NebulaError, StorageError
-from nebulaml.storage import azure_auth
-from nebulaml.storage.azure import AzureBackend
-from nebulaml.storage.backend import Backend, Parts, Written, new_append_id
+from nebulaml.storage import atomic_probe
+from nebulaml.storage.backend import (
+    Backend,
+    Capabilities,
+    LocalPathBackend,
+    OpenRequest,
+    Parts,
+    RangeCopyBackend,
+    Written,
+    new_append_id,
+)
 from nebulaml.storage.deadline import Progress, bounded
 from nebulaml.storage.failures import MissingFileError, describe, translate_errors
-from nebulaml.storage.local import LocalBackend
 from nebulaml.storage.mapped_reads import Lender, LocalRead
 from nebulaml.storage.redaction import redact, secrets_in
-from nebulaml.storage.remote import RemoteBackend
+from nebulaml.storage.registry import factory_for
 from nebulaml.storage.remote_streams import CountedWriter, RemoteReader, RemoteWriter
 from nebulaml.storage.retry import OPTION_NAMES as RETRY_OPTIONS
 from nebulaml.storage.retry import RetryPolicy
@@ -57,7 +67,8 @@ __all__ = ["LocalRead", "MissingFileError", "Store", "using_storage_options"]
 
 T = TypeVar("T")
 
-_LOCAL_PROTOCOLS = (None, "file", "local")
+# nebula's own storage options, which no backend is given.
+_NEBULA_OPTIONS = (*RETRY_OPTIONS, atomic_probe.OPTION_SINGLE_WRITER)
 
 _scoped_options: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = contextvars.ContextVar(
     "nebula_storage_options", default=()
@@ -117,86 +128,103 @@ class Store:
     ) -> None:
         url = os.fspath(url)
         protocol = fsspec.core.split_protocol(url)[0]
-        scoped = dict(_scoped_options.get()) if protocol not in _LOCAL_PROTOCOLS else {}
+        # A local root's factory takes no options: those of `using_storage_options` are
+        # for the roots opened by URL.
+        scoped = dict(_scoped_options.get()) if protocol is not None else {}
         options = {**scoped, **(storage_options or {})}
-        self.is_azure = azure_auth.is_azure_url(url)
-        secret_sources: dict[str, Any] = dict(options)
-        if self.is_azure:  # what the Azure SDK may read from the environment is secret too
-            for name, value in azure_auth.environment_secrets(os.environ).items():
-                secret_sources.setdefault(name, value)
-        self._secrets = secrets_in(secret_sources)
+        self._secrets = secrets_in(options)
         self.policy = RetryPolicy.from_options(options, storage_retry_env())
+        # One writer at a time promised: no atomic create needed (atomic_probe.py).
+        self.single_writer = atomic_probe.single_writer_mode(options)
         self.durable = durable
-        self._backend = self._open_backend(url, options, durable=durable, private=private)
-        self.is_local = isinstance(self._backend, LocalBackend)
+        self.url = url  # until the backend says its own (for messages while it opens)
+        self._backend = self._open_backend(url, protocol, options, durable=durable,
+                                           private=private)  # fmt: skip
+        self.capabilities: Capabilities = self._backend.capabilities
         # A private store (the memory tier) is this user's alone: folders 0700, files 0600.
         self.private = private and self.is_local
         self.root: str = self._backend.root
-        # A URL that parses back to the same root (for display and for namespacing).
-        if self.is_local:
-            self.url: str = self.root
-        elif self.is_azure:
-            self.url = azure_auth.canonical_url(url)
-        else:
-            self.url = self.fs.unstrip_protocol(self.root)
-        self.location = self._location(options)
+        # A URL that parses back to the same root (for display and for namespacing), and
+        # what the root is, whatever name reached it.
+        self.url = self._backend.url
+        self.location: str = self._backend.location
+        # The backend's fsspec filesystem, where it has one (tests and tools look at it).
+        self.fs: Any = getattr(self._backend, "fs", None)
         # Mappings this process already holds, by (st_dev, st_ino, size): the slot pool's
         # of the memory tier's files (slots.SlotPool.view_of). None: map afresh.
         self.mapped: Lender | None = None
 
     def _open_backend(
-        self, url: str, options: Mapping[str, Any], *, durable: bool, private: bool
+        self,
+        url: str,
+        protocol: str | None,
+        options: Mapping[str, Any],
+        *,
+        durable: bool,
+        private: bool,
     ) -> Backend:
-        """The filesystem `url` names (`self.fs`), and the backend for it."""
-        backend_options = {k: v for k, v in options.items() if k not in RETRY_OPTIONS}
+        """The backend for `url`, from the factory registered for its protocol
+        (registry.py); the secrets it names (from the environment) are masked from now on."""
+        secrets = list(self._secrets)  # the factory adds what the environment holds
+        request = OpenRequest(
+            url,
+            protocol,
+            {k: v for k, v in options.items() if k not in _NEBULA_OPTIONS},
+            durable=durable,
+            private=private,
+            policy=self.policy,
+            secrets=secrets,
+            name=lambda parts: redact(self.display(*parts), self._secrets),
+            describe=self._describe_error,
+        )
         # A network filesystem's event loop (fsspec's thread) and the threads it starts
         # take no signal meant for the main thread (nebulaml._threads).
-        with translate_errors(redact(url, self._secrets), self._secrets, remote=True), quiet():
-            try:
-                if self.is_azure:
-                    fs, root = azure_auth.open_filesystem(url, backend_options, os.environ)
-                    block_bytes, concurrency = azure_auth.upload_settings(options)
-                else:
-                    fs, root = fsspec.core.url_to_fs(url, **backend_options)
-            except ImportError as exc:  # a known protocol whose backend is not installed
-                raise StorageError(redact(f"{url}: {exc}", self._secrets)) from exc
-            except ValueError as exc:  # an unknown protocol, or options the backend refuses
-                raise StorageError(redact(f"{url}: {exc}", self._secrets)) from exc
-        self.fs: fsspec.AbstractFileSystem = fs
-        if isinstance(fs, LocalFileSystem):
-            return LocalBackend(os.path.abspath(root), durable=durable, private=private,
-                                secrets=self._secrets)  # fmt: skip
-        if self.is_azure:
-            return AzureBackend(
-                fs,
-                root.rstrip("/"),
-                block_bytes=block_bytes,
-                concurrency=concurrency,
-                policy=self.policy,
-                name=lambda parts: redact(self.display(*parts), self._secrets),
-                describe=self._describe_error,
-            )
-        return RemoteBackend(fs, root.rstrip("/"))
+        try:
+            with translate_errors(redact(url, self._secrets), cast(tuple[str, ...], secrets),
+                                  remote=True), quiet():  # fmt: skip
+                try:
+                    return factory_for(protocol)(request)
+                except ImportError as exc:  # a known protocol whose library is not installed
+                    raise StorageError(redact(f"{url}: {exc}", secrets)) from exc
+                except ValueError as exc:  # an unknown protocol, or options refused
+                    raise StorageError(redact(f"{url}: {exc}", secrets)) from exc
+        finally:
+            self._secrets = tuple(secrets)
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the root is a folder of this machine (`Capabilities.local_path`)."""
+        return self.capabilities.local_path
+
+    def require_atomic_create(self) -> None:
+        """Refuse this root as a persistent tier (`InvalidArgumentError`, one line) unless
+        its backend publishes create-only atomically: declared, and probed once per root
+        in this process (two create-only publishes of one name, the second refused), or
+        unless the user promised one writer at a time (`single_writer`: the storage option
+        `nebula_single_writer`, `NEBULA_SINGLE_WRITER`). See atomic_probe.py.
+
+        Example:
+            >>> import tempfile
+            >>> Store(tempfile.mkdtemp()).require_atomic_create()  # a local disk: atomic
+        """
+
+        def publish(name: str, data: bytes) -> None:
+            self.publish((name,), data, create_only=True)
+
+        atomic_probe.require_atomic_create(
+            self.location,
+            self.url,
+            declared=self.capabilities.atomic_create,
+            single_writer=self.single_writer,
+            run_probe=lambda: atomic_probe.probe(publish, self.remove),
+        )
+
+    def _local(self) -> LocalPathBackend:
+        """The backend, as the local one it declares it is (`is_local`)."""
+        return cast(LocalPathBackend, self._backend)
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
-
-    def _location(self, options: Mapping[str, Any]) -> str:
-        """What this root is, whatever name reached it: the real path of a local root
-        (symbolic links resolved); for a remote one its protocol, account endpoint and
-        path. Two stores with one location are one root; two accounts with the same
-        container and path are two."""
-        if self.is_local:
-            return os.path.realpath(self.root)
-        if self.is_azure:
-            return f"{azure_auth.endpoint_of(self.fs)}|{self.url}"
-        # Other fsspec stores: the options that name where the data is, never secrets.
-        where = sorted(
-            (k, str(v))
-            for k, v in options.items()
-            if k in ("endpoint_url", "host", "port", "project", "account_name", "bucket")
-        )
-        return f"{self.url}|{where}" if where else self.url
 
     # paths -------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -259,9 +287,9 @@ class Store:
         regular files (a FIFO, a socket, a device, a symbolic link, a folder; none if the
         folder is missing): `list_files` leaves them out, and nebula writes none in a tag
         folder. [] elsewhere: an object store holds only blobs."""
-        backend = self._backend
-        if not isinstance(backend, LocalBackend):
+        if not self.is_local:
             return []
+        backend = self._local()
         return self._call(parts, lambda: backend.list_non_files(parts))
 
     def list_versions(self, *parts: str) -> dict[str, tuple[int, str | None]] | None:
@@ -269,8 +297,8 @@ class Store:
         from one listing, the version being what changes whenever the object is written
         (an ETag), or None where the store says nothing; None on a local root (whose
         files have a cheaper identity: `file_identity`)."""
-        backend = self._backend
-        if isinstance(backend, LocalBackend) or not hasattr(backend, "list_versions"):
+        backend: Any = self._backend
+        if self.is_local or not hasattr(backend, "list_versions"):
             return None
         return self._call(parts, lambda: backend.list_versions(parts))
 
@@ -278,8 +306,8 @@ class Store:
         """On an object store, the files one folder below the root, by folder, as
         `list_versions` gives a folder's, from one listing of the whole root (paged: a
         request per few thousand files, not one per folder); None on a local root."""
-        backend = self._backend
-        if isinstance(backend, LocalBackend) or not hasattr(backend, "list_tree"):
+        backend: Any = self._backend
+        if self.is_local or not hasattr(backend, "list_tree"):
             return None
         return self._call((), lambda: backend.list_tree())
 
@@ -290,8 +318,7 @@ class Store:
         A file replaced (written again, or removed and created) has another identity."""
         if not self.is_local:
             return None
-        backend = self._backend
-        assert isinstance(backend, LocalBackend)
+        backend = self._local()
         return self._call(parts, lambda: backend.file_identity(parts))
 
     def modified_at(self, *parts: str) -> datetime | None:
@@ -323,13 +350,13 @@ class Store:
 
         Where this process maps the file already (`mapped`: the slot pool, which filled
         it), that mapping is lent instead (see mapped_reads.map_view)."""
-        if not isinstance(self._backend, LocalBackend):
+        if not self.is_local:
             yield None
             return
         where = self.display(*parts)
         with contextlib.ExitStack() as stack:
             with self._translated(where):
-                view = stack.enter_context(self._backend.map_read(parts, self.mapped))
+                view = stack.enter_context(self._local().map_read(parts, self.mapped))
             if view is None:
                 yield None
                 return
@@ -350,12 +377,12 @@ class Store:
         while it is read, and `checksum` is its checksum under `algo`; elsewhere (and
         without `algo`) `checksum` is None and the caller hashes `view`.
         """
-        if not isinstance(self._backend, LocalBackend):
+        if not self.is_local:
             yield None
             return
         with contextlib.ExitStack() as stack:
             with self._translated(self.display(*parts)):
-                read = stack.enter_context(self._backend.read_local(parts, algo=algo))
+                read = stack.enter_context(self._local().read_local(parts, algo=algo))
             yield read  # the caller's code: its errors are its own
 
     def read_appended(self, *parts: str) -> bytes | None:
@@ -382,8 +409,8 @@ class Store:
             >>> Store(tempfile.mkdtemp() + "/not/yet").make_new_dir("t1")  # the root made too
             True
         """
-        backend = self._backend
-        if isinstance(backend, LocalBackend):
+        if self.is_local:
+            backend = self._local()
             return self._call(parts, lambda: backend.make_new_dir(parts))
         existed = self.exists(*parts)
         self.make_dir(*parts)
@@ -393,9 +420,9 @@ class Store:
         """On a local root, give the file `source` the name `parts` too (a hard link: it
         appears whole, as a `publish` does, with one system call); False where it cannot
         (not local, no such file, the name taken, no hard links): write the file instead."""
-        backend = self._backend
-        if not isinstance(backend, LocalBackend):
+        if not self.is_local:
             return False
+        backend = self._local()
         return self._call(parts, lambda: backend.link(source, parts))
 
     @contextlib.contextmanager
@@ -410,9 +437,9 @@ class Store:
         another thread), elsewhere as each write returns.
         """
         where = self.display(*parts)
-        if isinstance(self._backend, LocalBackend):
+        if self.is_local:
             with self._translated(where):
-                writer = self._backend.open_write(parts)
+                writer = self._local().open_write(parts)
             try:
                 with self._translated(where):
                     yield writer if sent is None else CountedWriter(writer, sent)  # type: ignore[misc]
@@ -459,9 +486,9 @@ class Store:
         On a local disk the pieces go with O_DIRECT where the filesystem allows it
         (local_files.DirectFile); other stores take them through `open_write`.
         """
-        if isinstance(self._backend, LocalBackend):
+        if self.is_local:
             with self._translated(self.display(*parts)):
-                self._backend.write_view(parts, view, each, sent)
+                self._local().write_view(parts, view, each, sent)
             return
         with self.open_write(*parts, sent=sent) as f:
 
@@ -473,9 +500,10 @@ class Store:
     @property
     def clones(self) -> bool:
         """Whether `write_ranges` can take ranges from an earlier file of this store
-        instead of writing them: a local root (`copy_file_range`, reflinks on XFS and
-        btrfs) and Azure (Put Block From URL); not other fsspec stores."""
-        return isinstance(self._backend, (LocalBackend, AzureBackend))
+        instead of writing them: where the backend declares clones (a local root:
+        `copy_file_range`, reflinks on XFS and btrfs) or server-side range copies (Azure's
+        Put Block From URL)."""
+        return self.capabilities.clones or self.capabilities.range_copy
 
     def write_ranges(
         self,
@@ -495,14 +523,14 @@ class Store:
         (what an earlier `write_ranges` returned), and what it cannot give is uploaded.
         Returns (bytes written, bytes taken from `base`, the new file's stamp: its ETag on
         Azure, else None); `sent(n)` as `open_write`'s."""
-        if isinstance(self._backend, LocalBackend):
+        if self.is_local and self.capabilities.clones:
             with self._translated(self.display(*parts)):
-                return self._backend.write_ranges(parts, view, ranges, base, sent)
-        if isinstance(self._backend, AzureBackend):
+                return self._local().write_ranges(parts, view, ranges, base, sent)
+        if self.capabilities.range_copy:
             # Each request is retried by the backend: its error is the last of those tries.
             tries = self.policy.retries + 1
             where = self.display(*parts)
-            backend, progress = self._backend, Progress()
+            backend, progress = cast(RangeCopyBackend, self._backend), Progress()
 
             def write() -> Written:
                 def moved(n: int) -> None:
@@ -520,9 +548,9 @@ class Store:
     def write_bytes(self, parts: tuple[str, ...], data: bytes, *, durable: bool = True) -> None:
         """Write (or replace) a small file, durably unless `durable=False` (a lease or a
         claim: it speaks to live processes only, and a crash leaves none of them)."""
-        if not durable and isinstance(self._backend, LocalBackend):
+        if not durable and self.is_local:
             with self._translated(self.display(*parts)):
-                writer = self._backend.open_write(parts, durable=False)
+                writer = self._local().open_write(parts, durable=False)
                 try:
                     writer.write(data)
                 except BaseException:
@@ -579,8 +607,8 @@ class Store:
         is durable on return (the folder fsynced) unless `durable=False`: a file that
         goes after its checkpoint's manifest, which a crash may bring back only as a
         leftover that recovery clears."""
-        if not durable and isinstance(self._backend, LocalBackend):
-            backend = self._backend
+        if not durable and self.is_local:
+            backend = self._local()
             self._call(parts, lambda: backend.remove(parts, sync=False))
             return
         self._call(parts, lambda: self._backend.remove(parts))
@@ -590,17 +618,17 @@ class Store:
         file of its own, if it is not a regular file (a FIFO, a symbolic link, an empty
         folder): a create-only publish would take it for a file written first. Whether
         it removed one; False elsewhere (an object store's name is always a blob)."""
-        backend = self._backend
-        if not isinstance(backend, LocalBackend):
+        if not self.is_local:
             return False
+        backend = self._local()
         return self._call(parts, lambda: backend.clear_squatter(parts))
 
     def sync_folder(self, *parts: str) -> None:
         """Make what was removed from (or added to) the folder `parts` durable: on a local
         disk the folder is fsynced; object stores have nothing to do (a request that
         returned is durable)."""
-        if isinstance(self._backend, LocalBackend):
-            backend = self._backend
+        if self.is_local:
+            backend = self._local()
             self._call(parts, lambda: backend.sync_dir(parts))
 
     def remove_dir(self, *parts: str, files: Iterable[str] | None = None) -> None:
