@@ -13,7 +13,8 @@ this user's base folder (`memory_base`), one folder per persistent root
   anything else is refused (`UnsafeMemoryTierError`) and never written or deleted through.
 - **One job's lifetime.** Each live session holds the tier and the last one releases it
   (tier_lifetime.py); each live rank of the job claims its place on the node
-  (rank_presence.py).
+  (rank_presence.py): flocks on lock files, whose holders `lock_held` asks about without
+  waiting.
 
 The file names are spelled in format/names.py.
 
@@ -27,6 +28,7 @@ between tiers (persister.py), reading them (catalog.py), or listing every tier o
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import getpass
 import hashlib
 import os
@@ -118,3 +120,35 @@ def open_private_file(path: str) -> int:
     missing, never through a symbolic link (a lock file: a hold, a rank's presence)."""
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     return os.open(path, flags, 0o600)
+
+
+def lock_held(path: str, mode: int = fcntl.LOCK_EX) -> bool | None:
+    """Whether a live process holds a flock on the memory tier's lock file `path` that
+    bars `mode` (`fcntl.LOCK_EX`: any lock; `LOCK_SH`: an exclusive one), asked without
+    waiting and without keeping a lock; None when there is no file there, or it is not a
+    regular file. Never through a symbolic link; any other failure is raised (`OSError`).
+
+    Example:
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "lock")
+        >>> lock_held(path) is None
+        True
+        >>> fd = open_private_file(path); fcntl.flock(fd, fcntl.LOCK_SH)
+        >>> lock_held(path), lock_held(path, fcntl.LOCK_SH)
+        (True, False)
+        >>> os.close(fd); lock_held(path)
+        False
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

@@ -15,10 +15,9 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import stat
 
 from nebulaml.format.names import RANK_LOCK_PREFIX
-from nebulaml.protocol.memory_tier import open_private_file
+from nebulaml.protocol.memory_tier import lock_held, open_private_file
 from nebulaml.storage.store import Store
 
 log = logging.getLogger("nebulaml")
@@ -76,15 +75,6 @@ def rank_gone(memory: Store, rank: int) -> bool:
     known to be gone)."""
     path = os.path.join(memory.root, f"{RANK_LOCK_PREFIX}{rank}.lock")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return lock_held(path, fcntl.LOCK_SH) is False
     except OSError:
         return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return True

@@ -27,7 +27,7 @@ from nebulaml.errors import NebulaError, StorageFullError
 from nebulaml.format.names import HOLD_FILE
 from nebulaml.protocol.catalog import tag_folders
 from nebulaml.protocol.delete import delete_checkpoint
-from nebulaml.protocol.memory_tier import check_private_dir, open_private_file
+from nebulaml.protocol.memory_tier import check_private_dir, lock_held, open_private_file
 from nebulaml.storage.store import Store
 
 
@@ -101,18 +101,7 @@ class TierHold:
 
 def in_use(memory: Store) -> bool:
     """Whether a live session (of any process on this node) holds this memory tier."""
-    path = os.path.join(memory.root, HOLD_FILE)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return lock_held(os.path.join(memory.root, HOLD_FILE)) is True
 
 
 @dataclass(frozen=True, slots=True)
