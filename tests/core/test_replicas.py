@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from nebulaml.protocol.replicas import (
     replica_tags,
     whole_replicas,
 )
+from nebulaml.runtime.crew import Quiet
 from nebulaml.runtime.peer_wire import (
     HEAD_BYTES,
     Head,
@@ -370,6 +372,48 @@ def test_a_replica_built_on_the_one_held_gets_only_the_changed_blocks(tiers) -> 
     folder = replica_dir(receiver, 0, "global_step2")
     assert (folder / "model").read_bytes() == sender.read_bytes("global_step2", "model")
     assert sorted(os.listdir(Path(folder).parent)) == ["global_step2"]  # the base went after
+
+
+def test_a_replica_arriving_during_a_save_waits_until_the_save_returns(tiers) -> None:
+    """catches: the receiver copying a replica's unchanged bytes from the one held (or
+    writing what arrives) while the training thread saves: on 2 cores it took the
+    follower's CPU during its save (replication.py gives the inbox `QUIET.pause_point`)"""
+    sender, receiver = tiers
+    lora_part(sender, 1, os.urandom(40_000))
+    _outcome, held, _fed = receive_delta(sender, receiver, "global_step1", None)
+    lora_part(sender, 2, os.urandom(40_000))
+    claims, small = part_files(sender, "global_step2", 0)
+    stream, runs = bytearray(), {}
+    for claim in claims:
+        if claim.name in small:
+            stream += small[claim.name]
+            continue
+        data = sender.read_bytes("global_step2", claim.name)
+        plan = plan_file(memoryview(data), claim, held.files.get(claim.name))
+        if plan.runs:
+            runs[claim.name] = plan.runs
+        for offset, length in new_ranges(claim.size, plan.runs):
+            stream += data[offset : offset + length]
+    quiet = Quiet()
+    done = threading.Event()
+
+    def receive() -> None:
+        inbox = ReplicaInbox(replica_root(receiver, 0), tag="global_step2", rank=0, node=1,
+                             files=claims, base="global_step1", reuse=runs,
+                             pause=quiet.pause_point)  # fmt: skip
+        inbox.feed(stream)
+        assert inbox.finish().committed
+        done.set()
+
+    with quiet.saving():
+        thread = threading.Thread(target=receive)
+        thread.start()
+        assert not done.wait(0.5), "the replica was written while a save ran"
+        assert not (replica_dir(receiver, 0, "global_step2") / "model").exists()
+    assert done.wait(30)
+    thread.join()
+    folder = replica_dir(receiver, 0, "global_step2")
+    assert (folder / "model").read_bytes() == sender.read_bytes("global_step2", "model")
 
 
 def test_after_a_restart_from_an_older_checkpoint_the_new_replicas_are_kept(tiers) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +124,9 @@ class ReplicaInbox(FileInbox):
     runs `reuse[name]` of each item file are taken from that replica's file of the same
     name, and `feed` brings only the other bytes, in file order (`total` of them).
     `own`: the receiving rank's own parts (`keep_only` keeps an older replica while its
-    own part of this tag is not committed)."""
+    own part of this tag is not committed). `pause`, when given, is called before each
+    piece of work (each message taken, each `_COPY_BYTES` copied from the base): it may
+    wait, so that the copy runs between the training thread's saves."""
 
     def __init__(
         self,
@@ -137,10 +139,12 @@ class ReplicaInbox(FileInbox):
         base: str | None = None,
         reuse: Runs | None = None,
         own: OwnParts | None = None,
+        pause: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         self.root, self.tag, self.rank, self.node = root, tag, rank, node
         self.own = own
+        self._pause = pause
         self.files = tuple(files)
         self.base = base
         self.reuse = {name: tuple(runs) for name, runs in (reuse or {}).items()}
@@ -239,6 +243,8 @@ class ReplicaInbox(FileInbox):
         out = self._out
         assert out is not None  # opened first
         for at in range(offset, offset + length, _COPY_BYTES):
+            if self._pause is not None:
+                self._pause()
             piece = source[at : min(at + _COPY_BYTES, offset + length)]
             self._hasher.update(piece)
             out.write(piece)
@@ -247,6 +253,8 @@ class ReplicaInbox(FileInbox):
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """The next bytes of the files, in order."""
         view = memoryview(data).cast("B")
+        if self._pause is not None:
+            self._pause()
         self.received += len(view)
         if self.received > self.total:
             self._fail(f"more bytes than the {self.total} announced")
