@@ -13,11 +13,13 @@ Not for: hooking the Trainer (transformers.py) or saving (trainer_saving.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,28 @@ log = logging.getLogger("nebulaml")
 TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
 
 
+_Load = Callable[..., None]
+
+
+def _from_nebula(original: str) -> Callable[[_Load], Callable[..., Any]]:
+    """The hook of the Trainer's loading method `original` (it takes the path to load
+    from first): the method decorated, given nebula's checkpoint in the path's place, when
+    the path is that of the resume from nebula in progress; else the Trainer's own method,
+    with the path, as it was called."""
+
+    def hook(load: _Load) -> Callable[..., Any]:
+        @functools.wraps(load)
+        def run(self: TrainerResuming, path: Any, *args: Any, **kwargs: Any) -> Any:
+            checkpoint = self._ours(path)
+            if checkpoint is None:
+                return self.originals[original](path, *args, **kwargs)
+            return load(self, checkpoint, *args, **kwargs)
+
+        return run
+
+    return hook
+
+
 @dataclass(slots=True)
 class _Resume:
     """A resume from nebula in progress: the checkpoint, and the path the Trainer is given."""
@@ -48,7 +72,7 @@ class _Resume:
 class TrainerResuming:
     """The resuming half of a hooked Trainer: each method replaces the Trainer's method of
     that name (`train`, `_load_from_checkpoint`, ...); `originals` are the Trainer's own,
-    called when the resume path is not nebula's."""
+    called when the resume path is not nebula's (the loading methods: `_from_nebula`)."""
 
     def __init__(self, trainer: Any, originals: dict[str, Any]) -> None:
         self.trainer = trainer  # typed Any: its optimizer and model are set once it trains
@@ -122,20 +146,15 @@ class TrainerResuming:
             return resume.checkpoint
         return None
 
-    def load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        checkpoint = self._ours(resume_from_checkpoint)
-        if checkpoint is None:
-            return self.originals["_load_from_checkpoint"](resume_from_checkpoint, model)
+    @_from_nebula("_load_from_checkpoint")
+    def load_from_checkpoint(self, checkpoint: Checkpoint, model: Any = None) -> None:
         trainer = self.trainer
         target = trainer.model if model is None else model
         result = target.load_state_dict(checkpoint.load("model", map_location="cpu"), False)
         trainer._issue_warnings_after_load(result)
-        return None
 
-    def load_optimizer_and_scheduler(self, checkpoint_path: str | None) -> None:
-        checkpoint = self._ours(checkpoint_path)
-        if checkpoint is None:
-            return self.originals["_load_optimizer_and_scheduler"](checkpoint_path)
+    @_from_nebula("_load_optimizer_and_scheduler")
+    def load_optimizer_and_scheduler(self, checkpoint: Checkpoint) -> None:
         trainer = self.trainer
         args = trainer.args
         device = args.device
@@ -145,22 +164,16 @@ class TrainerResuming:
         if optimizer is not None and scheduler is not None:
             trainer.optimizer.load_state_dict(optimizer)
             trainer.lr_scheduler.load_state_dict(scheduler)
-        return None
 
-    def load_scaler(self, checkpoint_path: str | None) -> None:
-        checkpoint = self._ours(checkpoint_path)
-        if checkpoint is None:
-            return self.originals["_load_scaler"](checkpoint_path)
+    @_from_nebula("_load_scaler")
+    def load_scaler(self, checkpoint: Checkpoint) -> None:
         scaler = getattr(self.trainer.accelerator, "scaler", None)
         state = load_optional(checkpoint, "scaler") if scaler is not None else None
         if scaler is not None and state is not None:
             scaler.load_state_dict(state)
-        return None
 
-    def load_rng_state(self, checkpoint_path: str | None) -> None:
-        checkpoint = self._ours(checkpoint_path)
-        if checkpoint is None:
-            return self.originals["_load_rng_state"](checkpoint_path)
+    @_from_nebula("_load_rng_state")
+    def load_rng_state(self, checkpoint: Checkpoint) -> None:
         trainer = self.trainer
         args = trainer.args
         name = rng_item(args.process_index, args.world_size)
@@ -172,9 +185,8 @@ class TrainerResuming:
                 checkpoint.tag,
                 name,
             )
-            return None
+            return
         restore_rng(state)
-        return None
 
     def init_training_state(self, *args: Any, **kwargs: Any) -> Any:
         result = self.originals["_init_training_state"](*args, **kwargs)
