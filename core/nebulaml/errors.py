@@ -189,15 +189,26 @@ class ManifestError(NebulaError):
 
 
 class UnsupportedSchemaError(ManifestError):
-    """A manifest written by a newer (or unknown) nebula; never skipped silently."""
+    """A manifest written by a newer (or unknown) nebula; never skipped silently.
+    `written_by`: the nebula version the manifest names as its producer, which reads it
+    (None when it names none); `tag`: the checkpoint's, where the reader knows it."""
 
-    def __init__(self, where: str, version: object, supported: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        where: str,
+        version: object,
+        supported: tuple[int, ...],
+        written_by: str | None = None,
+    ) -> None:
+        reader = f"nebula {written_by}, which wrote it," if written_by else "a newer nebula"
         super().__init__(
             where,
             f"manifest schema_version {version!r} is not supported (this nebula reads "
-            f"{', '.join(map(str, supported))}); upgrade nebula-checkpoint to read it",
+            f"{', '.join(map(str, supported))}; {reader} reads it); upgrade "
+            "nebula-checkpoint to read it",
         )
-        self.version = version
+        self.version, self.written_by = version, written_by
+        self.tag: str | None = None
 
 
 class CorruptCheckpointError(NebulaError):

@@ -33,6 +33,7 @@ _STYLE = {
     "differs": "bold red",
     "unchecked": "bold yellow",
     "unreadable": "bold red",
+    "unsupported": "bold yellow",
 }
 
 
@@ -50,9 +51,10 @@ def verify_command(
     Also reports manifests that are present but unreadable, and items that are missing
     or of the wrong size, and checkpoints it could not read (`unchecked`: a delete of it
     is claimed and did not end; `unreadable`: a tag folder this user may not read, the
-    others checked). Exit 1 on any of these, naming the file, the expected
-    and the actual value; exit 3 when TAG does not exist. With --json, `expected` and `actual`
-    are objects: {size_bytes, algo, checksum}.
+    others checked; `unsupported`: a manifest of a schema a newer nebula wrote, which
+    this one cannot read: not corrupt, not checked). Exit 1 on any of these, naming the
+    file, the expected and the actual value; exit 3 when TAG does not exist. With --json,
+    `expected` and `actual` are objects: {size_bytes, algo, checksum}.
 
     Example: nebula verify /mnt/checkpoints/run1 global_step500
     """

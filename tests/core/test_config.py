@@ -51,18 +51,27 @@ def test_boolean_variables_accept_the_documented_words(
         ("NEBULA_LAZY_SNAPSHOT", "maybe"),
         ("NEBULA_KEEP_MEMORY_TIER", "2"),
         ("NEBULA_REUSE_UNCHANGED", "disable"),
+        ("NEBULA_EXIT_TIMEOUT_S", "soon"),
+        ("NEBULA_RANK_TIMEOUT_S", "-1"),
+        ("NEBULA_ON_PERSIST_ERROR", "ignore"),
+        ("NEBULA_PERSISTENT_TIME_INTERVAL", "nan"),
+        ("NEBULA_NUM_OF_VERSION_IN_RETENTION", "two"),
+        ("NEBULA_PEER_REPLICAS", "2"),
     ],
 )
-def test_a_bad_boolean_value_is_refused_naming_the_variable_and_the_words(
+def test_a_bad_value_is_refused_naming_the_variable_and_what_it_accepts(
     name: str, value: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Catches: a boolean read as off (or on) for any word outside the set (NEBULA_PRIVATE=y
+    # leaving files readable), an error naming the option instead of the variable.
     monkeypatch.setenv(name, value)
     with pytest.raises(nm.InvalidArgumentError) as raised:
         resolve_config("/ckpt", None, None, {})
     message = str(raised.value)
     assert name in message and repr(value) in message
-    for word in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        assert word in message
+    if name in FIELDS:
+        for word in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            assert word in message
     if name == "NEBULA_PRIVATE":  # what the CLI asks when it writes to a local root
         with pytest.raises(nm.InvalidArgumentError, match=name):
             private_default()
@@ -79,25 +88,6 @@ def test_an_empty_boolean_variable_is_the_default(monkeypatch: pytest.MonkeyPatc
 def test_an_argument_wins_over_a_bad_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NEBULA_LAZY_SNAPSHOT", "maybe")
     assert resolve_config("/ckpt", None, None, {"lazy_snapshot": True}).lazy_snapshot is True
-
-
-@pytest.mark.parametrize(
-    ("name", "value"),
-    [
-        ("NEBULA_EXIT_TIMEOUT_S", "soon"),
-        ("NEBULA_RANK_TIMEOUT_S", "-1"),
-        ("NEBULA_ON_PERSIST_ERROR", "ignore"),
-        ("NEBULA_PERSISTENT_TIME_INTERVAL", "nan"),
-        ("NEBULA_NUM_OF_VERSION_IN_RETENTION", "two"),
-        ("NEBULA_PEER_REPLICAS", "2"),
-    ],
-)
-def test_other_bad_values_name_the_variable(
-    name: str, value: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(name, value)
-    with pytest.raises(nm.InvalidArgumentError, match=name):
-        resolve_config("/ckpt", None, None, {})
 
 
 def test_init_refuses_a_bad_variable_before_touching_the_root(

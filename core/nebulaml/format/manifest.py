@@ -285,14 +285,19 @@ def _check_seal(doc: dict[str, Any], where: str) -> None:
         raise ManifestError(where, "manifest does not match its own checksum (it was altered)")
 
 
-def _check_schema(version: object, where: str) -> int:
-    """`version` if this nebula reads it. A schema newer than this nebula reads is
-    `UnsupportedSchemaError` (upgrade); a missing, malformed or impossible one (below 1)
-    is corruption, a `ManifestError`."""
+def _check_schema(doc: dict[str, Any], where: str) -> int:
+    """The schema of the manifest or marker `doc` if this nebula reads it. A schema newer
+    than this nebula reads is `UnsupportedSchemaError` (upgrade), naming the nebula its
+    producer says wrote it; a missing, malformed or impossible one (below 1) is
+    corruption, a `ManifestError`."""
+    version = doc.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise ManifestError(where, f"manifest has no valid schema_version ({version!r})")
     if version not in SUPPORTED_SCHEMAS:
-        raise UnsupportedSchemaError(where, version, SUPPORTED_SCHEMAS)
+        producer = doc.get("producer")
+        writer = producer.get("nebula_version") if isinstance(producer, dict) else None
+        written_by = writer[:40] if isinstance(writer, str) and writer.isprintable() else None
+        raise UnsupportedSchemaError(where, version, SUPPORTED_SCHEMAS, written_by or None)
     return version
 
 
@@ -303,7 +308,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     `ManifestError` for anything malformed.
     """
     doc = _json_object(data, where, "manifest")
-    version = _check_schema(doc.get("schema_version"), where)
+    version = _check_schema(doc, where)
     tag = _require(doc, "tag", str, where)
     try:
         validate_name("tag", tag)
@@ -511,7 +516,7 @@ def _json_object(data: bytes, where: str, what: str) -> dict[str, Any]:
 def parse_marker(data: bytes, where: str) -> RankMarker:
     """Parse a rank marker with the same checks as a manifest's items."""
     doc = _json_object(data, where, "rank marker")
-    _check_schema(doc.get("schema_version"), where)
+    _check_schema(doc, where)
     items = tuple(_parse_item(item, where) for item in _require(doc, "items", list, where))
     labels = doc.get("labels", [])
     if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nebulaml.errors import NebulaError, UnsafeMemoryTierError
+from nebulaml.errors import NebulaError, UnsafeMemoryTierError, UnsupportedSchemaError
 from nebulaml.format.names import order_key, step_of
 from nebulaml.protocol.catalog import list_committed, read_committed
 from nebulaml.protocol.memory_tier import check_private_dir, memory_base
@@ -210,9 +210,12 @@ def describe_memory_tier(path: str) -> MemoryTierInfo:
         return MemoryTierInfo(path, None, UNSAFE, str(exc), (), None, None, 0, False)
     alive = in_use(memory)
     tags, size = tier_contents(memory)
+    newer: list[UnsupportedSchemaError] = []
     try:
-        committed = list_committed(memory)
+        committed = list_committed(memory, newer)
     except NebulaError:
+        committed = []
+    if newer:  # a newer nebula's checkpoint: judged by its tag alone, as one never read
         committed = []
     if committed:
         newest_info = committed[-1]

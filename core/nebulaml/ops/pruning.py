@@ -30,7 +30,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from nebulaml.errors import InvalidArgumentError, RootNotFoundError, StorageError
+from nebulaml.errors import (
+    InvalidArgumentError,
+    RootNotFoundError,
+    StorageError,
+    UnsupportedSchemaError,
+)
 from nebulaml.format.manifest import parse_utc
 from nebulaml.format.names import MANIFEST_NAME, OrderKey, validate_name
 from nebulaml.protocol.catalog import list_committed, read_committed
@@ -72,8 +77,9 @@ class Leftover:
 
 @dataclass(frozen=True, slots=True)
 class UnreadableTag:
-    """A tag folder this user may not read (another user's, mode 000), as seen when the
-    root was listed, and the error that says so: never deleted."""
+    """A tag folder this user may not read (another user's, mode 000), or whose manifest
+    is of a schema this nebula cannot read (a newer nebula's), as seen when the root was
+    listed, and the error that says so: never deleted."""
 
     tag: str
     why: str
@@ -160,11 +166,14 @@ def list_prune_candidates(root: PathLike, *, incomplete: bool = False) -> PruneL
     """
     store = _store(root)
     refused: list[tuple[str, StorageError]] = []
+    newer: list[UnsupportedSchemaError] = []  # a newer nebula's: protected, saying so
     versions = tuple(
         Version(info.tag, info.committed_at, info.manifest.labels, info.sequence)
-        for info in list_committed(store, unreadable=refused)
+        for info in list_committed(store, newer, unreadable=refused)
     )
-    unreadable = tuple(UnreadableTag(tag, str(exc)) for tag, exc in refused)
+    unreadable = tuple(UnreadableTag(tag, str(exc)) for tag, exc in refused) + tuple(
+        UnreadableTag(exc.tag or exc.where, str(exc)) for exc in newer
+    )
     leftovers: tuple[Leftover, ...] = ()
     if incomplete:
         now = datetime.now(timezone.utc)

@@ -15,7 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nebulaml.errors import CheckpointNotFoundError, InvalidNameError, ManifestError, StorageError
+from nebulaml.errors import (
+    CheckpointNotFoundError,
+    InvalidNameError,
+    ManifestError,
+    StorageError,
+    UnsupportedSchemaError,
+)
 from nebulaml.format.checksum import KNOWN_CHECKSUM_ALGOS, hash_stream, unknown_algo
 from nebulaml.format.manifest import ItemEntry, Manifest
 from nebulaml.format.names import MANIFEST_NAME, RANK_PREFIX, OrderKey, order_key, validate_name
@@ -69,13 +75,14 @@ def verify_checkpoints(
     `item` (None for the manifest itself, the marker's name for a rank marker that is no
     regular file, `"corrupt"`), `file` (where it is), `status` (`"ok"`,
     `"corrupt"`, `"missing"`, `"unchecked"`: committed, but a delete of it is claimed
-    and did not end, so it was not read, or `"unreadable"`: a tag folder this user may
-    not read, `file` naming the folder), `expected` and `actual` (e.g. `"1829 bytes with xxh3_64
-    9f3c..."`), and the same as objects, `expected_checksum` and `actual_checksum`:
-    `{size_bytes, algo, checksum}` (a field None where it is not known; the object None for
-    no file, or for a manifest). Where two tiers hold one tag with different bytes for an
-    item, one more dict says so: `tier` `"memory+persistent"`, `status` `"differs"`, `file`
-    naming both.
+    and did not end, so it was not read, `"unreadable"`: a tag folder this user may
+    not read, `file` naming the folder, or `"unsupported"`: a manifest of a schema this
+    nebula cannot read, a newer nebula's, its items not read), `expected` and `actual`
+    (e.g. `"1829 bytes with xxh3_64 9f3c..."`), and the same as objects,
+    `expected_checksum` and `actual_checksum`: `{size_bytes, algo, checksum}` (a field
+    None where it is not known; the object None for no file, or for a manifest). Where
+    two tiers hold one tag with different bytes for an item, one more dict says so:
+    `tier` `"memory+persistent"`, `status` `"differs"`, `file` naming both.
     A manifest that is present but unreadable or invalid is a `"corrupt"`
     result; folders without a manifest (saves that never committed) are not checkpoints
     and are skipped. `progress(bytes_done, bytes_total)` is called as bytes are read.
@@ -258,6 +265,9 @@ def _verify_copy(copy: _Copy, advance: Callable[[int], None]) -> list[dict[str, 
     if copy.manifest is None:
         assert copy.error is not None
         where = store.display(tag, MANIFEST_NAME)
+        if isinstance(copy.error, UnsupportedSchemaError):  # a newer nebula's, not damage
+            return [_result(copy, None, where, "unsupported", "a manifest schema this nebula "
+                            "reads", copy.error.why)]  # fmt: skip
         return [_result(copy, None, where, "corrupt", "a valid manifest", copy.error.why)]
     # Under a read lease: prune, retention and eviction leave the copy alone meanwhile.
     with read_lease(store, tag) as readable:

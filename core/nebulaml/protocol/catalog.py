@@ -2,7 +2,9 @@
 
 A checkpoint is visible only when its manifest is present and valid and every file it
 lists is there with its size ("committed or invisible": docs/architecture.md). A manifest of
-an unknown schema is an error; an unreadable one is reported with a warning and the tag
+a schema this nebula cannot read (a newer nebula's) leaves its tag out of listings with one
+warning naming it and the nebula that reads it (`skip_unsupported`): committed, but not
+this version's to load or delete; an unreadable one is reported with a warning and the tag
 treated as not committed. A tag folder this user may not read (another user's, mode 000)
 is left out of listings with one warning naming it (`skip_unreadable`): the others are
 listed.
@@ -76,6 +78,13 @@ def skip_unreadable(store: Store, tag: str, exc: StorageError) -> bool:
     return True
 
 
+def skip_unsupported(exc: UnsupportedSchemaError) -> None:
+    """Say, once per process and manifest, that a listing goes on without the tag whose
+    manifest raised `exc` (a schema this nebula cannot read), naming the tag and the
+    nebula that reads it."""
+    _ignoring("skipping checkpoint %r: %s", exc.tag, exc, key=f"unsupported {exc.where}")
+
+
 _SEQUENCE_MAX_BYTES = 4096
 
 # How many times `list_committed` lists the folders while newer ones are in flux.
@@ -119,7 +128,8 @@ def read_manifest(store: Store, tag: str) -> Manifest | None:
     where = store.display(tag, MANIFEST_NAME)
     try:
         manifest = parse_manifest(store.read_bytes(tag, MANIFEST_NAME), where)
-    except UnsupportedSchemaError:
+    except UnsupportedSchemaError as exc:
+        exc.tag = tag
         raise
     except MissingFileError:
         return None
@@ -285,11 +295,12 @@ def list_committed(
     still being written), the folders are listed again and the newer ones read, up to
     `_LIST_PASSES` times in all.
 
-    A manifest of a schema this version cannot read raises `UnsupportedSchemaError`, or,
-    when the caller passes an `unsupported` list (to look for another tier's readable
-    copy), is appended to it and left out. A tag folder this user may not read is left
-    out with one warning (`skip_unreadable`), and appended as (tag, error) to
-    `unreadable` when the caller passes one (to report it).
+    A manifest of a schema this version cannot read is left out, said once
+    (`skip_unsupported`), or, when the caller passes an `unsupported` list (to look for
+    another tier's readable copy, or to say it otherwise), appended to it and left out.
+    A tag folder this user may not read is left out with one warning
+    (`skip_unreadable`), and appended as (tag, error) to `unreadable` when the caller
+    passes one (to report it).
 
     Example:
         >>> import tempfile
@@ -315,8 +326,9 @@ def list_committed(
         for tag, info in _read_each(store, todo, tree):
             if isinstance(info, UnsupportedSchemaError):
                 if unsupported is None:
-                    raise info
-                unsupported.append(info)
+                    skip_unsupported(info)
+                else:
+                    unsupported.append(info)
                 refused.add(tag)
             elif isinstance(info, StorageError):
                 if unreadable is not None:

@@ -21,7 +21,7 @@ import os
 import socket
 from collections.abc import Callable
 
-from nebulaml.errors import NebulaError, StorageError
+from nebulaml.errors import NebulaError, StorageError, UnsupportedSchemaError
 from nebulaml.format.manifest import RankMarker, parse_marker
 from nebulaml.format.names import MANIFEST_NAME, WRITER_PREFIX, marker_name
 from nebulaml.protocol.catalog import read_committed, skip_unreadable, tag_folders
@@ -32,7 +32,8 @@ from nebulaml.storage.store import Store
 
 def list_incomplete(store: Store) -> list[str]:
     """Tag folders that nebula started but never committed (leftovers of crashed saves).
-    A folder this user may not read is left out, said once (catalog's `skip_unreadable`).
+    A folder this user may not read is left out, said once (catalog's `skip_unreadable`),
+    and so is one a newer nebula committed (a manifest of a schema this one cannot read).
 
     Example:
         >>> import tempfile
@@ -46,6 +47,8 @@ def list_incomplete(store: Store) -> list[str]:
             ours = any(is_marker(name) for name in files)
             if ours and read_committed(store, tag) is None:
                 out.append(tag)
+        except UnsupportedSchemaError:
+            continue  # committed by a newer nebula: not a leftover to clear
         except StorageError as exc:
             if not skip_unreadable(store, tag, exc):
                 raise

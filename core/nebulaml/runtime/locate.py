@@ -45,7 +45,12 @@ from nebulaml.errors import (
     UnsupportedSchemaError,
 )
 from nebulaml.format.manifest import ItemEntry, Manifest
-from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_manifest
+from nebulaml.protocol.catalog import (
+    CheckpointInfo,
+    list_committed,
+    read_manifest,
+    skip_unsupported,
+)
 from nebulaml.protocol.leases import read_lease
 from nebulaml.protocol.tiers import TierSet, open_tiers
 from nebulaml.runtime import session as _session
@@ -144,9 +149,11 @@ def newest_first(tiers: TierSet) -> list[list[tuple[str, CheckpointInfo]]]:
     """Committed checkpoints on every tier, newest first; each entry lists a tag's copies
     as (tier, info), fastest tier first. Package-internal, like `tiers_for`.
 
-    A copy of a schema this version cannot read is an error, unless another tier holds a
-    readable copy of that tag (then the unreadable one is damaged, and said so). A
-    persistent tier out of reach is passed over (`out_of_reach`): the others answer.
+    A copy of a schema this version cannot read is passed over: said as damaged where
+    another tier holds a readable copy of that tag, else as a newer nebula's checkpoint
+    (catalog's `skip_unsupported`), and raised only when no tier holds anything readable
+    (a newer nebula's root is not an empty one to start over in). A persistent tier out
+    of reach is passed over (`out_of_reach`): the others answer.
     """
     found: dict[str, list[tuple[str, CheckpointInfo]]] = {}
     unsupported: list[UnsupportedSchemaError] = []
@@ -161,10 +168,13 @@ def newest_first(tiers: TierSet) -> list[list[tuple[str, CheckpointInfo]]]:
         answered(store)
         for info in listed:
             found.setdefault(info.tag, []).append((tier, info))
-    for damaged in unsupported:
-        if not any(copies for tag, copies in found.items() if f"/{tag}/" in damaged.where):
-            raise damaged
-        log.warning("%s; using another tier's copy", damaged)
+    for newer in unsupported:
+        if newer.tag in found:
+            log.warning("%s; using another tier's copy", newer)
+        elif found:
+            skip_unsupported(newer)
+        else:
+            raise newer
     return sorted(found.values(), key=lambda copies: copies[0][1].sort_key, reverse=True)
 
 
