@@ -10,6 +10,7 @@ from pathlib import Path
 
 import azurite as azurite_server
 import pytest
+import s3server
 import shared_setup
 import warm
 from azurite import Azurite
@@ -106,3 +107,31 @@ def azure_env(azurite: Azurite, point_at_azurite: Callable[[Azurite], Azurite]) 
 def az_url(azure_env: Azurite) -> str:
     """A fresh root in Azurite's test container, e.g. az://nebula-tests/5f0c.../"""
     return f"az://{AZURE_CONTAINER}/{uuid.uuid4().hex[:16]}"
+
+
+# S3: one real moto server per test session, started on first use ------------------------
+S3_BUCKET = "nebula-tests"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.MotoServer]:
+    """A running moto S3 server on 127.0.0.1, its `S3_BUCKET` created.
+
+    Not installed: the test fails under CI (CI=true), and is skipped elsewhere.
+    """
+    if not s3server.installed():
+        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
+            pytest.fail(s3server.MISSING, pytrace=False)
+        pytest.skip(s3server.MISSING)
+    base = tmp_path_factory.mktemp("moto")
+    server = s3server.MotoServer(base / "moto.log").start()
+    server.create_bucket(S3_BUCKET)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(s3_server: s3server.MotoServer) -> str:
+    """A fresh root in the moto server's test bucket, e.g. s3://nebula-tests/5f0c...;
+    reach it with `s3_server.options()`."""
+    return f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:16]}"

@@ -107,6 +107,8 @@ PUBLIC_MODULES = (
     "nebulaml.pytorch_lightning",
     "nebulaml.transformers",
     "nebulaml.accelerate",
+    "nebulaml.backends",
+    "nebulaml.testing",
     "torch_nebula",
 )
 LIBRARY_PACKAGES = ("nebulaml", "torch_nebula")

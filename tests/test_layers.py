@@ -1,7 +1,8 @@
 """The import direction of nebulaml's layers (docs/architecture.md), and no import cycle.
 
     base (errors, _version, _threads, config) < format < storage < protocol < runtime < ops
-        < the public API (api, checkpoint) < integrations < the package's namespace
+        < the public API (api, checkpoint) < integrations < the package's namespace (and
+        nebulaml.backends, nebulaml.testing: the storage plugins' modules)
 
 A module may import its own layer and the layers below it, never one above: storage never
 knows what a checkpoint is, ops never reach into the public API, and nothing but the
@@ -39,6 +40,10 @@ LAYERS = {
     "accelerate": 7,
     "dcp": 7,
     "__init__": 8,  # the package's own namespace re-exports all of the above
+    # Public modules for storage plugins, beside the namespace: nothing in the library
+    # imports them (the backend seam and the backend contract).
+    "backends": 8,
+    "testing": 8,
 }
 # Third-party frameworks only the integrations (and the public modules on them) import.
 FRAMEWORKS = ("lightning", "pytorch_lightning", "deepspeed", "transformers", "accelerate")

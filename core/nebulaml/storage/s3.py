@@ -55,6 +55,17 @@ class S3Backend(RemoteBackend):
     def __init__(self, fs: Any, root: str, *, location: str | None = None) -> None:
         super().__init__(fs, root, capabilities=S3_CAPABILITIES, url=f"s3://{root}",
                          location=location)  # fmt: skip
+        self._bucket_ready = False
+
+    def make_dir(self, parts: Parts) -> None:
+        """S3 has no empty folders (one appears with its first object): only the root's
+        bucket is made sure of, once (created if missing and the credential may)."""
+        if self._bucket_ready:
+            return
+        bucket = self.root.split("/", 1)[0]
+        if not self.fs.exists(bucket):
+            self.fs.makedirs(bucket, exist_ok=True)
+        self._bucket_ready = True
 
     def _run(self, coro: Any) -> Any:
         from fsspec.asyn import sync
