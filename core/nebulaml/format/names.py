@@ -53,7 +53,7 @@ WRITERS_DIR = ".writers"  # in a memory tier: the writer markers saves link (run
 JOB_PREFIX = ".nebula-job-"  # the job that writes a root: `.nebula-job-<n>.json` in a
 # persistent root, `.nebula-job-<id digest>.lock` in a memory tier (protocol/holds.py)
 JOB_CLAIM_FILE = ".nebula-claim"  # in a memory tier: locked while a job claims it
-WRITING_PREFIX = ".nebula-writing-"  # in the memory-tier base folder: `<n>.lock`, locked
+WRITING_PREFIX = ".nebula-writing-"  # in the memory-tier base folder: `<digest>.lock`
 # by the node's one writer of a tag at a destination (protocol/cowriters.py)
 REPLICAS_DIR = ".replicas"  # in a memory tier: the parts of another node's ranks kept for
 # them, `rank-<r>/<tag>/` (protocol/replicas.py)

@@ -15,9 +15,11 @@ committed source, so neither needs to fail:
 
 Writer markers alone cannot keep two writers apart: each looks for the other's, then
 writes its own, and two that look at once both go on (and clear each other's files). The
-node's processes therefore take a lock first: one of `LOCK_STRIPES` files in this user's
-memory-tier base folder (`.nebula-writing-<n>.lock`), chosen by the destination and tag
-(two tags sharing a file only wait for each other a little longer); a lock dies with its
+node's processes therefore take a lock first: a file of that destination and tag alone
+in this user's memory-tier base folder (`.nebula-writing-<digest>.lock`, the digest of
+the destination's location and the tag), so that writers of other roots or tags never
+wait for each other (64 shared files did: an unrelated job's 1 KiB persist waited 5 s
+for a 189 MB one, and would have failed past `BUSY_WAIT_S`); a lock dies with its
 process, and its file goes when the writer is done (a waiter checks that the file it
 locked is still the one at the path).
 
@@ -48,7 +50,7 @@ from nebulaml.storage.store import Store
 log = logging.getLogger("nebulaml")
 
 BUSY_WAIT_S = 300.0  # how long a copy waits for another live writer of its tag
-LOCK_STRIPES = 64
+_LOCK_DIGEST_BYTES = 16  # of sha256(location, tag), in the lock file's name
 
 
 def copy_alongside(
@@ -125,19 +127,19 @@ def writing(
     dst: Store, tag: str, deadline: float, said: list[str] | None = None, wait_s: float = 0.0
 ) -> Iterator[None]:
     """Be this node's only writer of `tag` at `dst` for the block: an exclusive flock on
-    its stripe, waited for until `deadline` (then `CheckpointBusyError`). Where the
-    memory-tier base folder cannot be used, nothing is locked (the markers still are).
+    the lock file of that destination and tag, waited for until `deadline` (then
+    `CheckpointBusyError`). Where the memory-tier base folder cannot be used, nothing is
+    locked (the markers still are).
 
-    The stripe's file is removed when the block ends (a job leaves none behind): a lock
+    The lock file is removed when the block ends (a job leaves none behind): a lock
     counts only while its file is still the one at the path, so a waiter that locked a
     removed file opens the path again."""
     try:
         folder = memory_base()
         ensure_private_dir(folder)
-        key = hashlib.sha256(f"{dst.location}\0{tag}".encode()).digest()
-        stripe = int.from_bytes(key[:4], "big") % LOCK_STRIPES
-        path = os.path.join(folder, f"{WRITING_PREFIX}{stripe}.lock")
-        fd = _lock_stripe(path, dst, tag, deadline, said, wait_s)
+        key = hashlib.sha256(f"{dst.location}\0{tag}".encode()).hexdigest()
+        path = os.path.join(folder, f"{WRITING_PREFIX}{key[: 2 * _LOCK_DIGEST_BYTES]}.lock")
+        fd = _lock_file(path, dst, tag, deadline, said, wait_s)
     except CheckpointBusyError:
         raise  # the other writer is still at it
     except (OSError, NebulaError) as exc:
@@ -152,10 +154,10 @@ def writing(
         os.close(fd)
 
 
-def _lock_stripe(
+def _lock_file(
     path: str, dst: Store, tag: str, deadline: float, said: list[str] | None, wait_s: float
 ) -> int:
-    """An open descriptor of the stripe file at `path`, exclusively locked, that is still
+    """An open descriptor of the lock file at `path`, exclusively locked, that is still
     the file at `path` (not one a finished writer removed meanwhile)."""
     delay_s = 0.01
     while True:
