@@ -11,6 +11,7 @@
     Upkeep          what the other queues of the thread say before a turn
     Skip            a persist skipped, and the newer commit that superseded it
     Follow          a follower's next move after looking for its leaders' markers
+    Removal         what becomes of a removal the thread is about to run
     saved_again     whether a persist failed because another rank saved its tag again
 
 Nothing here reads a clock, a store or a thread: a decision that depends on the time takes
