@@ -168,8 +168,7 @@ def list_prune_candidates(root: PathLike, *, incomplete: bool = False) -> PruneL
     refused: list[tuple[str, StorageError]] = []
     newer: list[UnsupportedSchemaError] = []  # a newer nebula's: protected, saying so
     versions = tuple(
-        Version(info.tag, info.committed_at, info.manifest.labels, info.sequence)
-        for info in list_committed(store, newer, unreadable=refused)
+        Version.of(info.manifest) for info in list_committed(store, newer, unreadable=refused)
     )
     unreadable = tuple(UnreadableTag(tag, str(exc)) for tag, exc in refused) + tuple(
         UnreadableTag(exc.tag or exc.where, str(exc)) for exc in newer

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from nebulaml.format.manifest import Manifest
 from nebulaml.format.names import OrderKey, order_key
 
 
@@ -23,6 +24,11 @@ class Version:
     committed_at: str
     labels: tuple[str, ...] = ()
     sequence: int = 0
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> Version:
+        """The version of the committed checkpoint `manifest` describes."""
+        return cls(manifest.tag, manifest.committed_at, manifest.labels, manifest.sequence)
 
     @property
     def sort_key(self) -> OrderKey:

@@ -80,9 +80,7 @@ class Retention:
             )
         with self._lock:
             for c in committed:
-                self._retained[c.tag] = Version(
-                    c.tag, c.committed_at, c.manifest.labels, c.sequence
-                )
+                self._retained[c.tag] = Version.of(c.manifest)
 
     def apply(self, just_persisted: str) -> None:
         """Retention on the persistent tier, now that `just_persisted` is there."""
@@ -264,10 +262,7 @@ class Eviction:
             files = {v.tag: memory.list_files(v.tag) for v in versions}
             versions = settled_parts(versions, files, ranks.rank)
         else:
-            versions = [
-                Version(c.tag, c.committed_at, c.manifest.labels, c.sequence)
-                for c in list_committed(memory)
-            ]
+            versions = [Version.of(c.manifest) for c in list_committed(memory)]
         if not versions:
             return
         replicas = replica_tags(memory)  # this rank's own parts of them stay

@@ -52,7 +52,7 @@ def retire(
         if info is None:
             known.pop(tag, None)
         else:
-            known[tag] = Version(tag, info.committed_at, info.manifest.labels, info.sequence)
+            known[tag] = Version.of(info.manifest)
 
     read_now: set[str] = set()
     if known:
