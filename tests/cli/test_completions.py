@@ -239,3 +239,42 @@ def test_zsh_menu_keeps_apostrophes_and_colons() -> None:
         "memory:this node's memory tier of ROOT",
         "persistent:ROOT itself",
     ]
+
+
+# A new interactive zsh whose ~/.zshrc is what `--install-completion zsh` writes: the
+# script in $fpath, compinit, then `nebula hi` and one TAB on a pseudo-terminal (zpty).
+ZSH_FIRST_TAB = r"""
+zmodload zsh/zpty || exit 3
+typeset -F SECONDS
+print -r -- "PS1='ready> '; fpath=($FOLDER \$fpath); autoload -Uz compinit; compinit -D" \
+  > $ZDOTDIR/.zshrc
+zpty shell "zsh -i"
+wait_for() {
+  local chunk end=$(( SECONDS + 20 ))
+  while (( SECONDS < end )); do
+    while zpty -r -t shell chunk; do out+=$chunk; done
+    [[ $out == $~1 ]] && return 0
+    sleep 0.05
+  done
+  return 1
+}
+wait_for '*ready> *' || { print -r -- "no prompt: $out"; exit 4 }
+out=
+zpty -w -n shell $'nebula hi\t'
+wait_for $'*(history|\a)*'
+print -r -- "$out"
+zpty -d shell
+"""
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="needs zsh (make venv installs it)")
+def test_zsh_completes_on_the_first_tab_of_a_new_shell(tmp_path: Path) -> None:
+    # main: compinit autoloads _nebula from $fpath on the first TAB and runs it; the
+    # script only defined _nebula_completion and compdef'd it, so the first TAB of every
+    # new shell did nothing (a bell) and only the second completed.
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+           "ZDOTDIR": str(tmp_path), "FOLDER": str(COMMITTED)}  # fmt: skip
+    out = subprocess.run(["zsh", "-f", "-c", ZSH_FIRST_TAB], env=env, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "nebula history" in out.stdout and "\a" not in out.stdout, repr(out.stdout)
