@@ -30,6 +30,10 @@ SECRET_OPTION_NAMES = frozenset(
         "connection_string",
         "password",
         "token",
+        # S3's (s3fs's options, botocore's client_kwargs)
+        "secret",
+        "aws_secret_access_key",
+        "aws_session_token",
     }
 )
 

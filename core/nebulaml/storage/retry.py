@@ -147,6 +147,16 @@ def _classify(exc: BaseException) -> bool | None:
             if status is None:
                 return None  # no response: decided by what it wraps
             return status in _TRANSIENT_STATUS or status >= 500
+    botocore = sys.modules.get("botocore.exceptions")  # S3's (s3fs, aiobotocore)
+    if botocore is not None:
+        if isinstance(exc, (botocore.EndpointConnectionError, botocore.ConnectionClosedError,
+                            botocore.ReadTimeoutError, botocore.ConnectTimeoutError)):  # fmt: skip
+            return True
+        if isinstance(exc, botocore.ClientError):
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status is None:
+                return None
+            return status in _TRANSIENT_STATUS or status >= 500
     aiohttp = sys.modules.get("aiohttp")
     if aiohttp is not None and isinstance(exc, aiohttp.ClientError):
         # A 4xx answer is an answer; a broken connection or payload is not.
