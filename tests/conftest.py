@@ -125,9 +125,11 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.Mot
         pytest.skip(s3server.MISSING)
     base = tmp_path_factory.mktemp("moto")
     server = s3server.MotoServer(base / "moto.log").start()
-    server.create_bucket(S3_BUCKET)
-    yield server
-    server.stop()
+    try:
+        server.create_bucket(S3_BUCKET)
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
