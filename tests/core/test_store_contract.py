@@ -1,7 +1,7 @@
 """One storage contract, run against every backend nebula supports, with the same
 assertions: the local backend (a durable disk root, the same given as a file:// URL, and
 the memory tier's flavour: not durable, private), fsspec's memory:// store (the remote
-backend), and Azure Blob Storage (a real Azurite).
+backend), Azure Blob Storage (a real Azurite) and S3 (a real moto server).
 
 A case that only one kind of backend can have (a symbolic link on a local disk, a mapped
 read) runs everywhere too: elsewhere it checks what that backend does instead."""
@@ -26,7 +26,7 @@ import nebulaml as nm
 from nebulaml.storage.backend import Backend
 from nebulaml.storage.store import MissingFileError, Store
 
-BACKENDS = ["local", "memory-tier", "file-url", "memory", "azure"]
+BACKENDS = ["local", "memory-tier", "file-url", "memory", "azure", "s3"]
 LOCAL = ("local", "memory-tier", "file-url")  # the local backend, in its three forms
 
 
@@ -36,6 +36,7 @@ class Root:
 
     kind: str
     url: str
+    base_options: tuple[tuple[str, Any], ...] = ()  # what reaches the server (S3's)
 
     @property
     def is_local(self) -> bool:
@@ -44,7 +45,7 @@ class Root:
     def open(self, options: dict[str, Any] | None = None) -> Store:
         if self.kind == "memory-tier":
             return Store(self.url, options, durable=False, private=True)
-        return Store(self.url, options)
+        return Store(self.url, {**dict(self.base_options), **(options or {})})
 
 
 @pytest.fixture(params=BACKENDS)
@@ -56,6 +57,9 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Root]:
         yield Root(kind, f"file://{tmp_path}/store")
     elif kind == "azure":
         yield Root(kind, request.getfixturevalue("az_url"))  # credentials from the environment
+    elif kind == "s3":
+        server = request.getfixturevalue("s3_server")
+        yield Root(kind, request.getfixturevalue("s3_url"), tuple(server.options().items()))
     else:
         import fsspec
 
