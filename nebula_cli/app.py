@@ -33,8 +33,9 @@ app = typer.Typer(
         "Inspect and manage nebula checkpoints.\n\n"
         "ROOT is a checkpoint directory given as a path or an fsspec URL "
         "(/ckpt, file:///ckpt, az://container/run1). Data goes to stdout, progress and "
-        "errors to stderr; every command takes --json. Exit status: 0 ok, 1 error (diff: "
-        "the checkpoints differ), 2 usage, 3 not found, 130 interrupted."
+        "errors to stderr; every command takes --json (a failure: an error object). Exit "
+        "status: 0 ok, 1 error or not done (diff: the checkpoints differ), 2 usage, 3 not "
+        "found, 4 declined at a prompt, 130 interrupted."
     ),
     no_args_is_help=True,
     # `-h` as gh, kubectl and git take it; the commands inherit it from the group's context.

@@ -13,15 +13,16 @@ import sys
 import typer
 
 from .console import stderr
-from .exits import EXIT_ERROR, fail
+from .exits import EXIT_DECLINED, fail, json_error
 
 
 def confirm(question: str, refusal: str, declined: str) -> None:
     """Ask `question` (y/N, on stderr) before a command deletes or releases something.
 
     Off a terminal there is no one to ask: fail with `refusal` (`--yes` is needed there).
-    A "no" (or Ctrl-D) prints `declined` and exits 1; Ctrl-C ends the command as anywhere
-    else (`nebula: interrupted`, exit 130).
+    A "no" (or Ctrl-D) prints `declined` and exits 4 (`EXIT_DECLINED`: nothing was done,
+    and nothing failed; with --json, an error object of kind "declined"); Ctrl-C ends the
+    command as anywhere else (`nebula: interrupted`, exit 130).
 
     Example: confirm("Release 2 memory tier(s)?", f"{base}: 2 memory tier(s) to release;
     refusing to release without --yes when not on a terminal (add --yes, or --dry-run to
@@ -38,4 +39,5 @@ def confirm(question: str, refusal: str, declined: str) -> None:
         answer = False
     if not answer:
         stderr().print(declined, highlight=False)
-        raise typer.Exit(EXIT_ERROR)
+        json_error(declined, EXIT_DECLINED)
+        raise typer.Exit(EXIT_DECLINED)

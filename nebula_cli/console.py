@@ -9,6 +9,7 @@ Not for: laying out tables (tables.py), error lines and exit codes (exits.py) or
 
 from __future__ import annotations
 
+import contextvars
 import json
 import sys
 import unicodedata
@@ -51,6 +52,16 @@ def printable(text: str) -> str:
     return "".join(out)
 
 
+# Whether the running command was given --json ("wanted") and has written its document
+# ("written"): one that fails before it has writes an error object instead (exits.py).
+JSON_STATE: contextvars.ContextVar[dict[str, bool] | None] = contextvars.ContextVar(
+    "nebula_json_state", default=None
+)
+
+
 def emit_json(doc: Any) -> None:
     """Write exactly one JSON document to stdout."""
     sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    state = JSON_STATE.get()
+    if state is not None:
+        state["written"] = True

@@ -23,7 +23,8 @@ from typing import Any
 from typer import Abort, _click
 from typer.core import TyperCommand, TyperGroup
 
-from .exits import EXIT_ERROR, EXIT_USAGE
+from .console import JSON_STATE
+from .exits import EXIT_ERROR, EXIT_USAGE, json_error
 
 # What an option's value is called when its declaration names no metavar.
 _METAVARS: dict[Any, str] = {
@@ -173,6 +174,8 @@ class NebulaGroup(TyperGroup):
         except _click.exceptions.UsageError as exc:
             sys.stderr.write(usage_error_line(exc) + "\n")
             code = EXIT_USAGE
+            if "--json" in (args[: args.index("--")] if "--" in args else args):
+                _json_usage_error(exc)
         except _click.ClickException as exc:
             sys.stderr.write(f"nebula: error: {_sentence(exc.format_message())}\n")
             code = exc.exit_code
@@ -184,6 +187,16 @@ class NebulaGroup(TyperGroup):
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _json_usage_error(exc: Any) -> None:
+    """A usage error of a command given --json, as its error object on stdout (exits.py
+    `json_error`: the command never ran, so it wrote nothing)."""
+    token = JSON_STATE.set({"wanted": True, "written": False})
+    try:
+        json_error(_sentence(exc.format_message()), EXIT_USAGE)
+    finally:
+        JSON_STATE.reset(token)
 
 
 def _sentence(message: str) -> str:

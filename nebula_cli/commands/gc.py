@@ -10,7 +10,7 @@ from rich.text import Text
 
 from ..confirm import confirm
 from ..console import emit_json, stderr, stdout
-from ..exits import handles_errors
+from ..exits import fail, handles_errors
 from ..formatting import human_bytes
 from ..options import JsonOpt
 from ..tables import print_table
@@ -44,8 +44,9 @@ def gc_command(
     those of jobs that are gone whose newest checkpoint is persisted. Kept: a tier a live
     job holds, one that is not yours alone, and (unless --discard-unpersisted) one whose
     newest checkpoint is not persisted: persist it first with nebula flush ROOT. Shows
-    the plan and asks first (or takes --yes); a tier that changed since the plan is kept.
-    See nebula memory for what each tier holds.
+    the plan and asks first (or takes --yes); a tier that changed since the plan is kept,
+    and then the exit status is 1 (4: the prompt answered no). See nebula memory for what
+    each tier holds.
 
     Example: nebula gc --dry-run
     """
@@ -88,20 +89,23 @@ def gc_command(
     for r in results:
         if not r.released:
             stderr().print(Text.assemble(("kept ", "yellow"), f"{names[r.path]}: {r.reason}"))
+    released = [r for r in results if r.released]
     if as_json:
         emit_json(doc)
-        return
-    released = [r for r in results if r.released]
-    out = stdout()
-    total = human_bytes(sum(r.size_bytes for r in released))
-    colon = ":" if released else ""
-    out.print(
-        f"Released {len(released)} of {len(releases)} memory tier(s), {total}{colon}",
-        highlight=False,
-    )
-    for r in released:
-        tags = ", ".join(r.tags) or "no checkpoint"
-        out.print(Text(f"  {names[r.path]}: {tags} ({human_bytes(r.size_bytes)})"))
+    else:
+        out = stdout()
+        total = human_bytes(sum(r.size_bytes for r in released))
+        colon = ":" if released else ""
+        out.print(
+            f"Released {len(released)} of {len(releases)} memory tier(s), {total}{colon}",
+            highlight=False,
+        )
+        for r in released:
+            tags = ", ".join(r.tags) or "no checkpoint"
+            out.print(Text(f"  {names[r.path]}: {tags} ({human_bytes(r.size_bytes)})"))
+    if len(released) < len(releases):  # not what was asked: say so in the exit status
+        fail(f"{len(releases) - len(released)} of {len(releases)} memory tier(s) not released "
+             "(each kept as said above)")  # fmt: skip
 
 
 def _size(actions: list[GcAction]) -> int:

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from ..confirm import confirm
 from ..console import emit_json, stderr, stdout
-from ..exits import handles_errors
+from ..exits import fail, handles_errors
 from ..formatting import shown, summarise_tags
 from ..options import JsonOpt, RootArg, StorageOpt, VerboseOpt
 from ..tables import print_table
@@ -81,6 +81,8 @@ def prune_command(
 
     With --json: `delete` and `incomplete` (what the plan removes), `kept` (kept by the
     count), `protected` (never deleted, each with its reason), `deleted` and `skipped`.
+    Exit 1 when any delete of the plan was refused at the time (`skipped`: being read,
+    labelled since, ...), 4 when the prompt is answered no.
 
     Example: nebula prune /mnt/checkpoints/run1 --keep 3 --dry-run
     """
@@ -110,6 +112,9 @@ def prune_command(
     else:
         deleted = summarise_tags(list(result.deleted), verbose)
         stdout().print(Text(f"Deleted {len(result.deleted)} of {count}: {deleted}"))
+    if result.skipped:  # not what was asked: a script (a cron cleanup) must learn it
+        fail(f"{len(result.skipped)} of {count} checkpoint(s) not deleted (each kept as said "
+             "above)")  # fmt: skip
 
 
 def _plan_json(plan: PrunePlan, dry_run: bool) -> dict[str, Any]:

@@ -115,6 +115,6 @@ def test_a_storage_failure_is_one_error_line(root: Path) -> None:
     delete_checkpoint(Store(str(root)), "global_step1")  # the persist was lost...
     (root / "global_step1").write_text("...and a file sits where its folder goes")
     result = CliRunner().invoke(app, ["flush", str(root), "--json"])
-    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.exit_code == 1 and json.loads(result.stdout)["error"]["kind"] == "error"
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"nebula: error: {root}/global_step1: ")

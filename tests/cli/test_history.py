@@ -235,7 +235,10 @@ def test_bad_options_are_usage_errors(root: Path, args: list[str], needle: str) 
     _timed_history(root)
     result = _invoke(str(root), *args)
     assert result.exit_code == 2
-    assert result.stdout == ""
+    if "--json" in args:  # one JSON document on stdout, the error object
+        assert json.loads(result.stdout)["error"]["kind"] == "usage"
+    else:
+        assert result.stdout == ""
     assert needle in result.stderr
 
 
@@ -243,7 +246,7 @@ def test_missing_history_is_not_found(tmp_path: Path) -> None:
     # Catches: a missing file reported as a storage error (exit 1) or a traceback.
     result = _invoke(str(tmp_path), "--json")
     assert result.exit_code == 3
-    assert result.stdout == ""
+    assert json.loads(result.stdout)["error"]["exception"] == "HistoryNotFoundError"
     lines = result.stderr.splitlines()
     assert len(lines) == 1
     assert lines[0].startswith(f"nebula: error: no {HISTORY_FILE} at {tmp_path} ")

@@ -280,8 +280,8 @@ def test_refuses_without_yes_off_a_terminal(
     assert line.startswith(f"nebula: error: {memory_tier}: 1 memory tier(s) (")
     assert line.endswith(REFUSAL)
     assert tree(memory_tier) == before
-    if as_json:
-        assert out == ""  # no document for a gc that did not happen
+    if as_json:  # no plan for a gc that did not happen: the error object
+        assert json.loads(out)["error"]["kind"] == "error" and REFUSAL in out
     else:
         assert "global_step1" in row(out, str(tmp_path / "a"))  # the plan, shown first
 

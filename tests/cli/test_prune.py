@@ -154,8 +154,10 @@ def test_refuses_without_yes_off_a_terminal(root: Path, as_json: bool) -> None:
         f"when not on a terminal (add --yes, or --dry-run to see the plan only)"
     ]
     assert tree(root) == before
-    if as_json:
-        assert out == ""  # no document for a prune that did not happen
+    if as_json:  # no plan for a prune that did not happen: the error object
+        assert json.loads(out)["error"]["message"] == err.splitlines()[0].removeprefix(
+            "nebula: error: "
+        )
     else:
         assert "global_step1" in out  # the plan was shown before asking
 
@@ -235,7 +237,7 @@ def test_as_a_real_command(root: Path, memory_tier: Path) -> None:
     assert persisted(root) == ["global_step2", "global_step3"]
 
 
-@pytest.mark.parametrize(("answer", "code"), [("y", 0), ("n", 1)])
+@pytest.mark.parametrize(("answer", "code"), [("y", 0), ("n", 4)])
 def test_asks_on_a_terminal(root: Path, memory_tier: Path, answer: str, code: int) -> None:
     # catches: no prompt on a terminal, or a prompt whose answer is ignored
     populate(root, steps=2)
@@ -254,8 +256,11 @@ def test_asks_on_a_terminal(root: Path, memory_tier: Path, answer: str, code: in
     if answer == "y":
         assert json.loads(stdout)["deleted"] == ["global_step1"]
         assert persisted(root) == ["global_step2"]
-    else:
-        assert stdout.strip() == "" and "Nothing deleted." in stderr
+    else:  # declined: its own exit status, and --json's error object of kind "declined"
+        error = {"kind": "declined", "exit_code": 4, "message": "Nothing deleted.",
+                 "exception": None}  # fmt: skip
+        assert json.loads(stdout)["error"] == error
+        assert "Nothing deleted." in stderr and "error" not in stderr
         assert persisted(root) == ["global_step1", "global_step2"]
 
 
@@ -273,7 +278,7 @@ def _read_until(fd: int, text: str, timeout_s: float = 60) -> str:
 
 @pytest.mark.parametrize(("key", "code", "last"), [
     (signal.SIGINT, 130, "nebula: interrupted"),  # Ctrl-C
-    (None, 1, "Nothing deleted."),  # Ctrl-D: the end of the input
+    (None, 4, "Nothing deleted."),  # Ctrl-D: the end of the input, a "no"
 ])  # fmt: skip
 def test_ctrl_c_at_the_prompt_is_an_interruption(
     root: Path, memory_tier: Path, key: signal.Signals | None, code: int, last: str

@@ -22,7 +22,7 @@ from nebulaml.config import private_default
 from nebulaml.errors import CheckpointNotFoundError, NebulaError, RootNotFoundError, StorageError
 from nebulaml.format.manifest import utc_now
 from nebulaml.format.names import step_of, validate_name
-from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed
+from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed, tag_folders
 from nebulaml.protocol.cowriters import copy_alongside
 from nebulaml.protocol.history import append_rows, make_row
 from nebulaml.protocol.leases import read_lease
@@ -123,7 +123,9 @@ def persist_memory_tier(
     known here (`nebula prune` applies a count you choose). The memory tier is left as it
     is. `progress(bytes_done, bytes_total)` is called as bytes are copied, and
     `verify_progress(bytes_done, bytes_total)` as they are read back from `root` and
-    checked. Raises `RootNotFoundError` when neither `root` nor its memory tier exists.
+    checked. Raises `RootNotFoundError` when neither `root` nor its memory tier exists,
+    and `NebulaError` when the memory tier holds checkpoints it will not persist (stale:
+    its root was deleted or made again since; or not yours alone).
 
     Example:
         >>> import nebulaml as nm, tempfile
@@ -136,7 +138,14 @@ def persist_memory_tier(
     if not any(store.exists() for _tier, store in tiers.stores):
         raise RootNotFoundError(tiers.display)
     if not tiers.memory_usable:
-        return []  # a stale memory tier (its root deleted or created again) is never flushed
+        # A stale memory tier (its root deleted or made again) or an unsafe one is never
+        # flushed; one that holds checkpoints says so, so that nothing reads as done.
+        if _holds_tags(tiers.memory):
+            raise NebulaError(
+                f"{tiers.memory.url}: {tiers.memory_note}: its checkpoints are not flushed to "
+                f"{tiers.display} (nebula gc releases a stale memory tier)"
+            )
+        return []
     in_memory = list_committed(tiers.memory)
     if not in_memory:
         return []
@@ -162,6 +171,14 @@ def persist_memory_tier(
         finally:
             _record(tiers, source, started_at, time.perf_counter() - t0, error)
     return [newest.tag]
+
+
+def _holds_tags(memory: Store) -> bool:
+    """Whether the memory tier `memory` holds any tag folder (unreadable: as if it did)."""
+    try:
+        return bool(tag_folders(memory))
+    except NebulaError:
+        return True
 
 
 def _destination(tiers: TierSet, dest: PathLike, private: bool) -> Store:
@@ -192,7 +209,7 @@ def _source(tiers: TierSet, tag: str | None, dst: Store) -> tuple[str, Checkpoin
     """The tier and committed copy to read: a tier other than `dst`, fastest first; the
     destination's own copy only when no other tier holds the tag (then nothing is copied)."""
     if tag is None:
-        ordered = newest_first(tiers)
+        ordered = newest_first(tiers, limit=1)
         if not ordered:
             raise CheckpointNotFoundError(tiers.display)
         copies = ordered[0]
