@@ -184,8 +184,13 @@ class RemoteBackend:
 
     def append(self, parts: Parts, data: bytes, *, append_id: str) -> None:
         if self.appends_as_objects:
+            folder = (*parts[:-1], segments_folder(parts[-1]))
             name = f"{append_id}.part"
-            self.publish((*parts[:-1], segments_folder(parts[-1]), name), data, create_only=True)
+            try:
+                self.publish((*folder, name), data, create_only=True)
+            except FileNotFoundError:  # a store with real folders: the appends' folder is new
+                self.make_dir(folder)
+                self.publish((*folder, name), data, create_only=True)
             return
         path = self.path(parts)
         old = self.fs.cat_file(path) if self.fs.exists(path) else b""

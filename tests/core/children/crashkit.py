@@ -88,11 +88,13 @@ def assert_files_hold_known(folder: Path, step: int) -> None:
 
 
 def history_rows(folder: Path) -> list[dict[str, str]]:
-    """The rows of checkpointHistories.csv at a local persistent root."""
+    """The rows of checkpointHistories.csv at a persistent root on this disk (a local
+    root, or a FaultFS one: there each batch of rows is an object of its own, as on any
+    fsspec store, `_read`)."""
     import csv
+    import io
 
-    with open(folder / "checkpointHistories.csv", newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+    return list(csv.DictReader(io.StringIO(_read(str(folder / "checkpointHistories.csv")))))
 
 
 def unique_protocol() -> str:
@@ -202,7 +204,7 @@ class _Writer:
 
     def close(self) -> None:
         self._raw.close()
-        if self._path.endswith("/checkpointHistories.csv"):
+        if "/checkpointHistories.csv" in self._path or "/.checkpointHistories.csv.d/" in self._path:
             with self._cls.history_written:
                 self._cls.history_written.notify_all()
 
@@ -238,11 +240,20 @@ def wait_for_history(cls: type[FaultFS], path: str, done: Callable[[str], bool],
 
 
 def _read(path: str) -> str:
+    """An appended file's text as nebula reads it back: the file, then (on an fsspec store,
+    where each append is an object of its own) `.<name>.d/*.part` in the order of their
+    names."""
+    folder, _, name = path.rpartition("/")
+    parts = Path(folder) / f".{name}.d"
+    pieces = []
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read()
+            pieces.append(f.read())
     except FileNotFoundError:
-        return ""
+        pass
+    if parts.is_dir():
+        pieces += [p.read_text(encoding="utf-8") for p in sorted(parts.glob("*.part"))]
+    return "".join(p if p.endswith("\n") else p + "\n" for p in pieces if p)
 
 
 class Child:
