@@ -63,8 +63,11 @@ class S3Backend(RemoteBackend):
         if self._bucket_ready:
             return
         bucket = self.root.split("/", 1)[0]
-        if not self.fs.exists(bucket):
-            self.fs.makedirs(bucket, exist_ok=True)
+        try:
+            if not self.fs.exists(bucket):
+                self.fs.makedirs(bucket, exist_ok=True)
+        except PermissionError:
+            pass  # a credential scoped to objects: the bucket must exist, the first write says
         self._bucket_ready = True
 
     def _run(self, coro: Any) -> Any:
