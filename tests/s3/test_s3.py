@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import s3server
@@ -139,3 +140,26 @@ def test_s3_failures_that_may_pass_are_retried_and_others_are_not() -> None:
     assert is_transient(wrapped) and is_transient(answer("InternalError", 500))
     assert is_transient(boto.EndpointConnectionError(endpoint_url="http://127.0.0.1:9"))
     assert not is_transient(answer("AccessDenied", 403))
+
+
+def test_nebula_copy_to_s3_and_prune_there(
+    s3_url: str, s3_server: s3server.MotoServer, root: Path
+) -> None:
+    # Catches: a copy between a local root and an s3:// one that commits nothing there,
+    # or a prune that cannot delete on S3 (or deletes the newest).
+    nm.init(str(root), persistent_time_interval=0)
+    for step in (1, 2):
+        nm.Checkpoint(f"global_step{step}", 1).save("model", _state(step))
+    assert nm.flush_persistence()
+    nm.shutdown()
+    opts, runner = s3_server.cli_options(), CliRunner()
+    for tag in ("global_step1", "global_step2"):
+        done = runner.invoke(app, ["copy", str(root), tag, s3_url, *opts])
+        assert done.exit_code == 0, done.output
+    pruned = runner.invoke(app, ["prune", s3_url, "--keep", "1", "--yes", *opts])
+    assert pruned.exit_code == 0, pruned.output
+    store = Store(s3_url, s3_server.options())
+    assert store.list_dirs() == ["global_step2"]
+    with nm.using_storage_options(s3_server.options()):
+        loaded = nm.get_checkpoint("global_step2", s3_url).load("model")
+    assert torch.equal(loaded["w"], _state(2)["w"])
