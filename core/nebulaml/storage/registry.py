@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from importlib import metadata
 
 from nebulaml.errors import InvalidArgumentError
 from nebulaml.storage.backend import Backend, OpenRequest
@@ -108,6 +107,8 @@ def _read_entry_points() -> None:
         if _entry_points_read:
             return
         _entry_points_read = True
+    from importlib import metadata  # read once, and only for a protocol nothing registered
+
     for point in metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
             factory = point.load()
