@@ -103,9 +103,11 @@ class Store:
 
     Paths inside the root are given as parts (`"global_step5", "model"`), never as
     strings with separators, so no caller builds paths by hand. `storage_options` go to
-    the fsspec backend (for `az://` roots: adlfs, see azure_auth.py), over any given by
-    `using_storage_options`; `nebula_retries`, `nebula_retry_base_s` and
-    `nebula_retry_max_s` set the retry policy of a network store. `durable=False` is for
+    the backend registered for the root's protocol (for `az://` roots: adlfs, see
+    azure_auth.py; `s3://`: s3fs), over any given by `using_storage_options`; nebula's
+    own are taken out first: `nebula_retries`, `nebula_retry_base_s` and
+    `nebula_retry_max_s` set the retry policy of a network store, `nebula_single_writer`
+    lets a root without an atomic create be used (`require_atomic_create`). `durable=False` is for
     a root in RAM (nothing to fsync); `private=True` makes a local root this user's alone
     (folders 0700, files 0600): both for the memory tier.
 
