@@ -6,9 +6,11 @@ unless single-writer mode is asked for."""
 
 from __future__ import annotations
 
+import ast
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -154,3 +156,35 @@ def test_the_probe_runs_once_per_root_and_process(memory_root: str) -> None:
     for _ in range(3):
         Store(url).require_atomic_create()
     assert len(probes) == 2 and probes[0] == probes[1]  # one probe: two publishes of a name
+
+
+BACKEND_CLASSES = {"LocalBackend", "RemoteBackend", "AzureBackend", "S3Backend"}
+PROTOCOL_NAMES = {"s3", "s3a", "az", "abfs", "abfss", "gs", "gcs"}
+# The backends themselves, and the registrations that name their protocols.
+BACKEND_MODULES = {"local.py", "remote.py", "azure.py", "azure_auth.py", "s3.py", "builtins.py"}
+
+
+def _strings(node: ast.AST) -> set[str]:
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+
+
+def test_no_module_tells_backends_apart_by_class_or_protocol_name() -> None:
+    # Catches: an isinstance on a backend class, or a protocol's name compared, outside the
+    # backends (what a store can do is what its backend declares: Capabilities).
+    package = Path(__file__).resolve().parents[2] / "core" / "nebulaml"
+    breaches = []
+    for path in sorted(package.rglob("*.py")):
+        if path.parent.name == "storage" and path.name in BACKEND_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(package)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance":
+                names = {getattr(n, "id", getattr(n, "attr", "")) for n in ast.walk(node.args[1])}
+                if names & BACKEND_CLASSES:
+                    breaches.append(f"{where}: isinstance on a backend class")
+            if isinstance(node, ast.Compare):
+                for operand in [node.left, *node.comparators]:
+                    if _strings(operand) & PROTOCOL_NAMES:
+                        breaches.append(f"{where}: a protocol's name compared")
+    assert breaches == []
