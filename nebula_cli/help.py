@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import enum
 import inspect
+import os
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from .console import JSON_STATE
 from .exits import EXIT_ERROR, EXIT_USAGE, json_error
+from .options import ROOT_ENV, ROOT_POSITIONALS
 
 # What an option's value is called when its declaration names no metavar.
 _METAVARS: dict[Any, str] = {
@@ -131,6 +133,27 @@ class NebulaCommand(TyperCommand):
     def format_options(self, ctx: Any, formatter: Any) -> None:
         _format_params(self, ctx, formatter)
 
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, self._root_from_env(ctx, args))
+
+    def _root_from_env(self, ctx: Any, args: list[str]) -> list[str]:
+        """`args` with $NEBULA_PERSISTENT_STORAGE_PATH put first as ROOT when the command
+        takes ROOT and was given fewer arguments than it needs with it (the required
+        ones, or what `ROOT_POSITIONALS` says): `nebula inspect global_step500`. A word
+        that could be ROOT is ROOT: `nebula verify TAG` names ROOT too."""
+        root = os.environ.get(ROOT_ENV, "")
+        arguments = [p for p in self.get_params(ctx) if p.param_type_name == "argument"]
+        if not root or not arguments or arguments[0].name != "root":
+            return args
+        try:
+            values, extra, _order = self.make_parser(ctx).parse_args(args=list(args))
+        except _click.exceptions.UsageError:
+            return args  # said when the command parses them
+        given = sum(values.get(p.name) is not None for p in arguments) + len(extra)
+        needed = ROOT_POSITIONALS.get(ctx.info_name)
+        wanted = needed(values) if needed else sum(p.required for p in arguments)
+        return [root, *args] if given < wanted else args
+
 
 class NebulaGroup(TyperGroup):
     """The `nebula` group: plain help, whole first sentences in the command list, and
@@ -211,7 +234,10 @@ def usage_error_line(exc: Any) -> str:
     """`nebula: error: missing option '--keep' (see 'nebula prune --help')`."""
     ctx = getattr(exc, "ctx", None)
     where = ctx.command_path if ctx is not None else "nebula"
-    return f"nebula: error: {_sentence(exc.format_message())} (see '{where} --help')"
+    message = _sentence(exc.format_message())
+    if message == "missing argument 'ROOT'":
+        message += f": give it, or set {ROOT_ENV}"
+    return f"nebula: error: {message} (see '{where} --help')"
 
 
 _SHELL_OPTIONS = ("--show-completion", "--install-completion")

@@ -1,5 +1,5 @@
 """The arguments and options the commands share (ROOT, TAG, --json, --quiet, --verbose,
---item, --storage-option), and reading --storage-option's values.
+--item, --storage-option), and reading the values of --storage-option and --since.
 
 May import: complete.py (TAG and --item complete from the root), formatting.py, the
 standard library and typer.
@@ -9,6 +9,9 @@ Not for: a command's own options (each command's module), running a command
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any
 
 import typer
@@ -16,11 +19,17 @@ import typer
 from .complete import complete_item, complete_tag
 from .formatting import ROWS_SHOWN
 
+# Where a command left without ROOT finds it (help.py `NebulaCommand`), as nm.init does.
+ROOT_ENV = "NEBULA_PERSISTENT_STORAGE_PATH"
+# How many arguments a command needs with ROOT, by command, where its required ones do
+# not say (copy's TAG and DEST are optional to click): from the options parsed.
+ROOT_POSITIONALS: dict[str, Callable[[dict[str, Any]], int]] = {}
 RootArg = Annotated[
     str,
     typer.Argument(
         metavar="ROOT",
-        help="Checkpoint root: a path or an fsspec URL (its memory tier on this node is included).",
+        help="Checkpoint root: a path or an fsspec URL (its memory tier on this node is "
+        f"included). Left out: ${ROOT_ENV}.",
     ),
 ]
 TagArg = Annotated[
@@ -60,6 +69,17 @@ StorageOpt = Annotated[
         "AZURE_STORAGE_ACCOUNT_NAME with _KEY or _SAS_TOKEN, else DefaultAzureCredential.",
     ),
 ]
+
+
+def since_option(what: str) -> Any:
+    """`--since WHEN` (read by `parse_since`), keeping `what` was at or after WHEN."""
+    return typer.Option(
+        "--since",
+        metavar="WHEN",
+        parser=parse_since,
+        help=f"Only {what} at or after WHEN: an ISO-8601 time (UTC unless it names an offset) "
+        "or a duration back from now: 30m, 2h, 7d.",
+    )
 
 
 def item_option(help_text: str) -> Any:
@@ -110,3 +130,30 @@ def parse_storage_options(items: list[str] | None) -> dict[str, str]:
             )
         options[key] = value
     return options
+
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_since(text: str) -> datetime:
+    """`--since`: an ISO-8601 time (UTC unless it names an offset) or a duration back from
+    now (`90s`, `30m`, `2h`, `7d`, `1w`); a timezone-aware datetime.
+
+    Example:
+        >>> parse_since("2026-01-01T10:00:00Z").isoformat()
+        '2026-01-01T10:00:00+00:00'
+    """
+    text = text.strip()
+    match = _DURATION_RE.fullmatch(text)
+    if match:
+        seconds = float(match[1]) * _UNIT_S[match[2]]
+        return datetime.now(timezone.utc) - timedelta(seconds=seconds)
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise typer.BadParameter(
+            f"{text!r} is neither an ISO-8601 time (2026-01-31T09:00:00Z) nor a duration "
+            "(30m, 2h, 7d)"
+        ) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)

@@ -11,8 +11,11 @@ from ..complete import complete_copy_source, complete_dest
 from ..console import emit_json, stdout
 from ..exits import handles_errors
 from ..formatting import human_bytes
-from ..options import JsonOpt, QuietOpt, RootArg, StorageOpt
+from ..options import ROOT_POSITIONALS, JsonOpt, QuietOpt, RootArg, StorageOpt
 from ..progress import phases
+
+# With ROOT: ROOT TAG DEST, or ROOT DEST with --latest (ROOT left out: the environment's).
+ROOT_POSITIONALS["copy"] = lambda options: 2 if options.get("latest") else 3
 
 
 @handles_errors

@@ -9,9 +9,8 @@ nebulaml.ops.summarize_history).
 from __future__ import annotations
 
 import csv
-import re
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -23,7 +22,7 @@ from ..complete import complete_tag
 from ..console import emit_json, printable, stdout
 from ..exits import EXIT_NOT_FOUND, fail, handles_errors, suggestion
 from ..formatting import human_bytes
-from ..options import JsonOpt, RootArg, StorageOpt
+from ..options import JsonOpt, RootArg, StorageOpt, since_option
 from ..tables import print_table
 
 if TYPE_CHECKING:
@@ -33,32 +32,6 @@ DEFAULT_LIMIT = 20
 PLOT_HINT = "--plot needs matplotlib: pip install 'nebula-checkpoint[plot]'"
 # What --plot writes, by the file's suffix.
 PLOT_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
-
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_since(text: str) -> datetime:
-    """`--since`: an ISO-8601 time (UTC unless it names an offset) or a duration back from
-    now (`90s`, `30m`, `2h`, `7d`, `1w`); a timezone-aware datetime.
-
-    Example:
-        >>> parse_since("2026-01-01T10:00:00Z").isoformat()
-        '2026-01-01T10:00:00+00:00'
-    """
-    text = text.strip()
-    match = _DURATION_RE.fullmatch(text)
-    if match:
-        seconds = float(match[1]) * _UNIT_S[match[2]]
-        return datetime.now(timezone.utc) - timedelta(seconds=seconds)
-    try:
-        when = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError:
-        raise typer.BadParameter(
-            f"{text!r} is neither an ISO-8601 time (2026-01-31T09:00:00Z) nor a duration "
-            "(30m, 2h, 7d)"
-        ) from None
-    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
 
 
 @handles_errors
@@ -77,16 +50,7 @@ def history_command(
             ".svg or .pdf, by its suffix (needs the 'plot' extra: matplotlib).",
         ),
     ] = None,
-    since: Annotated[
-        datetime | None,
-        typer.Option(
-            "--since",
-            metavar="WHEN",
-            parser=parse_since,
-            help="Only rows that started at or after WHEN: an ISO-8601 time (UTC unless it "
-            "names an offset) or a duration back from now: 30m, 2h, 7d.",
-        ),
-    ] = None,
+    since: Annotated[datetime | None, since_option("rows that started")] = None,
     tag: Annotated[
         str | None,
         typer.Option(

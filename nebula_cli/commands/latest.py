@@ -6,13 +6,13 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from ..complete import complete_item
 from ..console import emit_json
-from ..exits import handles_errors
+from ..exits import EXIT_NOT_FOUND, fail, handles_errors
 from ..options import JsonOpt, QuietOpt, RootArg, StorageOpt
 from ..progress import progress
 
@@ -53,6 +53,15 @@ def latest_command(
             "into the cache ($XDG_CACHE_HOME/nebula or ~/.cache/nebula) and print that path.",
         ),
     ] = False,
+    label: Annotated[
+        str | None,
+        typer.Option(
+            "--label",
+            "-l",
+            metavar="LABEL",
+            help="The newest checkpoint labelled LABEL (e.g. best) instead of the newest.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     storage_option: StorageOpt = None,
@@ -71,10 +80,14 @@ def latest_command(
     if local and item is None:
         raise typer.BadParameter("--local needs --item NAME", param_hint="--local")
     location = nm.check_root(root)
-    latest = nm.get_latest_checkpoint(root)
-    if latest is None:
-        raise nm.CheckpointNotFoundError(location)
-    item_path = None if item is None else nm.get_latest_checkpoint_path(item, root)
+    if label is not None:
+        tag, item_path = _labelled(nm, root, location, label, item)
+    else:
+        latest = nm.get_latest_checkpoint(root)
+        if latest is None:
+            raise nm.CheckpointNotFoundError(location)
+        tag = latest.tag
+        item_path = None if item is None else nm.get_latest_checkpoint_path(item, root)
     if item is not None and item_path is None:  # the last one went away between the calls
         raise nm.CheckpointNotFoundError(location)
     local_path = None
@@ -82,16 +95,16 @@ def latest_command(
         if os.path.isfile(item_path):
             local_path = item_path
         else:
-            with progress(f"downloading {item} of {latest.tag}", quiet=quiet) as report:
-                folder = _cache_folder(location, latest.tag)
+            with progress(f"downloading {item} of {tag}", quiet=quiet) as report:
+                folder = _cache_folder(location, tag)
                 doc = nm.ops.export_checkpoint(
-                    root, latest.tag, folder, items=[item], overwrite=True, progress=report
+                    root, tag, folder, items=[item], overwrite=True, progress=report
                 )
             local_path = doc["files"][0]["path"]
     if as_json:
         listed = nm.list_checkpoints(root, hold=False)
-        info = next((c for c in listed if c["tag"] == latest.tag), None)
-        out = {"root": location, **(info or {"tag": latest.tag})}
+        info = next((c for c in listed if c["tag"] == tag), None)
+        out = {"root": location, **(info or {"tag": tag})}
         if item is not None:
             out.update(item=item, path=item_path)
         if local:
@@ -104,4 +117,15 @@ def latest_command(
             "add --local to download it",
             err=True,
         )
-    typer.echo(local_path or item_path or latest.tag)
+    typer.echo(local_path or item_path or tag)
+
+
+def _labelled(nm: Any, root: str, location: str, label: str, item: str | None
+              ) -> tuple[str, str | None]:  # fmt: skip
+    """The newest checkpoint labelled `label`, and the path of its `item` (None without
+    one); exit 3 when no checkpoint carries the label."""
+    chosen = nm.ops.select_checkpoints(nm.list_checkpoints(root), labels=[label], limit=1)
+    if not chosen:
+        fail(f"{location}: no checkpoint labelled {label!r}", EXIT_NOT_FOUND)
+    tag = chosen[0]["tag"]
+    return tag, None if item is None else nm.ops.checkpoint_item_path(root, tag, item)

@@ -4,6 +4,7 @@ root with none, a hint on stderr (a checkpoint folder given for its root is name
 from __future__ import annotations
 
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,8 +15,16 @@ from rich.text import Text
 from ..console import emit_json, printable
 from ..exits import handles_errors
 from ..formatting import human_age, human_bytes
-from ..options import JsonOpt, RootArg, StorageOpt
+from ..options import JsonOpt, RootArg, StorageOpt, since_option
 from ..tables import print_table
+
+SORTS = ("newest", "oldest", "committed", "size", "tag")  # nebulaml.ops.listing.SORTS
+
+
+def _sort(value: str) -> str:
+    if value not in SORTS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(SORTS)}")
+    return value
 
 
 @handles_errors
@@ -23,6 +32,31 @@ def ls_command(
     root: RootArg,
     all_: Annotated[
         bool, typer.Option("--all", "-a", help="Also list incomplete (uncommitted) tags.")
+    ] = False,
+    sort: Annotated[
+        str,
+        typer.Option(
+            "--sort",
+            metavar="KEY",
+            callback=_sort,
+            help="Order by newest (nebula's order: the step, then the commit sequence), "
+            "oldest, committed (commit time, latest first), size (largest first) or tag.",
+        ),
+    ] = "newest",
+    limit: Annotated[
+        int | None,
+        typer.Option("--limit", "-n", metavar="N", min=1, help="Only the first N, as sorted."),
+    ] = None,
+    since: Annotated[datetime | None, since_option("those committed")] = None,
+    label: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--label", "-l", metavar="LABEL", help="Only those labelled LABEL (repeat: each one)."
+        ),
+    ] = None,
+    quiet: Annotated[
+        bool,
+        typer.Option("--quiet", "-q", help="Print the tags only, one a line (for scripts)."),
     ] = False,
     as_json: JsonOpt = False,
     storage_option: StorageOpt = None,
@@ -32,16 +66,27 @@ def ls_command(
     When ROOT is a persistent root, the memory tier of the same root on this node is
     listed beside it, and the replicas that memory tier keeps of other nodes' parts
     (peer_replicas=1): each a row of the tier "replica (rank R)", R the rank whose part
-    it is ("replicas" in --json).
+    it is ("replicas" in --json). --sort, --limit, --since and --label choose among the
+    committed checkpoints; -q prints their tags alone.
 
-    Example: nebula ls /mnt/checkpoints/run1 --all
+    Example: nebula ls /mnt/checkpoints/run1 --label best --since 2d -n 5
     """
     import nebulaml as nm
 
+    if quiet and (as_json or all_):
+        raise typer.BadParameter("-q prints tags only: not with --json or --all", param_hint="-q")
     location = nm.check_root(root)
-    committed = nm.list_checkpoints(root, hold=False)
-    incomplete = nm.list_incomplete(root) if all_ else []
-    replicas = nm.ops.list_replicas(root)
+    committed = nm.ops.select_checkpoints(
+        nm.list_checkpoints(root, hold=False), sort=sort, since=since, labels=label or (),
+        limit=limit,
+    )  # fmt: skip
+    if quiet:
+        for c in committed:
+            typer.echo(printable(c["tag"]))
+        return
+    chosen = since is not None or bool(label)  # replicas and leftovers carry no label
+    incomplete = nm.list_incomplete(root) if all_ and not chosen else []
+    replicas = [] if chosen else nm.ops.list_replicas(root)
     if as_json:
         doc = {"root": location, "checkpoints": committed}
         if all_:
@@ -50,7 +95,8 @@ def ls_command(
         emit_json(doc)
         return
     if not committed and not incomplete and not replicas:  # a header alone says nothing
-        sys.stderr.write(printable(_empty_hint(nm, root, location, all_)) + "\n")
+        hint = f"No checkpoints under {location} match" if chosen else None
+        sys.stderr.write(printable(hint or _empty_hint(nm, root, location, all_)) + "\n")
         return
     table = Table(title=location, title_justify="left")
     for column in ("tag", "step", "tiers", "size", "items", "age", "labels"):

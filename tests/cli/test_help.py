@@ -83,7 +83,11 @@ def test_usage_line_names_arguments_plainly() -> None:
 
 
 USAGE_ERRORS = [
-    (["prune"], "missing argument 'ROOT' (see 'nebula prune --help')"),
+    (
+        ["prune"],
+        "missing argument 'ROOT': give it, or set NEBULA_PERSISTENT_STORAGE_PATH (see "
+        "'nebula prune --help')",
+    ),
     (["prune", "/x"], "missing option '--keep' (see 'nebula prune --help')"),
     (["prune", "/x", "--keep", "0"], "invalid value for '--keep': must be at least 1"),
     (["ls", "/x", "--colour"], "no such option: --colour"),

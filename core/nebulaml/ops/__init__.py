@@ -1,9 +1,9 @@
 """Layer 5, `ops`: what operators (and the `nebula` command line) do to a root.
 
 `nebulaml.ops` is the public home of the operator functions, beside the training API of
-`nebulaml`: copying and flushing (copying), pruning (pruning), inspection (inspection),
-verification (verification), this user's memory tiers and the replicas of other nodes'
-parts they keep (memory_tiers), reading the
+`nebulaml`: choosing from a listing (listing), copying and flushing (copying), pruning
+(pruning), inspection (inspection), verification (verification), this user's memory
+tiers and the replicas of other nodes' parts they keep (memory_tiers), reading the
 history file back (history), advising how often to checkpoint from it (advice),
 comparing two checkpoints (diff), exporting items as plain .pt or .safetensors files
 (export) and breaking a root's job hold (unlocking). Use them
@@ -44,6 +44,7 @@ from nebulaml.ops.history import (
     summarize_history,
 )
 from nebulaml.ops.inspection import describe_item, inspect_checkpoint
+from nebulaml.ops.listing import checkpoint_item_path, select_checkpoints
 from nebulaml.ops.memory_tiers import (
     GcAction,
     GcResult,
@@ -67,6 +68,9 @@ from nebulaml.ops.unlocking import UnlockPlan, execute_unlock, plan_unlock
 from nebulaml.ops.verification import verify_checkpoints
 
 __all__ = [
+    # choosing from a listing
+    "select_checkpoints",
+    "checkpoint_item_path",
     # a checkpoint
     "inspect_checkpoint",
     "describe_item",
