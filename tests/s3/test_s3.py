@@ -121,6 +121,11 @@ def test_credentials_in_an_error_are_masked(
         store.read_bytes("missing")
     assert "s3://nebula-tests/***/***/missing" in str(caught.value)
     assert s3server.SECRET not in str(caught.value) and from_env not in str(caught.value)
+    # The AWS chain alone (the environment's key, only the endpoint given) reaches it too.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "env-key")
+    chained = Store("s3://nebula-tests/chain", {"endpoint_url": s3_server.endpoint})
+    chained.write_bytes(("t", "a"), b"1")
+    assert chained.list_files("t") == {"a": 1}
 
 
 def test_s3_failures_that_may_pass_are_retried_and_others_are_not() -> None:
