@@ -9,6 +9,7 @@ import pytest
 
 import nebulaml as nm
 from nebulaml.config import private_default, resolve_config
+from nebulaml.storage.retry import RetryPolicy
 
 BOOLEANS = ("NEBULA_LAZY_SNAPSHOT", "NEBULA_KEEP_MEMORY_TIER", "NEBULA_REUSE_UNCHANGED")
 FIELDS = {
@@ -98,3 +99,15 @@ def test_init_refuses_a_bad_variable_before_touching_the_root(
     with pytest.raises(nm.InvalidArgumentError, match="NEBULA_PRIVATE"):
         nm.init(str(root))
     assert not root.exists()
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["NEBULA_STORAGE_RETRY_BASE_S", "NEBULA_STORAGE_RETRY_MAX_S", "NEBULA_STORAGE_CALL_TIMEOUT_S"],
+)
+def test_a_storage_time_that_is_not_a_number_is_refused(name: str) -> None:
+    # Catches: float("nan") passing the "not negative" check (every comparison with NaN is
+    # False): a backoff of NaN seconds, a deadline that never comes or always has.
+    with pytest.raises(nm.InvalidArgumentError, match=name):
+        RetryPolicy.from_options({}, {name: "nan"})
+    assert RetryPolicy.from_options({}, {name: "2.5"}) is not None

@@ -92,6 +92,8 @@ class RetryPolicy:
                 raise InvalidArgumentError(
                     f"{source} must be a {kind.__name__}, not {value!r}"
                 ) from None
+            if number != number:  # NaN: every comparison with it is False
+                raise InvalidArgumentError(f"{source} must be a number, not {value!r}")
             if number < 0:
                 raise InvalidArgumentError(f"{source} must not be negative, not {value!r}")
             return number
