@@ -111,7 +111,8 @@ def prune_command(
         emit_json(doc)
     else:
         deleted = summarise_tags(list(result.deleted), verbose)
-        stdout().print(Text(f"Deleted {len(result.deleted)} of {count}: {deleted}"))
+        tail = f": {deleted}" if result.deleted else "."
+        stdout().print(Text(f"Deleted {len(result.deleted)} of {count}{tail}"))
     if result.skipped:  # not what was asked: a script (a cron cleanup) must learn it
         fail(f"{len(result.skipped)} of {count} checkpoint(s) not deleted (each kept as said "
              "above)")  # fmt: skip

@@ -39,6 +39,7 @@ def test_prune_that_deleted_nothing_exits_1(root: Path, as_json: bool) -> None:
     assert run.stderr.splitlines()[-1] == (
         "nebula: error: 2 of 2 checkpoint(s) not deleted (each kept as said above)"
     )
+    assert as_json or run.stdout.splitlines()[-1] == "Deleted 0 of 2."
     assert sorted(p.name for p in root.glob("global_step*")) == [
         "global_step1", "global_step2", "global_step3",
     ]  # fmt: skip
