@@ -14,6 +14,9 @@ Each rank (persistent_time_interval=3600, rank_timeout_s=30):
             saves it, waits until its persist of it has begun (its marker on the
             persistent root: the job's first persist is never held back) and saves it
             again: "AGAIN in <s> s"; then both save global_step2..4 and flush
+    steady  both ranks save global_step1..12 in step (a barrier and 0.3 s of "training"
+            between saves), then print the tags of which the rank's memory tier holds
+            its part ("PARTS <tag> <tag> ..."), then flush as above
 Then `nm.shutdown()`: "SHUTDOWN in <s> s". The last line is "OK rank <r>".
 """
 
@@ -75,6 +78,18 @@ def saved_again(rank: int, root: Path) -> None:
         save(rank, step)
 
 
+def in_step(rank: int) -> None:
+    """global_step1..12, every rank in step (see the module's docstring)."""
+    for step in range(1, 13):
+        save(rank, step)
+        dist.barrier()
+        time.sleep(0.3)
+    memory = Path(os.environ["NEBULA_MEMORY_TIER_PATH"])
+    held = sorted({p.parent.name for p in memory.rglob(marker_name(rank))},
+                  key=lambda t: int(t.removeprefix("global_step")))  # fmt: skip
+    print("PARTS " + " ".join(held), flush=True)
+
+
 def main() -> int:
     scenario, root, port = sys.argv[1], sys.argv[2], sys.argv[3]
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -85,10 +100,12 @@ def main() -> int:
     dist.barrier()
     if scenario == "again":
         saved_again(rank, Path(root))
+    elif scenario == "steady":
+        in_step(rank)
     else:
         follower_ahead(rank, Path(root))
     dist.barrier()  # every rank has committed global_step4 in its memory tier
-    if scenario in ("flush", "again"):
+    if scenario in ("flush", "again", "steady"):
         started = time.monotonic()
         try:
             flushed: object = nm.flush_persistence(timeout_s=20)

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from dist_launch import assert_every_rank_ok, run_ranks
 
+from nebulaml.runtime.evict_plan import FOLLOW_KEEP
+
 CHILD = Path(__file__).with_name("follower_child.py")
 
 
@@ -85,3 +87,22 @@ def test_a_leader_gives_up_at_once_a_save_its_follower_saved_again(
         assert re.search(r"FLUSHED True in \S+ s, durable global_step4", out), out
         assert seconds(r"FLUSHED \S+ in (\S+) s", out) < 10, out
     assert committed(tmp_path / "persistent")[-1] == "global_step4"
+
+
+def test_a_follower_keeps_a_few_parts_not_every_one_of_the_interval(
+    tmp_path: Path, memory_tier: Path
+) -> None:
+    """Both ranks save global_step1..12 in step, the persist interval an hour. catches: a
+    follower that kept its part of every tag until its leader's next persist (12 parts:
+    11.5x the state in the peer benchmark, and each save copied whole, its spare buffers
+    taken), while the leader keeps its newest; and one that gave up a tag its leader
+    persists (the flush waits rank_timeout_s)."""
+    leader, follower = run("steady", tmp_path, memory_tier)
+    parts = {out: re.search(r"PARTS (.*)", out) for out in (leader, follower)}
+    held = [found.group(1).split() if found else None for found in parts.values()]
+    assert held[0] is not None and held[1] is not None, (leader, follower)
+    assert len(held[1]) <= FOLLOW_KEEP + 2, held  # the newest few, and what the next
+    assert "global_step12" in held[1], held  # commit's eviction takes
+    for out in (leader, follower):
+        assert re.search(r"FLUSHED True in \S+ s, durable global_step12", out), out
+    assert committed(tmp_path / "persistent") == ["global_step1", "global_step12"]

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 from nebulaml.errors import NebulaError, PersistError
 from nebulaml.format.manifest import utc_now
-from nebulaml.format.names import MANIFEST_NAME, marker_name, step_of
+from nebulaml.format.names import MANIFEST_NAME, marker_name, step_of, writer_marker_name
 from nebulaml.protocol.catalog import CheckpointInfo, list_committed
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.history import make_row
@@ -334,22 +334,31 @@ class Following:
         """Look for the leaders' markers of `candidates` (and of each leader's newest),
         and do what the schedule decides of them (`Schedule.followed`): a skipped tag's
         history row is the leader's (it knows which commit superseded it); this rank
-        writes none. Exiting, a follower waits for the leader's marker of the newest tag
+        writes none. Candidates the schedule lets go (`Schedule.expired`: older than the
+        newest few, and their leader's writer has not begun them) may be evicted. Exiting,
+        a follower waits for the leader's marker of the newest tag
         (every leader persists its newest at exit) before it takes the older ones for
         skipped: a leader slow to start must not find a part missing."""
         persistent = self.tiers.persistent
         assert persistent is not None
         with self.cond:
             leaders, probe = self.schedule.follow_probe(candidates)
+            expired = self.schedule.expired(time.monotonic())
         try:
             led = [t for t in probe if persistent.exists(t, marker_name(probe[t]))]
+            begun = [
+                t
+                for t in expired
+                if t in led or persistent.exists(t, writer_marker_name(leaders.get(t, 0)))
+            ]
         except NebulaError as exc:
             log.warning("could not look for the leaders' persisted checkpoints: %s", exc)
-            led = []
+            led, begun = [], list(expired)
         with self.cond:
             move, dropped = self.schedule.followed(
                 candidates, leaders, probe, led, time.monotonic(), lambda: self._gone(leaders)
             )
+            self.schedule.let_go(expired, begun)  # evicted with the next commit's eviction
             if move is Follow.PROGRESS:
                 self.cond.notify_all()
             elif move is Follow.POLL:

@@ -24,7 +24,8 @@ commit is "pending": persisted once the interval since the last persist's start 
 passed (at once during an outage, whose backoff paces the tries instead, and at exit);
 a newer commit supersedes it. A follower rank (not its tag's leader, the lowest rank that
 writes it) persists what the leader persists: its tags are "candidates" until it sees the
-leader's marker of them, or of a newer one.
+leader's marker of them, or of a newer one. Older candidates are given up (`expired`, then `let_go`:
+evict_plan.py says which) once a look finds that their leader has not begun them.
 
 May import: `nebulaml.errors`, `nebulaml.format`, protocol.retention, runtime.evict_plan,
 runtime.outage and runtime.ranks. Not for: I/O of any kind (persist_actions.py), which
@@ -151,6 +152,10 @@ class Schedule:
     # A follower persists exactly what the tag's leader persists: the tags it holds and
     # has not yet seen the leader's marker for, oldest first.
     candidates: list[str] = field(default_factory=list)
+    # When each candidate was committed (`now` of `committed`), and those labelled: a
+    # follower never gives up a labelled one (its leader persists every labelled tag).
+    candidate_since: dict[str, float] = field(default_factory=dict)
+    labelled: set[str] = field(default_factory=set)
     leaders: dict[str, int] = field(default_factory=dict)
     newest_followed: dict[int, str] = field(default_factory=dict)  # each leader's newest
     follow_deadline: float | None = None  # exiting: when a follower gives up
@@ -185,9 +190,11 @@ class Schedule:
         """Whether this rank leads `tag`: it commits it, writes its rows, retires others."""
         return self.leaders.get(tag, 0) == self.rank
 
-    def committed(self, tag: str, labels: Sequence[str] = (), leader: int = 0) -> list[Skip]:
-        """`tag` was committed in the memory tier: it becomes the one to persist next,
-        superseding the pending one; labelled, it is forced instead (and never
+    def committed(
+        self, tag: str, labels: Sequence[str] = (), leader: int = 0, now: float = 0.0
+    ) -> list[Skip]:
+        """`tag` was committed in the memory tier (at `now`): it becomes the one to persist
+        next, superseding the pending one; labelled, it is forced instead (and never
         superseded). A follower's tag waits for its leader instead. What it skipped."""
         self.saving.discard(tag)
         if not self.persistent:
@@ -199,6 +206,11 @@ class Schedule:
             self.pending = tag
             if tag not in self.candidates:
                 self.candidates.append(tag)
+            self.candidate_since[tag] = now
+            if labels:
+                self.labelled.add(tag)
+            else:
+                self.labelled.discard(tag)
             newest = self.newest_followed.get(leader)
             if newest is None or order_key(tag, "") >= order_key(newest, ""):
                 self.newest_followed[leader] = tag
@@ -567,6 +579,38 @@ class Schedule:
             dropped, self.candidates = self.candidates, []
             return move, dropped
         return Follow.POLL, []
+
+    def expired(self, now: float) -> list[str]:
+        """The candidates a follower may give up now, if a look that starts after this
+        call finds no marker of their leaders (`let_go`): evict_plan.py's `expired`,
+        never one labelled, queued or in flight.
+
+        Example:
+            >>> s = Schedule(interval_s=3600, ranks=RankInfo(rank=1, world_size=2))
+            >>> for step in (1, 2, 3, 4, 5):
+            ...     _ = s.committed(f"global_step{step}", now=step)
+            >>> s.expired(10.0), s.let_go(s.expired(70.0), begun={"global_step2"})
+            (['global_step1'], ['global_step1', 'global_step3', 'global_step4'])
+            >>> s.candidates
+            ['global_step2', 'global_step5']
+        """
+        for tag in [t for t in self.candidate_since if t not in self.candidates]:
+            del self.candidate_since[tag]  # persisted or dropped meanwhile
+        self.labelled &= set(self.candidates)
+        never = {*self.labelled, *self.forced, self.inflight}
+        return evict_plan.expired(self.candidate_since, never, now)
+
+    def let_go(self, expired: Collection[str], begun: Collection[str]) -> list[str]:
+        """Give up the `expired` candidates (`expired`, asked before the look) whose
+        leader has not begun to persist them (`begun`: its writer's or its rank's marker
+        was there); their parts may be evicted. Those given up."""
+        gone = [t for t in expired if t in self.candidates and t not in begun]
+        for tag in gone:
+            self.candidates.remove(tag)
+            self.candidate_since.pop(tag, None)
+            if self.pending == tag:
+                self.pending = None
+        return gone
 
     def commits_waiting(self, now: float) -> list[str]:
         """This rank's parts whose commits to look for now, oldest first; the next look

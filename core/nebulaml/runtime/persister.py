@@ -179,7 +179,7 @@ class Persister:
         if row is not None:
             self.history.add(row)
         with self._cond:
-            skips = self.schedule.committed(tag, labels, leader)
+            skips = self.schedule.committed(tag, labels, leader, time.monotonic())
             record_skips(skips, self.schedule, self.history)
             # The copies this commit supersedes are evicted on the eviction thread, not
             # here: the save returns without waiting for their deletion (a persist in

@@ -45,11 +45,12 @@ checks and commits it there (protocol/replica_inbox.py, into
 `<memory tier>/.replicas/rank-<r>/`: protocol/replicas.py); then answers COMMITTED, or
 REFUSED with the reason (also one warning here, and one on the sender's side). The
 replica before stays while this rank's own part of the new one's tag is not committed
-yet (`OwnParts`): a lost partner then still finds a checkpoint complete here. Both
-threads run at low priority (pages.lower_priority), and the receiver's work (each
-message written, each piece copied from the replica held) waits while a save runs in
-this process (crew.QUIET, as the audits do): a partner's replica arriving during a save
-took the follower's CPU and made its save 1.18x slower.
+yet (`OwnParts`): a lost partner then still finds a checkpoint complete here. The
+receiver's work (each message written, each piece copied from the replica held) waits
+while a save runs in this process (crew.QUIET, as the audits do): a partner's replica
+arriving during a save took the follower's CPU and made its save 1.18x slower. The
+threads keep the process's priority: a replica that falls behind is a step a restart
+after a lost node goes back.
 
 **Failures.** gloo cannot mend a connection: an error of the group (the partner's
 process ended, a damaged frame head, an operation that waited past the group's timeout)
@@ -67,10 +68,9 @@ connection to that peer: every operation waiting on it ends with an error). A jo
 ranks close together ends with BYEs only.
 
 May import: every layer below, and runtime's peers.py, peer_wire.py, peer_streams.py,
-replica_delta.py, crew.py (`QUIET`) and pages.py (`lower_priority`). Not for: which ranks
-are partners or the process group (peers.py), the bytes of a frame (peer_wire.py), which
-bytes of a part changed (replica_delta.py), or what makes a replica whole
-(protocol/replicas.py).
+replica_delta.py and crew.py (`QUIET`). Not for: which ranks are partners or the process
+group (peers.py), the bytes of a frame (peer_wire.py), which bytes of a part changed
+(replica_delta.py), or what makes a replica whole (protocol/replicas.py).
 """
 
 from __future__ import annotations
@@ -100,7 +100,6 @@ from nebulaml.protocol.replicas import (
     replica_root,
 )
 from nebulaml.runtime.crew import QUIET
-from nebulaml.runtime.pages import lower_priority
 from nebulaml.runtime.peer_streams import (
     MessageBuffers,
     as_tensor,
@@ -294,7 +293,6 @@ class Replication:
 
     # sending ---------------------------------------------------------------------------
     def _send_loop(self) -> None:
-        lower_priority()
         buffers: MessageBuffers | None = None
         to = self.ring.send_to
         try:
@@ -499,7 +497,6 @@ class Replication:
 
     # receiving -------------------------------------------------------------------------
     def _receive_loop(self, source: int) -> None:
-        lower_priority()  # a replica's copy and checks yield to training (and wait out saves)
         head_raw = bytearray(HEAD_BYTES)
         head_tensor = as_tensor(head_raw)
         buffers: MessageBuffers | None = None
