@@ -21,6 +21,12 @@ from ..tables import print_table
 SORTS = ("newest", "oldest", "committed", "size", "tag")  # nebulaml.ops.listing.SORTS
 
 
+def _positive(value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise typer.BadParameter(f"must be at least 1, not {value}")
+    return value
+
+
 def _sort(value: str) -> str:
     if value not in SORTS:
         raise typer.BadParameter(f"{value!r} is not one of {', '.join(SORTS)}")
@@ -45,7 +51,9 @@ def ls_command(
     ] = "newest",
     limit: Annotated[
         int | None,
-        typer.Option("--limit", "-n", metavar="N", min=1, help="Only the first N, as sorted."),
+        typer.Option(
+            "--limit", "-n", metavar="N", callback=_positive, help="Only the first N, as sorted."
+        ),
     ] = None,
     since: Annotated[datetime | None, since_option("those committed")] = None,
     label: Annotated[
@@ -74,7 +82,7 @@ def ls_command(
     import nebulaml as nm
 
     if quiet and (as_json or all_):
-        raise typer.BadParameter("-q prints tags only: not with --json or --all", param_hint="-q")
+        raise typer.BadParameter("not with --json or --all (it prints tags only)", param_hint="-q")
     location = nm.check_root(root)
     committed = nm.ops.select_checkpoints(
         nm.list_checkpoints(root, hold=False), sort=sort, since=since, labels=label or (),

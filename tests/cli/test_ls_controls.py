@@ -53,7 +53,8 @@ def test_sort_and_limit(root: Path, listed: list[dict]) -> None:
     assert _tags(r, "--sort", "committed") == [c["tag"] for c in committed]
     bad = in_a_pipe("ls", r, "--sort", "biggest")
     assert bad.code == 2 and "--sort" in bad.stderr and "newest" in bad.stderr
-    assert in_a_pipe("ls", r, "--limit", "0").code == 2
+    zero = in_a_pipe("ls", r, "--limit", "0")
+    assert zero.code == 2 and "must be at least 1, not 0" in zero.stderr
 
 
 def test_since_and_label(root: Path, listed: list[dict]) -> None:
