@@ -42,7 +42,7 @@ def test_a_checkpoint_commits_to_s3_and_loads_back_from_it(
     for step in (1, 2):
         ckpt = nm.Checkpoint(f"global_step{step}", 1)
         ckpt.save("model", _state(step))
-    assert nm.flush_persistence()
+        assert nm.flush_persistence()  # each persisted (a newer commit supersedes one queued)
     nm.shutdown()  # the memory tier released: only s3:// holds them now
     store = Store(s3_url, options)
     assert sorted(store.list_dirs()) == ["global_step1", "global_step2"]
@@ -155,7 +155,7 @@ def test_nebula_copy_to_s3_and_prune_there(
     nm.init(str(root), persistent_time_interval=0)
     for step in (1, 2):
         nm.Checkpoint(f"global_step{step}", 1).save("model", _state(step))
-    assert nm.flush_persistence()
+        assert nm.flush_persistence()
     nm.shutdown()
     opts, runner = s3_server.cli_options(), CliRunner()
     for tag in ("global_step1", "global_step2"):
@@ -168,3 +168,21 @@ def test_nebula_copy_to_s3_and_prune_there(
     with nm.using_storage_options(s3_server.options()):
         loaded = nm.get_checkpoint("global_step2", s3_url).load("model")
     assert torch.equal(loaded["w"], _state(2)["w"])
+
+
+def test_an_abandoned_upload_never_commits_an_object(
+    s3_url: str, s3_server: s3server.MotoServer
+) -> None:
+    # Catches: a failed write's object committed (a truncated item, however briefly) and
+    # removed after: the writer closed instead of discarded.
+    store = Store(s3_url, s3_server.options())
+    store.make_dir()
+    since = s3_server.log_path.stat().st_size
+    with pytest.raises(RuntimeError), store.open_write("t", "item") as f:
+        f.write(b"x" * (1 << 20))
+        raise RuntimeError("the caller failed mid-write")
+    key = s3_url.split("/", 3)[3] + "/t/item"
+    assert not [
+        r for r in _requests(s3_server, since) if key in r and r.startswith(("PUT", "POST"))
+    ]
+    assert store.list_files("t") == {}

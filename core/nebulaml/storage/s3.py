@@ -8,6 +8,8 @@ way, each one S3 request (or one paged listing) run on s3fs's event loop:
   installed s3fs makes of `xb`; the server refuses a second create of a name (412, or 409
   for a create racing another), which is `FileExistsError`. A retried create that finds
   exactly its own bytes there is a success (its first answer was lost), as on Azure.
+- `open_write`: s3fs's writer (one PutObject, or a multipart upload for a large object),
+  whose abandonment commits nothing (`Upload.abort`);
 - listings: `ListObjectsV2`, never cached (a tag committed a moment ago by another
   process shows at once): a folder with `Delimiter=/`, the whole root (`list_tree`) in one
   paged listing without a delimiter (a request per 1,000 objects, not one per folder).
@@ -45,12 +47,33 @@ _SECRET_OPTIONS = ("secret", "token", "password", "aws_secret_access_key", "aws_
 _TAKEN_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409"})
 
 
+class Upload:
+    """An object being written through s3fs: whole when closed (one PutObject, or a
+    multipart upload completed), and never committed when abandoned (`abort` drops what
+    was buffered and aborts the multipart upload begun)."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    def write(self, data: Any) -> int:
+        return int(self._raw.write(data))
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def abort(self) -> None:
+        self._raw.discard()
+        self._raw.closed = True  # nothing left for a close (or the collector) to commit
+
+
 class S3Backend(RemoteBackend):
     """A root at `root` (`bucket/path`) on the s3fs filesystem `fs`.
 
     Example (not run here: it needs a server):
         S3Backend(s3fs.S3FileSystem(endpoint_url="http://127.0.0.1:9000"), "ckpt/run1")
     """
+
+    aborted_write_may_leave_file = False  # an abandoned Upload commits nothing
 
     def __init__(self, fs: Any, root: str, *, location: str | None = None) -> None:
         super().__init__(fs, root, capabilities=S3_CAPABILITIES, url=f"s3://{root}",
@@ -69,6 +92,9 @@ class S3Backend(RemoteBackend):
         except PermissionError:
             pass  # a credential scoped to objects: the bucket must exist, the first write says
         self._bucket_ready = True
+
+    def open_write(self, parts: Parts) -> Upload:
+        return Upload(self.fs.open(self.path(parts), "wb"))
 
     def _run(self, coro: Any) -> Any:
         from fsspec.asyn import sync
