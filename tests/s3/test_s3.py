@@ -97,6 +97,14 @@ def test_nebula_ls_and_verify_on_an_s3_root(
     assert [c["tag"] for c in json.loads(ls.stdout)["checkpoints"]] == ["global_step3"]
     ok = runner.invoke(app, ["verify", s3_url, *opts])
     assert ok.exit_code == 0, ok.output
+    inspected = runner.invoke(app, ["inspect", s3_url, "global_step3", "--json", *opts])
+    assert inspected.exit_code == 0, inspected.output
+    assert "model" in inspected.stdout
+    # The history's rows are objects of their own on S3 (appends): read back in one table.
+    history = runner.invoke(app, ["history", s3_url, "--csv", *opts])
+    assert history.exit_code == 0, history.output
+    rows = [line for line in history.stdout.splitlines() if "global_step3" in line]
+    assert any(",persistent," in r and ",ok," in r for r in rows), history.stdout
     # One byte of the item changed on the server: verify fails, naming the file.
     store = Store(s3_url, s3_server.options())
     item = next(n for n in store.list_files("global_step3") if n.startswith("model"))
@@ -105,7 +113,7 @@ def test_nebula_ls_and_verify_on_an_s3_root(
     store.write_bytes(("global_step3", item), bytes(data))
     bad = runner.invoke(app, ["verify", s3_url, *opts])
     assert bad.exit_code == 1 and item in bad.output, bad.output
-    for result in (ls, ok, bad):
+    for result in (ls, ok, inspected, history, bad):
         assert s3server.SECRET not in result.output
 
 
