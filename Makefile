@@ -126,11 +126,13 @@ bench-peers: venv $(AZURITE) $(AZURITE_COPY)
 
 # Commit latency against the number of ranks (scale.py), then metadata at scale (issue #29,
 # metadata_scale.py: 100 / 1,000 / 10,000 tags locally, 100 / 1,000 on Azurite; about
-# 15 min on 2 cores). `make scale METADATA_ARGS=--quick` times 100 and 1,000 local tags only.
+# 15 min on 2 cores), then a restart's cost at those sizes (#47, restart_scale.py). `make scale
+# METADATA_ARGS=--quick` times 100 and 1,000 local tags only.
 METADATA_ARGS ?=
 scale: venv $(AZURITE)
 	$(PY) benchmarks/scale.py --ranks 64 128 256 --repeats 3
 	$(PY) benchmarks/metadata_scale.py $(METADATA_ARGS)
+	$(PY) benchmarks/restart_scale.py $(METADATA_ARGS)
 
 bench-azure: venv $(AZURITE)
 	$(PY) benchmarks/azure_persist.py

@@ -238,13 +238,16 @@ def _profile(nm: Any, torch: Any, root: str, spec: dict[str, Any]) -> dict[str, 
     return {}
 
 
-def run_worker(kind: str, spec: dict[str, Any], work: Path, timeout_s: float) -> dict[str, Any]:
-    """Run a worker in a fresh process; its figures, or {"error": ...}."""
+def run_worker(
+    kind: str, spec: dict[str, Any], work: Path, timeout_s: float, script: str = __file__
+) -> dict[str, Any]:
+    """Run a worker of `script` (default: this one) in a fresh process; its figures, or
+    {"error": ...}."""
     out = work / f"worker-{kind}-{time.monotonic_ns()}.json"
     spec = {**spec, "out": str(out)}
     cmd = [
         sys.executable,
-        str(Path(__file__).resolve()),
+        str(Path(script).resolve()),
         "--worker",
         kind,
         "--spec",
@@ -270,12 +273,14 @@ def clone_tags(template: dict[str, bytes], n: int, write: Any) -> None:
     """`write(tag, file, data)` for the files of `global_step2` .. `global_stepN`: the
     template's items and rank marker as they are (the marker with its tag renamed), and
     a manifest of its own: tag, step i, sequence i, and times a few microseconds apart
-    after the template's (so all in the past once the clones are written)."""
+    after the template's (so all in the past once the clones are written); and its entry
+    in the root's commit index, as a commit of this version writes it."""
     import dataclasses
     from datetime import timedelta
 
     from nebulaml.format.manifest import parse_manifest, parse_utc
-    from nebulaml.format.names import MANIFEST_NAME
+    from nebulaml.format.names import INDEX_DIR, MANIFEST_NAME
+    from nebulaml.protocol.commit_index import entry_name
 
     manifest = parse_manifest(template[MANIFEST_NAME], "template manifest")
     markers = {
@@ -304,6 +309,7 @@ def clone_tags(template: dict[str, bytes], n: int, write: Any) -> None:
             created_at=stamp(2 * i),
             committed_at=stamp(2 * i + 1),
         )
+        write(INDEX_DIR, entry_name(tag, i), b"")
         write(tag, MANIFEST_NAME, clone.to_bytes())
 
 
@@ -324,7 +330,7 @@ def build_local(root: Path, n: int, work: Path, timeout_s: float) -> None:
     def write(tag: str, name: str, data: bytes) -> None:
         tag_dir = root / tag
         if tag not in made:
-            tag_dir.mkdir(mode=0o700)
+            tag_dir.mkdir(mode=0o700, exist_ok=True)  # the index: there
             made.add(tag)
         if name in items:
             os.link(folder / name, tag_dir / name)
@@ -563,11 +569,16 @@ def render(doc: dict[str, Any]) -> None:
         f"CLI start-up (nebula ls on an empty root): {_fmt(doc['cli_startup_s'])}; "
         f"rounds per column: {[c.get('rounds') for c in columns]}"
     )
+    render_footer(doc)
+
+
+def render_footer(doc: dict[str, Any]) -> None:
+    """The targets met or not, the errors, and what else used the CPUs."""
     for t in doc["targets"]:
         verdict = {True: "PASS", False: "FAIL", None: "n/a (not measured)"}[t["pass"]]
         value = "-" if t["value"] is None else f"{t['value']:.3g}{t['unit']}"
         print(f"target: {t['target']} <= {t['limit']:g}{t['unit']}: {value}  {verdict}")
-    for c in columns:
+    for c in doc["columns"]:
         for key, error in c["errors"].items():
             print(f"error: {c['backend']} {c['n']:,} {key}: {error}")
     print(f"CPU used by other processes during the run: {doc['machine']['other_cpu_share']:.0%}")
@@ -661,7 +672,6 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="nebula-metadata-", dir=args.work))
     os.environ["NEBULA_MEMORY_TIER_PATH"] = str(work / "memory-tier")
     cpu = CpuShare()
-    azure: AzureSide | None = None
     try:
         if args.profile:
             root = work / f"root-{args.profile}"
@@ -706,25 +716,38 @@ def main(argv: list[str] | None = None) -> int:
             "cli_startup_s": startup["s"],
             "columns": [],
         }
-        for n in sorted(local):
-            doc["columns"].append(measure_column("local", n, args, work, None))
-        if azure_sizes:
-            azure = AzureSide(work)
-            os.environ["AZURE_STORAGE_CONNECTION_STRING"] = azure.server.connection_string
-            for n in sorted(azure_sizes):
-                doc["columns"].append(measure_column("azure", n, args, work, azure))
+        doc["columns"] = measure_all(measure_column, local, azure_sizes, args, work)
     finally:
-        if azure is not None:
-            azure.stop()
         shutil.rmtree(work, ignore_errors=True)
     doc["targets"] = targets(doc["columns"])
     doc["machine"]["other_cpu_share"] = cpu.other_share()
     render(doc)
-    out = args.json or RESULTS / f"metadata-scale{'-quick' if args.quick else ''}.json"
+    write_results(
+        doc, args.json or RESULTS / f"metadata-scale{'-quick' if args.quick else ''}.json"
+    )
+    return 0
+
+
+def measure_all(
+    measure: Any, local: list[int], azure_sizes: list[int], args: argparse.Namespace, work: Path
+) -> list[dict[str, Any]]:
+    """`measure(backend, n, args, work, azure)` for each local size, then each Azurite
+    size on an Azurite started for them (and stopped): the columns, in that order."""
+    columns = [measure("local", n, args, work, None) for n in sorted(local)]
+    if azure_sizes:
+        azure = AzureSide(work)
+        try:
+            os.environ["AZURE_STORAGE_CONNECTION_STRING"] = azure.server.connection_string
+            columns += [measure("azure", n, args, work, azure) for n in sorted(azure_sizes)]
+        finally:
+            azure.stop()
+    return columns
+
+
+def write_results(doc: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     progress(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -137,9 +137,11 @@ def wait_for_snapshot() -> None:
 
 
 def list_checkpoints(
-    persist_path: PathLike | None = None, *, hold: bool = False
+    persist_path: PathLike | None = None, *, hold: bool = False, limit: int | None = None
 ) -> list[dict[str, Any]]:
-    """Committed checkpoints on every tier, newest first, as JSON-serialisable dicts.
+    """Committed checkpoints on every tier, newest first, as JSON-serialisable dicts;
+    with `limit`, the `limit` newest only, found from each tier's commit index without
+    reading every manifest (protocol/commit_index.py: `nebula ls --limit`).
 
     Each dict has `tag`, `step`, `tiers` (e.g. `["memory", "persistent"]`), `size_bytes`,
     `committed_at` (ISO-8601 UTC), `items` (names) and `labels`.
@@ -157,7 +159,9 @@ def list_checkpoints(
         []
     """
     out = []
-    for copies in newest_first(tiers_for(persist_path, "list_checkpoints")):
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be at least 1, not {limit}")
+    for copies in newest_first(tiers_for(persist_path, "list_checkpoints"), limit):
         manifest = copies[0][1].manifest
         if hold and not LISTINGS.hold(manifest.tag, _durable_copy(copies)):
             continue  # deleted since it was listed
@@ -233,7 +237,7 @@ def get_latest_checkpoint(persist_path: PathLike | None = None) -> Checkpoint | 
     tag = None
     deadline = time.monotonic() + _HOLD_WAIT_S
     while True:
-        ordered = newest_first(tiers)
+        ordered = newest_first(tiers, limit=1)
         if not ordered:
             return None
         tag = ordered[0][0][1].tag
@@ -321,7 +325,7 @@ def get_latest_checkpoint_path(name: str, persist_path: PathLike | None = None) 
     """
     validate_name("item", name)
     tiers = tiers_for(persist_path, "get_latest_checkpoint_path")
-    ordered = newest_first(tiers)
+    ordered = newest_first(tiers, limit=1)
     if not ordered:
         return None
     copies = sorted(ordered[0], key=lambda copy: copy[0] != "persistent")

@@ -167,7 +167,9 @@ def test_deleting_several_tags_makes_every_manifest_removal_durable_before_data_
         "global_step1", "global_step3",
     }  # fmt: skip
     assert [info.tag for info in list_committed(store)] == ["global_step2"]
-    assert sorted(p.name for p in (tmp_path / "root").iterdir() if p.is_dir()) == ["global_step2"]
+    assert sorted(
+        p.name for p in (tmp_path / "root").iterdir() if p.is_dir() and not p.name.startswith(".")
+    ) == ["global_step2"]
 
 
 def _commit(store: Store, tag: str) -> None:

@@ -66,7 +66,7 @@ def test_a_job_resumes_saves_and_retires_beside_it_without_deleting_it(root: Pat
         nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.ones(4)})
         assert nm.flush_persistence() is True
     nm.shutdown()
-    folders = sorted(p.name for p in root.iterdir() if p.is_dir())
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert folders == ["global_step100", "global_step400"]
     assert nm.list_incomplete(str(root)) == []  # committed by a newer nebula: not a leftover
     listing = nm.ops.list_prune_candidates(str(root), incomplete=True)

@@ -72,7 +72,9 @@ def test_persistent_retention_keeps_newest_n_and_labelled(root: Path) -> None:
     assert _tags(root) == ["global_step2", "global_step5", "global_step6"]
     assert nm.get_checkpoint("global_step2").load("m") == {"v": 2}
     # Deleted versions leave nothing behind: no folder, no stray files.
-    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == _tags(root)
+    assert sorted(
+        p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+    ) == _tags(root)
 
 
 def test_memory_tier_keeps_only_the_newest_once_persisted(root: Path) -> None:

@@ -245,7 +245,9 @@ def test_environment_supplies_init_defaults(root: Path, monkeypatch: pytest.Monk
     for step in (1, 2, 3):
         nm.Checkpoint(f"global_step{step}").save("m", {"v": step})
         nm.flush_persistence()
-    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["global_step3"]
+    assert sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) == [
+        "global_step3"
+    ]
 
 
 @pytest.mark.parametrize(

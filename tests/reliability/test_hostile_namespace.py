@@ -286,7 +286,9 @@ def test_a_fifo_lease_or_rank_marker_keeps_no_tag_and_fails_verify(root: Path) -
     assert pruned.exit_code == 0, pruned.output
     doc = json.loads(pruned.stdout)
     assert (doc["deleted"], doc["skipped"]) == (["global_step1", "global_step2"], [])
-    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["global_step3"]
+    assert sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) == [
+        "global_step3"
+    ]
 
 
 @pytest.mark.timeout(60)
@@ -300,7 +302,9 @@ def test_retention_deletes_a_tag_with_a_fifo_lease(root: Path) -> None:
     nm.Checkpoint("global_step2").save("model", {"w": torch.ones(3) * 2})
     assert nm.flush_persistence(timeout_s=20) is True
     nm.shutdown(timeout_s=20)
-    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["global_step2"]
+    assert sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) == [
+        "global_step2"
+    ]
 
 
 def test_names_with_non_ascii_digits_are_ignored_never_an_exception(root: Path) -> None:

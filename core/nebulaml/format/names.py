@@ -42,6 +42,9 @@ ROOT_INFO_FILE = ".nebula-root.json"  # in a memory tier: which root it belongs 
 SEQUENCE_FILE = ".nebula-sequence.json"  # in every tier: the highest commit sequence
 # reserved there (protocol/sequence.py: `reserve_sequence`), so a commit never reads every
 # manifest
+INDEX_DIR = ".nebula-index"  # in every tier: an empty file `<sequence>-<tag>` per commit,
+# written before its manifest, so that the newest is found without reading every manifest
+# (protocol/commit_index.py)
 HOLD_FILE = ".nebula-hold"  # in a memory tier: share-locked by every live session
 # (protocol/tier_lifetime.py: `TierHold`)
 RANK_LOCK_PREFIX = ".nebula-rank-"  # in a memory tier: `<rank>.lock`, locked by the live

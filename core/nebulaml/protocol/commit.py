@@ -23,9 +23,9 @@ The same protocol with items copied from another tier is transfer.py; deleting i
 delete.py.
 
 May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, catalog.py,
-delete.py, leases.py, markers.py and sequence.py. Not for: deciding when to commit or
-persist (checkpoint.py and persister.py decide), reserving a commit's sequence
-(sequence.py), copying (transfer.py) or deleting (delete.py).
+commit_index.py, delete.py, leases.py, markers.py and sequence.py. Not for: deciding when
+to commit or persist (checkpoint.py and persister.py decide), reserving a commit's
+sequence (sequence.py), copying (transfer.py) or deleting (delete.py).
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ from nebulaml.format.names import (
 )
 from nebulaml.format.serialization import write_item as serialise
 from nebulaml.protocol.catalog import read_committed
+from nebulaml.protocol.commit_index import record_commit
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.leases import live_leases
 from nebulaml.protocol.markers import (
@@ -457,7 +458,7 @@ def publish_manifest(
         ),
     )
     try:
-        publish_new_manifest(store, tag, manifest.to_bytes())
+        publish_new_manifest(store, tag, manifest.to_bytes(), manifest.sequence)
     except CommitConflictError:
         # Two ranks saw every marker at once: the other one's manifest, if it is valid
         # and lists the same items, is the commit.
@@ -468,11 +469,14 @@ def publish_manifest(
     return manifest
 
 
-def publish_new_manifest(store: Store, tag: str, data: bytes) -> None:
-    """Publish `tag`'s manifest `data`, create-only: `CommitConflictError` if another
-    writer's is there. A name there that is no file at all (a FIFO, a symbolic link, an
-    empty folder another hand put in a local root) is no commit: it is removed by name
-    (never through the link), said in a warning, and the publish tried once more."""
+def publish_new_manifest(store: Store, tag: str, data: bytes, sequence: int) -> None:
+    """Publish `tag`'s manifest `data` of commit `sequence`, create-only:
+    `CommitConflictError` if another writer's is there. Its entry in the tier's commit
+    index goes first (commit_index.py: a manifest never lacks its entry). A name there
+    that is no file at all (a FIFO, a symbolic link, an empty folder another hand put in
+    a local root) is no commit: it is removed by name (never through the link), said in
+    a warning, and the publish tried once more."""
+    record_commit(store, tag, sequence)
     try:
         store.publish((tag, MANIFEST_NAME), data, create_only=True)
     except CommitConflictError:

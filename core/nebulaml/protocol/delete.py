@@ -11,9 +11,11 @@ a delete claim, so that no reader's tag goes under it (leases.py). What another 
 planted at a lease's or a marker's name that is no regular file (a FIFO, a link) is
 junk: no reader, no part; it goes with the folder, removed by name.
 
-May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, leases.py and
-markers.py. Not for: deciding what to delete (retention.py, ops/pruning.py) or replacing
-a tag (commit.py's `begin_tag` deletes through here).
+A tag's entries in the tier's commit index go once its folder is gone (commit_index.py).
+
+May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, commit_index.py,
+leases.py and markers.py. Not for: deciding what to delete (retention.py,
+ops/pruning.py) or replacing a tag (commit.py's `begin_tag` deletes through here).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Callable, Iterable
 from nebulaml.errors import NebulaError, StorageError
 from nebulaml.format.manifest import parse_marker
 from nebulaml.format.names import MANIFEST_NAME, marker_name, validate_name, writer_marker_name
+from nebulaml.protocol.commit_index import forget_tags
 from nebulaml.protocol.leases import delete_claim, is_lease_file
 from nebulaml.protocol.markers import is_marker, read_writers, writer_alive, writer_record
 from nebulaml.storage.store import MissingFileError, Store
@@ -55,6 +58,19 @@ def delete_checkpoint(
     holds do not keep the tag, only its reads (leases.py's `delete_claim`).
     """
     validate_name("tag", tag)
+    gone = _delete_checkpoint(store, tag, discard, replacing, own_holds)
+    if gone:
+        forget_tags(store, [tag])
+    return gone
+
+
+def _delete_checkpoint(
+    store: Store,
+    tag: str,
+    discard: Callable[[str, str], object] | None,
+    replacing: bool,
+    own_holds: bool,
+) -> bool:
     files = store.list_files(tag)
     if not files:
         _remove_folder(store, tag)  # an empty folder (a store with real folders)
@@ -134,6 +150,7 @@ def delete_checkpoints(store: Store, tags: Iterable[str]) -> dict[str, bool | St
                 out[tag] = True
             except StorageError as exc:
                 out[tag] = exc
+    forget_tags(store, [tag for tag, gone in out.items() if gone is True])
     return out
 
 
@@ -220,6 +237,7 @@ def _remove_part(
     # Leases (our claim among them) are no other rank's files.
     if not keep_folder and not [n for n in store.list_files(tag) if not is_lease_file(n)]:
         _remove_folder(store, tag, files)
+        forget_tags(store, [tag])
 
 
 def _take_down(

@@ -3,6 +3,7 @@
     list_incomplete      tag folders nebula started (a rank or writer marker) but never
                          committed: the leftovers of crashed saves, persists and deletes
     remove_dead_writers  delete those whose writers all ran on this host and are gone
+    suspects             the folders a restart looks at: the top, and what memory names
     discard_stale_parts  remove one rank's uncommitted parts written by another generation
                          of the job (before a restart): never completed by newer parts
 
@@ -11,29 +12,32 @@ checked from here), is left alone: `nebula prune --incomplete` judges those by a
 period (ops/pruning.py).
 
 May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, catalog.py,
-delete.py and markers.py. Not for: what a restarted job persists again (the session's
-recovery, runtime/session.py) or this user's other memory tiers (ops/memory_tiers.py).
+commit_index.py, delete.py and markers.py. Not for: what a restarted job persists again
+(the session's recovery, runtime/session.py) or this user's other memory tiers
+(ops/memory_tiers.py).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from nebulaml.errors import NebulaError, StorageError, UnsupportedSchemaError
 from nebulaml.format.manifest import RankMarker, parse_marker
 from nebulaml.format.names import MANIFEST_NAME, WRITER_PREFIX, marker_name
 from nebulaml.protocol.catalog import read_committed, skip_unreadable, tag_folders
+from nebulaml.protocol.commit_index import above_newest
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.markers import is_marker, read_writers, writer_alive
 from nebulaml.storage.store import Store
 
 
-def list_incomplete(store: Store) -> list[str]:
-    """Tag folders that nebula started but never committed (leftovers of crashed saves).
-    A folder this user may not read is left out, said once (catalog's `skip_unreadable`),
-    and so is one a newer nebula committed (a manifest of a schema this one cannot read).
+def list_incomplete(store: Store, tags: Iterable[str] | None = None) -> list[str]:
+    """Tag folders that nebula started but never committed (leftovers of crashed saves);
+    `tags`: of those folders only (default: every one). A folder this user may not read
+    is left out, said once (catalog's `skip_unreadable`), and so is one a newer nebula
+    committed (a manifest of a schema this one cannot read).
 
     Example:
         >>> import tempfile
@@ -41,7 +45,7 @@ def list_incomplete(store: Store) -> list[str]:
         []
     """
     out = []
-    for tag in tag_folders(store):
+    for tag in tag_folders(store) if tags is None else tags:
         try:
             files = store.list_files(tag)
             ours = any(is_marker(name) for name in files)
@@ -55,14 +59,15 @@ def list_incomplete(store: Store) -> list[str]:
     return sorted(out)
 
 
-def remove_dead_writers(store: Store) -> list[str]:
-    """Delete uncommitted tags whose writers ran on this host and are all gone.
+def remove_dead_writers(store: Store, tags: Iterable[str] | None = None) -> list[str]:
+    """Delete uncommitted tags whose writers ran on this host and are all gone; `tags`:
+    among those only (`suspects`: what a restart looks at), default every folder.
 
     A tag being written by a live process, or by another host, is left alone.
     """
     removed = []
     host = socket.gethostname()
-    for tag in list_incomplete(store):
+    for tag in list_incomplete(store, tags):
         if not any(n.startswith(WRITER_PREFIX) for n in store.list_files(tag)):
             continue  # not started by a writer we can judge
         writers = read_writers(store, tag)
@@ -70,6 +75,17 @@ def remove_dead_writers(store: Store) -> list[str]:
             delete_checkpoint(store, tag)
             removed.append(tag)
     return removed
+
+
+def suspects(store: Store, named: Iterable[str] = ()) -> list[str]:
+    """The tag folders of `store` that may hold a leftover of this node's last process,
+    without looking into every folder: those at the top (commit_index.above_newest: a
+    save, persist or copy under way writes the newest tag) and those `named` (the tags
+    the node's memory tier holds: what it was persisting) that are there. Older
+    leftovers (a retention's delete cut short) are the first retention's to clear
+    (runtime/retirement.py) and `nebula prune --incomplete`'s."""
+    there = {tag for tag in named if store.exists(tag)}
+    return sorted(set(above_newest(store)) | there)
 
 
 def discard_stale_parts(

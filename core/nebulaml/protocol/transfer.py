@@ -184,7 +184,7 @@ def copy_checkpoint(
         sequence=_sequence_at(src.manifest.sequence, dst, same_root),
     )
     note_sequence(dst, manifest.sequence)
-    publish_new_manifest(dst, tag, manifest.to_bytes())
+    publish_new_manifest(dst, tag, manifest.to_bytes(), manifest.sequence)
     dst.remove(tag, writer_marker_name(0))
     return CopyResult(
         manifest,

@@ -21,9 +21,11 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from nebulaml.errors import NebulaError
+from nebulaml.errors import NebulaError, UnsupportedSchemaError
+from nebulaml.format.manifest import ItemEntry
 from nebulaml.format.names import marker_name, order_key
 from nebulaml.protocol.catalog import list_committed, read_committed
+from nebulaml.protocol.commit_index import newest as newest_committed
 from nebulaml.protocol.delete import delete_part
 from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.rank_presence import rank_gone
@@ -55,20 +57,28 @@ def releasable(
     memory = tiers.memory
     if ranks.world_size > 1:
         _await_leaders(tiers, ranks.rank, own_parts(memory, ranks.rank), rank_timeout_s)
-    persisted = list_committed(persistent)
-    newest = persisted[-1].sort_key if persisted else None
-    durable = {info.tag: info.manifest.items for info in persisted}
+    # The newest on the root from its commit index, and the few tags the memory tier
+    # holds, each looked up: not every manifest of the root (commit_index.py).
+    top = newest_committed(persistent, 1)
+    newest = top[0].sort_key if top else None
+
+    def durable(tag: str) -> tuple[ItemEntry, ...] | None:
+        try:
+            info = read_committed(persistent, tag)
+        except UnsupportedSchemaError:
+            return None
+        return None if info is None else info.manifest.items
+
     if ranks.world_size > 1:
         mine = own_parts(memory, ranks.rank)
         for tag, created in mine:
-            if tag not in durable and (newest is None or order_key(tag, created) >= newest):
+            if (newest is None or order_key(tag, created) >= newest) and durable(tag) is None:
                 return False
         for tag, _created in mine:
             delete_part(memory, tag, ranks.rank, own_holds=False)  # as release_memory_tier
         return not any(True for _ in memory.list_dirs())
     for info in list_committed(memory):
-        same = durable.get(info.tag) == info.manifest.items
-        if not same and (newest is None or info.sort_key >= newest):
+        if (newest is None or info.sort_key >= newest) and durable(info.tag) != info.manifest.items:
             return False
     return True
 

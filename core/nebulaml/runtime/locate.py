@@ -2,7 +2,8 @@
 
     tiers_for     the tiers of a root on this node, or of the live session
     check_root    a root's canonical location; `RootNotFoundError` if no tier of it exists
-    newest_first  every tier's committed checkpoints, newest first, each with its copies
+    newest_first  every tier's committed checkpoints (or the few newest), newest first,
+                  each with its copies
     find_copy     the fastest tier's copy of a tag, or of one of its items, that works,
                   else the error that says why none does
     asking        the deadline for a question to a tier the session knows is failing
@@ -48,9 +49,11 @@ from nebulaml.format.manifest import ItemEntry, Manifest
 from nebulaml.protocol.catalog import (
     CheckpointInfo,
     list_committed,
+    read_committed,
     read_manifest,
     skip_unsupported,
 )
+from nebulaml.protocol.commit_index import index_missing, newest
 from nebulaml.protocol.leases import read_lease
 from nebulaml.protocol.tiers import TierSet, open_tiers
 from nebulaml.runtime import session as _session
@@ -145,9 +148,15 @@ def answered(store: Store) -> None:
             _unseen.discard(store.url)
 
 
-def newest_first(tiers: TierSet) -> list[list[tuple[str, CheckpointInfo]]]:
+def newest_first(
+    tiers: TierSet, limit: int | None = None
+) -> list[list[tuple[str, CheckpointInfo]]]:
     """Committed checkpoints on every tier, newest first; each entry lists a tag's copies
     as (tier, info), fastest tier first. Package-internal, like `tiers_for`.
+
+    `limit`: the `limit` newest only, found from each tier's commit index (the few
+    manifests at its top: commit_index.newest), not by reading every manifest; the copies
+    of those tags on the other tiers are looked up one by one.
 
     A copy of a schema this version cannot read is passed over: said as damaged where
     another tier holds a readable copy of that tag, else as a newer nebula's checkpoint
@@ -157,17 +166,25 @@ def newest_first(tiers: TierSet) -> list[list[tuple[str, CheckpointInfo]]]:
     """
     found: dict[str, list[tuple[str, CheckpointInfo]]] = {}
     unsupported: list[UnsupportedSchemaError] = []
+    answering: list[tuple[str, Store]] = []
     for tier, store in tiers.stores:
         try:
             with asking(tiers, store):
-                listed = list_committed(store, unsupported)
+                if limit is None:
+                    listed = list_committed(store, unsupported)
+                    index_missing(store, listed)  # a folder copied in by hand, say
+                else:
+                    listed = newest(store, limit, unsupported)
         except StorageError as exc:
             if not out_of_reach(tier, store, exc):
                 raise
             continue
         answered(store)
+        answering.append((tier, store))
         for info in listed:
             found.setdefault(info.tag, []).append((tier, info))
+    if limit is not None:
+        _other_copies(tiers, answering, found)
     for newer in unsupported:
         if newer.tag in found:
             log.warning("%s; using another tier's copy", newer)
@@ -175,7 +192,31 @@ def newest_first(tiers: TierSet) -> list[list[tuple[str, CheckpointInfo]]]:
             skip_unsupported(newer)
         else:
             raise newer
-    return sorted(found.values(), key=lambda copies: copies[0][1].sort_key, reverse=True)
+    ordered = sorted(found.values(), key=lambda copies: copies[0][1].sort_key, reverse=True)
+    return ordered if limit is None else ordered[:limit]
+
+
+def _other_copies(
+    tiers: TierSet,
+    stores: list[tuple[str, Store]],
+    found: dict[str, list[tuple[str, CheckpointInfo]]],
+) -> None:
+    """Add to each tag of `found` its copies on the tiers (of `stores`, fastest first)
+    whose newest it was not among, keeping the fastest first."""
+    for tag, copies in found.items():
+        have = {tier for tier, _ in copies}
+        for tier, store in stores:
+            if tier in have:
+                continue
+            try:
+                with asking(tiers, store):
+                    info = read_committed(store, tag)
+            except (UnsupportedSchemaError, StorageError):
+                continue
+            if info is not None:
+                copies.append((tier, info))
+        order = [tier for tier, _ in stores]
+        copies.sort(key=lambda copy: order.index(copy[0]))
 
 
 @dataclass(frozen=True, slots=True)

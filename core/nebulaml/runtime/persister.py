@@ -39,7 +39,8 @@ from collections.abc import Callable
 
 from nebulaml.errors import NebulaError, PersistError, PersistTimeoutError, RankTimeoutError
 from nebulaml.format.manifest import utc_now
-from nebulaml.protocol.catalog import highest_sequence, list_committed
+from nebulaml.protocol.catalog import highest_sequence
+from nebulaml.protocol.commit_index import indexed_tags
 from nebulaml.protocol.history import HistoryRow
 from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet
@@ -144,7 +145,11 @@ class Persister:
             removals=self._removals,
         )
         if connect is None and tiers.persistent is not None:
-            self._retention.learn(list_committed(tiers.persistent))
+            # What the root holds, from its commit index (one listing, no manifest):
+            # the first retention reads the manifests, on this thread, not init.
+            persistent = tiers.persistent
+            with self._cond:
+                self.schedule.learn(indexed_tags(persistent), highest_sequence(persistent))
         self._loop.start()
 
     @property

@@ -1,5 +1,6 @@
 """Retention after a persist: what the persistent tier keeps once a checkpoint landed
-there (`retire`), reading only the manifests it has not read before.
+there (`retire`), reading only the manifests it has not read before; its first listing
+in a process also clears what dead writers of this node left below the root's top.
 
 May import: every layer below runtime. Not for: when it runs (the persister's
 persist_actions.py), or the plan itself (protocol/retention.py).
@@ -12,6 +13,7 @@ import logging
 from nebulaml.errors import NebulaError, UnsupportedSchemaError
 from nebulaml.protocol.catalog import read_committed, tag_folders
 from nebulaml.protocol.delete import delete_checkpoint
+from nebulaml.protocol.recovery import remove_dead_writers
 from nebulaml.protocol.retention import Version, plan_retention
 from nebulaml.storage.store import Store
 
@@ -69,9 +71,20 @@ def retire(
     folders = set(tag_folders(persistent))
     for tag in [t for t in known if t not in folders]:
         del known[tag]  # deleted meanwhile (a prune)
+    uncommitted = []
     for tag in folders - read_now:
         if tag not in known or tag == just_persisted:
             read(tag)
+            if tag not in known:
+                uncommitted.append(tag)
+    if uncommitted:
+        # What this node's dead writers left below the top of the root (a delete cut
+        # short): a restart looks only at the top (recovery.suspects); this listing,
+        # once per process, sees every folder.
+        try:
+            remove_dead_writers(persistent, sorted(uncommitted))
+        except NebulaError as exc:
+            log.debug("leftovers of dead writers on %s: %s", persistent.url, exc)
     for tag in plan_retention(list(known.values()), retention, {just_persisted}):
         try:
             delete_checkpoint(persistent, tag)

@@ -40,15 +40,21 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from nebulaml.config import Config, elastic_generation
-from nebulaml.errors import NebulaError, NotInitializedError, RootInUseError
+from nebulaml.errors import (
+    NebulaError,
+    NotInitializedError,
+    RootInUseError,
+    UnsupportedSchemaError,
+)
 from nebulaml.format.manifest import RankMarker
 from nebulaml.format.names import order_key
 from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed, tag_folders
 from nebulaml.protocol.commit import read_markers
+from nebulaml.protocol.commit_index import newest as newest_committed
 from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.rank_presence import RankPresence
-from nebulaml.protocol.recovery import discard_stale_parts, remove_dead_writers
+from nebulaml.protocol.recovery import discard_stale_parts, remove_dead_writers, suspects
 from nebulaml.protocol.removals import read_removals
 from nebulaml.protocol.replicas import Replica
 from nebulaml.protocol.replicas_held import held_replicas, needed_replicas
@@ -131,8 +137,9 @@ class Session:
             self.hold.abandon()  # a refused init leaves no memory-tier folder behind
             raise
         # Leftovers of this node's crashed saves and persists; other nodes' are theirs.
-        for _tier, store in self.tiers.stores if reached else [("memory", self.tiers.memory)]:
-            remove_dead_writers(store)
+        remove_dead_writers(self.tiers.memory)
+        if reached and self.tiers.persistent is not None:
+            self._remove_dead_persists()
         if not reached:
             log.warning(
                 "the persistent tier %s does not answer (%s): checkpoints go to the memory "
@@ -208,8 +215,17 @@ class Session:
         assert persistent is not None
         adopt_root(self.tiers.memory, persistent, identify(persistent))
         self.job.take_lease(self.tiers, self._ranks)
-        remove_dead_writers(persistent)
+        self._remove_dead_persists()
         return list_committed(persistent)
+
+    def _remove_dead_persists(self) -> None:
+        """Remove what this node's dead writers left on the persistent tier: looked for
+        only where it can be (recovery.suspects: the tags at the top of the root, and
+        those the memory tier holds), not in every folder of the root."""
+        persistent = self.tiers.persistent
+        assert persistent is not None
+        named = tag_folders(self.tiers.memory) if self.tiers.memory_usable else []
+        remove_dead_writers(persistent, suspects(persistent, named))
 
     def _hold_lost(self, why: str) -> None:
         """Another job took the root over (this one was judged gone): said by the next call."""
@@ -431,9 +447,8 @@ class Session:
             # left unpersisted behind a newer one; also a tag saved again whose new
             # version the persistent tier lacks (it holds the old one: Lightning's
             # `last`), on every rank that wrote a part of it.
-            durable = {c.tag: c.manifest.created_at for c in list_committed(self.tiers.persistent)}
             for c in committed[:-1]:
-                if c.manifest.labels and durable.get(c.tag) != c.manifest.created_at:
+                if c.manifest.labels and self._durable_version(c.tag) != c.manifest.created_at:
                     log.info("persisting %r (labelled), left in the memory tier", c.tag)
                     self.persister.request(c.tag)
         else:  # the node holds only its ranks' parts, never a manifest of the whole
@@ -442,13 +457,23 @@ class Session:
             in_memory.sort(key=lambda pair: pair[1])
         if not in_memory:
             return None
-        persisted = list_committed(self.tiers.persistent)
+        persisted = newest_committed(self.tiers.persistent, 1)
         newest, newest_key = in_memory[-1]
-        if persisted and persisted[-1].sort_key >= newest_key:
+        if persisted and persisted[0].sort_key >= newest_key:
             return None
         log.info("persisting %r, left in the memory tier by an earlier process", newest)
         self.persister.request(newest)
         return newest
+
+    def _durable_version(self, tag: str) -> str | None:
+        """When the persistent tier's committed copy of `tag` was created; None without
+        one (or one this version cannot read)."""
+        assert self.tiers.persistent is not None
+        try:
+            info = read_committed(self.tiers.persistent, tag)
+        except UnsupportedSchemaError:
+            return None
+        return None if info is None else info.manifest.created_at
 
     def close(self, timeout_s: float | None = None) -> str | None:
         """Persist what is pending and stop; returns a tag left unpersisted, if any.

@@ -151,6 +151,24 @@ class LocalBackend:
             return {}  # no such folder (a file of that name is not a tag folder)
         return out
 
+    def list_file_names(self, parts: Parts) -> list[str]:
+        """The names of the regular files in folder `parts`, without their sizes: no
+        stat per file (the file type comes with the folder's listing)."""
+        try:
+            with os.scandir(self._local(parts)) as it:
+                return [e.name for e in it if e.is_file(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def folder_identity(self, parts: Parts) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self._local(parts), follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+        return (st.st_ino, st.st_mtime_ns)
+
     def list_non_files(self, parts: Parts) -> list[str]:
         try:
             with os.scandir(self._local(parts)) as it:

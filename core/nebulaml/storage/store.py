@@ -284,6 +284,15 @@ class Store:
         the folder is missing)."""
         return self._call(parts, lambda: self._backend.list_files(parts))
 
+    def list_file_names(self, *parts: str) -> list[str]:
+        """The names of the files directly inside the folder `parts` (none if it is
+        missing): `list_files` without the sizes, which a local disk gives only by a
+        stat per file."""
+        if not self.is_local:
+            return list(self.list_files(*parts))
+        backend = self._local()
+        return self._call(parts, lambda: backend.list_file_names(parts))
+
     def list_non_files(self, *parts: str) -> list[str]:
         """On a local root, the names directly inside the folder `parts` that are not
         regular files (a FIFO, a socket, a device, a symbolic link, a folder; none if the
@@ -322,6 +331,15 @@ class Store:
             return None
         backend = self._local()
         return self._call(parts, lambda: backend.file_identity(parts))
+
+    def folder_identity(self, *parts: str) -> tuple[int, int] | None:
+        """(inode, modification time in ns) of the folder `parts` (the root: none) on a
+        local root: it changes when a name is added to it or removed; None when it is
+        missing or the root is not local."""
+        if not self.is_local:
+            return None
+        backend = self._local()
+        return self._call(parts, lambda: backend.folder_identity(parts))
 
     def modified_at(self, *parts: str) -> datetime | None:
         """A file's modification time (UTC), or None if the backend cannot tell or the
