@@ -7,6 +7,8 @@
                     and the manifests of the few at its top
     above_newest    the folders at the top: where a restart looks for leftovers
     indexed_tags    the folders that have an entry: what a restarting job knows committed
+    catalog         every committed checkpoint, kept while the folders and the index
+                    are the same
     index_missing   write the entries a full listing found missing (a root an older
                     nebula wrote, a folder copied in by hand)
 
@@ -152,6 +154,13 @@ def _drop(store: Store) -> None:
     with _listings_lock:
         for what in ("index", "folders"):
             _listings.pop((store.location, what), None)
+        _catalogs.pop(store.location, None)
+
+
+# The full catalog of each tier this process listed (`catalog`), by the folder names and
+# index entries it was listed under: (names, entries, checkpoints, unsupported schemas).
+_Catalog = tuple[list[str], list[str], list[CheckpointInfo], list[UnsupportedSchemaError]]
+_catalogs: dict[str, _Catalog] = {}
 
 
 def _kept(store: Store, what: str, parts: tuple[str, ...], fresh: object) -> object:
@@ -357,6 +366,35 @@ def indexed_tags(store: Store) -> set[str]:
         if tag:
             tags.add(tag)
     return tags
+
+
+def catalog(
+    store: Store, unsupported: list[UnsupportedSchemaError] | None = None
+) -> list[CheckpointInfo]:
+    """Every committed checkpoint on `store`, oldest first (catalog.list_committed), kept
+    by this process while the tier's folder names and index entries are the same (two
+    listings; its own commits and deletes drop it): the first call reads each manifest,
+    a later one nothing. What it finds without an entry is indexed (`index_missing`).
+    `unsupported`: as list_committed's, the same each time."""
+    folders, names = _folders(store), _index(store).names
+    with _listings_lock:
+        kept = _catalogs.get(store.location)
+    if kept is not None and kept[0] == folders and kept[1] == names:
+        refused = kept[3]
+        listed = list(kept[2])
+    else:
+        refused = []
+        listed = list_committed(store, refused)
+        index_missing(store, listed)
+        folders, names = _folders(store), _index(store).names
+        with _listings_lock:
+            _catalogs[store.location] = (folders, names, list(listed), refused)
+    for exc in refused:
+        if unsupported is None:
+            skip_unsupported(exc)
+        else:
+            unsupported.append(exc)
+    return listed
 
 
 def index_missing(store: Store, committed: list[CheckpointInfo]) -> None:

@@ -48,12 +48,11 @@ from nebulaml.errors import (
 from nebulaml.format.manifest import ItemEntry, Manifest
 from nebulaml.protocol.catalog import (
     CheckpointInfo,
-    list_committed,
     read_committed,
     read_manifest,
     skip_unsupported,
 )
-from nebulaml.protocol.commit_index import index_missing, newest
+from nebulaml.protocol.commit_index import catalog, newest
 from nebulaml.protocol.leases import read_lease
 from nebulaml.protocol.tiers import TierSet, open_tiers
 from nebulaml.runtime import session as _session
@@ -171,8 +170,7 @@ def newest_first(
         try:
             with asking(tiers, store):
                 if limit is None:
-                    listed = list_committed(store, unsupported)
-                    index_missing(store, listed)  # a folder copied in by hand, say
+                    listed = catalog(store, unsupported)  # kept while the tier is the same
                 else:
                     listed = newest(store, limit, unsupported)
         except StorageError as exc:
