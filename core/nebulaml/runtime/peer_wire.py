@@ -37,8 +37,9 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
+from typing import Any
 
 import xxhash
 
@@ -105,6 +106,16 @@ class Begin:
     files: tuple[FileClaim, ...]
     base: str | None = None
     reuse: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+
+    def replica(self) -> dict[str, Any]:
+        """What it announces, as protocol/replica_inbox.py's `ReplicaInbox` takes it
+        (its keyword arguments: tag, rank, node, files, base, reuse).
+
+        Example:
+            >>> sorted(Begin("global_step2", 1, 1, (), "global_step1").replica())
+            ['base', 'files', 'node', 'rank', 'reuse', 'tag']
+        """
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def body_check(body: bytes | bytearray | memoryview) -> int:

@@ -533,17 +533,8 @@ class Replication:
             except NebulaError as exc:
                 reason = f"no folder for it: {exc}"
             else:
-                inbox = ReplicaInbox(
-                    root,
-                    tag=begin.tag,
-                    rank=begin.rank,
-                    node=begin.node,
-                    files=begin.files,
-                    base=begin.base,
-                    reuse=begin.reuse,
-                    own=OwnParts(self.memory, self.ring.rank),
-                    pause=QUIET.pause_point,
-                )
+                own = OwnParts(self.memory, self.ring.rank)
+                inbox = ReplicaInbox(root, **begin.replica(), own=own, pause=QUIET.pause_point)
         try:
             drop: Callable[[memoryview], None] = lambda _piece: None  # noqa: E731
             receive_stream(
