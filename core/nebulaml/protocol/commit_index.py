@@ -46,7 +46,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from nebulaml.errors import StorageError, UnsupportedSchemaError
@@ -155,6 +155,8 @@ def _drop(store: Store) -> None:
         for what in ("index", "folders"):
             _listings.pop((store.location, what), None)
         _catalogs.pop(store.location, None)
+        for key in [key for key in _pins if key[1] == store.location]:
+            del _pins[key]
 
 
 # The full catalog of each tier this process listed (`catalog`), by the folder names and
@@ -163,9 +165,45 @@ _Catalog = tuple[list[str], list[str], list[CheckpointInfo], list[UnsupportedSch
 _catalogs: dict[str, _Catalog] = {}
 
 
+# Listings a thread reuses while it is `pinned()`: (thread, location, what).
+_pins: dict[tuple[int, str, str], object] = {}
+_pinning: set[int] = set()  # the threads pinned
+
+
+@contextlib.contextmanager
+def pinned() -> Iterator[None]:
+    """Within: this thread lists each tier's index and folders once, and answers every
+    question from that listing, as of the moment it listed (a restart's: the dead
+    writers' recovery, what the root holds, the resume). A write by this process to a
+    tier's index (`record_commit`, `forget_tags`) drops the tier's. An object store
+    has no folder identity to keep a listing by: without this each question lists."""
+    me = threading.get_ident()
+    with _listings_lock:
+        _pinning.add(me)
+    try:
+        yield
+    finally:
+        with _listings_lock:
+            _pinning.discard(me)
+            for key in [key for key in _pins if key[0] == me]:
+                del _pins[key]
+
+
 def _kept(store: Store, what: str, parts: tuple[str, ...], fresh: object) -> object:
     """The listing `what` of folder `parts` kept for `store`, or what `fresh()` lists
-    (kept when the folder has not changed for `_SETTLED_NS`)."""
+    (kept when the folder has not changed for `_SETTLED_NS`, or while pinned)."""
+    pin = (threading.get_ident(), store.location, what)
+    with _listings_lock:
+        if pin in _pins:
+            return _pins[pin]
+    listed = _kept_by_identity(store, what, parts, fresh)
+    with _listings_lock:
+        if pin[0] in _pinning:
+            _pins[pin] = listed
+    return listed
+
+
+def _kept_by_identity(store: Store, what: str, parts: tuple[str, ...], fresh: object) -> object:
     identity = store.folder_identity(*parts)
     key = (store.location, what)
     if identity is not None:

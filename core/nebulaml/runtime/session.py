@@ -51,6 +51,7 @@ from nebulaml.format.names import order_key
 from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_committed, tag_folders
 from nebulaml.protocol.commit import read_markers
 from nebulaml.protocol.commit_index import newest as newest_committed
+from nebulaml.protocol.commit_index import pinned
 from nebulaml.protocol.delete import delete_checkpoint
 from nebulaml.protocol.markers import own_parts
 from nebulaml.protocol.rank_presence import RankPresence
@@ -580,7 +581,10 @@ def start(config: Config, *, on_start: Callable[[], object] | None = None) -> Se
             if left is not None:
                 log.warning("re-init: checkpoint %r was not persisted before the switch", left)
             old.persister.raise_pending_error()
-        _session = Session(config)
+        # One listing of each tier's commit index answers the restart's questions (the
+        # dead writers' recovery, what the root holds, the resume): commit_index.pinned.
+        with pinned():
+            _session = Session(config)
         if on_start is not None:
             on_start()
         return _session
