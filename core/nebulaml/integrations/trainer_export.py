@@ -2,8 +2,8 @@
 (`from_pretrained` loads it): the model built from its saved config, its weights loaded,
 written by `save_pretrained`, the files' modes as the caller's `private` says.
 
-May import: the layers below the integrations, hf_common.py and transformers (inside
-`export_pretrained`).
+May import: the layers below the integrations, hf_common.py, hf_peft.py, transformers and
+safetensors (inside the functions).
 
 Not for: the checkpoint's own items as plain files (ops/export.py) or DeepSpeed's
 (integrations/deepspeed.py).
@@ -12,6 +12,7 @@ Not for: the checkpoint's own items as plain files (ops/export.py) or DeepSpeed'
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -21,6 +22,7 @@ from nebulaml.config import private_default
 from nebulaml.errors import CheckpointNotFoundError, InvalidArgumentError
 from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES, load_json
 from nebulaml.integrations.hf_common import find, load_optional
+from nebulaml.integrations.hf_peft import DEFAULT_ADAPTER, adapter_configs, adapter_item
 from nebulaml.storage.local_files import make_folders, new_file_mode
 
 
@@ -45,6 +47,10 @@ def export_pretrained(
     `config.architectures`) and written with `save_pretrained`, so tied weights and
     sharding follow transformers' own rules. Tokenizers are not in nebula checkpoints: save
     yours into `dest` (`tokenizer.save_pretrained(dest)`).
+
+    A peft model's checkpoint (its adapters) becomes the folder the Trainer writes for it:
+    `adapter_model.safetensors` and `adapter_config.json` (another adapter than "default":
+    in a folder of its name), which `PeftModel.from_pretrained(base, dest)` loads.
     """
     import transformers
     from transformers import AutoConfig
@@ -52,14 +58,20 @@ def export_pretrained(
     checkpoint = find(tag, root)
     if checkpoint is None:
         raise CheckpointNotFoundError(os.fspath(root), tag or "(the newest)")
+    adapters = adapter_configs(checkpoint, load_optional)
+    dest_path = Path(dest)
+    private = private_default() if private is None else private
+    if adapters is not None:  # a peft model's: the Trainer's folder for PeftModel.from_pretrained
+        make_folders(str(dest_path), private)
+        for adapter, adapter_config in adapters.items():
+            _write_adapter(checkpoint, adapter, adapter_config, dest_path, private)
+        return dest_path
     config_text = load_optional(checkpoint, "config")
     if config_text is None:
         raise InvalidArgumentError(
             f"checkpoint {checkpoint.tag!r} has no item 'config': its model was not a "
             f"transformers PreTrainedModel, so there is no config to export"
         )
-    dest_path = Path(dest)
-    private = private_default() if private is None else private
     make_folders(str(dest_path), private)  # private: 0700, the missing folders above it too
     with tempfile.TemporaryDirectory(prefix="nebula-export-") as scratch:
         Path(scratch, "config.json").write_text(config_text, encoding="utf-8")
@@ -107,3 +119,23 @@ def _files(folder: Path) -> dict[str, tuple[int, int]]:
                 st = entry.stat(follow_symlinks=False)
                 found[entry.name] = (st.st_ino, st.st_mtime_ns)
     return found
+
+
+def _write_adapter(
+    checkpoint: Any, adapter: str, config: dict[str, Any], dest: Path, private: bool
+) -> None:
+    """One adapter of a peft checkpoint as `save_pretrained` writes it:
+    `adapter_model.safetensors` and `adapter_config.json`, in `dest` for the adapter
+    "default" and in `dest/<adapter>` for another."""
+    from safetensors.torch import save_file
+
+    folder = dest if adapter == DEFAULT_ADAPTER else dest / adapter
+    make_folders(str(folder), private)
+    state = load_optional(checkpoint, adapter_item(adapter)) or {}
+    weights = folder / "adapter_model.safetensors"
+    save_file({k: v.contiguous().clone() for k, v in state.items()}, str(weights), {"format": "pt"})
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    (folder / "adapter_config.json").write_text(text, encoding="utf-8")
+    mode = new_file_mode(str(folder), private)
+    for path in (weights, folder / "adapter_config.json"):
+        os.chmod(path, mode, follow_symlinks=False)

@@ -5,8 +5,8 @@ loading methods reading its items (verified, weights_only=True) instead of files
 Trainer reads `trainer_state.json` from the resume path itself, so that one small file is
 written to a temporary folder for the length of `train()`.
 
-May import: the layers below the integrations, hf_common.py, trainer_tags.py and
-transformers.
+May import: the layers below the integrations, hf_common.py, hf_peft.py, trainer_tags.py
+and transformers.
 
 Not for: hooking the Trainer (transformers.py) or saving (trainer_saving.py).
 """
@@ -30,6 +30,7 @@ from nebulaml.checkpoint import Checkpoint
 from nebulaml.errors import CheckpointNotFoundError
 from nebulaml.format.jsonbounds import MAX_MANIFEST_BYTES, load_json
 from nebulaml.integrations.hf_common import find, load_optional, restore_rng, rng_item
+from nebulaml.integrations.hf_peft import load_weights
 from nebulaml.integrations.trainer_tags import tag_for_path
 from nebulaml.runtime import session as _session
 
@@ -150,8 +151,9 @@ class TrainerResuming:
     def load_from_checkpoint(self, checkpoint: Checkpoint, model: Any = None) -> None:
         trainer = self.trainer
         target = trainer.model if model is None else model
-        result = target.load_state_dict(checkpoint.load("model", map_location="cpu"), False)
-        trainer._issue_warnings_after_load(result)
+        result = load_weights(checkpoint, target, load_optional)
+        if result is not None:  # a whole model's (a peft model's adapters: as load_adapter)
+            trainer._issue_warnings_after_load(result)
 
     @_from_nebula("_load_optimizer_and_scheduler")
     def load_optimizer_and_scheduler(self, checkpoint: Checkpoint) -> None:
@@ -214,6 +216,7 @@ class TrainerResuming:
             checkpoint.tag,
             trainer.state.best_metric,
         )
-        state_dict = checkpoint.load("model", map_location="cpu")
-        trainer._issue_warnings_after_load(trainer.model.load_state_dict(state_dict, False))
+        result = load_weights(checkpoint, trainer.model, load_optional)
+        if result is not None:
+            trainer._issue_warnings_after_load(result)
         return None

@@ -3,8 +3,8 @@ checkpoint `global_step<N>` (the items `trainer_state.json` and the checkpoint f
 would hold; rank 0 the shared ones, each rank its RNG, every rank commits), labelled
 `transformers` (and `best`), then runs the Trainer's rotation over nebula's checkpoints.
 
-May import: the layers below the integrations, hf_common.py, trainer_tags.py and
-transformers.
+May import: the layers below the integrations, hf_common.py, hf_peft.py, trainer_tags.py
+and transformers.
 
 Not for: hooking the Trainer (transformers.py), resuming (trainer_resuming.py) or the
 rotation's rule itself (trainer_tags.py `rotated_out`: the Trainer's own).
@@ -30,6 +30,7 @@ from nebulaml.integrations.hf_common import (
     rng_item,
     write_checkpoint,
 )
+from nebulaml.integrations.hf_peft import base_model, weight_items
 from nebulaml.integrations.trainer_tags import TAG_PREFIX, rotated_out, tag_for_path, tag_for_step
 from nebulaml.protocol.catalog import list_committed
 from nebulaml.protocol.markers import own_parts
@@ -72,8 +73,9 @@ class TrainerSaving:
         full = not args.save_only_model
 
         def shared() -> Iterator[tuple[str, Any]]:
-            yield "model", trainer.model.state_dict()
-            config = model_config(trainer.model)
+            # A peft model: its adapters, as the Trainer saves it (not the frozen base).
+            yield from weight_items(trainer.model)
+            config = model_config(base_model(trainer.model))
             if config is not None:
                 yield "config", config[0]
                 if config[1]:
