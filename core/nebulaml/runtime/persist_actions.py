@@ -297,6 +297,12 @@ class Eviction:
         except NebulaError as exc:
             log.warning("could not evict old memory-tier copies: %s", exc)
 
+    def evict_now(self) -> None:
+        """An eviction now, on this thread (a follower let candidates go: their buffers
+        are the next save's spares), one at a time with the one a commit asks for."""
+        with self._lock:
+            self.evict_or_warn()
+
     def if_due(self) -> None:
         """The eviction a commit asked for, once: on the eviction thread
         (crew.EVICT_CREW), or on the training thread at its next save, whichever comes
@@ -358,7 +364,10 @@ class Following:
             move, dropped = self.schedule.followed(
                 candidates, leaders, probe, led, time.monotonic(), lambda: self._gone(leaders)
             )
-            self.schedule.let_go(expired, begun)  # evicted with the next commit's eviction
+            let_go = self.schedule.let_go(expired, begun)
+        if let_go:
+            self.eviction.evict_now()  # their buffers: the next save's spares
+        with self.cond:
             if move is Follow.PROGRESS:
                 self.cond.notify_all()
             elif move is Follow.POLL:
