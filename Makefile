@@ -13,7 +13,7 @@ AZURITE := .azurite/node_modules/.bin/azurite-blob
 AZURITE_COPY_VERSION := 3.37.0
 AZURITE_COPY := .azurite-$(AZURITE_COPY_VERSION)/node_modules/.bin/azurite-blob
 
-.PHONY: venv test check lint demo scale reliability clean azurite bench bench-azure bench-peers test-integrations bug-round
+.PHONY: venv test check lint demo scale reliability clean azurite bench bench-azure bench-peers bench-peft test-integrations bug-round
 
 # The suite runs in parallel workers (pytest-xdist): each starts with an even share of the
 # tests, in the order they are collected, and a worker that runs out takes half of the
@@ -116,7 +116,14 @@ PEERS ?= 1
 PEERS_ARGS ?= $(if $(filter small,$(PRESET)),--runs 2 --recoveries 1,)
 bench: $(BENCH_STAMP) $(AZURITE) $(AZURITE_COPY)
 	$(PY) benchmarks/bench.py --preset $(PRESET) $(BENCH_ARGS)
+	$(PY) benchmarks/trainer_peft.py
 	test "$(PEERS)" = 0 || $(PY) benchmarks/peer_replicas.py $(PEERS_ARGS)
+
+# A peft LoRA fine-tune under the Hugging Face Trainer (issue #48, part of `make bench`, about
+# 1.5 min on 2 cores): disk bytes per checkpoint (/proc/self/io write_bytes), NebulaCallback
+# vs the Trainer's own files.
+bench-peft: venv
+	$(PY) benchmarks/trainer_peft.py
 
 # Peer replicas alone (issue #44): on 2 simulated nodes, save() stall with peer_replicas=1
 # vs 0, bytes on the wire vs bytes changed, recovery of a lost node from its partner vs
