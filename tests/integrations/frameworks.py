@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import warm
@@ -27,6 +28,7 @@ EXTRAS = {
     "pytorch_lightning": "lightning",
     "transformers": "transformers",
     "accelerate": "transformers",
+    "peft": "dev",
 }
 
 
@@ -45,6 +47,23 @@ def require(package: str) -> None:
     if in_ci():
         pytest.fail(reason, pytrace=False)
     pytest.skip(reason)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two states are equal bit for bit: tensors (dtype too), dicts, lists."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return (
+            isinstance(b, (list, tuple))
+            and len(a) == len(b)
+            and all(same(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return bool(a == b)
 
 
 @dataclass(frozen=True, slots=True)

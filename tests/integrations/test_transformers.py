@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import warm
-from frameworks import REPO, Finished, child_env, require, run_ranks
+from frameworks import REPO, Finished, child_env, require, run_ranks, same
 
 import nebulaml as nm
 
@@ -38,20 +38,6 @@ def _frameworks() -> None:
 
 
 # helpers --------------------------------------------------------------------------------
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return (
-            isinstance(b, (list, tuple))
-            and len(a) == len(b)
-            and all(_same(x, y) for x, y in zip(a, b, strict=True))
-        )
-    return bool(a == b)
-
-
 def _spec(tmp_path: Path, run: str, root: str, **kwargs: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "root": str(tmp_path / root),
@@ -149,17 +135,17 @@ def test_trainer_resumes_after_sigkill_as_if_never_interrupted(
     assert result["start"] == 6
     start = torch.load(start_state.format(rank=0), weights_only=True)
     assert start["global_step"] == 6
-    assert _same(start["model"], _item(full["root"], "global_step6", "model"))
-    assert _same(start["optimizer"], _item(full["root"], "global_step6", "optimizer"))
-    assert _same(start["scheduler"], _item(full["root"], "global_step6", "scheduler"))
-    assert _same(
+    assert same(start["model"], _item(full["root"], "global_step6", "model"))
+    assert same(start["optimizer"], _item(full["root"], "global_step6", "optimizer"))
+    assert same(start["scheduler"], _item(full["root"], "global_step6", "scheduler"))
+    assert same(
         _item(resumed["root"], "global_step6", "rng_state"),
         _item(full["root"], "global_step6", "rng_state"),
     )
 
     assert list(_after(result["losses"], 6)) == ["7", "8", "9", "10"]
     assert _after(result["losses"], 6) == _after(reference["losses"], 6)  # loss, grad, lr
-    assert _same(
+    assert same(
         _item(resumed["root"], "global_step10", "model"),
         _item(full["root"], "global_step10", "model"),
     )
@@ -284,8 +270,8 @@ def test_load_best_model_at_end_through_the_best_label(tmp_path: Path) -> None:
 
     assert trainer.state.best_model_checkpoint == str(tmp_path / "output" / "checkpoint-4")
     best = _item(root, "global_step4", "model")
-    assert _same(trainer.model.state_dict(), best)
-    assert not _same(best, _item(root, "global_step8", "model"))
+    assert same(trainer.model.state_dict(), best)
+    assert not same(best, _item(root, "global_step8", "model"))
     listed = {c["tag"]: c for c in nm.list_checkpoints(root) if "persistent" in c["tiers"]}
     assert sorted(listed) == ["global_step4", "global_step8"]
     assert listed["global_step4"]["labels"] == ["best", "transformers"]
@@ -354,13 +340,13 @@ def test_export_loads_with_from_pretrained(tmp_path: Path, monkeypatch: pytest.M
     assert {"config.json", "model.safetensors"} <= set(os.listdir(dest))
     causal = AutoModelForCausalLM.from_pretrained(dest)
     assert isinstance(causal, GPT2LMHeadModel)
-    assert _same(causal.state_dict(), trained)
+    assert same(causal.state_dict(), trained)
     assert causal.lm_head.weight.data_ptr() == causal.transformer.wte.weight.data_ptr()
     base = AutoModel.from_pretrained(dest)
     assert isinstance(base, GPT2Model)
     prefix = "transformer."
     body = {k[len(prefix) :]: v for k, v in trained.items() if k.startswith(prefix)}
-    assert _same(base.state_dict(), body)
+    assert same(base.state_dict(), body)
     assert export_pretrained(root, None, tmp_path / "newest") == tmp_path / "newest"
     # The files follow the umask (model.safetensors was 0600: another user's server could
     # not read it), unless private.
@@ -425,9 +411,9 @@ def test_ddp_trainer_saves_through_rank_0_and_resumes_on_both_ranks(
         result = _result(resumed, rank)
         assert result["start"] == 4
         start = torch.load(start_state.format(rank=rank), weights_only=True)
-        assert _same(start["optimizer"], _item(full["root"], "global_step4", "optimizer"))
+        assert same(start["optimizer"], _item(full["root"], "global_step4", "optimizer"))
         assert _after(result["losses"], 4) == _after(reference["losses"], 4)
-    assert _same(
+    assert same(
         _item(resumed["root"], "global_step8", "model"),
         _item(full["root"], "global_step8", "model"),
     )
@@ -444,7 +430,7 @@ def test_accelerate_save_state_resumes_after_sigkill(tmp_path: Path, memory_tier
     full, reference, resumed, result = _crash_and_resume(tmp_path, memory_tier, "accelerate")
     assert result["start"] == 6
     assert _after(result["losses"], 6) == _after(reference["losses"], 6)
-    assert _same(
+    assert same(
         _item(resumed["root"], "global_step10", "model"),
         _item(full["root"], "global_step10", "model"),
     )
@@ -504,7 +490,7 @@ def test_accelerate_helpers_in_process(tmp_path: Path) -> None:
         model.weight.add_(1.0)
     assert nma.load_state(accelerator, "global_step3") == "global_step3"
     assert (counter.n, accelerator.step, accelerator.save_iteration) == (7, 3, 1)
-    assert _same(model.state_dict(), weights)
+    assert same(model.state_dict(), weights)
     with pytest.raises(nm.CheckpointNotFoundError):
         nma.load_state(accelerator, "global_step99")
     assert nm.list_checkpoints()[0]["items"] == [

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from frameworks import require
+from frameworks import require, same
 
 import nebulaml as nm
 
@@ -38,16 +38,6 @@ def _trainer(output_dir: Path, callbacks: list[Any]) -> Any:
     model = get_peft_model(tiny_gpt2(), lora)
     args = training_args(str(output_dir), max_steps=STEPS, save_steps=SAVE)
     return Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def _resumed(trainer: Any, resume_from: str) -> dict[str, Any]:
@@ -89,12 +79,12 @@ def test_a_lora_checkpoint_is_the_trainers_and_resumes_bit_identical(tmp_path: P
     assert found is not None
     with found:
         adapter = found.load("adapter_model")
-        assert _equal(adapter, load_file(native_ckpt / "adapter_model.safetensors"))
+        assert same(adapter, load_file(native_ckpt / "adapter_model.safetensors"))
         native_optimizer = torch.load(native_ckpt / "optimizer.pt", weights_only=True)
-        assert _equal(found.load("optimizer"), native_optimizer)
-        assert _equal(found.load("scheduler"), torch.load(native_ckpt / "scheduler.pt"))
+        assert same(found.load("optimizer"), native_optimizer)
+        assert same(found.load("scheduler"), torch.load(native_ckpt / "scheduler.pt"))
         rng = torch.load(native_ckpt / "rng_state.pth", weights_only=False)
-        assert _equal(found.load("rng_state")["cpu"], rng["cpu"])
+        assert same(found.load("rng_state")["cpu"], rng["cpu"])
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
     optimizer_bytes = (native_ckpt / "optimizer.pt").stat().st_size
     assert listed["size_bytes"] < 3 * (adapter_bytes + optimizer_bytes)  # not the base
@@ -107,7 +97,7 @@ def test_a_lora_checkpoint_is_the_trainers_and_resumes_bit_identical(tmp_path: P
     assert native["step"] == ours["step"] == STEPS
     assert len(ours["losses"]) == STEPS  # the log history of steps 1-2 restored, 3-4 trained
     for key in ("weights", "optimizer", "scheduler", "losses", "rng"):
-        assert _equal(native[key], ours[key]), key
+        assert same(native[key], ours[key]), key
 
     # The export is the Trainer's adapter folder.
     dest = export_pretrained(root, f"global_step{STEPS}", tmp_path / "export")
@@ -119,4 +109,4 @@ def test_a_lora_checkpoint_is_the_trainers_and_resumes_bit_identical(tmp_path: P
 
     loaded = PeftModel.from_pretrained(tiny_gpt2(), str(dest))
     expected = {k: v for k, v in ours["weights"].items() if "lora_" in k}
-    assert _equal({k: v for k, v in loaded.state_dict().items() if "lora_" in k}, expected)
+    assert same({k: v for k, v in loaded.state_dict().items() if "lora_" in k}, expected)
