@@ -15,6 +15,7 @@ configuration (config.py, runtime/session.py).
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Iterable
@@ -30,6 +31,18 @@ from nebulaml.runtime.load import load_item
 from nebulaml.runtime.save import SaveJob
 
 MANUAL_COMMIT = -2
+
+
+def _release_elsewhere(holds: HandleHolds) -> None:
+    """End a dropped handle's holds on a thread of its own. The collector runs a
+    finalizer on whichever thread it interrupts, and that may be a network store's event
+    loop (fsspec's): a removal waited for there could never be answered, and held every
+    request of the process until the call's deadline (30 s). A hold not removed expires."""
+    thread = threading.Thread(target=holds.release, name="nebula-release-hold", daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:  # the interpreter is shutting down: the holds expire
+        return
 
 
 class Checkpoint:
@@ -91,7 +104,7 @@ class Checkpoint:
         if holds is not None:
             handle._holds = holds
             # Dropped unreleased: its holds go with it (or expire, at exit).
-            weakref.finalize(handle, holds.release).atexit = False
+            weakref.finalize(handle, _release_elsewhere, holds).atexit = False
         return handle
 
     @property

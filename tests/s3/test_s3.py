@@ -194,3 +194,38 @@ def test_an_abandoned_upload_never_commits_an_object(
         r for r in _requests(s3_server, since) if key in r and r.startswith(("PUT", "POST"))
     ]
     assert store.list_files("t") == {}
+
+
+def test_a_dropped_handle_never_stalls_the_stores_event_loop(
+    s3_url: str, s3_server: s3server.MotoServer
+) -> None:
+    # Catches: a handle's holds released by the collector on the thread it interrupted,
+    # here fsspec's event loop: the removal waited there for the loop itself, and every
+    # request of the process stalled until the call's deadline (30 s).
+    import gc
+    import time
+
+    from fsspec.asyn import sync
+
+    options = s3_server.options()
+    nm.init(s3_url, storage_options=options, persistent_time_interval=0)
+    nm.Checkpoint("global_step1", 1).save("model", _state(1))
+    assert nm.flush_persistence()
+    nm.shutdown()
+    store = Store(s3_url, options)
+    with nm.using_storage_options(options):
+        handle = nm.get_latest_checkpoint(s3_url)
+    assert handle is not None
+    assert [n for n in store.list_files("global_step1") if n.startswith(".lease")]
+    handle._cycle = handle  # type: ignore[attr-defined]  # only the collector frees it
+    del handle
+
+    async def collect() -> None:
+        gc.collect()  # on the loop's thread, as the collector may run anywhere
+
+    started = time.monotonic()
+    sync(store.fs.loop, collect)
+    assert store.list_files("global_step1") and time.monotonic() - started < 5
+    while [n for n in store.list_files("global_step1") if n.startswith(".lease")]:
+        assert time.monotonic() - started < 10, "the dropped handle's hold was never removed"
+        time.sleep(0.05)
