@@ -40,7 +40,7 @@ print("committed", flush=True)
 time.sleep(600)  # until SIGKILL: nothing runs at exit
 """
 TIER_KEYS = {"path", "root", "state", "note", "tags", "newest", "persisted", "size_bytes",
-             "writer_alive", "replicas"}  # fmt: skip
+             "writer_alive", "replicas", "leftovers"}  # fmt: skip
 REFUSAL = (
     "to release; refusing to release without --yes when not on a terminal "
     "(add --yes, or --dry-run to see the plan only)"

@@ -16,7 +16,7 @@ step is persisted) is kept by `nebula gc` as an unpersisted checkpoint is: a res
 their job may need them.
 
 May import: protocol's tiers, memory_tier, tier_identity, tier_lifetime, catalog,
-replicas and replicas_held; runtime.locate (a root's tiers); storage; errors. Not for: a
+recovery, replicas and replicas_held; runtime.locate (a root's tiers); storage; errors. Not for: a
 running job's own tier (session.py), or persisting what a crashed job left
 (copying.persist_memory_tier).
 """
@@ -32,6 +32,7 @@ from nebulaml.errors import NebulaError, UnsafeMemoryTierError, UnsupportedSchem
 from nebulaml.format.names import order_key, step_of
 from nebulaml.protocol.catalog import list_committed, read_committed
 from nebulaml.protocol.memory_tier import check_private_dir, memory_base
+from nebulaml.protocol.recovery import dead_leftovers
 from nebulaml.protocol.replicas import Replica
 from nebulaml.protocol.replicas_held import held_replicas, needed_replicas
 from nebulaml.protocol.tier_identity import (
@@ -131,7 +132,10 @@ class MemoryTierInfo:
     read from here); `note` says why. `persisted`: whether the newest checkpoint is
     committed on the root (None where that cannot be told; False for a memory-only job).
     `replicas`: the replicas it keeps of other nodes' parts (`ReplicaInfo`), counted in
-    `size_bytes`.
+    `size_bytes`. `leftovers`: tags of a job that ended that never committed and never
+    will (every writer ran on this host and is gone: a rank's part whose other ranks never
+    saved theirs, a killed save), not among `tags` (there is nothing in them to flush);
+    gc releases them with the tier, and a restart's `nm.init` removes them.
     """
 
     path: str
@@ -144,6 +148,7 @@ class MemoryTierInfo:
     size_bytes: int
     writer_alive: bool
     replicas: tuple[ReplicaInfo, ...] = ()
+    leftovers: tuple[str, ...] = ()
 
     @property
     def unpersisted_replicas(self) -> tuple[ReplicaInfo, ...]:
@@ -162,6 +167,7 @@ class MemoryTierInfo:
             "size_bytes": self.size_bytes,
             "writer_alive": self.writer_alive,
             "replicas": [replica.to_json() for replica in self.replicas],
+            "leftovers": list(self.leftovers),
         }
 
 
@@ -210,6 +216,8 @@ def describe_memory_tier(path: str) -> MemoryTierInfo:
         return MemoryTierInfo(path, None, UNSAFE, str(exc), (), None, None, 0, False)
     alive = in_use(memory)
     tags, size = tier_contents(memory)
+    leftovers = () if alive else tuple(dead_leftovers(memory))  # never to commit
+    tags = [tag for tag in tags if tag not in leftovers]
     newer: list[UnsupportedSchemaError] = []
     try:
         committed = list_committed(memory, newer)
@@ -228,12 +236,13 @@ def describe_memory_tier(path: str) -> MemoryTierInfo:
         note = "no record of its root (an older nebula's, or a job that died at its start)"
         replicas = tuple(replace(r, persisted=None) for r in _replica_infos(memory, None))
         return MemoryTierInfo(
-            path, None, ORPHANED, note, tuple(tags), newest, None, size, alive, replicas
-        )
+            path, None, ORPHANED, note, tuple(tags), newest, None, size, alive, replicas,
+            leftovers,
+        )  # fmt: skip
     if record.persistent is None:  # a memory-only job: nothing was ever persisted
         return MemoryTierInfo(
             path, None, OK, "a job without a persistent root", tuple(tags), newest,
-            False if tags else None, size, alive, _replica_infos(memory, None),
+            False if tags else None, size, alive, _replica_infos(memory, None), leftovers,
         )  # fmt: skip
     state, why, persisted = _judge_root(memory, record.persistent, record.location, newest_info)
     if newest is not None and newest_info is None and state == OK:
@@ -244,7 +253,7 @@ def describe_memory_tier(path: str) -> MemoryTierInfo:
         replicas = tuple(replace(r, persisted=None) for r in replicas)
     return MemoryTierInfo(
         path, record.persistent, state, why, tuple(tags), newest,
-        persisted if tags else None, size, alive, replicas,
+        persisted if tags else None, size, alive, replicas, leftovers,
     )  # fmt: skip
 
 
@@ -321,7 +330,10 @@ def plan_gc(
         elif tier.state == STALE:
             actions.append(GcAction(tier, True, f"stale: {tier.note}"))
         elif not tier.tags and not tier.unpersisted_replicas:
-            actions.append(GcAction(tier, True, "holds no checkpoint"))
+            why = "holds no checkpoint"
+            if tier.leftovers:
+                why += f" ({', '.join(tier.leftovers)}: never committed, its writers gone)"
+            actions.append(GcAction(tier, True, why))
         elif tier.persisted and tier.state == OK and not tier.unpersisted_replicas:
             actions.append(GcAction(tier, True, f"{tier.newest} is persisted; its job ended"))
         elif discard_unpersisted:

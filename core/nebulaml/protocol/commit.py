@@ -86,6 +86,18 @@ log = logging.getLogger("nebulaml")
 
 ANY_GENERATION: Any = object()  # read_markers: parts of any generation
 GONE_POLL_S = 0.5  # await_commit: how often it asks whether a missing rank has ended
+SLOW_RANKS_S = 5.0  # await_commit: when it says which ranks it waits for (`slow`)
+
+
+def slow_after_s(timeout_s: float) -> float:
+    """How long a wait for other ranks' parts goes before it is said: `SLOW_RANKS_S`, or
+    half the timeout when that is shorter.
+
+    Example:
+        >>> slow_after_s(300.0), slow_after_s(2.0)
+        (5.0, 1.0)
+    """
+    return min(SLOW_RANKS_S, timeout_s / 2)
 
 
 def producer() -> Producer:
@@ -291,6 +303,7 @@ def await_commit(
     generation: Any = ANY_GENERATION,
     sequence_floor: int = 0,
     gone: Callable[[list[int]], list[int]] | None = None,
+    slow: Callable[[list[int], float], None] | None = None,
 ) -> Manifest:
     """Wait until `tag` is committed on `store`: its manifest appears, or the marker of
     every rank that writes it (`ranks`; None: all `world_size`) is there, of `generation`,
@@ -299,6 +312,8 @@ def await_commit(
     Raises `RankTimeoutError` naming the ranks whose part is missing (or is of another
     generation) after `timeout_s`; `RankGoneError` as soon as `gone(missing)`, asked
     every `GONE_POLL_S`, names ranks among them whose process has ended;
+    `slow(missing, waited_s)` is called once, `slow_after_s(timeout_s)` into the wait, with
+    the ranks whose part is still missing (a save should say early why it blocks);
     `PartSupersededError` as soon as (looked at as often) a rank replaced its part there,
     during this wait, with one of a later save of the tag than `generation` (it saved the
     tag again: its part of this save is gone, and this one can never be committed). A
@@ -306,7 +321,9 @@ def await_commit(
     earlier session's, which counted its saves of the tag on its own.
     """
     writers = writer_ranks(some_ranks(ranks, world_size), world_size)
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
+    slow_at = None if slow is None else started + slow_after_s(timeout_s)
     next_gone = time.monotonic() + GONE_POLL_S
     next_look = time.monotonic()
     there_first: dict[int, str | None] | None = None  # later saves' parts at the start
@@ -337,6 +354,10 @@ def await_commit(
             raise RankTimeoutError(
                 store.display(tag), missing + stale, timeout_s, stale, wrote=wrote, tag=tag
             )
+        if slow is not None and slow_at is not None and time.monotonic() >= slow_at:
+            slow_at = None
+            files = store.list_files(tag)
+            slow([r for r in writers if marker_name(r) not in files], time.monotonic() - started)
         if gone is not None and time.monotonic() >= next_gone:
             next_gone = time.monotonic() + GONE_POLL_S
             files = store.list_files(tag)

@@ -3,6 +3,7 @@
     list_incomplete      tag folders nebula started (a rank or writer marker) but never
                          committed: the leftovers of crashed saves, persists and deletes
     remove_dead_writers  delete those whose writers all ran on this host and are gone
+                         (`dead_leftovers`: which those are)
     suspects             the folders a restart looks at: the top, and what memory names
     discard_stale_parts  remove one rank's uncommitted parts written by another generation
                          of the job (before a restart): never completed by newer parts
@@ -65,16 +66,25 @@ def remove_dead_writers(store: Store, tags: Iterable[str] | None = None) -> list
 
     A tag being written by a live process, or by another host, is left alone.
     """
-    removed = []
+    removed = dead_leftovers(store, tags)
+    for tag in removed:
+        delete_checkpoint(store, tag)
+    return removed
+
+
+def dead_leftovers(store: Store, tags: Iterable[str] | None = None) -> list[str]:
+    """The uncommitted tags whose writers ran on this host and are all gone (what
+    `remove_dead_writers` deletes): saves that will never commit, a part whose other ranks
+    never came among them; `tags`: among those only."""
+    found = []
     host = socket.gethostname()
     for tag in list_incomplete(store, tags):
         if not any(n.startswith(WRITER_PREFIX) for n in store.list_files(tag)):
             continue  # not started by a writer we can judge
         writers = read_writers(store, tag)
         if not any(w.get("host") != host or writer_alive(w, host) for w in writers):
-            delete_checkpoint(store, tag)
-            removed.append(tag)
-    return removed
+            found.append(tag)
+    return found
 
 
 def suspects(store: Store, named: Iterable[str] = ()) -> list[str]:

@@ -43,6 +43,7 @@ from nebulaml.errors import (
     InvalidArgumentError,
     MemoryBudgetError,
     MemoryTierFullError,
+    RankTimeoutError,
     SnapshotChangedError,
     StorageError,
     StorageFullError,
@@ -429,15 +430,23 @@ class SaveJob:
             # The other ranks share this memory tier: wait (bounded) until their parts
             # are there and the checkpoint is committed, so that it loads on every rank.
             trace("await ranks", self.tag)
-            manifest = await_commit(
-                memory,
-                self.tag,
-                world_size=session.world_size,
-                ranks=self.ranks,
-                generation=self._generation,
-                timeout_s=session.config.rank_timeout_s,
-                sequence_floor=session.persister.sequence_floor(memory),
-            )
+            try:
+                manifest = await_commit(
+                    memory,
+                    self.tag,
+                    world_size=session.world_size,
+                    ranks=self.ranks,
+                    generation=self._generation,
+                    timeout_s=session.config.rank_timeout_s,
+                    sequence_floor=session.persister.sequence_floor(memory),
+                    slow=self._say_waiting(session),
+                )
+            except RankTimeoutError:
+                # Every rank shares this memory tier, and the missing parts never came: the
+                # checkpoint cannot commit. This rank's part goes now, not left in RAM for
+                # gc or a restart to find.
+                delete_part(memory, self.tag, session.rank, discard=session.pool.recycle)
+                raise
         trace("record", self.tag)
         row = self._finish_commit(session, memory, "memory", t0, marker_left=marker_left)
         # This rank's part is committed (on a node without the other ranks, the memory
@@ -455,6 +464,30 @@ class SaveJob:
         # at once; a no-op without replication).
         session.replicate(self.tag)
         return True
+
+    def _say_waiting(self, session: Session) -> Callable[[list[int], float], None]:
+        """What a save that waits for other ranks' parts says, a few seconds in (it may
+        wait `rank_timeout_s`): who it waits for, and `ranks=` when none were named."""
+
+        def say(missing: list[int], waited_s: float) -> None:
+            saved = [r for r in self.writers(session) if r not in missing]
+            hint = ""
+            if self.ranks is None:
+                hint = (
+                    f"; if only rank(s) {', '.join(map(str, saved))} save this checkpoint, "
+                    f"say so: nm.Checkpoint({self.tag!r}, ranks={saved})"
+                )
+            log.warning(
+                "checkpoint %r: save() has waited %.0f s for rank(s) %s to save their part, "
+                "and waits up to rank_timeout_s (%.0f s) before it fails%s",
+                self.tag,
+                waited_s,
+                ", ".join(map(str, missing)),
+                session.config.rank_timeout_s,
+                hint,
+            )
+
+        return say
 
     def _prepare_next_save(self, session: Session, used: int | None) -> Callable[[], None]:
         """What the persister runs once it has evicted the copies this commit supersedes
