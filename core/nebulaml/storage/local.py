@@ -430,23 +430,17 @@ class LocalBackend:
     def append(self, parts: Parts, data: bytes, *, append_id: str) -> None:
         """One O_APPEND write (whole lines from concurrent writers stay whole), fsynced."""
         del append_id  # one file takes every append in place
-        # O_NONBLOCK: a FIFO planted in the file's place must not block the persister for
-        # ever (no reader: ENXIO at once; a reader: refused below, not a regular file).
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-        mode = self.file_mode if self.private else 0o644
+        # A FIFO planted in the file's place must not block the persister for ever, nor a
+        # link lead the append elsewhere (open_regular_fd).
+        fd = open_regular_fd(
+            self._local(parts, leaf_may_link=True),
+            self.path(parts),
+            flags=os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+            mode=self.file_mode if self.private else 0o644,
+            refusal="nebula appends only to its own",
+            link="not a regular file",
+        )
         try:
-            fd = os.open(self._local(parts, leaf_may_link=True), flags | os.O_NONBLOCK, mode)
-        except OSError as exc:
-            if exc.errno in (errno.ENXIO, errno.ELOOP):
-                raise StorageError(
-                    f"{self.path(parts)}: not a regular file; nebula appends only to its own"
-                ) from exc
-            raise
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise StorageError(
-                    f"{self.path(parts)}: not a regular file; nebula appends only to its own"
-                )
             # One write per batch keeps concurrent appenders' lines whole.
             os.write(fd, data)
             if self.durable:

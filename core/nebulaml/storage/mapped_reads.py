@@ -82,19 +82,31 @@ def open_regular(path: str, where: str) -> BinaryIO:
         raise
 
 
-def open_regular_fd(path: str, where: str) -> int:
-    """`open_regular`'s descriptor, for a caller that reads with os.read."""
+def open_regular_fd(
+    path: str,
+    where: str,
+    *,
+    flags: int = os.O_RDONLY,
+    mode: int = 0o600,
+    refusal: str = "nebula reads only its own files",
+    link: str = "is a symbolic link",
+) -> int:
+    """`open_regular`'s descriptor, for a caller that reads with os.read; with `flags`
+    (e.g. O_WRONLY | O_CREAT | O_APPEND) and `mode`, one that writes. Never through a
+    symbolic link, never blocking on a FIFO planted at the name (a writer's open of one
+    without a reader fails at once), never anything but a regular file: `StorageError`
+    ending in `refusal` (after `link` for a symbolic link)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise StorageError(
-                f"{where}: is a symbolic link; nebula reads only its own files"
-            ) from exc
+            raise StorageError(f"{where}: {link}; {refusal}") from exc
+        if exc.errno == errno.ENXIO:
+            raise StorageError(f"{where}: not a regular file; {refusal}") from exc
         raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise StorageError(f"{where}: not a regular file; nebula reads only its own files")
+            raise StorageError(f"{where}: not a regular file; {refusal}")
     except BaseException:
         os.close(fd)
         raise
