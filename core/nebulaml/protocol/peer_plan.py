@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nebulaml.format.names import OrderKey, order_key
 from nebulaml.protocol.part_restore import Damaged, HeldPart
@@ -51,8 +52,7 @@ class Offer:
     damaged: tuple[Damaged, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Transfer:
+class Transfer(NamedTuple):
     """Rank `rank`'s part of `tag` sent back to it by `holder`, which keeps its replica."""
 
     tag: str
