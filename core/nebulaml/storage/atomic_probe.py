@@ -79,6 +79,24 @@ def probe(publish: Callable[[str, bytes], None], remove: Callable[[str], None]) 
     return False
 
 
+def require_store(store: Any) -> None:
+    """`require_atomic_create` for a `Store` (store.py's `require_atomic_create`): declared
+    by its backend (`capabilities.atomic_create`) and probed once per root in this process
+    with its own create-only publishes, or its storage option / environment's
+    `single_writer`."""
+
+    def publish(name: str, data: bytes) -> None:
+        store.publish((name,), data, create_only=True)
+
+    require_atomic_create(
+        store.location,
+        store.url,
+        declared=store.capabilities.atomic_create,
+        single_writer=store.single_writer,
+        run_probe=lambda: probe(publish, store.remove),
+    )
+
+
 def require_atomic_create(
     location: str,
     url: str,

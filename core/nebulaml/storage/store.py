@@ -200,26 +200,14 @@ class Store:
 
     def require_atomic_create(self) -> None:
         """Refuse this root as a persistent tier (`InvalidArgumentError`, one line) unless
-        its backend publishes create-only atomically: declared, and probed once per root
-        in this process (two create-only publishes of one name, the second refused), or
-        unless the user promised one writer at a time (`single_writer`: the storage option
-        `nebula_single_writer`, `NEBULA_SINGLE_WRITER`). See atomic_probe.py.
+        its backend publishes create-only atomically, or its user promised one writer at a
+        time (atomic_probe.py's `require_store` says how).
 
         Example:
             >>> import tempfile
             >>> Store(tempfile.mkdtemp()).require_atomic_create()  # a local disk: atomic
         """
-
-        def publish(name: str, data: bytes) -> None:
-            self.publish((name,), data, create_only=True)
-
-        atomic_probe.require_atomic_create(
-            self.location,
-            self.url,
-            declared=self.capabilities.atomic_create,
-            single_writer=self.single_writer,
-            run_probe=lambda: atomic_probe.probe(publish, self.remove),
-        )
+        atomic_probe.require_store(self)
 
     def _local(self) -> LocalPathBackend:
         """The backend, as the local one it declares it is (`is_local`)."""
