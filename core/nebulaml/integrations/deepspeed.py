@@ -11,10 +11,11 @@ DeepSpeed's `NebulaCheckpointEngine` imports `torch_nebula` and calls
                   steps saved again after a rollback
     materialize   the real files of a saved tag in `save_dir`, over the placeholders, for
                   DeepSpeed's tools that read files (zero_to_fp32.py, a load without nebula)
-    get_checkpoint  `torch_nebula.get_checkpoint`: `nebulaml.get_checkpoint`, which warns
-                  when the tag is not there (DeepSpeed's engine then loads the newest
-                  checkpoint instead, silently: `load_checkpoint(tag="global_step4")`
-                  after global_step4 was superseded before its persist)
+    get_checkpoint  `torch_nebula.get_checkpoint`: `nebulaml.get_checkpoint`, which warns,
+                  once per process and tag, when the tag is not there, naming the tag
+                  DeepSpeed's engine loads instead (it falls back to the newest, silently:
+                  `load_checkpoint(tag="global_step4")` after the memory tier that held
+                  global_step4 was lost before its persist)
     init          `torch_nebula.init`: `nebulaml.init`, which also takes nebula's own
                   keys of the ds_config's `"nebula"` block (`peer_replicas`) that
                   DeepSpeed's engine does not pass (it passes the path, the interval
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from nebulaml.api import get_checkpoint as _get_checkpoint
+from nebulaml.api import get_latest_checkpoint as _get_latest_checkpoint
 from nebulaml.api import init as _init
 from nebulaml.checkpoint import Checkpoint as _Checkpoint
 from nebulaml.errors import CheckpointNotFoundError, NebulaError
@@ -54,6 +56,7 @@ LATEST_FILE = "latest"  # DeepSpeed's save_dir/latest: the tag of the last save
 # (DeepSpeed's config reads its five keys and drops the rest; `init` reads these).
 BLOCK_OPTIONS = ("peer_replicas",)
 _ENGINE = "NebulaCheckpointEngine"  # DeepSpeed's class that calls torch_nebula.init
+_SAID_MISSING: set[tuple[str, str]] = set()  # (root, tag): get_checkpoint warned of it
 
 
 def init(
@@ -176,13 +179,25 @@ def get_checkpoint(tag: str, persist_path: PathLike | None = None) -> _Checkpoin
         >>> nm.shutdown()
     """
     found = _get_checkpoint(tag, persist_path)
-    if found is None:
+    where = os.fspath(persist_path) if persist_path else "this job's root"
+    if found is None and (where, tag) not in _SAID_MISSING:
+        # The engine asks once per file it loads: said once per process.
+        _SAID_MISSING.add((where, tag))
+        latest = _get_latest_checkpoint(persist_path)
+        if latest is None:
+            instead = "finds no checkpoint to load instead"
+        else:
+            instead = f"loads {latest.tag!r}, the newest, instead"
+            latest.release()
         log.warning(
-            "checkpoint %r is not in %s: DeepSpeed's Nebula engine loads the newest "
-            "checkpoint instead. A checkpoint superseded within persistent_time_interval "
-            "is not persisted, and goes from the memory tier once a newer one is durable: "
-            "call torch_nebula.flush_persistence() after saving one you will load again",
-            tag, persist_path or "this job's root",
+            "checkpoint %r is neither in %s nor in this node's memory tier: DeepSpeed's "
+            "Nebula engine %s. A checkpoint is in the memory tier alone until it is "
+            "persisted: one not yet persisted when the memory tier was lost (a lost node, "
+            "a reboot, /dev/shm cleared) is gone, and so is one a newer checkpoint "
+            "superseded before its persist (the newest is persisted at most every "
+            "persistent_time_interval). torch_nebula.flush_persistence() after a save "
+            "makes it durable at once",
+            tag, where, instead,
         )  # fmt: skip
     return found
 
