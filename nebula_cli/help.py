@@ -215,11 +215,42 @@ class NebulaGroup(TyperGroup):
 def _json_usage_error(exc: Any) -> None:
     """A usage error of a command given --json, as its error object on stdout (exits.py
     `json_error`: the command never ran, so it wrote nothing)."""
+    _plain_words(exc)
     token = JSON_STATE.set({"wanted": True, "written": False})
     try:
         json_error(_sentence(exc.format_message()), EXIT_USAGE)
     finally:
         JSON_STATE.reset(token)
+
+
+# What a bad option value is told, by the type of pydantic's error (typer's parsing):
+# plain words, as the commands' own checks write them, not "Input should be ...".
+_PLAIN = {
+    "int_parsing": "{input!r} is not a whole number",
+    "int_from_float": "{input!r} is not a whole number",
+    "float_parsing": "{input!r} is not a number",
+    "bool_parsing": "{input!r} is not one of true, false, yes, no, 1, 0",
+    "greater_than_equal": "must be at least {ge}, not {input}",
+    "greater_than": "must be more than {gt}, not {input}",
+    "less_than_equal": "must be at most {le}, not {input}",
+    "less_than": "must be less than {lt}, not {input}",
+}
+
+
+def _plain_words(exc: Any) -> None:
+    """A bad value's message in plain words, where typer gave pydantic's ('Input should be
+    a valid integer, unable to parse string as an integer'): `'abc' is not a whole
+    number`, `must be at least 0, not -3`."""
+    cause = exc.__cause__
+    errors = getattr(cause, "errors", None)
+    if not callable(errors) or not isinstance(getattr(exc, "message", None), str):
+        return
+    try:
+        (error,) = errors()
+        words = _PLAIN[error["type"]].format(input=error.get("input"), **error.get("ctx", {}))
+    except (ValueError, KeyError, TypeError, IndexError):
+        words = exc.message.replace("Input should be", "must be")
+    exc.message = words
 
 
 def _sentence(message: str) -> str:
@@ -234,6 +265,7 @@ def usage_error_line(exc: Any) -> str:
     """`nebula: error: missing option '--keep' (see 'nebula prune --help')`."""
     ctx = getattr(exc, "ctx", None)
     where = ctx.command_path if ctx is not None else "nebula"
+    _plain_words(exc)
     message = _sentence(exc.format_message())
     if message == "missing argument 'ROOT'":
         message += f": give it, or set {ROOT_ENV}"

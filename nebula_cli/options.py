@@ -24,12 +24,22 @@ ROOT_ENV = "NEBULA_PERSISTENT_STORAGE_PATH"
 # How many arguments a command needs with ROOT, by command, where its required ones do
 # not say (copy's TAG and DEST are optional to click): from the options parsed.
 ROOT_POSITIONALS: dict[str, Callable[[dict[str, Any]], int]] = {}
+
+
+def _root_given(value: str) -> str:
+    """ROOT as given; an empty one refused (it would name the current folder unseen)."""
+    if not value.strip():
+        raise typer.BadParameter("must not be empty: a path ('.' for this folder) or a URL")
+    return value
+
+
 RootArg = Annotated[
     str,
     typer.Argument(
         metavar="ROOT",
         help="Checkpoint root: a path or an fsspec URL (its memory tier on this node is "
         f"included). Left out: ${ROOT_ENV}.",
+        callback=_root_given,
     ),
 ]
 TagArg = Annotated[

@@ -116,6 +116,18 @@ def _steps(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
+def save_every(steps: int | None, every: str) -> str:
+    """The recommendation's first words: steps where the tags name them.
+
+    Example:
+        >>> save_every(635, "10m 25s"), save_every(1, "2.1 s"), save_every(None, "40 s")
+        ('Save every 635 steps (about 10m 25s)', 'Save every step (about 2.1 s)', 'Save every 40 s')
+    """
+    if not steps:
+        return f"Save every {every}"
+    return f"Save every {'step' if steps == 1 else f'{steps} steps'} (about {every})"
+
+
 def setting(seconds: float, interval_s: float) -> str:
     """A `persistent_time_interval` as one writes it (whole seconds from 10 s up, else
     hundredths): rounded down while it is the save interval (each save persisted), up
@@ -167,9 +179,7 @@ def _print(location: str, a: Advice) -> None:
             markup=False,
         )
         return
-    every = duration(advised.interval_s)
-    what = f"Save every {advised.steps} steps (about {every})" if advised.steps else (
-        f"Save every {every}")  # fmt: skip
+    what = save_every(advised.steps, duration(advised.interval_s))
     persist = (
         f" and set persistent_time_interval={setting(advised.persist_every_s, advised.interval_s)}"
         if advised.persist_every_s is not None
