@@ -80,8 +80,9 @@ class CheckpointNotFoundError(NebulaError, FileNotFoundError):
 class RootNotFoundError(CheckpointNotFoundError):
     """A checkpoint root that exists on no tier (neither the path nor its memory tier)."""
 
-    def __init__(self, root: str) -> None:
-        NebulaError.__init__(self, f"{root}: no such checkpoint root")
+    def __init__(self, root: str, why: str | None = None) -> None:
+        said = f"{root}: no such checkpoint root" + (f" ({why})" if why else "")
+        NebulaError.__init__(self, said)
         self.root, self.tag = root, None
 
 

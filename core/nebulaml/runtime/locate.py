@@ -104,8 +104,23 @@ def check_root(persist_path: PathLike) -> str:
     """
     tiers = tiers_for(persist_path, "check_root")
     if not any(store.exists() for _tier, store in tiers.stores):
-        raise RootNotFoundError(tiers.display)
+        raise RootNotFoundError(tiers.display, missing_container(tiers.persistent))
     return tiers.display
+
+
+def missing_container(store: Store | None) -> str | None:
+    """Why an object-store root is not there, when it is because its container (bucket)
+    does not exist: a mistyped container reads otherwise as a root never written to."""
+    if store is None or store.is_local or store.fs is None:
+        return None
+    top = store.root.strip("/").split("/")[0]
+    try:
+        if not top or store.fs.exists(top):
+            return None
+    except Exception:  # noqa: BLE001 - a question for the message only
+        return None
+    kind = "bucket" if store.url.split("://")[0] in ("s3", "s3a", "gs", "gcs") else "container"
+    return f"its {kind} {top!r} does not exist"
 
 
 _unseen: set[str] = set()  # the stores said to be out of reach, until one answers again
