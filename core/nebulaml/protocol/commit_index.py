@@ -50,7 +50,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from nebulaml.errors import StorageError, UnsupportedSchemaError
-from nebulaml.format.names import INDEX_DIR, MAX_NAME_BYTES, order_key
+from nebulaml.format.names import INDEX_DIR, MANIFEST_NAME, MAX_NAME_BYTES, order_key
 from nebulaml.protocol.catalog import (
     CheckpointInfo,
     list_committed,
@@ -442,7 +442,12 @@ def catalog(
     folders, names = _folders(store), _index(store).names
     with _listings_lock:
         kept = _catalogs.get(store.location)
-    if kept is not None and kept[0] == folders and kept[1] == names:
+    if (
+        kept is not None
+        and kept[0] == folders
+        and kept[1] == names
+        and _manifests_there(store, [info.tag for info in kept[2]])
+    ):
         refused = kept[3]
         listed = list(kept[2])
     else:
@@ -458,6 +463,22 @@ def catalog(
         else:
             unsupported.append(exc)
     return listed
+
+
+def _manifests_there(store: Store, tags: list[str]) -> bool:
+    """Whether each of `tags` still has its manifest on `store`: a delete by another
+    process removes the manifest first and the folder and its entry last, and a catalog
+    kept meanwhile said the tag was committed while no tier held it (the concurrency
+    campaign). One stat per tag on a local tier, one listing of the root elsewhere."""
+    tree = store.list_tree()
+    if tree is not None:
+        return all(MANIFEST_NAME in tree.get(tag, {}) for tag in tags)
+    if not store.is_local:
+        return False  # no cheap look: list in full
+    try:
+        return all(store.exists(tag, MANIFEST_NAME) for tag in tags)
+    except StorageError:
+        return False
 
 
 def index_missing(store: Store, committed: list[CheckpointInfo]) -> None:
