@@ -32,7 +32,10 @@ without one (`index_missing`: `nm.list_checkpoints`, `nebula ls`).
 A process keeps its last listing of a local tier's index and folders while the folder's
 identity (inode, modification time) is unchanged and was already more than
 `_SETTLED_NS` old when listed (a change within the file system's timestamp granularity
-cannot hide behind it); its own writes drop it.
+cannot hide behind it); its own writes drop it. An object store has no such identity:
+a restart's listings (`pinned`: init's) are handed to the next question on the tier
+(the job's get_latest_checkpoint and its load), once, within `_HANDOVER_S`; then each
+question lists again, by name only (`Store.list_file_names`).
 
 May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage` and catalog.py.
 Not for: publishing the manifest (commit.py), the sequence (sequence.py), or the full
