@@ -36,7 +36,7 @@ def test_the_names_only_listing_is_the_folders_files(azurite: Azurite) -> None:
     assert store.list_file_names("missing") == []
 
 
-def test_init_and_latest_share_one_listing_and_a_commit_is_seen(
+def test_init_lists_once_and_latest_lists_again(
     azurite: Azurite, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, options = _root(azurite)
@@ -54,14 +54,16 @@ def test_init_and_latest_share_one_listing_and_a_commit_is_seen(
         return names(self, *parts)
 
     commit_index._listings.clear()
-    commit_index._handed.clear()
     monkeypatch.setattr(Store, "list_file_names", counting)
     try:
         nm.init(url, storage_options=options, persistent_time_interval=0)
         latest = nm.get_latest_checkpoint()
         assert latest is not None and latest.tag == "global_step2"
         latest.release()
-        assert len(listed) == 1, listed  # init's listing answered get_latest_checkpoint
+        # Init's questions share one listing; get_latest_checkpoint lists again: another
+        # rank may have committed meanwhile (a peer recovery's checkpoint, committed by
+        # the lowest rank during init, was missed by a listing handed on from init).
+        assert len(listed) == 2, listed
         # This process's own commit drops what it listed: the next question lists again.
         nm.Checkpoint("global_step3").save("m", {"w": torch.tensor([3])})
         nm.flush_persistence()

@@ -33,9 +33,10 @@ A process keeps its last listing of a local tier's index and folders while the f
 identity (inode, modification time) is unchanged and was already more than
 `_SETTLED_NS` old when listed (a change within the file system's timestamp granularity
 cannot hide behind it); its own writes drop it. An object store has no such identity:
-a restart's listings (`pinned`: init's) are handed to the next question on the tier
-(the job's get_latest_checkpoint and its load), once, within `_HANDOVER_S`; then each
-question lists again, by name only (`Store.list_file_names`).
+init's questions share one listing (`pinned`), and each later question lists again, by
+name only (`Store.list_file_names`). A listing handed on past init missed the checkpoint
+a peer recovery had just had another rank commit (get_latest_checkpoint returned the
+older one).
 
 May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage` and catalog.py.
 Not for: publishing the manifest (commit.py), the sequence (sequence.py), or the full
@@ -167,7 +168,6 @@ def _drop(store: Store) -> None:
     with _listings_lock:
         for what in ("index", "folders"):
             _listings.pop((store.location, what), None)
-            _handed.pop((store.location, what), None)
         _catalogs.pop(store.location, None)
         for key in [key for key in _pins if key[1] == store.location]:
             del _pins[key]
@@ -197,18 +197,10 @@ def pinned() -> Iterator[None]:
     try:
         yield
     finally:
-        now = time.monotonic()
         with _listings_lock:
             _pinning.discard(me)
             for key in [key for key in _pins if key[0] == me]:
-                _handed[key[1:]] = (now, _pins.pop(key))
-
-
-# An object store's listings a restart's `pinned()` made, handed to the next question on
-# the tier (init's, to the job's get_latest_checkpoint and its load), once, within
-# `_HANDOVER_S`: (location, what) -> (when, listing). A local tier's are kept by identity.
-_handed: dict[tuple[str, str], tuple[float, object]] = {}
-_HANDOVER_S = 2.0
+                del _pins[key]
 
 
 def _kept(store: Store, what: str, parts: tuple[str, ...], fresh: object) -> object:
@@ -218,11 +210,7 @@ def _kept(store: Store, what: str, parts: tuple[str, ...], fresh: object) -> obj
     with _listings_lock:
         if pin in _pins:
             return _pins[pin]
-        handed = None if store.is_local else _handed.pop(pin[1:], None)
-    if handed is not None and time.monotonic() - handed[0] < _HANDOVER_S:
-        listed = handed[1]
-    else:
-        listed = _kept_by_identity(store, what, parts, fresh)
+    listed = _kept_by_identity(store, what, parts, fresh)
     with _listings_lock:
         if pin[0] in _pinning:
             _pins[pin] = listed
