@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -156,7 +157,9 @@ def test_a_killed_rank_leaves_the_tag_uncommitted_and_others_time_out(
     for rank in (0, 2):
         code, out = results[rank]
         assert code == 0, out
-        assert "TIMEOUT" in out and "rank(s) 1 did not commit" in out, out
+        # Rank 1 named among the missing (rank 2, slow on a busy machine, may be too).
+        assert "TIMEOUT" in out, out
+        assert re.search(r"rank\(s\) (\d+, )*1(, \d+)* did not commit", out), out
     assert elapsed < 60  # a timeout, never a hang
     # Nothing of global_step2 is committed on any tier; global_step1 loads for everyone.
     assert not (root / "global_step2" / "manifest.json").exists()

@@ -119,8 +119,7 @@ def missing_container(store: Store | None) -> str | None:
             return None
     except Exception:  # noqa: BLE001 - a question for the message only
         return None
-    kind = "bucket" if store.url.split("://")[0] in ("s3", "s3a", "gs", "gcs") else "container"
-    return f"its {kind} {top!r} does not exist"
+    return f"its container {top!r} does not exist"  # a bucket, on S3 and GCS
 
 
 _unseen: set[str] = set()  # the stores said to be out of reach, until one answers again
