@@ -126,13 +126,7 @@ class Azurite:
 
     def stop(self) -> None:
         """Stop Azurite (SIGTERM, then SIGKILL after 10 s)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        stop_group(self.proc)
 
     def restart(self, timeout_s: float = 60.0) -> Azurite:
         """Start again on the same data folder and the same port."""
@@ -179,3 +173,16 @@ class Azurite:
             names = {c.name for c in client.list_containers(name_starts_with=name)}
             if name not in names:
                 client.create_container(name)
+
+
+def stop_group(proc: subprocess.Popen[bytes] | None) -> None:
+    """Stop a server started in a process group of its own (Azurite, moto): SIGTERM, then
+    SIGKILL after 10 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

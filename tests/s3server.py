@@ -14,12 +14,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from azurite import stop_group
 
 KEY, SECRET = "nebula-test-key", "nebula-test-secret-3f9a"  # fake: moto takes any
 MISSING = (
@@ -74,14 +75,7 @@ class MotoServer:
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 10 s)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        stop_group(self.proc)
 
     @property
     def endpoint(self) -> str:
