@@ -494,7 +494,7 @@ def _receive(
     head = streams.receive_head(peers.group, holder, DATA_TAG)
     if head.kind == Kind.END:
         return refusal(f"rank {holder} holds no whole replica of it now")
-    buffers = streams.MessageBuffers(head.chunk if 0 < head.chunk <= MAX_CHUNK_BYTES else 1)
+    buffers = streams.MessageBuffers(streams.begin_chunk(head))
     begin = streams.receive_begin(peers.group, holder, DATA_TAG, head, buffers)
     reason = None
     inbox: PartInbox | None = None

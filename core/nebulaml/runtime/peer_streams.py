@@ -9,7 +9,8 @@ recovery (peer_recovery.py) send their parts so.
     receive_stream  receive `total` bytes, each message handed to `take`
     send_head       one frame's head; `receive_head`: the next one, decoded
     send_begin      a BEGIN head and its announcement (the files and their claims);
-                    `receive_begin`: the announcement after a BEGIN head, checked
+                    `receive_begin`: the announcement after a BEGIN head, checked;
+                    `begin_chunk`: the message size a BEGIN head announces, checked
 
 May import: torch, `nebulaml.format`, and runtime.peer_wire. Not for: the frames' bytes
 (peer_wire.py), or what the bytes are and where they come from or go (replication.py,
@@ -167,15 +168,29 @@ def send_begin(
     send_stream(group, to, tag, iter([memoryview(body)]), len(body), buffers)
 
 
+def begin_chunk(head: Head) -> int:
+    """The message size a BEGIN `head` announces, the size of the buffers to take its
+    transfer in; `WireError` when it is no BEGIN, or announces a size no receiver takes
+    (the stream cannot go on).
+
+    Example:
+        >>> begin_chunk(Head(Kind.BEGIN, 1, chunk=4 << 20))
+        4194304
+    """
+    if head.kind != Kind.BEGIN or not 0 < head.chunk <= MAX_CHUNK_BYTES:
+        raise WireError(f"a {head.kind.name} frame where a transfer begins")
+    return head.chunk
+
+
 def receive_begin(
     group: Any, source: int, tag: int, head: Head, buffers: MessageBuffers
 ) -> Begin | WireError:
     """The announcement that follows the BEGIN `head` from rank `source`, decoded; a
     `WireError` (returned, not raised: the payload still follows, and is taken) when it
     arrived damaged, too long, or is none. A head that is no BEGIN, or announces a
-    message size no receiver takes, raises `WireError`: the stream cannot go on."""
-    if head.kind != Kind.BEGIN or not 0 < head.chunk <= MAX_CHUNK_BYTES:
-        raise WireError(f"a {head.kind.name} frame where a transfer begins")
+    message size no receiver takes, raises `WireError` (`begin_chunk`): the stream cannot
+    go on."""
+    begin_chunk(head)
     if head.body > MAX_MANIFEST_BYTES:
         receive_stream(group, source, tag, head.body, buffers, lambda _piece: None)
         return WireError(f"an announcement of {head.body} bytes")

@@ -103,6 +103,7 @@ from nebulaml.runtime.crew import QUIET
 from nebulaml.runtime.peer_streams import (
     MessageBuffers,
     as_tensor,
+    begin_chunk,
     receive_begin,
     receive_head,
     receive_stream,
@@ -508,10 +509,9 @@ class Replication:
                     continue
                 if head.kind == Kind.BYE:
                     return
-                if head.kind != Kind.BEGIN or not 0 < head.chunk <= MAX_CHUNK_BYTES:
-                    raise WireError(f"a {head.kind.name} frame where a replica begins")
-                if buffers is None or buffers.size != head.chunk:
-                    buffers = MessageBuffers(head.chunk)
+                chunk = begin_chunk(head)
+                if buffers is None or buffers.size != chunk:
+                    buffers = MessageBuffers(chunk)
                 self._receive_part(source, head, buffers)
         except Exception as exc:  # noqa: BLE001 - the link's end, reported
             self._link_failed(f"receiving from rank {source}", exc, sending=False)
