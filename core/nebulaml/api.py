@@ -70,6 +70,10 @@ def init(
     received it, a frozen base model say; docs/architecture.md says how "unchanged" is
     known). Whatever it says, a persist to a local root writes only the bytes that
     differ from the item's previous version there, compared by digest.
+    `spare_buffers` (default `NEBULA_SPARE_BUFFERS`, else True): the memory tier keeps
+    the buffers the next save fills, made in the background (one beside the newest
+    checkpoint, two while a persist of the one before is in flight); False keeps none
+    between saves (less RAM, slower saves; the newest copy is never overwritten either way).
 
     `peer_replicas` (default `NEBULA_PEER_REPLICAS`, else 0): with 1, each node's committed
     memory-tier parts are replicated to the next node of the job (a ring of torchrun's

@@ -9,6 +9,8 @@
     NEBULA_KEEP_MEMORY_TIER             init()'s keep_memory_tier (a boolean; default off)
     NEBULA_REUSE_UNCHANGED              init()'s reuse_unchanged (a boolean; default on; off:
                                         every save copies every tensor)
+    NEBULA_SPARE_BUFFERS                init()'s spare_buffers (a boolean; default on; off:
+                                        the memory tier keeps no buffer for the next save)
     NEBULA_ON_PERSIST_ERROR             init()'s on_persist_error: "retry" (default) or "raise"
     NEBULA_PEER_REPLICAS                init()'s peer_replicas: 0 (default) or 1 (each node's
                                         memory tier replicated to the next node)
@@ -54,6 +56,7 @@ ENV_RANK_TIMEOUT = "NEBULA_RANK_TIMEOUT_S"
 ENV_LAZY = "NEBULA_LAZY_SNAPSHOT"
 ENV_KEEP_MEMORY_TIER = "NEBULA_KEEP_MEMORY_TIER"
 ENV_REUSE_UNCHANGED = "NEBULA_REUSE_UNCHANGED"
+ENV_SPARE_BUFFERS = "NEBULA_SPARE_BUFFERS"
 ENV_ON_PERSIST_ERROR = "NEBULA_ON_PERSIST_ERROR"
 ENV_PEER_REPLICAS = "NEBULA_PEER_REPLICAS"
 ENV_PRIVATE = "NEBULA_PRIVATE"
@@ -92,6 +95,7 @@ KNOWN_OPTIONS = (
     "private",
     "reuse_unchanged",
     "peer_replicas",
+    "spare_buffers",
 )
 # What a failed persist does: "raise" (the default, for now: the next call into nebula
 # raises the failure) or "retry" (the memory tier keeps the checkpoint and the persister
@@ -121,6 +125,7 @@ class Config:
     private: bool = False
     reuse_unchanged: bool = True
     peer_replicas: int = 0
+    spare_buffers: bool = True
 
 
 def _number(value: object, source: str, kind: type, minimum: float) -> Any:
@@ -200,6 +205,7 @@ def resolve_config(
         )
     private = _flag(options, "private", ENV_PRIVATE, False)
     reuse = _flag(options, "reuse_unchanged", ENV_REUSE_UNCHANGED, True)
+    spares = _flag(options, "spare_buffers", ENV_SPARE_BUFFERS, True)
     peers = options.get("peer_replicas")
     peers_src = "peer_replicas"
     if peers is None and os.environ.get(ENV_PEER_REPLICAS, "").strip():
@@ -221,6 +227,7 @@ def resolve_config(
         private=private,
         reuse_unchanged=reuse,
         peer_replicas=peer_replicas,
+        spare_buffers=spares,
     )
 
 

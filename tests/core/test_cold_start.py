@@ -7,9 +7,17 @@ in on the caller's thread (one that comes before the spare is ready populates th
 itself, and takes it); where the memory budget or the memory tier's filesystem cannot
 hold one more buffer, none is made.
 
+A persist in flight (issue #49): the copy it reads is held, so the next save needs a
+third buffer; the pool makes it in the background too, and keeps as many free files as
+the job lately needed (runtime/buffer_need.py) instead of deleting the third at the next
+eviction and faulting it in again at the next overlap. `spare_buffers=False` keeps none.
+
 Bugs these catch: a spare never made (the second save faults its buffer in, as the first
 did), made but not taken (a third buffer), made beyond the budget or the free space, and
-one left behind at shutdown. Speed itself is shown by benchmarks/cold_start.py.
+one left behind at shutdown; no spare while a persist holds the copy before (the save
+faults a new buffer in), a needed third buffer deleted at each eviction, spares kept when
+told not to. Speed itself is shown by benchmarks/cold_start.py and
+benchmarks/persist_stall.py.
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ import torch
 
 import nebulaml as nm
 from nebulaml.runtime import budget as budget_module
-from nebulaml.runtime import pages
+from nebulaml.runtime import pages, persist_step
 from nebulaml.runtime import session as _session
 from nebulaml.runtime.slots import SlotPool
+from nebulaml.storage.store import Store
 
 MB = 1 << 20
 PAGE = 4096
@@ -201,3 +210,77 @@ def test_a_spare_being_made_is_gone_after_shutdown(root: Path) -> None:
     _save(1, 64 * MB)
     nm.shutdown()  # at once: the spare may still be being made
     assert _pool_files(root) == {}
+
+
+def _commit(step: int, state: dict[str, torch.Tensor] | None = None) -> None:
+    checkpoint = nm.Checkpoint(f"global_step{step}")
+    checkpoint.save("model", _state(step) if state is None else state)
+    checkpoint.commit()
+
+
+def test_a_save_while_a_persist_holds_the_copy_before_takes_a_buffer_made_beforehand(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+    copy = persist_step.copy_alongside
+
+    def held_copy(src, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if src.tag == "global_step1":
+            entered.set()
+            assert release.wait(60)
+        return copy(src, *args, **kwargs)
+
+    monkeypatch.setattr(persist_step, "copy_alongside", held_copy)
+    nm.init(str(root), persistent_time_interval=0)
+    try:
+        _commit(1)
+        assert entered.wait(60)  # global_step1's persist is in flight, and stays so
+        assert _pool().wait_spares(timeout_s=60)
+        _commit(2)  # takes the spare; global_step1 is still held by its persist
+        assert _pool().wait_spares(timeout_s=60)
+        spares = {(s.st_dev, s.st_ino) for s in _pool_files(root).values()}
+        assert len(spares) == 1, "no buffer made for the save after the held copy"
+        state = _state(3)
+        faults = _thread_faults()
+        _commit(3, state)
+        faults = _thread_faults() - faults
+        taken = _item(root, 3)
+        assert (taken.st_dev, taken.st_ino) in spares
+        assert faults < SIZE // PAGE // 8, f"{faults} page faults on the saving thread"
+    finally:
+        release.set()
+    nm.flush_persistence()
+    assert torch.equal(nm.get_latest_checkpoint().load("model")["w"], _state(3)["w"])
+
+
+def test_the_pool_keeps_the_buffers_a_job_lately_needed_at_once(tmp_path: Path) -> None:
+    pool = SlotPool(Store(str(tmp_path), durable=False))
+    for tag in ("t1", "t2", "t3"):  # three in use at once: a persist held two
+        pool.store.make_dir(tag)
+        pool.open_item(tag, "model", 4096)
+    assert pool.need.of("model") == 3
+    assert pool.recycle("t1", "model") and pool.recycle("t2", "model")  # both kept
+    assert len(pool._free_files("model", 4096)) == 2
+
+    lean = SlotPool(Store(str(tmp_path / "lean"), durable=False))
+    for tag in ("t1", "t2"):  # two at once: the newest and the one being filled
+        lean.store.make_dir(tag)
+        lean.open_item(tag, "model", 4096)
+    lean.store.make_dir("t3")  # a third copy not of a save's buffer (a restore's, say)
+    (tmp_path / "lean" / "t3" / "model").write_bytes(bytes(4096))
+    kept = [lean.recycle(tag, "model") for tag in ("t1", "t2", "t3")]
+    assert kept.count(True) == 2 == len(lean._free_files("model", 4096)), kept
+    pool.close()
+    lean.close()
+
+
+def test_spare_buffers_off_keeps_no_buffer_between_saves(root: Path) -> None:
+    nm.init(str(root), persistent_time_interval=0, spare_buffers=False)
+    for step in range(1, 4):
+        _commit(step)
+        nm.flush_persistence()
+        assert _pool().wait_spares(timeout_s=60)
+        assert _pool_files(root) == {}
+    memory = Path(nm.memory_tier_path(str(root)))
+    assert [p.name for p in memory.iterdir() if (p / "model").exists()] == ["global_step3"]
+    assert torch.equal(nm.get_latest_checkpoint().load("model")["w"], _state(3)["w"])

@@ -67,8 +67,8 @@ from nebulaml.runtime.budget import RECORDS_ROOM_BYTES, Shortfall
 from nebulaml.runtime.crew import QUIET
 from nebulaml.runtime.fence import Taken
 from nebulaml.runtime.session import Session
-from nebulaml.runtime.slots import write_snapshot
-from nebulaml.runtime.snapshot import Layout, cuda_ready_event
+from nebulaml.runtime.slots import SlotPool
+from nebulaml.runtime.snapshot import Layout, cuda_ready_event, fill
 from nebulaml.runtime.steps import trace
 from nebulaml.runtime.unchanged import start_audits
 from nebulaml.storage.store import Store
@@ -559,3 +559,26 @@ class SaveJob:
             bytes_written=size - self._reused,
             bytes_reused=self._reused,
         )
+
+
+def write_snapshot(
+    pool: SlotPool, tag: str, name: str, layout: Layout, *, rank: int, ready: Any = None
+) -> ItemEntry:
+    """Copy the item laid out by `layout` into its reused buffer in `tag`, hashing it on
+    the way (snapshot.fill); the copy is done when this returns (the caller's tensors may
+    change). Returns the item's manifest entry."""
+    buffer = pool.open_item(tag, name, layout.size_bytes)
+    if not layout.on_host():
+        buffer.pin()  # once per buffer: it is reused from one checkpoint to the next
+    memory = buffer.memory if pool.reuse_unchanged else None
+    label = f"item {name!r} of checkpoint {tag!r}"
+    digest = fill(buffer.tensor, buffer.view, layout, ready=ready, memory=memory, label=label)
+    if memory is not None:
+        pool.count_reused(memory.reused_bytes)
+    return ItemEntry.written(
+        name,
+        rank=rank,
+        size_bytes=layout.size_bytes,
+        checksum=digest,
+        tensor_bytes=layout.tensor_bytes,
+    )

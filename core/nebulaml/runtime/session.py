@@ -151,7 +151,10 @@ class Session:
         # The budget is per process, the memory tier shared by the node's processes.
         limit = None if share is None else share * self._ranks.local_world_size
         self.pool = SlotPool(
-            self.tiers.memory, limit_bytes=limit, reuse_unchanged=config.reuse_unchanged
+            self.tiers.memory,
+            limit_bytes=limit,
+            reuse_unchanged=config.reuse_unchanged,
+            spares=config.spare_buffers,
         )
         self.layouts = LayoutCache()  # each item name's last layout (snapshot.py)
         # This process's next commit sequence on the memory tier, recorded between saves.

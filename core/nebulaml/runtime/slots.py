@@ -6,9 +6,13 @@ file of the memory tier is not deleted when its checkpoint is evicted: it moves 
 pool (`<memory root>/.slots/`), and the next save of an item takes it back (a rename, so
 the pages and this process's mapping of them survive) and overwrites it in place.
 
-The pool keeps at most one free file per item name (two snapshot slots in all: the newest
-committed copy and the one being filled), and never more than a byte limit when a memory
-budget is set. A file is only ever written in place while it is in no committed
+The pool keeps as many free files of an item as the job has lately needed buffers of it
+at once, less those in checkpoints (`Need`): two in all where each checkpoint is evicted
+by the next commit (the newest committed copy and the one being filled), three where a
+persist of the one before is still in flight at the next save (a persist that runs while
+the next steps do), never more than a byte limit when a memory budget is set, and none
+with `spare_buffers=False` (each save faults in fresh pages: the tier holds checkpoints
+only between saves). A file is only ever written in place while it is in no committed
 checkpoint: it left its old tag through the delete protocol (manifest first) before it
 came here.
 
@@ -56,11 +60,10 @@ from typing import Any
 from nebulaml._threads import start as start_thread
 from nebulaml.format.manifest import ItemEntry
 from nebulaml.format.names import SLOTS_DIR, WRITER_PREFIX, WRITERS_DIR, validate_name
-from nebulaml.format.torchzip import Layout
 from nebulaml.protocol.leases import process_alive
 from nebulaml.protocol.markers import writer_record
+from nebulaml.runtime.buffer_need import Need
 from nebulaml.runtime.pages import Population, lower_priority, populate
-from nebulaml.runtime.snapshot import fill
 from nebulaml.runtime.unchanged import BufferMemory
 from nebulaml.storage.failures import translate_errors
 from nebulaml.storage.mapped_reads import claim_unused
@@ -159,13 +162,21 @@ class SlotPool:
     """
 
     def __init__(
-        self, store: Store, *, limit_bytes: int | None = None, reuse_unchanged: bool = True
+        self,
+        store: Store,
+        *,
+        limit_bytes: int | None = None,
+        reuse_unchanged: bool = True,
+        spares: bool = True,
     ) -> None:
         root = store.local_path()
         if root is None:
             raise ValueError(f"{store.url}: the memory tier must be a local folder")
         self.store = store
         self.limit_bytes = limit_bytes
+        # False (`spare_buffers=False`): no free file kept or made; each save's buffer is new.
+        self.spares = spares
+        self.need = Need()
         # A fill skips the storages its buffer still holds (unchanged.py); how many bytes
         # the fills of this pool did not copy.
         self.reuse_unchanged = reuse_unchanged
@@ -222,12 +233,14 @@ class SlotPool:
                 mapped = self._maps.get((st.st_dev, st.st_ino))
                 if mapped is not None and mapped.size_bytes == size_bytes == st.st_size:
                     self._opened[name] = size_bytes
+                    self.need.saw(name, self._copies(name))
                     return mapped
                 break
             fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
                 mapped = self._map(fd, size_bytes)
                 self._opened[name] = size_bytes
+                self.need.saw(name, self._copies(name))
                 return mapped
             except BaseException:
                 os.close(fd)
@@ -374,11 +387,17 @@ class SlotPool:
                 os.close(fd)
 
     def _room_for(self, name: str, size_bytes: int) -> bool:
+        """Whether the file of `name` leaving its checkpoint stays as a free file: the
+        job's need of that item's buffers is not met by the free files and the copies
+        in checkpoints (this one's counted among them, as it still is), within the limit."""
+        if not self.spares:
+            return False
         try:
             entries = [e for e in os.scandir(self._pool) if e.is_file()]
         except FileNotFoundError:
             entries = []
-        if any(e.name.rsplit(".", 1)[0] == name for e in entries):
+        free = sum(e.name.rsplit(".", 1)[0] == name for e in entries)
+        if free + self._copies(name) > self.need.of(name):
             return False
         if self.limit_bytes is None:
             return True
@@ -437,14 +456,16 @@ class SlotPool:
     def prepare(self, items: Iterable[ItemEntry], fits: Callable[[int], bool]) -> list[str]:
         """Start making, in the background, a spare pool file for the next save of each
         of `items` (a committed checkpoint's) whose buffer this pool filled, where the
-        memory tier holds no other copy of it and the pool no free file: the next save
-        then finds its buffer allocated, populated and mapped (pages.py) instead of
-        faulting in fresh pages itself. `fits(size_bytes)` says whether the memory budget
+        pool has no free file of it (and `spares` is on): the next save then finds its
+        buffer allocated, populated and mapped (pages.py) instead of faulting in fresh
+        pages itself. `fits(size_bytes)` says whether the memory budget
         and the filesystem hold one more buffer (budget.MemoryBudget.spare_fits): one
         they do not is not made. A spare is a pool file from the start (counted in
         `pool_bytes` and the tier's usage; its unallocated bytes in `unallocated_bytes`)
         and is taken, or awaited, by `open_item`; `trim` cancels it. Returns the names of
-        the items whose spare is being made."""
+        the items whose spare is being made. Two copies left after the eviction (a
+        persist still holds the one before) get one too: the next save needs a third
+        buffer, and faulting it in there cost that save 2-7x its steady time."""
         self._sweep()  # after the eviction: its files' pages go once no mapping holds them
         started = []
         for item in items:
@@ -454,7 +475,7 @@ class SlotPool:
             with self._lock:
                 if self._closed or self._opened.get(name) != size or name in self._spares:
                     continue  # not a buffer of this pool's, or one is being made
-                if self._free_files(name, size) or self._copies(name) != 1 or not fits(size):
+                if not self.spares or self._free_files(name, size) or not fits(size):
                     continue
                 spare = self._new_spare(name, size)
                 if spare is None:
@@ -617,26 +638,3 @@ class SlotPool:
         for name in markers.values():
             if name.endswith(f"-{pid}.json"):  # a forked child's parent keeps its own
                 self._unlink(os.path.join(self._root, WRITERS_DIR, name))
-
-
-def write_snapshot(
-    pool: SlotPool, tag: str, name: str, layout: Layout, *, rank: int, ready: Any = None
-) -> ItemEntry:
-    """Copy the item laid out by `layout` into its reused buffer in `tag`, hashing it on
-    the way (snapshot.fill); the copy is done when this returns (the caller's tensors may
-    change). Returns the item's manifest entry."""
-    buffer = pool.open_item(tag, name, layout.size_bytes)
-    if not layout.on_host():
-        buffer.pin()  # once per buffer: it is reused from one checkpoint to the next
-    memory = buffer.memory if pool.reuse_unchanged else None
-    label = f"item {name!r} of checkpoint {tag!r}"
-    digest = fill(buffer.tensor, buffer.view, layout, ready=ready, memory=memory, label=label)
-    if memory is not None:
-        pool.count_reused(memory.reused_bytes)
-    return ItemEntry.written(
-        name,
-        rank=rank,
-        size_bytes=layout.size_bytes,
-        checksum=digest,
-        tensor_bytes=layout.tensor_bytes,
-    )
