@@ -65,5 +65,5 @@ class TestS3Contract(BackendContract):
 
     def test_s3_declares_what_it_does(self) -> None:
         caps = Store(self.new_root(), self.storage_options).capabilities
-        assert caps.atomic_create and caps.object_appends
-        assert not (caps.range_copy or caps.clones or caps.local_path)
+        assert caps.atomic_create and caps.object_appends and caps.range_copy
+        assert not (caps.clones or caps.local_path)

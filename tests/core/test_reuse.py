@@ -94,9 +94,10 @@ def test_unchanged_bytes_are_taken_from_the_previous_version(tmp_path: Path) -> 
 
 
 def test_a_lora_layout_persists_its_adapters_alone_and_loads_whole(tmp_path: Path) -> None:
-    # Catches: the zeros the layout puts before a LoRA layer's small records (so that the
-    # frozen weight after them starts on a piece) breaking what reads the item after the
-    # memory tier (the persist's reuse, torch.load, verify), or sent again every version.
+    # Catches: the records the layout moves (largest first, so that a LoRA model's small
+    # records lie together after the frozen weights, from a piece) breaking what reads
+    # the item after the memory tier (the persist's reuse, torch.load, verify), or sent
+    # again every version.
     import zipfile
 
     root = tmp_path / "ckpt"
@@ -117,15 +118,18 @@ def test_a_lora_layout_persists_its_adapters_alone_and_loads_whole(tmp_path: Pat
         saved.append({k: v.clone() for k, v in model.items()})
     nm.shutdown()
     with zipfile.ZipFile(root / "global_step4" / "model") as archive:
-        bases = [i for i in archive.infolist() if i.file_size == BASE_ELEMENTS * 4]
+        records = [i for i in archive.infolist() if "/data/" in i.filename]
         with open(root / "global_step4" / "model", "rb") as f:
-            for info in bases:
+            at = {}
+            for info in records:
                 f.seek(info.header_offset + 26)
                 lengths = f.read(4)
                 data_at = info.header_offset + 30 + int.from_bytes(lengths[:2], "little")
-                data_at += int.from_bytes(lengths[2:], "little")
-                assert data_at % LEAF_BYTES == 0, info.filename
-    assert len(bases) == 2
+                at[info.filename] = data_at + int.from_bytes(lengths[2:], "little")
+    bases = [i.filename for i in records if i.file_size == BASE_ELEMENTS * 4]
+    small = sorted(at[i.filename] for i in records if i.filename not in bases)
+    assert len(bases) == 2 and max(at[b] for b in bases) < small[0]  # the bases first
+    assert small[0] % LEAF_BYTES == 0  # the small records from a piece of their own
     for row in _persist_rows(root)[1:]:
         assert row["bytes_written"] <= 2 * ADAPTER_ELEMENTS * 4 + 4 * BLOCK_BYTES, row
     for tag in ("global_step3", "global_step4"):
@@ -281,7 +285,8 @@ def test_inspect_says_what_each_item_reused_and_from_which_tag(tmp_path: Path) -
     lines = shown.stdout.splitlines()
     assert lines[lines.index("items") + 1].split()[-2:] == ["reused", "from"]
     model_row = next(x for x in lines if x.startswith("model ")).split()
-    assert model_row[-3:] == ["20.0", "MiB", "global_step1"], model_row
+    shown_mib = f"{reused['model']['bytes_reused'] / (1 << 20):.1f}"
+    assert model_row[-3:] == [shown_mib, "MiB", "global_step1"], model_row
     as_json = runner.invoke(app, ["inspect", str(root), "global_step2", "--json"])
     assert as_json.exit_code == 0, as_json.output
     assert json.loads(as_json.stdout)["reused"] == reused

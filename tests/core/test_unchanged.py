@@ -301,28 +301,28 @@ def test_the_first_fill_that_skips_after_a_full_one_hashes_no_head(
 def test_a_kept_bias_before_an_adapter_costs_no_head_either(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Catches: a piece whose first copy does not begin at its start (the zeros and
-    # headers the layout puts before a LoRA layer's small records) keeping the hash state
-    # at that copy alone: the next fill, which keeps the bias and copies the adapter
-    # after it, hashes the piece's head again.
+    # Catches: a piece whose first copy does not begin at its start (a kept bias the
+    # layout puts first among a LoRA layer's small records: they lie largest first, after
+    # the frozen weights) keeping the hash state at that copy alone: the next fill, which
+    # keeps the bias and copies the adapters after it, hashes the piece's head again.
     import nebulaml.runtime.snapshot as snapshot
 
     torch.manual_seed(8)
     state = {
         "a0": torch.randn(5_000),
         "w1": torch.randn(4 << 20),
-        "bias": torch.randn(1_000),
+        "bias": torch.randn(6_000),
         "adapter": torch.randn(5_000),
         "w2": torch.randn(4 << 20),
     }
     heads, memory, layout = _heads_hashed_again(monkeypatch, state, ["adapter", "a0"])
     piece = snapshot._PIECE_BYTES
-    bias_at = layout.regions[2][0]
-    assert bias_at % piece > 0 and layout.regions[1][0] + layout.regions[1][1] <= bias_at - (
-        bias_at % piece
-    )  # the bias's piece begins with bytes no fill copies
+    a0, w1, bias, adapter, w2 = (offset for offset, _ in layout.regions)
+    assert max(w1, w2) < bias < min(a0, adapter)  # the bias first among the small ones
+    assert bias // piece == a0 // piece == adapter // piece  # its piece begins with bytes
+    # no fill copies (the kept bias), the adapters after them
     torchs = layout.size_bytes - layout.tensor_bytes  # zeros, pickle and headers: held too
-    assert memory.reused_bytes == 2 * (4 << 20) * 4 + 1_000 * 4 + torchs  # w1, w2, the bias
+    assert memory.reused_bytes == 2 * (4 << 20) * 4 + 6_000 * 4 + torchs  # w1, w2, the bias
     assert heads == []
 
 

@@ -7,8 +7,9 @@ pickle of the object, whose tensors name their storages by key, and one member
 - planning an item's file without copying a tensor byte (`record_layout`: `torch.save`
   under `torch.serialization.skip_data` into a recorder that keeps only what torch itself
   writes), giving a `Layout`: torch's own bytes and the place of every storage's bytes;
-  on request with large records moved to block boundaries (`align_large_records`: zeros
-  between members, the central directory's offsets rewritten);
+  on request with its records largest first, so that the small ones (a LoRA adapter)
+  sit together after the large ones, from a block boundary (`largest_records_first`:
+  members moved, zeros between them, the central directory's offsets rewritten);
 - mirroring the pickler's walk (`storages_and_signature`), so that a layout can be reused
   for an object of the same structure, and refusing what it cannot mirror;
 - finding the storages' records in an archive (`data_records`) and reading `data.pkl`
@@ -309,10 +310,10 @@ def record_layout(saveable: Any, storages: list[Any], *, align: int = 0) -> Layo
     are `saveable`'s, as `storages_and_signature` found them. None if torch's records do
     not match them (the caller then writes with plain torch.save).
 
-    With `align`, each storage of at least `ALIGN_MIN_UNITS` x `align` bytes that follows
-    smaller ones starts on a multiple of `align`, zeros put before those smaller records
-    (`align_large_records`): a LoRA adapter between two frozen weights then ends where
-    a weight's `align`-sized block begins.
+    With `align`, an item with a storage of at least `ALIGN_MIN_UNITS` x `align` bytes has
+    its records laid out largest first, the smaller ones starting on a multiple of `align`
+    (`largest_records_first`): a LoRA model's adapters sit together after every frozen
+    weight, in pieces of their own.
 
     Example:
         >>> import torch
@@ -329,7 +330,7 @@ def record_layout(saveable: Any, storages: list[Any], *, align: int = 0) -> Layo
         torch.save(saveable, recorder)  # type: ignore[arg-type]  # a file-like writer
     segments, size = recorder.segments, recorder.end
     if align:
-        aligned = align_large_records(segments, size, align)
+        aligned = largest_records_first(segments, size, align)
         if aligned is not None:
             laid = _laid_out(aligned[0], aligned[1], storages)
             if laid is not None:
@@ -354,34 +355,45 @@ def _laid_out(segments: list[tuple[int, bytes]], size: int, storages: list[Any])
     )
 
 
-# A record is aligned when it is at least this many `align` units: the zeros put before
-# the records ahead of it are then under 1/ALIGN_MIN_UNITS of its size.
+# A record is large when it is at least this many `align` units: an item with one has its
+# records laid out largest first, the smaller ones from a multiple of `align` (the zeros
+# before them are then under 1/ALIGN_MIN_UNITS of the item).
 ALIGN_MIN_UNITS = 16
 _CD_ENTRY, _EOCD64, _LOCATOR64, _EOCD = b"PK\x01\x02", b"PK\x06\x06", b"PK\x06\x07", b"PK\x05\x06"
 _NO_OFFSET = 0xFFFFFFFF  # a 32-bit field that says "in the zip64 extra field"
 
 
-def align_large_records(
+def largest_records_first(
     segments: list[tuple[int, bytes]], size: int, align: int
 ) -> tuple[list[tuple[int, bytes]], int] | None:
-    """The zip whose bytes are `segments` (offset, bytes; zeros elsewhere) with zeros
-    inserted between members, so that each storage record of at least ALIGN_MIN_UNITS x
-    `align` bytes that follows smaller members (since the last such record) has its
-    data at a multiple of `align`: (segments, size). The zeros go before the first of
-    those smaller members, so they end where the large record's block begins. None when
-    nothing moves, or the archive is not as torch writes it.
+    """The zip whose bytes are `segments` (offset, bytes; zeros elsewhere) with its
+    storage records reordered, where one of them is at least ALIGN_MIN_UNITS x `align`
+    bytes: the records largest first (records of one size in torch's order), the other
+    members where they were (those ahead of the records ahead of them, the rest after),
+    and zeros before the first record under ALIGN_MIN_UNITS x `align` bytes, so that its
+    data starts at a multiple of `align`: (segments, size). None when nothing moves
+    (no large record, or the records are in that order already), or the archive is not
+    as torch writes it.
+
+    What a fine-tune changes is, most often, the small tensors (a LoRA adapter is far
+    smaller than the frozen weight it adapts; norms, biases, a new head): laid out largest
+    first, they sit together at the end of the file, after the large frozen ones, and
+    share no piece with them. A store that reuses unchanged ranges then writes one run
+    (S3's parts are at least 5 MiB, so a changed tensor alone among frozen ones would cost
+    5 MiB; the last part may be short), and a fill hashes them alone.
 
     Zip readers find members by the central directory, whose offsets are rewritten here;
-    bytes between members belong to none (torch.load and zipfile read them past).
-    `align` is a multiple of 64, so torch's 64-byte data alignment stays.
+    bytes between members belong to none (torch.load and zipfile read them past). Each
+    member moves by a multiple of 64 bytes, so torch's 64-byte data alignment (mmap
+    loads) stays; `align` is a multiple of 64.
 
     Example:
         >>> import torch
-        >>> obj = {"w": torch.zeros(4 << 20), "b": torch.zeros(3), "v": torch.zeros(4 << 20)}
+        >>> obj = {"b": torch.zeros(3), "w": torch.zeros(4 << 20), "a": torch.zeros(5)}
         >>> layout = record_layout(obj, storages_and_signature(obj)[0], align=1 << 20)
-        >>> w, b, v = layout.regions   # v starts a block; b ends at v's zip header
-        >>> v[0] % (1 << 20), v[0] - (b[0] + b[1]) < 256
-        (0, True)
+        >>> b, w, a = layout.regions   # w first; a (larger) then b, a on a piece
+        >>> w[0] < a[0] < b[0], a[0] % (1 << 20), b[0] - (a[0] + a[1]) < 256
+        (True, 0, True)
     """
     if align <= 0 or align % 64:
         return None
@@ -390,35 +402,41 @@ def align_large_records(
         with zipfile.ZipFile(reader) as archive:
             infos = sorted(archive.infolist(), key=lambda i: i.header_offset)
             cd_start = archive.start_dir
-        members = []
-        for info in infos:
-            is_data = _storage_key(info) is not None
-            data_at = _data_offset(reader, info)
-            members.append((info.header_offset, data_at, info.file_size, is_data))
+        members = []  # (header offset, end, bytes of header, file size, a storage record)
+        for k, info in enumerate(infos):
+            end = infos[k + 1].header_offset if k + 1 < len(infos) else cd_start
+            header = _data_offset(reader, info) - info.header_offset
+            members.append((info.header_offset, end, header, info.file_size,
+                            _storage_key(info) is not None))  # fmt: skip
     except (zipfile.BadZipFile, ValueError, OSError):
         return None
-    # Where zeros go (a member's header offset) and how many.
-    inserts: list[tuple[int, int]] = []
-    shift = 0
-    start = next((j for j, m in enumerate(members) if m[3]), len(members))
-    for j, (_, data_at, length, is_data) in enumerate(members):
-        if not is_data or length < ALIGN_MIN_UNITS * align:
-            continue
-        if start < j:  # smaller members since the last large one: put zeros before them
-            gap = -(data_at + shift) % align
-            if gap:
-                inserts.append((members[start][0], gap))
-                shift += gap
-        start = j + 1
-    if not inserts:
+    large = ALIGN_MIN_UNITS * align
+    records = [j for j, m in enumerate(members) if m[4]]
+    if not records or not any(members[j][3] >= large for j in records):
         return None
-    ats = [at for at, _ in inserts]
-    before = [0]
-    for _, gap in inserts:
-        before.append(before[-1] + gap)
+    ordered = sorted(records, key=lambda j: -members[j][3])
+    first = records[0]
+    order = [j for j in range(first) if not members[j][4]] + ordered
+    order += [j for j in range(first, len(members)) if not members[j][4]]
+    small = next((j for j in ordered if members[j][3] < large), None)
+    new_at: dict[int, int] = {}
+    pos = members[0][0]
+    for j in order:
+        at, end, header, _, _ = members[j]
+        if j == small:
+            pos = -(-(pos + header) // align) * align - header
+        else:
+            pos += (at - pos) % 64
+        new_at[j] = pos
+        pos += end - at
+    if all(new_at[j] == members[j][0] for j in order):
+        return None
+    shift = pos - cd_start
+    starts = [m[0] for m in members]
 
     def moved(offset: int) -> int:
-        return offset + before[bisect.bisect_right(ats, offset)]
+        j = bisect.bisect_right(starts, offset) - 1
+        return new_at[j] + offset - starts[j] if j >= 0 else offset
 
     moved_segments: list[tuple[int, bytes]] = []
     tail = bytearray(size - cd_start)
@@ -433,7 +451,7 @@ def align_large_records(
     if not _moved_directory(tail, moved, shift):
         return None
     moved_segments.append((cd_start + shift, bytes(tail)))
-    return moved_segments, size + shift
+    return sorted(moved_segments, key=lambda seg: seg[0]), size + shift
 
 
 def _moved_directory(tail: bytearray, moved: Any, shift: int) -> bool:

@@ -10,6 +10,9 @@ way, each one S3 request (or one paged listing) run on s3fs's event loop:
   exactly its own bytes there is a success (its first answer was lost), as on Azure.
 - `open_write`: s3fs's writer (one PutObject, or a multipart upload for a large object),
   whose abandonment commits nothing (`Upload.abort`);
+- `write_ranges`: an item file whose unchanged ranges are copied by the server from its
+  previous version (UploadPartCopy, pinned to that version's ETag), the rest uploaded, in
+  one multipart upload with several parts in flight (s3_parts.py);
 - listings: `ListObjectsV2`, never cached (a tag committed a moment ago by another
   process shows at once): a folder with `Delimiter=/`, the whole root (`list_tree`) in one
   paged listing without a delimiter (a request per 1,000 objects, not one per folder).
@@ -21,23 +24,26 @@ secrets). `endpoint_url` points the root at a MinIO-style server; it is part of 
 location, so two servers with one bucket name are two roots.
 
 `open_s3` is its factory, registered for `s3://` and `s3a://` (builtins.py): an atomic
-create and object appends; no server-side range copy yet (UploadPartCopy is to come).
+create, object appends and server-side range copies.
 
 Not for: what every fsspec store shares (remote.py), or retries and error translation
-(store.py, retry.py, failures.py). May import: `nebulaml.errors` and storage/'s
-backend.py, remote.py.
+(store.py, retry.py, failures.py), or the parts of an object written by ranges
+(s3_parts.py). May import: `nebulaml.errors` and storage/'s backend.py, remote.py,
+retry.py, s3_parts.py.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from nebulaml.storage.backend import Capabilities, OpenRequest, Parts
+from nebulaml.storage import s3_parts
+from nebulaml.storage.backend import Capabilities, OpenRequest, Parts, Written
 from nebulaml.storage.remote import RemoteBackend, remote_location
+from nebulaml.storage.retry import RetryPolicy
 
-S3_CAPABILITIES = Capabilities(atomic_create=True, object_appends=True)
+S3_CAPABILITIES = Capabilities(atomic_create=True, object_appends=True, range_copy=True)
 
 # What the AWS chain may read from the environment that is a secret.
 _ENVIRONMENT_SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
@@ -75,10 +81,22 @@ class S3Backend(RemoteBackend):
 
     aborted_write_may_leave_file = False  # an abandoned Upload commits nothing
 
-    def __init__(self, fs: Any, root: str, *, location: str | None = None) -> None:
+    def __init__(
+        self,
+        fs: Any,
+        root: str,
+        *,
+        location: str | None = None,
+        policy: RetryPolicy | None = None,
+        name: Callable[[Parts], str] | None = None,
+        describe: Callable[[BaseException], str] = str,
+    ) -> None:
         super().__init__(fs, root, capabilities=S3_CAPABILITIES, url=f"s3://{root}",
                          location=location)  # fmt: skip
         self._bucket_ready = False
+        self._policy = policy if policy is not None else RetryPolicy()
+        self._name = name or (lambda parts: "/".join([self.url, *parts]))
+        self._describe = describe
 
     def make_dir(self, parts: Parts) -> None:
         """S3 has no empty folders (one appears with its first object): only the root's
@@ -95,6 +113,31 @@ class S3Backend(RemoteBackend):
 
     def open_write(self, parts: Parts) -> Upload:
         return Upload(self.fs.open(self.path(parts), "wb"))
+
+    def write_ranges(
+        self,
+        parts: Parts,
+        view: memoryview,
+        ranges: list[tuple[int, int, bool]],
+        base: Parts | None,
+        base_stamp: str | None,
+        sent: Callable[[int], None] | None = None,
+    ) -> Written:
+        """Write `view` as the object `parts`, the ranges marked equal copied by the server
+        from the object `base` while it is still the version `base_stamp` (its ETag), the
+        rest uploaded; each request retried by the root's policy (s3_parts.write_parts)."""
+        return s3_parts.write_parts(
+            self.fs,
+            self.path(parts),
+            view,
+            ranges,
+            None if base is None else self.path(base),
+            base_stamp,
+            policy=self._policy,
+            what=self._name(parts),
+            describe=self._describe,
+            sent=sent,
+        )
 
     def _run(self, coro: Any) -> Any:
         from fsspec.asyn import sync
@@ -229,4 +272,11 @@ def open_s3(request: OpenRequest) -> S3Backend:
         raise ValueError(f"{request.url}: an S3 root names a bucket (s3://bucket/path)")
     endpoint = options.get("endpoint_url") or (nested or {}).get("endpoint_url")
     where = {"endpoint_url": endpoint} if endpoint else {}
-    return S3Backend(fs, root, location=remote_location(f"s3://{root}", where))
+    return S3Backend(
+        fs,
+        root,
+        location=remote_location(f"s3://{root}", where),
+        policy=request.policy,
+        name=request.name,
+        describe=request.describe,
+    )
