@@ -7,13 +7,26 @@ import signal
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import azurite as azurite_server
 import pytest
 import s3server
+import schedule
 import shared_setup
 import warm
 from azurite import Azurite
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest tests first, shared out between pytest-xdist's workers (tests/schedule.py)."""
+    schedule.order(config, items)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown without it
+def pytest_configure_node(node: Any) -> None:
+    """The controller's --dist, for each worker's `schedule.order` (a worker's is "no")."""
+    node.workerinput[schedule.DIST_KEY] = node.config.getvalue("dist")
 
 
 @pytest.fixture
