@@ -3,10 +3,11 @@ counted where they land.
 
 Tests and the LoRA benchmark point a root's endpoint at the relay (127.0.0.1, its own
 port); it copies each connection's bytes both ways unchanged (HTTP, keep-alive,
-`Expect: 100-continue` and all: it reads no request) and counts them: `sent` is what
-clients sent the server, request lines, headers and bodies, every request included (an
-upload, a copy, a listing, a retry). So a figure taken from it is what the server received,
-not what nebula's own counters say.
+`Expect: 100-continue` and all) and counts them: `sent` is what clients sent the server,
+request lines, headers and bodies, every request included (an upload, a copy, a listing, a
+retry). So a figure taken from it is what the server received, not what nebula's own
+counters say. It also keeps each request's head (`heads`: the request line and headers,
+found by their Content-Length; no body), for tests that look at what was asked.
 
 Not for: injecting faults (faultproxy.py), or speed (two threads per connection).
 """
@@ -35,6 +36,7 @@ class CountingRelay:
         self._received = 0
         self._open: set[socket.socket] = set()
         self._closed = False
+        self.heads: list[str] = []  # each request's line and headers, in arrival order
         threading.Thread(target=self._serve, daemon=True).start()
 
     @property
@@ -93,16 +95,39 @@ class CountingRelay:
                 conn.close()
 
     def _pump(self, source: socket.socket, sink: socket.socket, upstream: bool) -> None:
-        """Copy `source` to `sink` until `source` ends, counting; then end `sink`'s side."""
+        """Copy `source` to `sink` until `source` ends, counting (and, upstream, keeping
+        each request's head); then end `sink`'s side."""
+        pending, body_left = b"", 0  # upstream: a head's start; the body bytes to pass
         try:
             while chunk := source.recv(1 << 20):
                 sink.sendall(chunk)
                 with self._lock:
-                    if upstream:
-                        self._sent += len(chunk)
-                    else:
+                    if not upstream:
                         self._received += len(chunk)
+                        continue
+                    self._sent += len(chunk)
+                while upstream and chunk:
+                    if body_left:
+                        taken = min(body_left, len(chunk))
+                        body_left, chunk = body_left - taken, chunk[taken:]
+                        continue
+                    pending += chunk
+                    head, found, chunk = pending.partition(b"\r\n\r\n")
+                    if not found:
+                        chunk = b""
+                        continue
+                    pending, body_left = b"", _content_length(head)
+                    with self._lock:
+                        self.heads.append(head.decode("latin-1"))
         except OSError:
             pass
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value.strip())
+    return 0
