@@ -13,7 +13,7 @@ AZURITE := .azurite/node_modules/.bin/azurite-blob
 AZURITE_COPY_VERSION := 3.37.0
 AZURITE_COPY := .azurite-$(AZURITE_COPY_VERSION)/node_modules/.bin/azurite-blob
 
-.PHONY: venv test check lint demo scale reliability clean azurite bench bench-azure bench-peers bench-peft test-integrations bug-round
+.PHONY: venv test check lint demo scale reliability clean azurite bench bench-azure bench-peers bench-peft bench-dlrover venv-dlrover test-integrations bug-round
 
 # The suite runs in parallel workers (pytest-xdist): each starts with an even share of the
 # tests, in the order they are collected, and a worker that runs out takes half of the
@@ -114,10 +114,36 @@ BENCH_ARGS ?=
 # with PRESET=small, which runs 2 loops of each kind and 1 restart of each; PEERS=0 skips it).
 PEERS ?= 1
 PEERS_ARGS ?= $(if $(filter small,$(PRESET)),--runs 2 --recoveries 1,)
-bench: $(BENCH_STAMP) $(AZURITE) $(AZURITE_COPY)
+bench: $(BENCH_STAMP) $(DLROVER_STAMP) $(AZURITE) $(AZURITE_COPY)
 	$(PY) benchmarks/bench.py --preset $(PRESET) $(BENCH_ARGS)
 	$(PY) benchmarks/trainer_peft.py
 	test "$(PEERS)" = 0 || $(PY) benchmarks/peer_replicas.py $(PEERS_ARGS)
+
+# DLRover's Flash Checkpoint, a peer in `make bench` (issue #49), in an environment of its
+# own, kept out of .venv: torch==2.13.0 first (the same local CPU build: pip never picks
+# another torch), then dlrover[torch] (which asks for torch unpinned) and grpcio (its flash
+# checkpoint imports grpc; protobuf is not needed). Where it cannot be made (no registry),
+# the rule says so and the bench shows DLRover's row as unavailable.
+DLROVER_VENV    := .venv-dlrover
+DLROVER_VERSION := 0.6.1
+DLROVER_STAMP   := $(DLROVER_VENV)/.nebula-dlrover-installed
+$(DLROVER_STAMP):
+	{ test -x $(DLROVER_VENV)/bin/python || python3 -m venv $(DLROVER_VENV); } && \
+	$(DLROVER_VENV)/bin/python -m pip install -q torch==2.13.0 numpy && \
+	$(DLROVER_VENV)/bin/python -m pip install -q 'dlrover[torch]==$(DLROVER_VERSION)' grpcio && \
+	touch $@ || echo "$(DLROVER_VENV) could not be made: the bench shows DLRover as unavailable"
+
+venv-dlrover: $(DLROVER_STAMP)
+
+# DLRover's row alone (issue #49; about 1.5 min with PRESET=small on 2 cores): nebula's
+# default save, DCP's reused stager and DLRover's memory save on the same state, 10 saves
+# each, stall median and p90 side by side with their ratios, then DLRover's buffer, its
+# saver process and its resume (bit-exact checks; what a resume from memory aliases).
+DLROVER_ARGS ?= --repeats 10
+bench-dlrover: $(BENCH_STAMP) $(DLROVER_STAMP)
+	$(PY) benchmarks/bench.py --preset $(PRESET) --workloads full --loop-steps 0 \
+		--methods nebula dcp_async_reused dlrover \
+		--json benchmarks/results/bench-$(PRESET)-dlrover.json $(DLROVER_ARGS)
 
 # A peft LoRA fine-tune under the Hugging Face Trainer (issue #48, part of `make bench`, about
 # 1.5 min on 2 cores): disk bytes per checkpoint (/proc/self/io write_bytes), NebulaCallback

@@ -36,7 +36,11 @@ every figure and every sample (sizes in bytes, times in seconds). Not a test.
 Methods: torch_save, dcp_save, dcp_async, dcp_async_reused, torchsnapshot, nebula,
 nebula_lazy (`nm.init(..., lazy_snapshot=True)`; shown as unavailable where nebulaml has
 no lazy mode), nebula_dcp and nebula_dcp_async (dcp.save / dcp.async_save through
-nebulaml.dcp.Writer). runner.py says exactly how each figure is taken; report.py, the targets.
+nebulaml.dcp.Writer), and dlrover (DLRover's Flash Checkpoint, memory save; issue #49): it
+runs in an environment of its own (.venv-dlrover, `make venv-dlrover`), after the other
+methods' saves and loads, on the same preset's state (dlrover_method.py; shown as
+unavailable where that environment is missing or its run fails). runner.py says exactly
+how each figure is taken; report.py, the targets.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dlrover_method import NAME as DLROVER
+from dlrover_method import run_dlrover
 from limits import GIB, add_disk_runs, disk_bandwidth, measure_limits
 from lora import METHODS as LORA_METHODS
 from lora import run_lora
@@ -101,8 +107,14 @@ def all_methods() -> list[Method]:
 WORKLOADS = ("full", "lora")
 
 
+def table_order(chosen: list[str]) -> list[str]:
+    """The full workload's rows among `chosen`, in the table's order: every in-process
+    method, then DLRover's (run in its own environment)."""
+    return [n for n in [*(m.name for m in all_methods()), DLROVER] if n in chosen]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    names = [m.name for m in all_methods()]
+    names = [*(m.name for m in all_methods()), DLROVER]
     names += [n for n in LORA_METHODS if n not in names]
     parser = argparse.ArgumentParser(
         prog="bench.py",
@@ -323,6 +335,18 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     finally:
         for method in ready:
             method.teardown()
+    dlrover = None
+    if DLROVER in args.methods:
+        progress("DLRover's Flash Checkpoint, in its own environment ...")
+        dlrover = run_dlrover(
+            work,
+            preset=args.preset,
+            saves=args.repeats,
+            load_repeats=args.load_repeats,
+            progress=progress,
+        )
+        if "unavailable" in dlrover:
+            progress(f"{dlrover['label']}: unavailable: {dlrover['unavailable']}")
     loop_baseline: dict[str, Any] = {}
     if args.loop_steps > 0 and ready:
         kept = args.loop_malloc == "keep" and keep_freed_memory()
@@ -340,6 +364,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     progress("measuring the disk again ...")
     limits = add_disk_runs(limits, disk_bandwidth(work / "limits"))
     figures = {m.name: method_figures(results[m.name], state_bytes) for m in methods}
+    if dlrover is not None:
+        figures[DLROVER] = dlrover
     return {
         "state": {
             "num_params": state.num_params,
@@ -390,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if "methods" in doc:
-        render(console, doc, [m.name for m in all_methods() if m.name in args.methods])
+        render(console, doc, table_order(args.methods))
     if "lora" in doc:
         render_lora(console, doc["lora"])
     only_lora = "full" not in args.workloads

@@ -17,6 +17,14 @@ the median over the starts: nebula restarts for every repeat, the peers start on
   cold_stall_vs_torch_save         worse cold stall / torch.save+fsync stall       <= 0.5
   cold_stall_vs_dcp_reused_cold    worse cold stall / dcp.async_save (reused)'s     <= 1
 
+and issue #49's, the default save level with the best peers in the same run, on the
+steady stall's median and its p90 (from the samples):
+
+  stall_vs_dcp_reused_49, stall_p90_vs_dcp_reused_49    nebula / dcp.async_save (reused)  <= 1
+  stall_vs_dlrover_49, stall_p90_vs_dlrover_49          nebula / DLRover memory save      <= 1
+
+(DLRover's row comes from its own environment: dlrover_method.py.)
+
 Each method's cold saves are figures of their own (`cold_saves`: save 1 and save 2),
 never mixed into the steady-state ones. Persist GB/s is the bytes nebula wrote for one
 checkpoint over the time from the end of the save call until durable (the background
@@ -128,6 +136,65 @@ def _div(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def p90(values: Sequence[float]) -> float | None:
+    """The 0.9 quantile, linear between the nearest ranks (None for no values).
+
+    Example:
+        >>> p90([0.1, 0.2, 0.3]), p90([5.0]), p90([])
+        (0.28, 5.0, None)
+    """
+    xs = sorted(values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * 0.9
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return round(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo), 12)
+
+
+def stall_p90(figures: dict[str, Any], name: str) -> float | None:
+    """The 0.9 quantile of `name`'s steady-state stalls (from its samples)."""
+    method = figures.get(name)
+    if not method or "unavailable" in method:
+        return None
+    if "p90" in (method.get("stall_s") or {}):
+        return float(method["stall_s"]["p90"])
+    return p90([s["stall_s"] for s in method.get("samples", []) if s.get("saved", True)])
+
+
+def _peer_ratios(figures: dict[str, Any], v: str, stall: float | None) -> list[dict[str, Any]]:
+    """Issue #49: the default save level with the best peers' stall, median and p90, in
+    the same run: DCP's reused stager and DLRover's memory save (`dlrover`, run in its
+    own environment: dlrover_method.py)."""
+    out = []
+    for peer, label in (
+        ("dcp_async_reused", "dcp.async_save (reused stager)"),
+        ("dlrover", "DLRover memory save"),
+    ):
+        short = "dcp_reused" if peer == "dcp_async_reused" else peer
+        out.append(
+            target_ratio(
+                f"stall_vs_{short}_49",
+                v,
+                _div(stall, _median(figures, peer, "stall_s")),
+                "<=",
+                1.0,
+                f"nebula stall median <= {label}'s, same run (#49)",
+            )
+        )
+        out.append(
+            target_ratio(
+                f"stall_p90_vs_{short}_49",
+                v,
+                _div(stall_p90(figures, v), stall_p90(figures, peer)),
+                "<=",
+                1.0,
+                f"nebula stall p90 <= {label}'s, same run (#49)",
+            )
+        )
+    return out
+
+
 def target_ratios(
     figures: dict[str, Any], limits: dict[str, Any], state_bytes: int
 ) -> list[dict[str, Any]]:
@@ -157,6 +224,7 @@ def target_ratios(
                 "nebula stall <= 0.5 x dcp.async_save (reused stager) stall",
             )
         )
+        ratios.extend(_peer_ratios(figures, v, stall))
         loop = figures[v].get("loop") or {}
         overhead = target_ratio(
             "loop_overhead",
@@ -310,7 +378,7 @@ def render(
             _fmt_cold(fig, 1),
             _fmt(fig["stall_s"], 3),
             _fmt(fig["durable_s"]),
-            f"{fig['durable_gbps']['median']:.2f}",
+            f"{fig['durable_gbps']['median']:.2f}" if fig.get("durable_gbps") else "-",
             f"{_gb(fig['peak_extra_bytes'])} "
             f"({_gb(fig['peak_anon_bytes'])}+{_gb(fig['peak_shm_bytes'])})",
             _fmt(fig["load_fast_s"]),
@@ -318,6 +386,7 @@ def render(
             overhead,
         )
     console.print(table)
+    _render_peers_49(console, doc, order)
 
     lim = doc["limits"]
     limits = Table(title="this machine", title_justify="left")
@@ -352,7 +421,7 @@ def render(
         limits.add_row(f"CPU used by other processes during the run: {other:.0%}", "-")
     console.print(limits)
 
-    targets = Table(title="targets (issues #3, #22)", title_justify="left")
+    targets = Table(title="targets (issues #3, #22, #49)", title_justify="left")
     for column in ("ratio", "method", "value", "target", "result"):
         targets.add_column(column, justify="right" if column == "value" else "left")
     for r in doc["ratios"]:
@@ -360,3 +429,65 @@ def render(
         verdict = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "n/a"}[r["pass"]]
         targets.add_row(r["name"], r["method"], value, f"{r['op']} {r['limit']:.3g}", verdict)
     console.print(targets)
+
+
+def _render_peers_49(console: Console, doc: dict[str, Any], order: Sequence[str]) -> None:
+    """Issue #49's comparison: the steady stall's median and p90 of nebula, DCP's reused
+    stager and DLRover's memory save, and what DLRover's row alone measures (its buffer,
+    its saver process, its resume)."""
+    methods = doc["methods"]
+    shown = [n for n in ("nebula", "nebula_lazy", "dcp_async_reused", "dlrover") if n in order]
+    dl = methods.get("dlrover") or {}
+    if "dlrover" not in shown or "unavailable" in dl:
+        return
+    state_bytes = doc["state"]["state_bytes"]
+    table = Table(
+        title="issue #49: steady save() stall, same run (DLRover in its own environment)",
+        title_justify="left",
+    )
+    for column in ("method", "stall median s", "stall p90 s", "saves", "memory"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    extra = dl.get("dlrover") or {}
+    memory = extra.get("memory") or {}
+    shm = (memory.get("shm") or {}).get("allocated")
+    saver = (memory.get("saver") or {}).get("private")
+    for name in shown:
+        fig = methods[name]
+        if "unavailable" in fig or not fig.get("stall_s"):
+            continue
+        peak = fig.get("peak_extra_bytes") or 0
+        keeps = f"peak extra {peak / 1e9:.2f} GB ({peak / state_bytes:.2f} x state)"
+        if name == "dlrover" and shm:
+            keeps = f"buffer {shm / 1e9:.2f} GB ({shm / state_bytes:.2f} x state)"
+            if saver:
+                keeps += f"; its saver process {saver / 1e9:.2f} GB private"
+        median, q90 = fig["stall_s"]["median"], stall_p90(methods, name)
+        table.add_row(
+            fig["label"],
+            f"{median:.3f}",
+            "-" if q90 is None else f"{q90:.3f}",
+            str(fig["stall_s"]["n"]),
+            keeps,
+        )
+    console.print(table)
+    alias = extra.get("aliasing") or {}
+    disk = [d for d in extra.get("disk_saves") or [] if d.get("saved")]
+    disk_note = (
+        f"its disk save: stall {min(d['stall_s'] for d in disk):.3f}-"
+        f"{max(d['stall_s'] for d in disk):.3f} s, tracker file written after "
+        f"{min(d['persisted_s'] for d in disk):.2f}-{max(d['persisted_s'] for d in disk):.2f} s "
+        f"(the checkpoint file not fsynced); "
+        if disk
+        else ""
+    )
+    console.print(
+        f"DLRover {((extra.get('versions') or {}).get('dlrover'))}: {extra.get('run')}; "
+        f"{disk_note}"
+        f"resume from memory bit-exact: {extra.get('load_memory_exact')}, from disk: "
+        f"{extra.get('load_disk_exact')}; skipped saves: {extra.get('skipped_saves')}; after "
+        f"a resume from memory, {alias.get('optimizer_tensors_in_buffer')} of "
+        f"{alias.get('optimizer_tensors')} optimizer tensors are views of its buffer, and "
+        f"one step without a save changed its memory copy: "
+        f"{alias.get('memory_copy_changed_by_a_step_without_save')}",
+        highlight=False,
+    )
