@@ -103,5 +103,7 @@ def test_the_next_save_waits_for_an_eviction_in_flight(
     assert not current("test").tiers.memory.exists("global_step3")
     release.set()
     assert done.wait(WAIT_S)
+    # global_step2's persist paused while that save ran (crew.SaveYield): let it land.
+    nm.flush_persistence()
     current("test").persister.settle_eviction()
     assert _memory_tags() == ["global_step3"]

@@ -1,9 +1,12 @@
 """The low-priority threads (audits, evictions) work between saves, not beside them
-(runtime/crew.py's QUIET), and a caller that needs a paused job's result still gets it."""
+(runtime/crew.py's QUIET), and a caller that needs a paused job's result still gets it;
+a persist in flight pauses between its chunks while a save runs (crew.SaveYield), never
+for longer than `YIELD_MAX_S` at a time, and not at all for a save that waits for it."""
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,8 @@ import torch
 
 import nebulaml as nm
 from nebulaml.runtime import unchanged
-from nebulaml.runtime.crew import AUDIT_CREW, QUIET, Crew
+from nebulaml.runtime.crew import AUDIT_CREW, QUIET, Crew, SaveYield
+from nebulaml.storage import local_files
 from nebulaml.runtime.session import current
 
 WAIT_S = 30
@@ -97,3 +101,47 @@ def test_no_audit_runs_while_a_save_of_a_frozen_base_runs(
         nm.shutdown()
     assert seen, "no audit ran: nothing was skipped"
     assert not any(seen)
+
+
+def test_a_persist_in_flight_writes_nothing_while_a_save_runs(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Catches: a persist hashing and writing beside a save (it took the save's memory
+    # bandwidth and CPU: a persist in flight doubled a 0.3 GB save's stall, issue #49).
+    write_at = local_files.DirectFile.write_at
+    writes: list[float] = []
+
+    def recorded(self: Any, view: memoryview, offset: int) -> None:
+        writes.append(time.monotonic())
+        write_at(self, view, offset)
+
+    monkeypatch.setattr(local_files.DirectFile, "write_at", recorded)
+    nm.init(str(root), persistent_time_interval=0)
+    try:
+        checkpoint = nm.Checkpoint("global_step1")
+        checkpoint.save("model", {"w": torch.randn(8 << 20)})  # 32 MiB: 4 chunks
+        with QUIET.saving():  # a save runs from before the persist begins
+            checkpoint.commit()
+            held_from = time.monotonic()
+            time.sleep(0.5)
+            held_to = time.monotonic()
+        assert nm.flush_persistence()
+    finally:
+        nm.shutdown()
+    assert writes, "the persist wrote nothing"
+    assert not [t for t in writes if held_from <= t <= held_to], "written beside the save"
+
+
+def test_a_persist_pauses_once_for_a_save_that_outlasts_its_wait() -> None:
+    # Catches: a persist paused for as long as a save runs, when the save waits for that
+    # persist (a tag saved again, the budget's flush): each would wait for the other.
+    pause = SaveYield(max_s=0.05)
+    with QUIET.saving():
+        started = time.monotonic()
+        for _ in range(20):
+            pause()
+        assert time.monotonic() - started < 0.5  # one wait of 0.05 s, then none
+    with QUIET.saving(), QUIET.hurry():
+        started = time.monotonic()
+        pause()
+        assert time.monotonic() - started < 0.05

@@ -40,6 +40,7 @@ KNOWN_CHECKSUM_ALGOS = (CHECKSUM_ALGO, LEGACY_CHECKSUM_ALGO)
 LEAF_BYTES = 1 << 20  # the "1m" of CHECKSUM_ALGO: never change it, define a new algo
 HASH_WORKERS = 2  # threads that verify one buffer
 _PARALLEL_FROM_BYTES = 16 << 20  # below this, a thread costs more than it saves
+PAUSE_PIECES = 8  # tree_leaves' `pause` comes before every 8 pieces (8 MiB)
 _LEGACY_CHUNK_BYTES = 16 << 20  # xxhash releases the GIL per call: keep calls long
 # What a persist compares with the version before it, inside a piece whose leaf changed
 # (protocol/reuse.py): blocks this small, so that a small tensor that changed costs its
@@ -147,10 +148,15 @@ def checksum_of(
     return tree_hexdigest(tree_leaves(view, workers))
 
 
-def tree_leaves(data: bytes | bytearray | memoryview, workers: int = HASH_WORKERS) -> list[bytes]:
+def tree_leaves(
+    data: bytes | bytearray | memoryview,
+    workers: int = HASH_WORKERS,
+    pause: Callable[[], None] | None = None,
+) -> list[bytes]:
     """The `leaf_digest` of each `LEAF_BYTES` piece of `data` (which starts on a piece
     boundary of its file), hashed by `workers` threads (this one included) when `data` is
-    large."""
+    large; `pause()`, if given, is called by each before every `PAUSE_PIECES` pieces (a
+    persist's hash waits there while a save runs)."""
     view = memoryview(data).cast("B")
     count = -(-len(view) // LEAF_BYTES)
     leaves = [b""] * count
@@ -158,6 +164,8 @@ def tree_leaves(data: bytes | bytearray | memoryview, workers: int = HASH_WORKER
 
     def hash_range(first: int, last: int) -> None:
         for i in range(first, last):
+            if pause is not None and (i - first) % PAUSE_PIECES == 0:
+                pause()
             leaves[i] = xxhash.xxh3_64_digest(view[i * LEAF_BYTES : (i + 1) * LEAF_BYTES])
 
     bounds = [count * k // workers for k in range(workers + 1)]

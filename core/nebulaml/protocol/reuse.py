@@ -40,6 +40,7 @@ for: the copy itself (transfer.py `copy_item` calls `plan_item`), or when to per
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nebulaml.errors import CorruptCheckpointError
@@ -96,6 +97,10 @@ class ReuseBook:
         ((10, 90), None)
     """
 
+    pause: Callable[[], None] | None = None
+    """Called between chunks of a persist's hash and of its writes to a local root (the
+    persister's: wait while a save runs, so a persist does not take the save's CPU and
+    memory bandwidth)."""
     _versions: dict[tuple[str, str], ItemVersion] = field(default_factory=dict)
     _counts: dict[str, list[int]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -137,12 +142,18 @@ class ReuseBook:
 
 
 def plan_item(
-    view: memoryview, tag: str, item: ItemEntry, base: ItemVersion | None, where: str = ""
+    view: memoryview,
+    tag: str,
+    item: ItemEntry,
+    base: ItemVersion | None,
+    where: str = "",
+    pause: Callable[[], None] | None = None,
 ) -> ItemPlan:
     """Hash `view` (the new version of `item`, to be written into `tag`), check it against
     `item`'s checksum (`CorruptCheckpointError` naming `where`, the source, if it
     differs: nothing is written), and
     compare it with `base` (module docstring): the ranges to write and to take from `base`.
+    `pause()` is called between chunks of the hash (`ReuseBook.pause`).
 
     Example:
         >>> from nebulaml.format.checksum import BLOCK_BYTES
@@ -159,7 +170,7 @@ def plan_item(
         True
     """
     size = len(view)
-    leaves = tree_leaves(view)
+    leaves = tree_leaves(view, pause=pause)
     if item.checksum_algo != CHECKSUM_ALGO or size != item.size_bytes:
         found = f"{size} bytes"
     elif tree_hexdigest(leaves) != item.checksum:

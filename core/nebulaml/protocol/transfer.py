@@ -313,11 +313,18 @@ def copy_item(
         if mapped is not None and reuse is not None and dst.clones:
             base_version = reuse.base_for(dst, tag, item)
             where = src.display(tag, item.file)
-            plan = plan_item(mapped, tag, item, base_version, where)
+            plan = plan_item(mapped, tag, item, base_version, where, pause=reuse.pause)
             base = None if plan.base is None else (plan.base.tag, plan.base.file)
             stamp = None if plan.base is None else plan.base.stamp
+            pause = reuse.pause if dst.capabilities.local_path else None  # this thread's
+
+            def sent_then_pause(n: int) -> None:
+                sent(n)
+                if pause is not None:
+                    pause()
+
             done = dst.write_ranges(
-                (tag, item.file), mapped, plan.ranges, base, sent, base_stamp=stamp
+                (tag, item.file), mapped, plan.ranges, base, sent_then_pause, base_stamp=stamp
             )
             plan.version.stamp = done.stamp
             reuse.remember(dst, plan.version)

@@ -18,7 +18,8 @@ stops at its next chunk (`QUIET.pause_point`). Low priority alone did not keep t
 of the save: on 2 cores, an audit of the first item's frozen base ran beside the second
 item's copy and the commit, and the frozen-base save took 2 ms more (a third of it). A
 caller that needs a paused job's result (`QUIET.hurry()`: a fill waiting for the last
-audit of its buffer) lets it run on.
+audit of its buffer) lets it run on. A persist pauses too, between its chunks
+(`SaveYield`, bounded: a save may wait for the persist itself).
 
 May import: runtime/pages.py (lower_priority). Not for: what the jobs do (snapshot.py,
 unchanged.py, persist_actions.py).
@@ -30,6 +31,7 @@ import collections
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -105,12 +107,14 @@ class Quiet:
         self._cond = threading.Condition(threading.Lock())
         self._saves = 0  # save calls running (several threads may save)
         self._hurry = 0  # callers waiting for a paused job's result
+        self.generation = 0  # save calls begun so far
 
     @contextmanager
     def saving(self) -> Iterator[None]:
         """Held around a save call: the low-priority crews wait until it returns."""
         with self._cond:
             self._saves += 1
+            self.generation += 1
         try:
             yield
         finally:
@@ -135,15 +139,46 @@ class Quiet:
         with self._cond:
             return self._saves > 0 and not self._hurry
 
-    def pause_point(self) -> None:
+    def pause_point(self, timeout_s: float | None = None) -> bool:
         """Wait while a save runs, unless someone hurries (a low-priority job's loop
-        calls this between its chunks)."""
+        calls this between its chunks); False if `timeout_s` passed first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while self._saves > 0 and not self._hurry:
-                self._cond.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
 
 
 QUIET = Quiet()
+# The longest a persist waits at one pause for a save to end (`SaveYield`).
+YIELD_MAX_S = 1.0
+
+
+class SaveYield:
+    """A pause for a long job a save may itself wait for (a persist: the memory budget's
+    flush, a tag saved again): called between the job's chunks, it waits while a save
+    runs (`QUIET`), at most `max_s`; once a wait runs out, it does not pause again
+    during that save, which may be waiting for this very job. A save that waits for one
+    says so (`QUIET.hurry`), and then it does not pause at all.
+
+    Example:
+        >>> pause = SaveYield(max_s=0.01)
+        >>> with QUIET.saving():
+        ...     pause(); pause()   # the first waits 10 ms, the second not at all
+        >>> pause()                # no save runs: no wait
+    """
+
+    def __init__(self, max_s: float = YIELD_MAX_S) -> None:
+        self.max_s = max_s
+        self._given_up = -1  # the save (QUIET.generation) not to wait for again
+
+    def __call__(self) -> None:
+        generation = QUIET.generation
+        if generation != self._given_up and not QUIET.pause_point(self.max_s):
+            self._given_up = generation
 
 
 class Crew:

@@ -60,6 +60,9 @@ LOCAL_CAPABILITIES = Capabilities(
 )
 
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# `write_ranges` writes a changed range in chunks of this size, `sent` called after each
+# (where a persist may pause while a save runs: reuse.ReuseBook.pause).
+_RANGE_CHUNK_BYTES = 8 << 20
 
 
 class LocalBackend:
@@ -360,7 +363,8 @@ class LocalBackend:
         bytes at the same offsets, cloned from it inside the filesystem
         (`DirectFile.clone_from`) instead of written; a range the filesystem cannot clone
         (or every one, when `base` cannot be opened) is written from `view`. Returns
-        (bytes written, bytes cloned). `base` is opened as any read is: a regular file,
+        (bytes written, bytes cloned); `sent(n)` after each range cloned and each chunk of
+        at most 8 MiB written. `base` is opened as any read is: a regular file,
         never through a symbolic link."""
         out = DirectFile(
             self._local(parts, leaf_may_link=True), durable=self.durable, mode=self.file_mode
@@ -379,12 +383,15 @@ class LocalBackend:
                     if taken < length:
                         source.close()
                         source = None  # this filesystem cannot: write the rest
-                rest = length - taken
-                if rest:
-                    out.write_at(view[offset + taken : offset + length], offset + taken)
-                    written += rest
-                if sent is not None:
-                    sent(length)
+                if sent is not None and taken:
+                    sent(taken)
+                end = offset + length
+                for at in range(offset + taken, end, _RANGE_CHUNK_BYTES):
+                    upto = min(at + _RANGE_CHUNK_BYTES, end)
+                    out.write_at(view[at:upto], at)
+                    written += upto - at
+                    if sent is not None:
+                        sent(upto - at)
             out.close()
         except BaseException:
             out.abort()
