@@ -139,7 +139,7 @@ class ReplicaInbox(FileInbox):
         base: str | None = None,
         reuse: Runs | None = None,
         own: OwnParts | None = None,
-        pause: Callable[[], None] | None = None,
+        pause: Callable[[], object] | None = None,
     ) -> None:
         super().__init__()
         self.root, self.tag, self.rank, self.node = root, tag, rank, node
