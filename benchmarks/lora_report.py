@@ -39,7 +39,7 @@ def render_lora(console: Console, lora: dict[str, Any]) -> None:
         f"{shape['d']}x{shape['d']}, adapter rank {shape['rank']}); changed per step "
         f"{state['changed_bytes'] / MB:.1f} MB (adapter + Adam state); step "
         f"{state['step_s']:.2f} s; median \\[min-max] of {n} saves, each after a step "
-        f"({lora['saves_per_round']} in each of {lora['rounds']} rounds; Azurite: the first); "
+        f"({lora['saves_per_round']} in each of {lora['rounds']} rounds; Azurite, S3: the first); "
         f"every row saves the frozen-base state but the all-changed control"
     )
     table = Table(title=title, title_justify="left")

@@ -105,7 +105,8 @@ class Nebula(Method):
         return self.url or str(self.root)
 
     def memory_tier(self) -> Path:
-        return Path(nm.memory_tier_path(self.root_url))
+        with nm.using_storage_options(self.storage_options or {}):  # an S3 endpoint's
+            return Path(nm.memory_tier_path(self.root_url))
 
     def _init(self) -> str | None:
         return init_nebula(self.root_url, lazy=self.lazy, storage_options=self.storage_options)

@@ -11,7 +11,8 @@ A frozen base model, an embedding table or an EMA copy that did not change since
 persist costs no write: on a local root its ranges are cloned from the last version's file
 (`Store.write_ranges`: shared extents on XFS and btrfs, an in-kernel copy elsewhere), on
 Azure Blob Storage they are staged server-side from the last version's blob (Put Block
-From URL: storage/azure_ranges.py), and the version is still a complete file that
+From URL: storage/azure_ranges.py), on S3 copied server-side from the last version's
+object (UploadPartCopy: storage/s3_parts.py), and the version is still a complete file that
 `torch.load` reads. Deleting the older version never touches the newer one (a clone, and a
 staged copy, are files of their own).
 
@@ -28,9 +29,11 @@ hashed in blocks, the first version this process persists included (about 40 ms 
 
 The older version is used only while it is still committed on the tier with the checksum
 the book recorded, is not the tag being written, and opens as a regular file (on Azure:
-is still the blob this process committed, its ETag unchanged); else the item is written
-whole. A process that restarts starts a new book: its first persist of each item writes it
-whole.
+is still the blob this process committed, its ETag unchanged; on S3 the object, likewise);
+else the item is written whole. The ETag is the one the write itself returned
+(`ItemVersion.stamp`), never read back later: a version whose object may have been
+rewritten since its digests were recorded is never copied from. A process that restarts
+starts a new book: its first persist of each item writes it whole.
 
 May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`, catalog.py. Not
 for: the copy itself (transfer.py `copy_item` calls `plan_item`), or when to persist

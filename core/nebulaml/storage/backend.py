@@ -54,7 +54,8 @@ class Capabilities:
       store has no append), so concurrent writers lose none; otherwise the backend's
       own append is atomic (O_APPEND on a local disk).
     - `range_copy`: `write_ranges` can have the server copy unchanged ranges of an earlier
-      file (Azure's Put Block From URL): the backend is a `RangeCopyBackend`.
+      file (Azure's Put Block From URL, S3's UploadPartCopy): the backend is a
+      `RangeCopyBackend`.
     - `clones`: `write_ranges` can clone unchanged ranges of an earlier local file
       (`copy_file_range`, reflinks).
     - `local_path`: the root is a folder of this machine's filesystem: paths are OS
@@ -305,7 +306,7 @@ class RangeCopyBackend(Backend, Protocol):
     """A backend whose server copies ranges of an earlier file (`Capabilities.range_copy`):
     `write_ranges` writes `view` as `parts`, the ranges marked reused copied from `base`
     while it is still the version `base_stamp`, the rest uploaded; each request retried
-    by the backend itself (azure.py's `AzureBackend` is one)."""
+    by the backend itself (azure.py's `AzureBackend` and s3.py's `S3Backend` are)."""
 
     def write_ranges(
         self,

@@ -510,7 +510,7 @@ class Store:
         """Whether `write_ranges` can take ranges from an earlier file of this store
         instead of writing them: where the backend declares clones (a local root:
         `copy_file_range`, reflinks on XFS and btrfs) or server-side range copies (Azure's
-        Put Block From URL)."""
+        Put Block From URL, S3's UploadPartCopy)."""
         return self.capabilities.clones or self.capabilities.range_copy
 
     def write_ranges(
@@ -527,10 +527,11 @@ class Store:
         never left half-written if this raises: each range (offset, length, reuse) with
         `reuse` set is taken from the file `base` of this store, which holds the same bytes
         there, where the store can (`clones`); the others, and all of them elsewhere, are
-        written from `view`. On Azure `base` must still be the blob of ETag `base_stamp`
-        (what an earlier `write_ranges` returned), and what it cannot give is uploaded.
-        Returns (bytes written, bytes taken from `base`, the new file's stamp: its ETag on
-        Azure, else None); `sent(n)` as `open_write`'s."""
+        written from `view`. On Azure and S3 `base` must still be the object of ETag
+        `base_stamp` (what an earlier `write_ranges` returned; without one nothing is
+        copied), and what it cannot give is uploaded. Returns (bytes written, bytes taken
+        from `base`, the new file's stamp: its ETag on Azure and S3, else None); `sent(n)`
+        as `open_write`'s."""
         if self.is_local and self.capabilities.clones:
             with self._translated(self.display(*parts)):
                 return self._local().write_ranges(parts, view, ranges, base, sent)
