@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import azurite as azurite_server
+import gcsserver
 import pytest
 import s3server
 import schedule
@@ -150,3 +151,32 @@ def s3_url(s3_server: s3server.MotoServer) -> str:
     """A fresh root in the moto server's test bucket, e.g. s3://nebula-tests/5f0c...;
     reach it with `s3_server.options()`."""
     return f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:16]}"
+
+
+# GCS: one gcp-storage-emulator per test session, started on first use -------------------
+GCS_BUCKET = "nebula-tests"
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[gcsserver.GCSEmulator]:
+    """A running gcp-storage-emulator on 127.0.0.1, its `GCS_BUCKET` created.
+
+    Not installed: the test fails under CI (CI=true), and is skipped elsewhere.
+    """
+    if not gcsserver.installed():
+        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
+            pytest.fail(gcsserver.MISSING, pytrace=False)
+        pytest.skip(gcsserver.MISSING)
+    base = tmp_path_factory.mktemp("gcs")
+    server = gcsserver.GCSEmulator(base / "gcs.log", GCS_BUCKET).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def gcs_url(gcs_server: gcsserver.GCSEmulator) -> str:
+    """A fresh root in the emulator's test bucket, e.g. gs://nebula-tests/5f0c...; reach it
+    with `gcs_server.options()`."""
+    return f"gs://{GCS_BUCKET}/{uuid.uuid4().hex[:16]}"

@@ -7,8 +7,9 @@ root does the actual I/O, opened by the factory registered for the root's protoc
 
 - `LocalBackend` (local.py): local disks, and the memory tier (a private, non-durable
   local root);
-- `RemoteBackend` (remote.py): any other fsspec store (memory://, GCS, ...);
+- `RemoteBackend` (remote.py): any other fsspec store (memory://, ...);
 - `S3Backend` (s3.py): Amazon S3 and S3-compatible servers (MinIO, Ceph, R2) through s3fs;
+- `GCSBackend` (gcs.py): Google Cloud Storage (and its emulators) through gcsfs;
 - `AzureBackend` (azure.py): Azure Blob Storage and ADLS Gen2 through adlfs.
 
 What a backend can do beyond the primitives is what it declares (`capabilities`), never
@@ -22,7 +23,7 @@ contract below (missing files, conflicts, appends) is what tests/core/test_store
 runs against every backend.
 
 Not for: error translation or retries (store.py, failures.py, retry.py), nor any one
-backend's specifics (local.py, remote.py, s3.py, azure.py). May import: `nebulaml.errors`,
+backend's specifics (local.py, remote.py, s3.py, gcs.py, azure.py). May import: `nebulaml.errors`,
 and storage/'s mapped_reads.py for types only.
 """
 

@@ -5,7 +5,7 @@ installed distribution's entry point.
     factory_for(protocol)                  the factory that opens such a root
     registered_protocols()                 the protocols with a registered backend
 
-The built-in backends (builtins.py: local disks, Azure, S3) are registered first, through
+The built-in backends (builtins.py: local disks, Azure, S3, GCS) are registered first, through
 the same `register_backend`. The entry-point group `nebulaml.backends` is read once, lazily
 (the first time a root's protocol is not registered yet): each entry point's name is a
 protocol and its object a factory, as `register_backend` takes them. An entry point never
@@ -45,7 +45,7 @@ _entry_points_read = False
 def register_backend(protocol: str, factory: BackendFactory, *, replace: bool = False) -> None:
     """Open roots `protocol://...` with `factory` (it takes an `OpenRequest` and returns a
     `Backend` declaring its `Capabilities`). A protocol registered already (nebula's own:
-    file, local, az, abfs, abfss, s3, s3a; or another registration) is refused unless
+    file, local, az, abfs, abfss, s3, s3a, gs, gcs; or another registration) is refused unless
     `replace`.
 
     Example:

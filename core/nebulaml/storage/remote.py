@@ -1,5 +1,5 @@
 """The fsspec backend: a root on any fsspec store that no other backend is registered for
-(memory://, GCS, ...), and the base of the S3 and Azure backends (s3.py, azure.py).
+(memory://, ...), and the base of the S3, GCS and Azure backends (s3.py, gcs.py, azure.py).
 
 `RemoteBackend` implements the `Backend` primitives (backend.py) with fsspec calls. What
 object stores lack, it builds:
@@ -255,7 +255,7 @@ def remote_location(url: str, options: dict[str, Any]) -> str:
 
 def open_fsspec(request: OpenRequest) -> RemoteBackend:
     """The backend of a root on an fsspec store that no backend is registered for
-    (memory://, gs://, ...): fsspec's filesystem for the URL, given the storage options.
+    (memory://, ...): fsspec's filesystem for the URL, given the storage options.
 
     Example:
         >>> backend = open_fsspec(OpenRequest("memory://example-run", "memory", {}))

@@ -159,6 +159,10 @@ def _classify(exc: BaseException) -> bool | None:
             if status is None:
                 return None
             return status in _TRANSIENT_STATUS or status >= 500
+    gcsfs = sys.modules.get("gcsfs.retry")  # GCS's (gcsfs): an answer that is not 2xx
+    if gcsfs is not None and isinstance(exc, gcsfs.HttpError):
+        code = getattr(exc, "code", None)
+        return None if not isinstance(code, int) else code in _TRANSIENT_STATUS or code >= 500
     aiohttp = sys.modules.get("aiohttp")
     if aiohttp is not None and isinstance(exc, aiohttp.ClientError):
         # A 4xx answer is an answer; a broken connection or payload is not.
