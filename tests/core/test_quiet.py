@@ -16,8 +16,8 @@ import torch
 import nebulaml as nm
 from nebulaml.runtime import unchanged
 from nebulaml.runtime.crew import AUDIT_CREW, QUIET, Crew, SaveYield
-from nebulaml.storage import local_files
 from nebulaml.runtime.session import current
+from nebulaml.storage import local_files
 
 WAIT_S = 30
 
