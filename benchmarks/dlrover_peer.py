@@ -316,6 +316,8 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         "optimizer_tensors_in_buffer": in_buffer,
         "memory_copy_changed_by_a_step_without_save": bool(after_step),
         "changed_leaves": len(after_step),
+        # what changed, by the last key of each leaf's path (e.g. exp_avg, step)
+        "changed_kinds": sorted({k.rsplit("/", 1)[-1] for k in after_step}),
     }
     progress(f"aliasing: {aliasing}")
 

@@ -20,8 +20,8 @@ the median over the starts: nebula restarts for every repeat, the peers start on
 and issue #49's, the default save level with the best peers in the same run, on the
 steady stall's median and its p90 (from the samples):
 
-  stall_vs_dcp_reused_49, stall_p90_vs_dcp_reused_49    nebula / dcp.async_save (reused)  <= 1
-  stall_vs_dlrover_49, stall_p90_vs_dlrover_49          nebula / DLRover memory save      <= 1
+  stall_vs_dcp_reused_level, stall_p90_vs_dcp_reused_level  nebula / dcp.async_save (reused) <= 1
+  stall_vs_dlrover, stall_p90_vs_dlrover                    nebula / DLRover memory save     <= 1
 
 (DLRover's row comes from its own environment: dlrover_method.py.)
 
@@ -171,10 +171,10 @@ def _peer_ratios(figures: dict[str, Any], v: str, stall: float | None) -> list[d
         ("dcp_async_reused", "dcp.async_save (reused stager)"),
         ("dlrover", "DLRover memory save"),
     ):
-        short = "dcp_reused" if peer == "dcp_async_reused" else peer
+        short = "dcp_reused_level" if peer == "dcp_async_reused" else peer
         out.append(
             target_ratio(
-                f"stall_vs_{short}_49",
+                f"stall_vs_{short}",
                 v,
                 _div(stall, _median(figures, peer, "stall_s")),
                 "<=",
@@ -184,7 +184,7 @@ def _peer_ratios(figures: dict[str, Any], v: str, stall: float | None) -> list[d
         )
         out.append(
             target_ratio(
-                f"stall_p90_vs_{short}_49",
+                f"stall_p90_vs_{short}",
                 v,
                 _div(stall_p90(figures, v), stall_p90(figures, peer)),
                 "<=",
@@ -386,7 +386,7 @@ def render(
             overhead,
         )
     console.print(table)
-    _render_peers_49(console, doc, order)
+    _render_best_peers(console, doc, order)
 
     lim = doc["limits"]
     limits = Table(title="this machine", title_justify="left")
@@ -431,7 +431,7 @@ def render(
     console.print(targets)
 
 
-def _render_peers_49(console: Console, doc: dict[str, Any], order: Sequence[str]) -> None:
+def _render_best_peers(console: Console, doc: dict[str, Any], order: Sequence[str]) -> None:
     """Issue #49's comparison: the steady stall's median and p90 of nebula, DCP's reused
     stager and DLRover's memory save, and what DLRover's row alone measures (its buffer,
     its saver process, its resume)."""

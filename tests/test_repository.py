@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {
     ".git",
     ".venv",
+    ".venv-dlrover",  # DLRover's, for the peer benchmark (make venv-dlrover)
     ".azurite",
     "__pycache__",
     ".pytest_cache",
