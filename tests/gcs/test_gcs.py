@@ -250,3 +250,21 @@ def test_an_abandoned_upload_never_commits_an_object(
     key = gcs_url.split("/", 3)[3]
     assert not [r for r in gcs_server.requests(since) if r.startswith("POST") and key in r]
     assert store.list_files("t") == {}
+
+
+def test_gcsfs_tries_each_request_once_and_nebula_retries() -> None:
+    # Catches: gcsfs's own retries left on (six tries, backing off up to 32 s) under
+    # nebula's: a server that refuses connections held each call past its deadline, and
+    # init's first look (asked without retries) waited half a minute instead of failing.
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = Store("gs://nebula-tests/down", {"endpoint_url": f"http://127.0.0.1:{port}",
+                                             "token": "anon", "nebula_retries": 0})  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(nm.StorageError, match="Cannot connect"):
+        store.read_bytes("x")
+    assert time.monotonic() - started < 2
