@@ -279,8 +279,8 @@ def clone_tags(template: dict[str, bytes], n: int, write: Any) -> None:
     from datetime import timedelta
 
     from nebulaml.format.manifest import parse_manifest, parse_utc
-    from nebulaml.format.names import INDEX_DIR, MANIFEST_NAME
-    from nebulaml.protocol.commit_index import entry_name
+    from nebulaml.format.names import MANIFEST_NAME
+    from nebulaml.protocol.index_names import begun_path, entry_path
 
     manifest = parse_manifest(template[MANIFEST_NAME], "template manifest")
     markers = {
@@ -309,7 +309,9 @@ def clone_tags(template: dict[str, bytes], n: int, write: Any) -> None:
             created_at=stamp(2 * i),
             committed_at=stamp(2 * i + 1),
         )
-        write(INDEX_DIR, entry_name(tag, i), b"")
+        # Its begun record and its entry, in its step's bucket (protocol/index_names.py).
+        for path in (begun_path(tag), entry_path(tag, i)):
+            write("/".join(path[:-1]), path[-1], b"")
         write(tag, MANIFEST_NAME, clone.to_bytes())
 
 
@@ -330,7 +332,7 @@ def build_local(root: Path, n: int, work: Path, timeout_s: float) -> None:
     def write(tag: str, name: str, data: bytes) -> None:
         tag_dir = root / tag
         if tag not in made:
-            tag_dir.mkdir(mode=0o700, exist_ok=True)  # the index: there
+            tag_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the index's buckets
             made.add(tag)
         if name in items:
             os.link(folder / name, tag_dir / name)

@@ -28,6 +28,8 @@ from nebula_cli.app import app
 from nebulaml.format.manifest import parse_manifest, seal
 from nebulaml.format.names import order_key, step_of, validate_name
 from nebulaml.protocol import commit
+from nebulaml.protocol.commit_index import record_begun
+from nebulaml.storage.store import Store
 
 
 class Clock:
@@ -114,7 +116,6 @@ def test_1_the_order_holds_across_a_restart_with_the_clock_behind(root: Path, cl
 def test_1_a_copy_into_a_root_comes_after_what_it_holds(root: Path, tmp_path: Path) -> None:
     from nebulaml.protocol.catalog import read_committed
     from nebulaml.protocol.transfer import copy_checkpoint
-    from nebulaml.storage.store import Store
 
     other = tmp_path / "other"
     nm.init(str(other), persistent_time_interval=0)
@@ -228,6 +229,9 @@ def test_5_a_deep_writer_marker_is_ignored(root: Path) -> None:
     _save("global_step1", 1)
     nm.shutdown()
     left = root / "global_step2"
+    # As a writer leaves it: its begun record first (commit.begin_tag), by which a
+    # restart finds the folders at the top (commit_index.py).
+    record_begun(Store(str(root)), "global_step2")
     left.mkdir()
     (left / ".writer-0.json").write_bytes(b"[" * 10_000)
     (left / "model").write_bytes(b"half")

@@ -24,8 +24,9 @@ from nebulaml.format.manifest import parse_manifest
 from nebulaml.format.names import INDEX_DIR, MANIFEST_NAME
 from nebulaml.protocol import commit_index
 from nebulaml.protocol.catalog import list_committed
-from nebulaml.protocol.commit_index import newest, record_commit
+from nebulaml.protocol.commit_index import newest, record_begun
 from nebulaml.protocol.delete import delete_checkpoint
+from nebulaml.protocol.index_names import begun_path, entry_path, parse_entry
 from nebulaml.protocol.sequence import note_sequence
 from nebulaml.storage.store import Store
 
@@ -41,10 +42,23 @@ def _fresh_process() -> None:
     commit_index._catalogs.clear()
 
 
+def _entries(root: Path) -> list[str]:
+    """The tags of the index entries of `root`, in its buckets and flat."""
+    names = [p.name for p in (root / INDEX_DIR).rglob("*") if p.is_file()]
+    return sorted(parsed[1] for name in names if (parsed := parse_entry(name)) is not None)
+
+
+def _touch(root: Path, path: tuple[str, ...]) -> None:
+    """An index file written as record_commit and record_begun write it (not synced)."""
+    (root.joinpath(*path[:-1])).mkdir(parents=True, exist_ok=True)
+    (root.joinpath(*path)).write_bytes(b"")
+
+
 def _clone_root(root: Path, n: int) -> None:
     """A root of `global_step1` .. `global_stepN`: the first saved through the API, the
-    others its clones with their own manifests (step i, sequence i) and index entries,
-    as commits of this version leave them (a save each would take a minute)."""
+    others its clones with their own manifests (step i, sequence i), begun records and
+    index entries, as persists of this version leave them (a save each would take a
+    minute)."""
     nm.init(str(root), persistent_time_interval=0)
     _save("global_step1")
     nm.shutdown()
@@ -58,7 +72,8 @@ def _clone_root(root: Path, n: int) -> None:
         for item in manifest.items:
             shutil.copyfile(template / item.file, folder / item.file)
         clone = dataclasses.replace(manifest, tag=tag, step=i, sequence=manifest.sequence + i)
-        record_commit(store, tag, clone.sequence)
+        _touch(root, begun_path(tag))
+        _touch(root, entry_path(tag, clone.sequence))
         (folder / MANIFEST_NAME).write_bytes(clone.to_bytes())
     note_sequence(store, manifest.sequence + n)
 
@@ -193,14 +208,12 @@ def test_deleted_tags_leave_no_entry_and_one_removed_by_hand_is_skipped(root: Pa
         _save(f"global_step{step}", step)
         nm.flush_persistence()
     nm.shutdown()
-    entries = sorted(p.name.rsplit("-", 1)[-1] for p in (root / INDEX_DIR).iterdir())
-    assert entries == ["global_step4", "global_step5"]  # retention took the others'
+    assert _entries(root) == ["global_step4", "global_step5"]  # retention took the others'
     shutil.rmtree(root / "global_step5")  # a bad checkpoint removed by hand
     assert _same_as_full_listing(root) == ["global_step4"]
     nm.init(str(root))  # the restart tidies the entry above the newest
     nm.shutdown()
-    entries = sorted(p.name.rsplit("-", 1)[-1] for p in (root / INDEX_DIR).iterdir())
-    assert entries == ["global_step4"]
+    assert _entries(root) == ["global_step4"]
 
 
 def test_damaged_and_newer_schema_manifests_at_the_top_are_passed_over(
@@ -228,7 +241,7 @@ def test_a_root_an_older_nebula_wrote_is_listed_in_full_and_indexed(root: Path) 
     shutil.rmtree(root / INDEX_DIR)  # as an older nebula leaves a root
     assert _same_as_full_listing(root) == ["global_step1", "c", "a"]
     committed = len(list_committed(Store(str(root))))
-    assert len(list((root / INDEX_DIR).iterdir())) == committed == 4  # written by that reader
+    assert len(_entries(root)) == committed == 4  # written by that reader, in buckets
 
 
 def test_a_folder_copied_in_by_hand_is_indexed_by_a_full_listing(
@@ -265,6 +278,9 @@ def _dead_pid() -> int:
 
 
 def _half_written(root: Path, tag: str, pid: int) -> Path:
+    """A persist's folder cut short, as a writer of this version leaves it: its begun
+    record in the index first (commit.begin_tag), then the folder, data and marker."""
+    record_begun(Store(str(root)), tag)
     folder = root / tag
     folder.mkdir(parents=True)
     (folder / "m").write_bytes(b"partial bytes of a crashed persist")
@@ -321,3 +337,137 @@ def test_the_full_catalog_is_kept_while_the_root_is_the_same(
     delete_checkpoint(Store(str(root)), "global_step100")
     listed = nm.list_checkpoints(str(root))
     assert len(listed) == 99 and listed[0]["tag"] == "global_step99"
+
+
+_LISTINGS = ("list_dirs", "list_files", "list_file_names", "list_non_files", "list_versions")
+
+
+def _names_listed(root: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """How many names the store's listings of `root` returned to a fresh process's
+    init + get_latest_checkpoint + load (the restart #47 measures)."""
+    listed = [0]
+    for method in _LISTINGS:
+        original = getattr(Store, method)
+
+        def counting(self: Store, *parts: str, _original: object = original) -> object:
+            out = _original(self, *parts)  # type: ignore[operator]
+            if Path(self.root) == root and out is not None:
+                listed[0] += len(out)
+            return out
+
+        monkeypatch.setattr(Store, method, counting)
+    _fresh_process()
+    nm.init(str(root))
+    latest = nm.get_latest_checkpoint()
+    assert latest is not None and latest.load("m") == {"v": 0}
+    latest.release()
+    nm.shutdown()
+    monkeypatch.undo()
+    return listed[0]
+
+
+def test_a_restarts_listings_do_not_grow_with_the_number_of_tags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug caught: a restart listed every name of the commit index (to find the newest)
+    and every folder of the root (to find those at the top): 20 ms of a 46-63 ms restart
+    at 10,000 tags, 2.46x the restart at 100. Now the index's highest buckets and the
+    begun records there: what a restart lists is bounded by a bucket (1,000 steps), not
+    by the number of tags."""
+    small, large = tmp_path / "small" / "root", tmp_path / "large" / "root"
+    _clone_root(small, 50)
+    _clone_root(large, 2_000)
+    at_50 = _names_listed(small, monkeypatch)
+    at_2000 = _names_listed(large, monkeypatch)
+    # Was 100+ at 50 and 4,000+ at 2,000 (every entry, every folder).
+    assert at_2000 <= 2 * at_50, (at_50, at_2000)
+
+
+def test_a_leftover_at_the_top_is_found_from_its_begun_record_not_by_listing_the_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "root"
+    _clone_root(root, 50)
+    dead = _dead_pid()
+    top = _half_written(root, "global_step51", dead)
+    roots_listed = []
+    list_dirs = Store.list_dirs
+
+    def counting(self: Store, *parts: str) -> list[str]:
+        if Path(self.root) == root and not parts:
+            roots_listed.append(parts)
+        return list_dirs(self, *parts)
+
+    monkeypatch.setattr(Store, "list_dirs", counting)
+    _fresh_process()
+    nm.init(str(root), persistent_time_interval=0)
+    nm.shutdown()
+    assert not top.exists()  # recovered at init
+    assert roots_listed == []  # from the index's top bucket, not a listing of the root
+    assert not list(root.joinpath(*begun_path("global_step51")[:-1]).glob("*+global_step51"))
+
+
+def test_a_root_without_begun_records_is_listed_for_its_leftovers(tmp_path: Path) -> None:
+    """A root an older nebula wrote (no begun record: the newest has none): the folders
+    at the top are found by listing the root, as before, and a dead writer's leftover
+    there, which its writer never announced, is removed at init."""
+    root = tmp_path / "root"
+    _clone_root(root, 20)
+    for path in (root / INDEX_DIR).rglob("*+*"):
+        path.unlink()  # as an older nebula's persists leave a root
+    dead = _dead_pid()
+    top = _half_written(root, "global_step21", dead)
+    for path in (root / INDEX_DIR).rglob("*+*"):
+        path.unlink()  # its writer, too, wrote none
+    _fresh_process()
+    nm.init(str(root), persistent_time_interval=0)
+    nm.shutdown()
+    assert not top.exists()
+
+
+def test_a_hostile_begun_record_never_makes_recovery_touch_another_folder(
+    tmp_path: Path,
+) -> None:
+    """Begun records are hints: one naming a committed tag, one whose file names a path
+    outside the root (a hashed record), one for a folder that never came: init removes
+    nothing of them, reads no wrong data, and the newest is still the newest."""
+    root = tmp_path / "root"
+    _clone_root(root, 10)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / ".writer-0.json").write_text(
+        json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "rank": 0})
+    )
+    store = Store(str(root))
+    record_begun(store, "global_step10")  # committed: not a leftover
+    record_begun(store, "global_step12")  # never came
+    hashed = begun_path("global_step11-" + "x" * 250)
+    root.joinpath(*hashed).write_text("../outside")
+    _fresh_process()
+    nm.init(str(root), persistent_time_interval=0)
+    latest = nm.get_latest_checkpoint()
+    assert latest is not None and latest.tag == "global_step10"
+    latest.release()
+    nm.shutdown()
+    assert (root / "global_step10" / MANIFEST_NAME).exists()
+    assert (outside / ".writer-0.json").exists()
+
+
+def test_begin_tag_writes_the_begun_record_before_the_folder(tmp_path: Path) -> None:
+    """Every writer of a tag folder outside the memory tier announces it first (the
+    record a restart finds leftovers by); the memory tier's saves do not."""
+    from nebulaml.protocol.commit import begin_tag
+
+    store = Store(str(tmp_path / "root"))
+    made = []
+    make_new_dir = Store.make_new_dir
+
+    def checking(self: Store, *parts: str) -> bool:
+        made.append(self.exists(*begun_path(parts[0])))
+        return make_new_dir(self, *parts)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Store, "make_new_dir", checking)
+        begin_tag(store, "global_step3", rank=0, overwrite=False)
+        begin_tag(store, "global_step4", rank=0, overwrite=False, announce=False)
+    assert made == [True, False]

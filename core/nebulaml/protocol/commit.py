@@ -1,7 +1,8 @@
 """The commit protocol on one tier (docs/architecture.md): items, rank marker, manifest last.
 
     begin_tag         refuse a committed tag (unless overwriting), clear a dead writer's
-                      leftovers, write this process's writer marker (markers.py)
+                      leftovers, write this process's writer marker (markers.py), after
+                      the tag's begun record in the index (commit_index.record_begun)
     claim_item        on a tier several ranks share: claim an item name for this rank, or
                       `ItemCollisionError` if another rank saves one of that name
     write_item        serialise one object into an item file, hashing on the way
@@ -69,7 +70,7 @@ from nebulaml.format.names import (
 )
 from nebulaml.format.serialization import write_item as serialise
 from nebulaml.protocol.catalog import read_committed
-from nebulaml.protocol.commit_index import record_commit
+from nebulaml.protocol.commit_index import record_begun, record_commit
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.leases import live_leases
 from nebulaml.protocol.markers import (
@@ -130,6 +131,7 @@ def begin_tag(
     overwrite: bool,
     world_size: int = 1,
     marker: tuple[str, ...] | None = None,
+    announce: bool = True,
 ) -> bool:
     """Prepare the folder of `tag` for this rank's items.
 
@@ -144,8 +146,15 @@ def begin_tag(
     (`writer_record`), linked into a new folder instead of written there (a save's next
     tag: two system calls). Returns False if it was given and could not be linked (gone):
     the marker was written instead.
+
+    `announce`: first write the tag's begun record in `store`'s index
+    (commit_index.record_begun), so that a restart finds this folder among those at the
+    top if this writer dies, without listing the root; False on a memory tier (whose
+    leftovers a restart finds from its own listing of the few tags there).
     """
     validate_name("tag", tag)
+    if announce:
+        record_begun(store, tag)  # before the folder and the marker: a hint, never trusted
     if store.make_new_dir(tag):  # new: nothing in it to look for or clear
         name = writer_marker_name(rank)
         if marker is not None and store.link(marker, (tag, name)):
@@ -166,6 +175,8 @@ def begin_tag(
         if not deleted:
             readers = ", ".join(lease.describe() for lease in live_leases(store, tag))
             raise CheckpointBusyError(store.url, tag, readers or "a reader", activity="read")
+        if announce:
+            record_begun(store, tag)  # the delete forgot the tag's record with its entries
     else:
         for writer in read_writers(store, tag):
             # Another live process on this host is writing this part (a copy, a second

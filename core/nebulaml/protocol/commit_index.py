@@ -1,12 +1,15 @@
-"""The commit index of a tier: one empty file per commit, whose name is its place in order.
+"""The commit index of a tier: one empty file per commit, whose name is its place in order,
+and one per tag folder a writer began, in buckets by step (index_names.py).
 
-    record_commit   the entry of a manifest about to be published, in the tier's
-                    `INDEX_DIR`, written before the manifest (commit.py)
-    forget_tags     remove the entries of tags just deleted (delete.py)
-    newest          the newest committed checkpoints of a tier: one listing of the index
-                    and the manifests of the few at its top
+    record_commit   the entry of a manifest about to be published, in its step's bucket
+                    of the tier's `INDEX_DIR`, written before the manifest (commit.py)
+    record_begun    the begun record of a tag folder, written before the folder
+                    (commit.begin_tag): how a restart finds the folders at the top
+    forget_tags     remove the entries and begun records of tags just deleted (delete.py)
+    newest          the newest committed checkpoints of a tier: the highest buckets of
+                    the index and the manifests of the few at its top
     above_newest    the folders at the top: where a restart looks for leftovers
-    indexed_tags    the folders that have an entry: what a restarting job knows committed
+    indexed_tags    the folders that have an entry: what a job knows committed
     catalog         every committed checkpoint, kept while the folders and the index
                     are the same
     index_missing   write the entries a full listing found missing (a root an older
@@ -14,47 +17,65 @@
 
 "Newest" is names.order_key: the step a tag names, then the manifest's commit sequence.
 An entry's name is `<step + 1>.<sequence>-<tag>`, both numbers 20 digits, so names sort
-as their checkpoints do (the commit time, a tie-break, aside): the reader takes the
-names from the highest down, reads each one's manifest, and stops once the next name is
-below the n-th newest found. (A tag too long for a name gets `-#<sha256>` instead, and
-the file holds the tag.)
+as their checkpoints do (the commit time, a tie-break, aside); it lies in the bucket of
+its step, `.nebula-index/<first 14 digits>/<next 3>/`, so the names of the buckets from
+the highest down, and of each bucket from the highest down, are every name in order
+(index_walk.walk). The reader takes the names from the highest down, reads each one's
+manifest, and stops once the next name is below the n-th newest found: it lists the
+index's folder, the highest bucket of each level and its names, whatever the number of
+checkpoints (at 10,000 tags of steps 1..10,000: 1 + 11 + 2 names, where a flat index
+listed 10,000). (A tag too long for a name gets `-#<sha256>` instead, and the file holds
+the tag.)
 
 Why no committed checkpoint is missed: every manifest this version publishes (a commit,
 a persist, `nebula copy`) has its entry, written before it (sequence.py reserved the
-number the entry names), durably; so the highest entry of a tag is at least its
-manifest's key. Entries are removed only all together for a tag whose folder is gone
+number the entry names), durably, in the bucket its name's digits say; so the highest
+entry of a tag is at least its manifest's key, and the walk reaches it before any lower
+name. Entries are removed only all together for a tag whose folder is gone
 (`forget_tags`, after a delete), so a tag never keeps a lower entry without its higher
 one. An entry whose manifest never came (a commit that died) or whose folder is gone
-(removed by hand) only costs a read. A tier with no entry at all (an older nebula's) is
-listed in full, as before, and its entries written; so is a folder a full listing finds
+(removed by hand) only costs a read. A name outside the bucket its digits say (no
+nebula writes one) is not read: it could be out of order. An older nebula wrote its
+entries flat in `.nebula-index/` itself: the walk merges them in, in order, so such a
+tier is read as before (and costs a listing of those names, until retention's deletes
+have removed them). A tier with no entry at all (an older nebula's) is listed in full,
+as before, and its entries written in buckets; so is a folder a full listing finds
 without one (`index_missing`: `nm.list_checkpoints`, `nebula ls`).
 
-A process keeps its last listing of a local tier's index and folders while the folder's
-identity (inode, modification time) is unchanged and was already more than
-`_SETTLED_NS` old when listed (a change within the file system's timestamp granularity
-cannot hide behind it); its own writes drop it. An object store has no such identity:
-init's questions share one listing (`pinned`), and each later question lists again, by
-name only (`Store.list_file_names`). A listing handed on past init missed the checkpoint
-a peer recovery had just had another rank commit (get_latest_checkpoint returned the
-older one).
+Why no leftover at the top is missed: a folder that may hold one is either committed
+(an entry) or begun by a writer: every writer of a tag folder on a tier other than the
+memory tier (a persist, a save straight to the root, `nebula copy`, a resumed copy)
+writes the tag's begun record `<step + 1>+<tag>`, durably, before it makes or clears
+the folder and writes its writer marker (commit.begin_tag), and a dead writer's leftover
+is judged by that marker only. So the folders at or above the newest's step are the
+begun records and entries the walk meets before the newest's step ends, each looked at
+(`Store.exists`, then recovery reads its markers): no listing of the root's folders. A
+begun record is a hint, never trusted: its folder may never have come (a crash before
+it), or be committed, or be another writer's; recovery removes only a folder without a
+manifest whose writer markers all name dead processes of this host, as before. A begun
+record stays until its tag is deleted (`forget_tags`); one whose folder never came costs
+a stat while it is above the newest. Where the newest itself has no begun record (a
+root an older nebula wrote, clones, a folder copied in by hand), its writers may not
+have written them: the root's folders are listed, as before.
 
-May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage` and catalog.py.
-Not for: publishing the manifest (commit.py), the sequence (sequence.py), or the full
-listing (catalog.py's `list_committed`).
+Listings are kept by index_walk.py (a local folder's while it is unchanged and settled;
+an object store's while `pinned`).
+
+May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, catalog.py,
+index_names.py and index_walk.py. Not for: publishing the manifest (commit.py), the
+sequence (sequence.py), or the full listing (catalog.py's `list_committed`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from nebulaml.errors import StorageError, UnsupportedSchemaError
-from nebulaml.format.names import INDEX_DIR, MANIFEST_NAME, MAX_NAME_BYTES, order_key
+from nebulaml.format.names import INDEX_DIR, MANIFEST_NAME, order_key, validate_name
 from nebulaml.protocol.catalog import (
     CheckpointInfo,
     list_committed,
@@ -62,6 +83,22 @@ from nebulaml.protocol.catalog import (
     skip_unreadable,
     skip_unsupported,
 )
+from nebulaml.protocol.index_names import (
+    DIGITS,
+    HASHED,
+    PREFIX,
+    Key,
+    begun_name,
+    begun_path,
+    bucket_of,
+    entry_path,
+    parse_begun,
+    parse_entry,
+    tag_key,
+)
+from nebulaml.protocol.index_walk import Folder, drop, folders, on_drop, walk
+from nebulaml.protocol.index_walk import _listings as _listings  # tests: a fresh process
+from nebulaml.protocol.index_walk import pinned as pinned
 from nebulaml.storage.store import MissingFileError, Store
 
 log = logging.getLogger("nebulaml")
@@ -69,217 +106,93 @@ log = logging.getLogger("nebulaml")
 # How many times `newest` lists while an entry above the newest found did not read as
 # committed (deleted meanwhile by retention or a prune), as catalog.list_committed.
 _LIST_PASSES = 3
-_DIGITS = 20
-_PREFIX = 2 * _DIGITS + 1  # "<step + 1>.<sequence>"
-_HASHED = "#"  # an entry of a tag too long for a name: `#<sha256>`, holding the tag
 _REMOTE_WRITERS = 8  # entries an object store's listing writes at once
-_SETTLED_NS = 2_000_000_000  # a folder changed this recently is listed again each time
-
-Key = tuple[int, int]  # (step, sequence): order_key's first two
 
 
-def entry_name(tag: str, sequence: int) -> str:
-    """The index entry of `tag` committed with `sequence`.
-
-    Example:
-        >>> entry_name("global_step7", 12)
-        '00000000000000000008.00000000000000000012-global_step7'
-        >>> entry_name("best", 3)[:_PREFIX]
-        '00000000000000000000.00000000000000000003'
-    """
-    step = order_key(tag)[0]
-    prefix = f"{step + 1:0{_DIGITS}d}.{sequence:0{_DIGITS}d}"
-    name = f"{prefix}-{tag}"
-    if len(name.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES:
-        return name
-    digest = hashlib.sha256(tag.encode("utf-8", "surrogatepass")).hexdigest()
-    return f"{prefix}-{_HASHED}{digest}"
+def _write(store: Store, path: tuple[str, ...], data: bytes, durable: bool) -> None:
+    drop(store)
+    try:
+        store.write_bytes(path, data, durable=durable)
+    except MissingFileError:  # the bucket's first name
+        store.make_dir(*path[:-1])
+        store.write_bytes(path, data, durable=durable)
 
 
-def parse_entry(name: str) -> tuple[Key, str] | None:
-    """((step, sequence), tag) of an entry's name (the tag `#<sha256>` for a hashed
-    one), or None for a name that is not an entry. The tag is not checked: an entry
-    counts only for a committed tag of that name.
-
-    Example:
-        >>> parse_entry(entry_name("global_step7", 12)), parse_entry("x-y")
-        (((7, 12), 'global_step7'), None)
-    """
-    head, tag = name[:_PREFIX], name[_PREFIX + 1 :]
-    if name[_PREFIX : _PREFIX + 1] != "-" or not tag or head[_DIGITS] != ".":
-        return None
-    step, sequence = head[:_DIGITS], head[_DIGITS + 1 :]
-    if not (step.isascii() and step.isdigit() and sequence.isascii() and sequence.isdigit()):
-        return None
-    return (int(step) - 1, int(sequence)), tag
+def _hashed_data(tag: str, name: str, sep_at: int) -> bytes:
+    hashed = name[sep_at + 1 :].startswith(HASHED)
+    return tag.encode("utf-8", "surrogatepass") if hashed else b""
 
 
 def record_commit(store: Store, tag: str, sequence: int, *, durable: bool = True) -> None:
     """Write the entry of `tag`'s manifest of `sequence`, about to be published on
-    `store` (before it: a manifest never lacks its entry). A failure fails the commit,
-    as the manifest's would. `durable=False`: the entry of a manifest already there
-    (`index_missing`), which a crash may lose: the tag then has none, as before."""
-    name = entry_name(tag, sequence)
-    data = tag.encode("utf-8", "surrogatepass") if name[_PREFIX + 1 :].startswith(_HASHED) else b""
-    _drop(store)
-    try:
-        store.write_bytes((INDEX_DIR, name), data, durable=durable)
-    except MissingFileError:  # the tier's first entry
-        store.make_dir(INDEX_DIR)
-        store.write_bytes((INDEX_DIR, name), data, durable=durable)
+    `store` (before it: a manifest never lacks its entry), in its step's bucket. A
+    failure fails the commit, as the manifest's would. `durable=False`: the entry of a
+    manifest already there (`index_missing`), which a crash may lose: the tag then has
+    none, as before.
+
+    Example:
+        >>> import tempfile
+        >>> store = Store(tempfile.mkdtemp())
+        >>> record_commit(store, "global_step7", 12)
+        >>> [info for info in newest(store)]  # an entry without its manifest: not committed
+        []
+    """
+    path = entry_path(tag, sequence)
+    _write(store, path, _hashed_data(tag, path[-1], PREFIX), durable)
 
 
-class _Index:
-    """One listing of a tier's index: its entries' names, highest first, and (each
-    worked out once asked for) the tags they name and the highest key of each (hashed
-    names by `#<sha256>`)."""
+def record_begun(store: Store, tag: str) -> None:
+    """Write, durably, that a writer begins `tag`'s folder on `store`: before the folder
+    or its writer marker (commit.begin_tag), so that a restart finds a dead writer's
+    leftover at the top without listing the root (the module's docstring). Written again
+    by each writer of the tag: one file, replaced.
 
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
-        self._keys: dict[str, Key] | None = None
-        self._tags: set[str] | None = None
-
-    @property
-    def tags(self) -> set[str]:
-        """The tags the entries name (a hashed one as `#<sha256>`): one pass, shared by
-        a restart's questions."""
-        if self._tags is None:
-            self._tags = {name[_PREFIX + 1 :] for name in self.names}
-        return self._tags
-
-    @property
-    def keys(self) -> dict[str, Key]:
-        if self._keys is None:
-            keys: dict[str, Key] = {}
-            for name in self.names:
-                parsed = parse_entry(name)
-                if parsed is not None and parsed[0] > keys.get(parsed[1], (-2, -1)):
-                    keys[parsed[1]] = parsed[0]
-            self._keys = keys
-        return self._keys
+    Example:
+        >>> import tempfile
+        >>> store = Store(tempfile.mkdtemp())
+        >>> record_begun(store, "global_step7")
+        >>> store.exists(*begun_path("global_step7"))
+        True
+    """
+    path = begun_path(tag)
+    _write(store, path, _hashed_data(tag, path[-1], DIGITS), True)
 
 
-_listings: dict[tuple[str, str], tuple[tuple[int, int], object]] = {}
-_listings_lock = threading.Lock()
+_catalogs_lock = threading.Lock()
 
 
-def _drop(store: Store) -> None:
-    """Forget this process's listings of `store` (it is about to change them)."""
-    with _listings_lock:
-        for what in ("index", "folders"):
-            _listings.pop((store.location, what), None)
-        _catalogs.pop(store.location, None)
-        for key in [key for key in _pins if key[1] == store.location]:
-            del _pins[key]
-
-
-# The full catalog of each tier this process listed (`catalog`), by the folder names and
-# index entries it was listed under: (names, entries, checkpoints, unsupported schemas).
-_Catalog = tuple[list[str], list[str], list[CheckpointInfo], list[UnsupportedSchemaError]]
-_catalogs: dict[str, _Catalog] = {}
-
-
-# Listings a thread reuses while it is `pinned()`: (thread, location, what).
-_pins: dict[tuple[int, str, str], object] = {}
-_pinning: set[int] = set()  # the threads pinned
-
-
-@contextlib.contextmanager
-def pinned() -> Iterator[None]:
-    """Within: this thread lists each tier's index and folders once, and answers every
-    question from that listing, as of the moment it listed (a restart's: the dead
-    writers' recovery, what the root holds, the resume). A write by this process to a
-    tier's index (`record_commit`, `forget_tags`) drops the tier's. An object store
-    has no folder identity to keep a listing by: without this each question lists."""
-    me = threading.get_ident()
-    with _listings_lock:
-        _pinning.add(me)
-    try:
-        yield
-    finally:
-        with _listings_lock:
-            _pinning.discard(me)
-            for key in [key for key in _pins if key[0] == me]:
-                del _pins[key]
-
-
-def _kept(store: Store, what: str, parts: tuple[str, ...], fresh: object) -> object:
-    """The listing `what` of folder `parts` kept for `store`, or what `fresh()` lists
-    (kept when the folder has not changed for `_SETTLED_NS`, or while pinned)."""
-    pin = (threading.get_ident(), store.location, what)
-    with _listings_lock:
-        if pin in _pins:
-            return _pins[pin]
-    listed = _kept_by_identity(store, what, parts, fresh)
-    with _listings_lock:
-        if pin[0] in _pinning:
-            _pins[pin] = listed
-    return listed
-
-
-def _kept_by_identity(store: Store, what: str, parts: tuple[str, ...], fresh: object) -> object:
-    identity = store.folder_identity(*parts)
-    key = (store.location, what)
-    if identity is not None:
-        with _listings_lock:
-            kept = _listings.get(key)
-        if kept is not None and kept[0] == identity:
-            return kept[1]
-    listed = fresh()  # type: ignore[operator]
-    if identity is not None and time.time_ns() - identity[1] > _SETTLED_NS:
-        with _listings_lock:
-            _listings[key] = (identity, listed)
-    return listed
-
-
-def _index(store: Store) -> _Index:
-    def fresh() -> _Index:
-        try:
-            names = store.list_file_names(INDEX_DIR)
-        except MissingFileError:
-            names = []
-        # What has an entry's shape (its numbers are read when asked: parse_entry).
-        names = [name for name in names if name[_PREFIX : _PREFIX + 1] == "-"]
-        names.sort(reverse=True)
-        return _Index(names)
-
-    found = _kept(store, "index", (INDEX_DIR,), fresh)
-    assert isinstance(found, _Index)
-    return found
-
-
-def _folders(store: Store) -> list[str]:
-    found = _kept(store, "folders", (), store.list_dirs)
-    assert isinstance(found, list)
-    return found
-
-
-def _tag_of(store: Store, name: str, tag: str) -> str | None:
-    """The tag entry `name` names (`tag`, or a hashed entry's file); None if unreadable."""
-    if not tag.startswith(_HASHED):
+def _tag_of(store: Store, name: str, folder: Folder, tag: str) -> str | None:
+    """The tag a name names (`tag`, or a hashed name's file); None if unreadable."""
+    if not tag.startswith(HASHED):
         return tag
     try:
-        return store.read_bytes(INDEX_DIR, name).decode("utf-8", "surrogatepass")
+        return store.read_bytes(*folder, name).decode("utf-8", "surrogatepass")
     except (StorageError, UnicodeDecodeError):
         return None
 
 
 def forget_tags(store: Store, tags: Iterable[str]) -> None:
-    """Remove every entry of `tags`, whose folders were just deleted from `store`. Best
-    effort: an entry left behind costs a reader one read (its folder is gone)."""
+    """Remove every entry and begun record of `tags`, whose folders were just deleted
+    from `store`: in each tag's bucket, and the flat entries of an older nebula. Best
+    effort: a name left behind costs a reader one read (its folder is gone)."""
     gone = set(tags)
     if not gone:
         return
-    _drop(store)
-    hashed = {entry_name(tag, 0)[_PREFIX + 1 :] for tag in gone}
+    drop(store)
+    keys = gone | {tag_key(tag) for tag in gone}
+    keys |= {begun_name(tag)[DIGITS + 1 :] for tag in gone}
+    places: set[Folder] = {(INDEX_DIR,)}
+    places |= {(INDEX_DIR, *bucket_of(begun_name(tag))) for tag in gone}
     try:
-        for name in store.list_file_names(INDEX_DIR):
-            parsed = parse_entry(name)
-            if parsed is not None and (parsed[1] in gone or parsed[1] in hashed):
-                store.remove(INDEX_DIR, name, durable=False)
+        for folder in sorted(places):
+            for name in store.list_file_names(*folder):
+                parsed = parse_entry(name)
+                named = parsed[1] if parsed is not None else (parse_begun(name) or (0, ""))[1]
+                if named in keys:
+                    store.remove(*folder, name, durable=False)
     except StorageError as exc:
         log.debug("could not remove the index entries of %s: %s", sorted(gone), exc)
-    _drop(store)
+    drop(store)
 
 
 def newest(
@@ -288,9 +201,9 @@ def newest(
     unsupported: list[UnsupportedSchemaError] | None = None,
 ) -> list[CheckpointInfo]:
     """The `n` newest committed checkpoints on `store`, newest first: what
-    `list_committed(store)[-n:]` holds, from one listing of the index and the manifests
-    at its top (the module's docstring says why none is missed). A manifest of a schema
-    this version cannot read, or a folder this user may not read, is skipped as
+    `list_committed(store)[-n:]` holds, from the highest buckets of the index and the
+    manifests at its top (the module's docstring says why none is missed). A manifest of
+    a schema this version cannot read, or a folder this user may not read, is skipped as
     `list_committed` skips it (`unsupported`: the same). A tier without an index (an
     older nebula's) is listed in full (`list_committed`) and its entries written.
 
@@ -302,21 +215,19 @@ def newest(
     found: dict[str, CheckpointInfo] = {}
     previous: set[str] = set()  # the entries of the last pass that did not read
     for _ in range(_LIST_PASSES):
-        index = _index(store)
-        if not index.names:
-            if not _folders(store):
-                return []
-            committed = list_committed(store, unsupported)
-            index_missing(store, committed)
-            return committed[::-1][:n]
         seen: set[str] = set()
         top: list[Key] = []  # the keys of the n newest found, highest first
         unsettled: dict[str, Key] = {}  # entries that did not read as committed
-        for name in index.names:
-            key, named = parse_entry(name) or ((-1, -1), "")
+        any_entry = False
+        for name, folder in walk(store):
+            parsed = parse_entry(name)
+            if parsed is None:
+                continue  # a begun record
+            any_entry = True
+            key, named = parsed
             if len(top) == n and key < top[-1]:
                 break  # every entry below is older than the n newest found
-            tag = _tag_of(store, name, named)
+            tag = _tag_of(store, name, folder, named)
             if tag is None or tag in seen:
                 continue
             seen.add(tag)
@@ -326,6 +237,12 @@ def newest(
                 continue
             found[tag] = info
             top = sorted([*top, info.sort_key[:2]], reverse=True)[:n]
+        if not any_entry:
+            if not folders(store):
+                return []
+            committed = list_committed(store, unsupported)
+            index_missing(store, committed)
+            return committed[::-1][:n]
         floor = top[-1] if len(top) == n else None
         above = {name for name, key in unsettled.items() if floor is None or key > floor}
         if not above or above <= previous:
@@ -333,7 +250,7 @@ def newest(
         # Above the n-th newest, a tag did not read as committed: deleted since the
         # listing, and a newer one may have been committed meanwhile: list again.
         previous = above
-        _drop(store)
+        drop(store)
     return sorted(found.values(), key=lambda info: info.sort_key, reverse=True)[:n]
 
 
@@ -359,67 +276,134 @@ def _read(
 
 def above_newest(store: Store) -> list[str]:
     """The tag folders of `store` that may be newer than its newest committed checkpoint
-    (`newest`): one without an entry whose step is at least the newest's (a save or
-    persist under way or cut short writes the newest tag), one whose entry is at least
-    the newest's (itself; a commit that died between its entry and its manifest); every
-    folder when nothing is committed. One listing of the folders and one of the index.
-    The entries above the newest whose folders are gone (removed by hand: a job rolled
-    back) are removed, so that the tags can be saved again."""
+    (`newest`): one begun by a writer (a begun record) whose step is at least the
+    newest's (a save or persist under way or cut short writes the newest tag), one whose
+    entry is at least the newest's (itself; a commit that died between its entry and its
+    manifest), each there; every folder when nothing is committed, or when the newest
+    has no begun record (its writers may not write them: an older nebula's root). From
+    the index's highest buckets and a look at each: no listing of the root's folders
+    (the module's docstring says why none is missed). The entries above the newest whose
+    folders are gone (removed by hand: a job rolled back) are removed, so that the tags
+    can be saved again.
+
+    Example:
+        >>> import tempfile
+        >>> above_newest(Store(tempfile.mkdtemp()))
+        []
+    """
     top = newest(store, 1)
-    index = _index(store)  # before the folders: an entry written since is not removed
-    folders = _folders(store)
     if not top:
-        return folders
+        return folders(store)
     key = top[0].sort_key[:2]
-    present = set(folders)
-    orphans = [
-        name
-        for name in index.names[: _above(index.names, key)]
-        if (parsed := parse_entry(name)) is not None
-        and not parsed[1].startswith(_HASHED)
-        and parsed[1] not in present
-    ]
-    with contextlib.suppress(StorageError):
-        for name in orphans:
-            store.remove(INDEX_DIR, name, durable=False)
-    if orphans:
-        _drop(store)
-    named = index.tags  # the tags with an entry
-    above = index.names[: _above(index.names, key)]  # their entries at or above the newest
-    out = {_tag_of(store, name, name[_PREFIX + 1 :]) or "" for name in above}
+    entries: list[tuple[str, Folder, str]] = []  # at or above the newest: name, folder, tag
+    begun: set[str] = set()  # the tags begun at or above the newest's step
+    for name, folder in walk(store):
+        parsed = parse_entry(name)
+        if parsed is not None:
+            if parsed[0][0] < key[0]:
+                break  # every name below is of a lower step
+            if parsed[0] >= key:
+                entries.append((name, folder, parsed[1]))
+            continue  # an entry of the newest's step below it: its begun records follow
+        started = parse_begun(name)
+        if started is None:
+            continue
+        if started[0] < key[0]:
+            break
+        begun.add(_tag_of(store, name, folder, started[1]) or "")
+    if top[0].tag not in begun:
+        return _above_by_listing(store, key, top[0].tag, entries)
+    tags = {_tag_of(store, name, folder, tag) or "" for name, folder, tag in entries}
+    present = {tag for tag in tags | begun | {top[0].tag} if _there(store, tag)}
+    _remove_orphans(store, entries, present)
+    return sorted(present)
+
+
+def _there(store: Store, tag: str) -> bool:
+    """Whether `tag` is a tag's name and its folder is on `store` (a name from the index
+    is a hint: one no writer could have made is never looked up)."""
+    try:
+        validate_name("tag", tag)
+    except ValueError:
+        return False
+    try:
+        return store.exists(tag)
+    except StorageError:
+        return True  # looked at by recovery, which says why it cannot
+
+
+def _above_by_listing(
+    store: Store, key: Key, newest_tag: str, entries: list[tuple[str, Folder, str]]
+) -> list[str]:
+    """`above_newest` from a listing of the root's folders: those without an entry whose
+    step is at least the newest's, and those whose entry is at least the newest's."""
+    present = set(folders(store))
+    named = indexed_tags(store)
+    out = {_tag_of(store, name, folder, tag) or "" for name, folder, tag in entries}
     # A folder without an entry: a save or persist under way, or cut short, or a tag an
     # older nebula committed (read by the caller, as every folder was).
-    out |= {tag for tag in folders if tag not in named and order_key(tag)[0] >= key[0]}
-    out |= {top[0].tag}
+    out |= {tag for tag in present if tag not in named and order_key(tag)[0] >= key[0]}
+    out |= {newest_tag}
+    _remove_orphans(store, entries, present)
     return sorted(out & present)
 
 
-def _above(names: list[str], key: Key) -> int:
-    """How many of `names` (highest first) are entries at or above `key`."""
-    count = 0
-    for name in names:
-        parsed = parse_entry(name)
-        if parsed is not None and parsed[0] < key:
-            break
-        count += 1
-    return count
+def _remove_orphans(
+    store: Store, entries: list[tuple[str, Folder, str]], present: set[str]
+) -> None:
+    """Remove the entries above the newest whose folders are not `present` (removed by
+    hand), so that the tags can be saved again."""
+    orphans = [
+        (name, folder)
+        for name, folder, tag in entries
+        if not tag.startswith(HASHED) and tag not in present
+    ]
+    with contextlib.suppress(StorageError):
+        for name, folder in orphans:
+            store.remove(*folder, name, durable=False)
+    if orphans:
+        drop(store)
 
 
 def indexed_tags(store: Store) -> set[str]:
     """The tags `store`'s index names: committed as far as it tells (a commit that died
     between its entry and its manifest, a folder removed by hand below the newest
-    aside), from one listing of the index. A hashed entry (a tag too long for a name)
-    counts once its file is read."""
-    index = _index(store)
-    tags = set(index.tags)
-    hashed = {tag for tag in tags if tag.startswith(_HASHED)}
-    if hashed:
-        tags -= hashed
-        for name in index.names:
-            if name[_PREFIX + 1 :] in hashed:
-                tags.add(_tag_of(store, name, name[_PREFIX + 1 :]) or "")
+    aside), from a walk of the whole index. A hashed entry (a tag too long for a name)
+    counts once its file is read.
+
+    Example:
+        >>> import tempfile
+        >>> store = Store(tempfile.mkdtemp())
+        >>> record_commit(store, "global_step7", 12)
+        >>> indexed_tags(store)
+        {'global_step7'}
+    """
+    tags: set[str] = set()
+    for name, folder in walk(store):
+        parsed = parse_entry(name)
+        if parsed is not None:
+            tags.add(_tag_of(store, name, folder, parsed[1]) or "")
     tags.discard("")
     return tags
+
+
+# The full catalog of each tier this process listed (`catalog`), by the folder names and
+# index names it was listed under: (names, entries, checkpoints, unsupported schemas).
+_Catalog = tuple[list[str], list[str], list[CheckpointInfo], list[UnsupportedSchemaError]]
+_catalogs: dict[str, _Catalog] = {}
+
+
+def _forget_catalog(location: str) -> None:
+    with _catalogs_lock:
+        _catalogs.pop(location, None)
+
+
+on_drop.append(_forget_catalog)
+
+
+def _names(store: Store) -> list[str]:
+    """Every name of `store`'s index, highest first (a whole walk)."""
+    return [name for name, _folder in walk(store)]
 
 
 def catalog(
@@ -430,12 +414,12 @@ def catalog(
     listings; its own commits and deletes drop it): the first call reads each manifest,
     a later one nothing. What it finds without an entry is indexed (`index_missing`).
     `unsupported`: as list_committed's, the same each time."""
-    folders, names = _folders(store), _index(store).names
-    with _listings_lock:
+    listed_folders, names = folders(store), _names(store)
+    with _catalogs_lock:
         kept = _catalogs.get(store.location)
     if (
         kept is not None
-        and kept[0] == folders
+        and kept[0] == listed_folders
         and kept[1] == names
         and _manifests_there(store, [info.tag for info in kept[2]])
     ):
@@ -445,9 +429,9 @@ def catalog(
         refused = []
         listed = list_committed(store, refused)
         index_missing(store, listed)
-        folders, names = _folders(store), _index(store).names
-        with _listings_lock:
-            _catalogs[store.location] = (folders, names, list(listed), refused)
+        listed_folders, names = folders(store), _names(store)
+        with _catalogs_lock:
+            _catalogs[store.location] = (listed_folders, names, list(listed), refused)
     for exc in refused:
         if unsupported is None:
             skip_unsupported(exc)
@@ -476,11 +460,13 @@ def index_missing(store: Store, committed: list[CheckpointInfo]) -> None:
     """Write the entries of the checkpoints of `committed` (a full listing of `store`)
     that have none: a tier an older nebula wrote, a folder copied in by hand. Best
     effort: a store this reader may not write to is listed in full again next time."""
-    keys = _index(store).keys
+    keys: dict[str, Key] = {}
+    for name, _folder in walk(store):
+        parsed = parse_entry(name)
+        if parsed is not None and parsed[0] > keys.get(parsed[1], (-2, -1)):
+            keys[parsed[1]] = parsed[0]
     missing = [
-        info
-        for info in committed
-        if keys.get(entry_name(info.tag, 0)[_PREFIX + 1 :], (-2, -1)) < info.sort_key[:2]
+        info for info in committed if keys.get(tag_key(info.tag), (-2, -1)) < info.sort_key[:2]
     ]
     if not missing:
         return
@@ -498,4 +484,4 @@ def index_missing(store: Store, committed: list[CheckpointInfo]) -> None:
                 list(pool.map(write, missing[1:]))
     except (StorageError, RuntimeError) as exc:  # RuntimeError: the interpreter exiting
         log.debug("could not index %s: %s", store.url, exc)
-    _drop(store)
+    drop(store)

@@ -236,7 +236,7 @@ class PartInbox(FileInbox):
         # Clears what the rank left of the tag uncommitted, and names this process its
         # writer: a restore cut short is a dead writer's leftover.
         begin_tag(self.memory, self.tag, rank=self.rank, overwrite=False,
-                  world_size=max(2, world_size))  # fmt: skip
+                  world_size=max(2, world_size), announce=False)  # fmt: skip
         self._begun = True
 
     def _start_current(self) -> None:

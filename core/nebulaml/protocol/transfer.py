@@ -10,8 +10,8 @@ Every byte copied is hashed and checked against the source manifest: a mismatch 
 `CorruptCheckpointError` and nothing is committed at the destination.
 
 May import: `nebulaml.errors`, `nebulaml.format`, `nebulaml.storage`, catalog.py,
-commit.py, markers.py, reuse.py and sequence.py. Not for: when to copy (persister.py,
-ops/copying.py) or what to delete after (retention.py).
+commit.py, commit_index.py, markers.py, reuse.py and sequence.py. Not for: when to copy
+(persister.py, ops/copying.py) or what to delete after (retention.py).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from nebulaml.protocol.commit import (
     publish_new_manifest,
     read_markers,
 )
+from nebulaml.protocol.commit_index import record_begun
 from nebulaml.protocol.markers import describe_writer, read_writers, writer_alive, writer_record
 from nebulaml.protocol.reuse import ReuseBook, plan_item
 from nebulaml.protocol.sequence import note_sequence
@@ -211,6 +212,7 @@ def _resume_tag(dst: Store, tag: str, items: tuple[ItemEntry, ...]) -> dict[str,
     marker is written, as `begin_tag` does.
     """
     validate_name("tag", tag)
+    record_begun(dst, tag)  # before the marker, as begin_tag (commit_index.py)
     me = os.getpid()
     for writer in read_writers(dst, tag):
         # An earlier, failed attempt of this very process is not a competitor.

@@ -91,6 +91,7 @@ class Retention:
             with self.cond:
                 self.schedule.learn((), sequence)
                 self.schedule.durable_tags = held
+                self.schedule.held_listed = True
 
     def after_stream(self, tag: str) -> None:
         """Retention after `tag` was committed straight to the persistent tier; a failure

@@ -168,6 +168,7 @@ class Schedule:
     # What the persistent tier holds committed, as this job knows it (its start's
     # listing, then each persist and retention), and the highest commit sequence there.
     durable_tags: set[str] = field(default_factory=set)
+    held_listed: bool = False  # durable_tags set from a listing of the manifests (retention)
     sequence: int = 0
     # Tags the training thread is saving again (`release`, until it commits them), those
     # an eviction is deleting now, and the one the thread is removing now (`forget`).

@@ -146,12 +146,15 @@ class Persister:
             following=Following(tiers, schedule, cond, eviction=self._eviction),
             removals=self._removals,
         )
+        # What the root holds, from a walk of its whole commit index (no manifest):
+        # learnt when first asked (`_learn_held`: a save's `holds`, a commit), not by init,
+        # which reads only the top of the index (commit_index.py); the first retention
+        # reads the manifests, on the persister's thread.
+        self._held_unknown = connect is None and tiers.persistent is not None
+        self._held_lock = threading.Lock()
         if connect is None and tiers.persistent is not None:
-            # What the root holds, from its commit index (one listing, no manifest):
-            # the first retention reads the manifests, on this thread, not init.
-            persistent = tiers.persistent
             with self._cond:
-                self.schedule.learn(indexed_tags(persistent), highest_sequence(persistent))
+                self.schedule.learn((), highest_sequence(tiers.persistent))
         self._loop.start()
 
     @property
@@ -185,6 +188,7 @@ class Persister:
         save's spare buffers: slots.SlotPool.prepare)."""
         if row is not None:
             self.history.add(row)
+        self._learn_held()  # before the eviction asks what the root holds
         with self._cond:
             skips = self.schedule.committed(tag, labels, leader, time.monotonic())
             record_skips(skips, self.schedule, self.history)
@@ -220,6 +224,7 @@ class Persister:
     def notify_streamed(self, tag: str, row: HistoryRow, *, leader: int = 0) -> None:
         """A tag too large for the memory budget was committed straight to the persistent
         tier: older pending copies are superseded, and retention runs on the thread."""
+        self._learn_held()
         self.history.add(row)
         with self._cond:
             skips = self.schedule.streamed(tag, leader)
@@ -279,14 +284,40 @@ class Persister:
 
     def holds(self, tag: str) -> bool:
         """Whether the persistent tier holds `tag` committed, as this job knows it: no
-        request to the store (a save asks this on the training thread)."""
+        request to the store (a save asks this on the training thread) but the first
+        one's walk of the root's index (`_learn_held`)."""
+        self._learn_held()
         with self._cond:
             return tag in self.schedule.durable_tags
 
     def durable_tags(self) -> set[str]:
         """The tags the persistent tier holds committed, as this job knows it (`holds`)."""
+        self._learn_held()
         with self._cond:
             return set(self.schedule.durable_tags)
+
+    def _learn_held(self) -> None:
+        """Learn, once, what the root holds from its commit index (`indexed_tags`: a walk
+        of every bucket), when first needed: a restart's init reads only the top of the
+        index, and the first save or commit after it pays this walk (as init did before).
+        A listing the first retention already replaced (`held_listed`: it read the
+        manifests) is not added to; a store that fails it leaves what was known."""
+        if not self._held_unknown:
+            return
+        with self._held_lock:
+            if not self._held_unknown:
+                return
+            persistent = self.tiers.persistent
+            assert persistent is not None
+            try:
+                tags = indexed_tags(persistent)
+            except NebulaError as exc:
+                log.debug("could not list the commit index of %s: %s", persistent.url, exc)
+                tags = set()
+            with self._cond:
+                if not self.schedule.held_listed:
+                    self.schedule.learn(tags, 0)
+            self._held_unknown = False
 
     def protected(self) -> set[str]:
         """Tags the memory tier must keep: pending, in flight, or queued (asked for, or

@@ -245,6 +245,7 @@ class SaveJob:
                 overwrite=self.overwrite,
                 world_size=session.world_size,
                 marker=marker,
+                announce=False,  # the memory tier: no begun record (commit_index.py)
             ):
                 session.pool.forget_writer_marker(session.rank)
         except StorageFullError:

@@ -262,10 +262,11 @@ class Store:
         """Whether a file or folder is at `parts` (on local disks: the name itself)."""
         return self._call(parts, lambda: self._backend.exists(parts))
 
-    def list_dirs(self) -> list[str]:
-        """Names of the folders directly under the root (hidden ones excluded). On object
-        stores a folder exists while it holds a file."""
-        return self._call((), lambda: self._backend.list_folders(()))
+    def list_dirs(self, *parts: str) -> list[str]:
+        """Names of the folders directly under the root, or under the folder `parts`
+        (hidden ones excluded; none if it is missing). On object stores a folder exists
+        while it holds a file."""
+        return self._call(parts, lambda: self._backend.list_folders(parts))
 
     def list_files(self, *parts: str) -> dict[str, int]:
         """Files directly inside the folder `parts`, with their sizes in bytes (none if
