@@ -1,22 +1,26 @@
-"""What the outage tests share (tests/core/test_outage.py, tests/azure/test_azure_outage*.py):
-a 1 MiB state per step, a timed save of it, waiting, through the status call alone, until
-a checkpoint is durable, and an Azurite taken away for a block (stopped, or suspended)."""
+"""What the outage tests share (tests/core/test_outage.py, tests/azure/test_azure_outage*.py,
+tests/s3/test_s3_outage.py): a 1 MiB state per step, a timed save of it, waiting, through
+the status call alone, until a checkpoint is durable, and a store taken away for a block
+(stopped, or suspended): an Azurite itself, or a server behind a proxy (`Proxied`).
+
+May import: tests/faultproxy.py (for its type)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 import nebulaml as nm
 
 if TYPE_CHECKING:
-    from azurite import Azurite
+    from faultproxy import FaultProxy
 
 MB = 1 << 20
 
@@ -42,8 +46,53 @@ def wait_durable(tag: str, timeout_s: float = 90) -> None:
         time.sleep(0.05)
 
 
+class Server(Protocol):
+    """A store's server that can go away: stopped with its data kept and started again on
+    its port (`stop`, `restart`), and its process group (`proc`: for SIGSTOP). Azurite
+    (tests/azurite.py) is one; `Proxied` makes one of a server behind a proxy."""
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None: ...
+
+    def stop(self) -> None: ...
+
+    def restart(self) -> Any: ...
+
+
+class Proxied:
+    """The server of process `proc`, reached through `proxy` (tests/faultproxy.py): stopped
+    at the proxy (connections refused, those in flight reset; the server keeps its data,
+    as a real store does through an outage: moto's forgets every object when it stops),
+    suspended in the server itself (SIGSTOP).
+
+    Example (not run here: it needs a server):
+        with store_away(Proxied(moto.proc, FaultProxy(moto.port)), "stopped"): ...
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes] | None, proxy: FaultProxy) -> None:
+        self._proc = proc
+        self.proxy = proxy
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self._proc
+
+    def stop(self) -> None:
+        self.proxy.refuse()
+
+    def restart(self) -> Proxied:
+        self.proxy.listen()
+        return self
+
+
+def resume(server: Server) -> None:
+    """SIGCONT a server's process group that a failed test may have left suspended."""
+    if server.proc is not None and server.proc.poll() is None:
+        os.killpg(server.proc.pid, signal.SIGCONT)
+
+
 @contextlib.contextmanager
-def store_away(server: Azurite, how: str) -> Iterator[None]:
+def store_away(server: Server, how: str) -> Iterator[None]:
     """The store away for the block: stopped cleanly (its data survives) and started
     again on the same port after it, or suspended (SIGSTOP: requests hang) and resumed."""
     proc = server.proc

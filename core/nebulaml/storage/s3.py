@@ -266,6 +266,12 @@ def open_s3(request: OpenRequest) -> S3Backend:
     import s3fs  # the s3 extra
 
     options.setdefault("use_listings_cache", False)
+    # No retries of botocore's own (5 tries with backoff) inside each of nebula's, which are
+    # bounded (retry.py, deadline.py): a refused connection took 9 s to be said, and init
+    # waited out its deadline for a store that was down (tests/s3/test_s3_outage.py).
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1})
+    options["config_kwargs"] = config
     fs = s3fs.S3FileSystem(**options)
     root = str(fs._strip_protocol(request.url)).rstrip("/")
     if not root:

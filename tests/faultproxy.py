@@ -1,19 +1,26 @@
-"""A fault-injecting HTTP proxy in front of Azurite: the network, misbehaving on cue.
+"""A fault-injecting HTTP proxy in front of a storage server (Azurite, moto's S3): the
+network, misbehaving on cue.
 
 Tests point a root's endpoint at the proxy (127.0.0.1, its own port). Each request is
 read whole (head and Content-Length body), then, by the faults queued for requests whose
 method and path match, either answered by the proxy itself (`status`: e.g. 503, 403),
-cut off before Azurite sees it (`reset`: the connection is reset), or forwarded and its
-answer lost (`drop_response`: Azurite acts on it, the client sees a reset). Everything
-else is forwarded to Azurite unchanged, one request per connection (`Connection: close`).
+cut off before the server sees it (`reset`: the connection is reset), or forwarded and its
+answer lost (`drop_response`: the server acts on it, the client sees a reset). Everything
+else is forwarded to the server unchanged, one request per connection (`Connection: close`).
 Every request is recorded in `log` as (method, path, outcome), and the size of its body
 in `bodies` as (method, path, bytes): what the client sent, counted on the wire.
 
-Not for: speed (a thread per connection) or HTTP beyond what the Azure SDK sends.
+The whole endpoint can go away too (`refuse`: connections refused, those in flight reset,
+as when a server stops) and come back on the same port (`listen`), while the server behind
+it keeps its data: an outage of a store whose server forgets its data when stopped (moto).
+
+Not for: speed (a thread per connection) or HTTP beyond what the Azure SDK and s3fs send.
+May import: tests/azurite.py (the account of `connection_string`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -32,19 +39,24 @@ class Fault:
 
 
 class FaultProxy:
-    """Forwards 127.0.0.1:<port> to Azurite's port, injecting queued faults."""
+    """Forwards 127.0.0.1:<port> to the server's port (`upstream_port`), injecting queued
+    faults."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
         self.log: list[tuple[str, str, str]] = []
         self.bodies: list[tuple[str, str, int]] = []
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        self._open: set[socket.socket] = set()  # connections being served
+        self.port = 0
+        self.listen()
+
+    @property
+    def endpoint(self) -> str:
+        """The proxy's URL (an S3 `endpoint_url`)."""
+        return f"http://127.0.0.1:{self.port}"
 
     @property
     def connection_string(self) -> str:
@@ -75,18 +87,47 @@ class FaultProxy:
         with self._lock:
             return [e for e in self.log if outcome is None or e[2] == outcome]
 
+    def refuse(self) -> None:
+        """Away, as a stopped server is: new connections refused, those in flight reset."""
+        with contextlib.suppress(OSError):  # wakes the thread blocked in accept()
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            serving, self._open = list(self._open), set()
+        for conn in serving:
+            _reset(conn)
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def listen(self) -> None:
+        """Accept connections (again: on the same port after `refuse`)."""
+        self._listener = socket.create_server(("127.0.0.1", self.port))  # SO_REUSEADDR
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._serve, args=(self._listener,), daemon=True).start()
+
     def close(self) -> None:
         self._closed = True
-        self._listener.close()
+        self.refuse()
 
     # serving -------------------------------------------------------------------------------
-    def _serve(self) -> None:
+    def _serve(self, listener: socket.socket) -> None:
         while not self._closed:
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            with self._lock:
+                self._open.add(conn)
+            threading.Thread(target=self._handle_open, args=(conn,), daemon=True).start()
+
+    def _handle_open(self, conn: socket.socket) -> None:
+        try:
+            self._handle(conn)
+        except OSError:
+            pass  # reset by `refuse`, or by the client
+        finally:
+            with self._lock:
+                self._open.discard(conn)
 
     def _take_fault(self, method: str, path: str) -> Fault | None:
         with self._lock:
@@ -152,18 +193,27 @@ def _read_request(conn: socket.socket) -> tuple[bytes, bytes] | None:
         if not chunk:
             return None
         data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value.strip())
+    head, _, first = data.partition(b"\r\n\r\n")
+    length, lines, expect = 0, [], False
+    for line in head.split(b"\r\n"):
+        name = line.partition(b":")[0].strip().lower()
+        if name == b"content-length":
+            length = int(line.partition(b":")[2].strip())
+        if name == b"expect":  # botocore's uploads: the proxy answers it, the server is
+            expect = True  # sent the body whole and never asked
+            continue
+        lines.append(line)
+    if expect and len(first) < length:
+        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+    if len(first) >= length:
+        return b"\r\n".join(lines) + b"\r\n\r\n", first
+    body = bytearray(first)
     while len(body) < length:
         chunk = conn.recv(1 << 20)
         if not chunk:
             return None
         body += chunk
-    return head + b"\r\n\r\n", body
+    return b"\r\n".join(lines) + b"\r\n\r\n", bytes(body)
 
 
 def _close_after(message: bytes, *, response: bool = False) -> bytes:
