@@ -13,7 +13,7 @@ AZURITE := .azurite/node_modules/.bin/azurite-blob
 AZURITE_COPY_VERSION := 3.37.0
 AZURITE_COPY := .azurite-$(AZURITE_COPY_VERSION)/node_modules/.bin/azurite-blob
 
-.PHONY: venv test check lint demo scale reliability clean azurite bench bench-azure bench-s3 bench-peers bench-peft bench-dlrover venv-dlrover test-integrations bug-round
+.PHONY: venv test check lint demo scale reliability clean azurite bench bench-azure bench-s3 bench-peers bench-peft bench-stall bench-dlrover venv-dlrover test-integrations bug-round
 
 # The suite runs in parallel workers (pytest-xdist): each starts with an even share of the
 # tests, in the order they are collected, and a worker that runs out takes half of the
@@ -117,7 +117,15 @@ PEERS_ARGS ?= $(if $(filter small,$(PRESET)),--runs 2 --recoveries 1,)
 bench: $(BENCH_STAMP) $(DLROVER_STAMP) $(AZURITE) $(AZURITE_COPY)
 	$(PY) benchmarks/bench.py --preset $(PRESET) $(BENCH_ARGS)
 	$(PY) benchmarks/trainer_peft.py
+	$(PY) benchmarks/persist_stall.py $(STALL_ARGS)
 	test "$(PEERS)" = 0 || $(PY) benchmarks/peer_replicas.py $(PEERS_ARGS)
+
+# What a persist in flight costs the loop (issue #49, part of `make bench`; about 1.5 min
+# on 2 cores): save() stall median and p90 with every checkpoint persisted while the next
+# steps run against none, and with spare_buffers off; the memory tier's footprint.
+STALL_ARGS ?= $(if $(filter small,$(PRESET)),--mb 160 --runs 1,)
+bench-stall: venv
+	$(PY) benchmarks/persist_stall.py $(STALL_ARGS)
 
 # DLRover's Flash Checkpoint, a peer in `make bench` (issue #49), in an environment of its
 # own, kept out of .venv: torch==2.13.0 first (the same local CPU build: pip never picks
