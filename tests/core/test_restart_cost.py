@@ -339,7 +339,8 @@ def test_the_full_catalog_is_kept_while_the_root_is_the_same(
     assert len(listed) == 99 and listed[0]["tag"] == "global_step99"
 
 
-_LISTINGS = ("list_dirs", "list_files", "list_file_names", "list_non_files", "list_versions")
+_LISTINGS = ("list_dirs", "list_files", "list_prefixed", "list_file_names", "list_non_files",
+             "list_versions")  # fmt: skip
 
 
 def _names_listed(root: Path, monkeypatch: pytest.MonkeyPatch) -> int:
@@ -349,8 +350,8 @@ def _names_listed(root: Path, monkeypatch: pytest.MonkeyPatch) -> int:
     for method in _LISTINGS:
         original = getattr(Store, method)
 
-        def counting(self: Store, *parts: str, _original: object = original) -> object:
-            out = _original(self, *parts)  # type: ignore[operator]
+        def counting(self: Store, *parts: str, _original: object = original, **kw: str) -> object:
+            out = _original(self, *parts, **kw)  # type: ignore[operator]
             if Path(self.root) == root and out is not None:
                 listed[0] += len(out)
             return out

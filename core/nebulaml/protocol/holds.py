@@ -213,9 +213,11 @@ class _Found:
 
 
 def _holds(store: Store) -> list[_Found]:
-    """The holds at the root of `store`, lowest generation first."""
+    """The holds at the root of `store`, lowest generation first: the root's files named
+    `.nebula-job-*`, listed by that prefix (not the root's every tag folder: a restart's
+    check costs the same at any number of checkpoints)."""
     found = []
-    for name in store.list_files():
+    for name in store.list_prefixed(prefix=JOB_PREFIX):
         generation = _generation(name)
         if generation is None:
             continue

@@ -86,15 +86,16 @@ def create_blob(fs: Any, path: str, data: bytes, *, overwrite: bool) -> None:
     _run(fs, upload())
 
 
-def list_folder(fs: Any, path: str) -> list[dict[str, Any]]:
-    """The files and folders directly under `path`, as fsspec `ls(detail=True)` entries
-    (name, type, size), in one listing request per 5,000 entries; never cached. A
-    missing container or an empty prefix is an empty list."""
+def list_folder(fs: Any, path: str, name_prefix: str = "") -> list[dict[str, Any]]:
+    """The files and folders directly under `path` (those whose names begin with
+    `name_prefix`: the service filters them), as fsspec `ls(detail=True)` entries (name,
+    type, size), in one listing request per 5,000 entries; never cached. A missing
+    container or an empty prefix is an empty list."""
     from azure.core.exceptions import ResourceNotFoundError
     from azure.storage.blob.aio import BlobPrefix
 
     container, prefix, _ = fs.split_path(path)
-    prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+    prefix = (f"{prefix.strip('/')}/" if prefix.strip("/") else "") + name_prefix
 
     async def walk() -> list[dict[str, Any]]:
         found: dict[str, dict[str, Any]] = {}
@@ -344,6 +345,14 @@ class AzureBackend(RemoteBackend):
 
     def list_file_names(self, parts: Parts) -> list[str]:
         return list_file_names(self.fs, self.path(parts))
+
+    def list_prefixed(self, parts: Parts, prefix: str) -> dict[str, int]:
+        """The blobs of folder `parts` whose names begin with `prefix`, with their sizes:
+        one listing of `<folder>/<prefix>` with a delimiter (a request per 5,000 matches,
+        however many folders the root holds; folders, and ADLS's, left out)."""
+        return {entry["name"].rsplit("/", 1)[-1]: entry["size"]
+                for entry in list_folder(self.fs, self.path(parts), prefix)
+                if entry["type"] == "file"}  # fmt: skip
 
     def make_dir(self, parts: Parts) -> None:
         """Blob storage has no empty folders (one appears with its first file): only the

@@ -147,6 +147,9 @@ class Backend(Protocol):
         """Files directly inside the folder `parts` (hidden ones included), with their
         sizes in bytes; empty if the folder is missing."""
 
+    # Optional: `list_prefixed(parts, prefix)` (`PrefixListingBackend`). A backend without
+    # it is listed whole and filtered by `Store.list_prefixed`.
+
     def modified_at(self, parts: Parts) -> datetime | None:
         """A file's modification time (UTC); None if the file is gone or the backend
         cannot tell."""
@@ -301,6 +304,22 @@ class LocalPathBackend(Backend, Protocol):
     def clear_squatter(self, parts: Parts) -> bool: ...
 
     def sync_dir(self, parts: Parts) -> None: ...
+
+
+@runtime_checkable
+class PrefixListingBackend(Backend, Protocol):
+    """A backend that lists a folder's files by the start of their names its own cheap
+    way: what `Store.list_prefixed` asks where the backend has it (every built-in one
+    does: a local folder's names filtered before any per-name work, one prefix listing
+    with a delimiter on S3, GCS and Azure); a backend without it (a plugin's) has its
+    folder listed whole by `list_files` and filtered instead, which is correct but costs
+    as much as the folder holds."""
+
+    def list_prefixed(self, parts: Parts, prefix: str) -> dict[str, int]:
+        """The files directly inside the folder `parts` whose names begin with `prefix`
+        (a name, no "/"; hidden ones included), with their sizes in bytes: what
+        `list_files` gives of those names, never a folder (nor, on local disks, anything
+        but a regular file); empty if the folder is missing or none matches."""
 
 
 class RangeCopyBackend(Backend, Protocol):

@@ -147,6 +147,22 @@ class GCSBackend(RemoteBackend):
             return []
         return out
 
+    def list_prefixed(self, parts: Parts, prefix: str) -> dict[str, int]:
+        """The files of folder `parts` whose names begin with `prefix`, with their sizes:
+        one `objects.list` with `prefix=<folder>/<prefix>` and `delimiter=/` (a request
+        per 1,000 matches, whatever else the folder holds; folders left out)."""
+        folder = self._key_prefix(parts)
+        out: dict[str, int] = {}
+        try:
+            for page in self._pages(folder + prefix, "/"):
+                for obj in page.get("items", []):
+                    name = obj["name"][len(folder) :]
+                    if name and "/" not in name:
+                        out[name] = int(obj.get("size") or 0)
+        except FileNotFoundError:  # no bucket: nothing in it
+            return {}
+        return out
+
     def list_tree(self) -> dict[str, dict[str, tuple[int, str | None]]]:
         """Every file one folder below the root, by folder, from one listing of the whole
         root without a delimiter (paged: a request per 1,000 objects)."""

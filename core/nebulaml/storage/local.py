@@ -154,6 +154,30 @@ class LocalBackend:
             return {}  # no such folder (a file of that name is not a tag folder)
         return out
 
+    def list_prefixed(self, parts: Parts, prefix: str) -> dict[str, int]:
+        """The regular files of folder `parts` whose names begin with `prefix`, with their
+        sizes (`PrefixListingBackend`): the folder's names are filtered first, and only
+        those that match are looked at, an lstat each (a link, a FIFO or a folder of such
+        a name is left out, as `list_files` leaves it out; nothing is followed)."""
+        try:
+            fd = os.open(self._local(parts), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        out: dict[str, int] = {}
+        try:
+            for name in os.listdir(fd):
+                if not name.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed since the listing
+                if stat.S_ISREG(st.st_mode):
+                    out[name] = st.st_size
+        finally:
+            os.close(fd)
+        return out
+
     def list_file_names(self, parts: Parts) -> list[str]:
         """The names of the regular files in folder `parts`, without their sizes: no
         stat per file (the file type comes with the folder's listing)."""

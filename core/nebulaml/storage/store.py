@@ -213,6 +213,10 @@ class Store:
         """The backend, as the local one it declares it is (`is_local`)."""
         return cast(LocalPathBackend, self._backend)
 
+    def _if_local(self, parts: Parts, fn: Callable[[LocalPathBackend], T], default: T) -> T:
+        """`fn(the local backend)` as `_call` runs it on a local root; else `default`."""
+        return self._call(parts, lambda: fn(self._local())) if self.is_local else default
+
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
 
@@ -273,6 +277,22 @@ class Store:
         the folder is missing)."""
         return self._call(parts, lambda: self._backend.list_files(parts))
 
+    def list_prefixed(self, *parts: str, prefix: str) -> dict[str, int]:
+        """`list_files` of the folder `parts` (the root: none) for the names that begin
+        with `prefix`, listed the backend's cheap way, not the whole folder's
+        (backend.PrefixListingBackend), or else listed whole and filtered.
+
+        Example:
+            >>> import tempfile; store = Store(tempfile.mkdtemp()); store.make_dir(".a-dir")
+            >>> store.write_bytes((".a-1",), b"ab"); store.list_prefixed(prefix=".a-")
+            {'.a-1': 2}
+        """
+        if "/" in prefix:
+            raise InvalidArgumentError(f"a name prefix has no '/': {prefix!r}")
+        if (listing := getattr(self._backend, "list_prefixed", None)) is not None:
+            return self._call(parts, lambda: listing(parts, prefix))
+        return {n: s for n, s in self.list_files(*parts).items() if n.startswith(prefix)}
+
     def list_file_names(self, *parts: str) -> list[str]:
         """The names of the files directly inside the folder `parts` (none if it is
         missing): `list_files` without the sizes, which a local disk gives only by a
@@ -287,48 +307,35 @@ class Store:
         regular files (a FIFO, a socket, a device, a symbolic link, a folder; none if the
         folder is missing): `list_files` leaves them out, and nebula writes none in a tag
         folder. [] elsewhere: an object store holds only blobs."""
-        if not self.is_local:
-            return []
-        backend = self._local()
-        return self._call(parts, lambda: backend.list_non_files(parts))
+        return self._if_local(parts, lambda local: local.list_non_files(parts), [])
 
     def list_versions(self, *parts: str) -> dict[str, tuple[int, str | None]] | None:
         """On an object store, the files of folder `parts` as {name: (size, version)}
         from one listing, the version being what changes whenever the object is written
         (an ETag), or None where the store says nothing; None on a local root (whose
         files have a cheaper identity: `file_identity`)."""
-        backend: Any = self._backend
-        if self.is_local or not hasattr(backend, "list_versions"):
-            return None
-        return self._call(parts, lambda: backend.list_versions(parts))
+        listing = None if self.is_local else getattr(self._backend, "list_versions", None)
+        return None if listing is None else self._call(parts, lambda: listing(parts))
 
     def list_tree(self) -> dict[str, dict[str, tuple[int, str | None]]] | None:
         """On an object store, the files one folder below the root, by folder, as
         `list_versions` gives a folder's, from one listing of the whole root (paged: a
         request per few thousand files, not one per folder); None on a local root."""
-        backend: Any = self._backend
-        if self.is_local or not hasattr(backend, "list_tree"):
-            return None
-        return self._call((), lambda: backend.list_tree())
+        listing = None if self.is_local else getattr(self._backend, "list_tree", None)
+        return None if listing is None else self._call((), lambda: listing())
 
     def file_identity(self, *parts: str) -> tuple[int, int, int] | None:
         """(inode, size, modification time in ns) of the regular file `parts` on a local
         root, without following a link; None when it is missing, not a regular file, or
         the root is not local (an object store has no cheap identity: callers read).
         A file replaced (written again, or removed and created) has another identity."""
-        if not self.is_local:
-            return None
-        backend = self._local()
-        return self._call(parts, lambda: backend.file_identity(parts))
+        return self._if_local(parts, lambda local: local.file_identity(parts), None)
 
     def folder_identity(self, *parts: str) -> tuple[int, int] | None:
         """(inode, modification time in ns) of the folder `parts` (the root: none) on a
         local root: it changes when a name is added to it or removed; None when it is
         missing or the root is not local."""
-        if not self.is_local:
-            return None
-        backend = self._local()
-        return self._call(parts, lambda: backend.folder_identity(parts))
+        return self._if_local(parts, lambda local: local.folder_identity(parts), None)
 
     def modified_at(self, *parts: str) -> datetime | None:
         """A file's modification time (UTC), or None if the backend cannot tell or the
@@ -419,8 +426,7 @@ class Store:
             True
         """
         if self.is_local:
-            backend = self._local()
-            return self._call(parts, lambda: backend.make_new_dir(parts))
+            return self._call(parts, lambda: self._local().make_new_dir(parts))
         existed = self.exists(*parts)
         self.make_dir(*parts)
         return not existed
@@ -429,10 +435,7 @@ class Store:
         """On a local root, give the file `source` the name `parts` too (a hard link: it
         appears whole, as a `publish` does, with one system call); False where it cannot
         (not local, no such file, the name taken, no hard links): write the file instead."""
-        if not self.is_local:
-            return False
-        backend = self._local()
-        return self._call(parts, lambda: backend.link(source, parts))
+        return self._if_local(parts, lambda local: local.link(source, parts), False)
 
     @contextlib.contextmanager
     def open_write(
@@ -618,8 +621,7 @@ class Store:
         goes after its checkpoint's manifest, which a crash may bring back only as a
         leftover that recovery clears."""
         if not durable and self.is_local:
-            backend = self._local()
-            self._call(parts, lambda: backend.remove(parts, sync=False))
+            self._call(parts, lambda: self._local().remove(parts, sync=False))
             return
         self._call(parts, lambda: self._backend.remove(parts))
 
@@ -628,18 +630,14 @@ class Store:
         file of its own, if it is not a regular file (a FIFO, a symbolic link, an empty
         folder): a create-only publish would take it for a file written first. Whether
         it removed one; False elsewhere (an object store's name is always a blob)."""
-        if not self.is_local:
-            return False
-        backend = self._local()
-        return self._call(parts, lambda: backend.clear_squatter(parts))
+        return self._if_local(parts, lambda local: local.clear_squatter(parts), False)
 
     def sync_folder(self, *parts: str) -> None:
         """Make what was removed from (or added to) the folder `parts` durable: on a local
         disk the folder is fsynced; object stores have nothing to do (a request that
         returned is durable)."""
         if self.is_local:
-            backend = self._local()
-            self._call(parts, lambda: backend.sync_dir(parts))
+            self._call(parts, lambda: self._local().sync_dir(parts))
 
     def remove_dir(self, *parts: str, files: Iterable[str] | None = None) -> None:
         """Remove a folder that holds only files (a tag folder); missing is not an error.

@@ -4,10 +4,11 @@
 Each check takes a `Store` on a new, empty root and asserts what the commit protocol relies
 on: a create-only publish that a second one cannot replace (declared `atomic_create`),
 files read back as written (streamed and whole), listings (folders, files and sizes, a
-missing folder empty), deletes (a missing file no error), appends that two concurrent
-writers lose none of (declared `object_appends`, or a local path; otherwise one writer's),
-and ranges written from an earlier file (declared `range_copy` or `clones`). A check skips
-nothing silently: what a backend does not declare is checked for what it gives instead.
+missing folder empty; a folder's files by the start of their names), deletes (a missing
+file no error), appends that two concurrent writers lose none of (declared
+`object_appends`, or a local path; otherwise one writer's), and ranges written from an
+earlier file (declared `range_copy` or `clones`). A check skips nothing silently: what a
+backend does not declare is checked for what it gives instead.
 
 Not for: nebula's own backend tests beyond the contract (tests/core/test_store_contract.py).
 May import: `nebulaml.errors` and `nebulaml.storage`; no test framework (pytest finds
@@ -133,6 +134,27 @@ def check_listing(store: Store) -> None:
                                                "tag2": {"c": 3}}  # fmt: skip
 
 
+def check_prefixed_listing(store: Store) -> None:
+    """The files of a folder whose names begin with a prefix (`Store.list_prefixed`, the
+    backend's own listing or else the whole folder's, filtered), with their sizes: hidden
+    ones in, the folder's other files and any folder of such a name out, at the root and
+    in a folder; a prefix that matches nothing, or a missing folder, lists empty."""
+    for folder in ("tag1", ".job-dir", ".job-folder"):
+        store.make_dir(folder)
+    for parts, size in (((".job-1.json",), 3), ((".job-22.json",), 0), ((".jobs",), 1),
+                        ((".other",), 2), (("job-1",), 4), (("tag1", ".job-x"), 5),
+                        (("tag1", "b"), 6), ((".job-dir", "f"), 7),
+                        ((".job-folder", ".job-2.json"), 1)):  # fmt: skip
+        store.write_bytes(parts, b"x" * size)
+    assert store.list_prefixed(prefix=".job-") == {".job-1.json": 3, ".job-22.json": 0}
+    assert store.list_prefixed(prefix=".job-1") == {".job-1.json": 3}
+    assert store.list_prefixed(prefix=".jobs") == {".jobs": 1}
+    assert store.list_prefixed(prefix=".nothing-") == {}
+    assert store.list_prefixed("tag1", prefix=".job-") == {".job-x": 5}
+    assert store.list_prefixed("tag1", prefix="") == store.list_files("tag1")
+    assert store.list_prefixed("missing", prefix=".job-") == {}
+
+
 def check_delete(store: Store) -> None:
     """A file removed is gone, a missing one is no error, and a folder emptied and
     removed is no longer listed."""
@@ -200,6 +222,7 @@ CHECKS: tuple[Callable[[Store], None], ...] = (
     check_racing_publishers,
     check_read_back,
     check_listing,
+    check_prefixed_listing,
     check_delete,
     check_appends,
     check_ranges,
@@ -291,6 +314,9 @@ class BackendContract:
 
     def test_listing(self) -> None:
         check_listing(self.open())
+
+    def test_prefixed_listing(self) -> None:
+        check_prefixed_listing(self.open())
 
     def test_delete(self) -> None:
         check_delete(self.open())
