@@ -1,5 +1,5 @@
-"""A fault-injecting HTTP proxy in front of a storage server (Azurite, moto's S3): the
-network, misbehaving on cue.
+"""A fault-injecting HTTP proxy in front of a storage server (Azurite, moto's S3,
+gcp-storage-emulator): the network, misbehaving on cue.
 
 Tests point a root's endpoint at the proxy (127.0.0.1, its own port). Each request is
 read whole (head and Content-Length body), then, by the faults queued for requests whose
@@ -12,9 +12,11 @@ in `bodies` as (method, path, bytes): what the client sent, counted on the wire.
 
 The whole endpoint can go away too (`refuse`: connections refused, those in flight reset,
 as when a server stops) and come back on the same port (`listen`), while the server behind
-it keeps its data: an outage of a store whose server forgets its data when stopped (moto).
+it keeps its data: an outage of a store whose server forgets its data when stopped (moto,
+the GCS emulator).
 
-Not for: speed (a thread per connection) or HTTP beyond what the Azure SDK and s3fs send.
+Not for: speed (a thread per connection) or HTTP beyond what the Azure SDK, s3fs and
+gcsfs send.
 May import: tests/azurite.py (the account of `connection_string`).
 """
 

@@ -1,7 +1,9 @@
 """What the outage tests share (tests/core/test_outage.py, tests/azure/test_azure_outage*.py,
-tests/s3/test_s3_outage.py): a 1 MiB state per step, a timed save of it, waiting, through
-the status call alone, until a checkpoint is durable, and a store taken away for a block
-(stopped, or suspended): an Azurite itself, or a server behind a proxy (`Proxied`).
+tests/s3/test_s3_outage.py, tests/gcs/test_gcs_outage.py): a 1 MiB state per step, a timed
+save of it, waiting, through the status call alone, until a checkpoint is durable, a store
+taken away for a block (stopped, or suspended): an Azurite itself, or a server behind a
+proxy (`Proxied`), and the outage tests of a store behind a proxy, whatever the store
+(`outage_during_training`, `down_at_init`: S3's and GCS's run them).
 
 May import: tests/faultproxy.py (for its type)."""
 
@@ -13,8 +15,10 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Protocol
 
+import pytest
 import torch
 
 import nebulaml as nm
@@ -23,6 +27,17 @@ if TYPE_CHECKING:
     from faultproxy import FaultProxy
 
 MB = 1 << 20
+# The environment of a test whose store goes away: short retries, and 1 s a call.
+QUICK_RETRIES = {
+    "NEBULA_STORAGE_RETRIES": "3",
+    "NEBULA_STORAGE_RETRY_BASE_S": "0.05",
+    "NEBULA_STORAGE_RETRY_MAX_S": "0.2",
+    "NEBULA_STORAGE_CALL_TIMEOUT_S": "1",
+}
+# A refused connection is said at once, whatever a call's deadline: with a store stopped,
+# the tests give each call this long (the storage option `nebula_call_timeout_s`), so that
+# a client's own retries inside nebula's (botocore's, gcsfs's) show as a wait.
+PATIENT_CALL_S = 10.0
 
 
 def state(step: int) -> dict[str, torch.Tensor]:
@@ -108,3 +123,85 @@ def store_away(server: Server, how: str) -> Iterator[None]:
             server.restart()
         else:
             os.killpg(proc.pid, signal.SIGCONT)
+
+
+def assert_durable_and_loads(url: str, options: dict[str, Any], step: int) -> None:
+    """`global_step<step>` is the newest under `url` (reached with `options`), on the store
+    alone (the memory tier released), and loads bit for bit."""
+    tag = f"global_step{step}"
+    with nm.using_storage_options(options):
+        listed = nm.list_checkpoints(url, hold=False)
+        assert listed[0]["tag"] == tag and listed[0]["tiers"] == ["persistent"], listed
+        latest = nm.get_latest_checkpoint(url)
+        assert latest is not None and latest.tag == tag
+        with latest:
+            loaded = latest.load("model")
+    assert torch.equal(loaded["w"], state(step)["w"]) and int(loaded["step"]) == step
+
+
+def outage_during_training(server: Server, url: str, options: dict[str, Any], how: str) -> None:
+    """A job on `url` saves through an outage of its store (`how`: "stopped" or
+    "suspended"): each save returns within 1 s, `flush_persistence` says False (or raises)
+    within its deadline, the persister reports the outage (a hang as "no answer"), and once
+    the store is back the newest lands by itself and loads bit for bit. Run with
+    `QUICK_RETRIES` in the environment (a stopped store's calls `PATIENT_CALL_S`)."""
+    if how == "stopped":
+        options = {**options, "nebula_call_timeout_s": PATIENT_CALL_S}
+    nm.init(url, persistent_time_interval=0, exit_timeout_s=60, on_persist_error="retry",
+            storage_options=options)  # fmt: skip
+    timed_save(1)
+    assert nm.flush_persistence(timeout_s=60) is True
+    with store_away(server, how):
+        away = datetime.now(timezone.utc)
+        during = []
+        for step in range(2, 6):
+            during.append(timed_save(step))
+            time.sleep(0.05)
+        assert max(during) < 1.0, during
+        started = time.monotonic()
+        assert nm.flush_persistence(timeout_s=1, raise_on_error=False) is False
+        with pytest.raises(nm.NebulaError):
+            nm.flush_persistence(timeout_s=0.5)
+        assert time.monotonic() - started < 4, "a flush waited past its deadline"
+        while nm.persistence_status().failing_since is None:  # reported, hanging or not
+            assert time.monotonic() - started < 15, nm.persistence_status()
+            time.sleep(0.1)
+        status = nm.persistence_status()
+        if how == "stopped":  # refused: failing at once, not after a client's own retries
+            since = datetime.fromisoformat(str(status.failing_since))
+            assert (since - away).total_seconds() < 3, (away, status)
+        assert status.pending and status.pending[-1] == "global_step5", status
+        assert status.durable == "global_step1" and status.last_error and not status.ok
+        if how == "suspended":
+            assert "no answer" in status.last_error, status
+    wait_durable("global_step5")  # no call but the status
+    assert nm.persistence_status().ok
+    assert nm.flush_persistence(timeout_s=30) is True
+    nm.shutdown(timeout_s=60)  # all durable: the memory tier is released
+    assert_durable_and_loads(url, options, 5)
+
+
+def down_at_init(
+    server: Server, url: str, options: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`init` on `url` with its store stopped returns at once, memory only (said once);
+    saves return within 1 s, `flush_persistence` says False, and what was saved lands once
+    the store is back and loads bit for bit. Run with `QUICK_RETRIES` in the environment
+    (its calls `PATIENT_CALL_S` here: init's own deadline, `CONNECT_WAIT_S`, is no excuse)."""
+    options = {**options, "nebula_call_timeout_s": PATIENT_CALL_S}
+    with store_away(server, "stopped"):
+        started = time.perf_counter()
+        nm.init(url, persistent_time_interval=0, exit_timeout_s=60,  # the default: retry
+                storage_options=options)  # fmt: skip
+        took = time.perf_counter() - started
+        assert took < 1.5, took  # at once: a refused connection says enough
+        during = [timed_save(step) for step in range(1, 4)]
+        assert max(during) < 1.0, during
+        said = [r.getMessage() for r in caplog.records if "memory tier only" in r.getMessage()]
+        assert len(said) == 1, said
+        assert nm.flush_persistence(timeout_s=1, raise_on_error=False) is False
+        status = nm.persistence_status()
+        assert status.pending[-1] == "global_step3" and status.durable is None, status
+    wait_durable("global_step3")
+    nm.shutdown(timeout_s=60)
+    assert_durable_and_loads(url, options, 3)

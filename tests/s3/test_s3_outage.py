@@ -24,13 +24,21 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import s3server
 import torch
 import warm
 from faultproxy import FaultProxy
-from outage_kit import Proxied, resume, state, store_away, timed_save, wait_durable
+from outage_kit import (
+    QUICK_RETRIES,
+    Proxied,
+    down_at_init,
+    outage_during_training,
+    resume,
+    store_away,
+)
 
 import nebulaml as nm
 
@@ -50,10 +58,8 @@ def s3_away(s3_server: s3server.MotoServer, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3server.KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3server.SECRET)
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
-    monkeypatch.setenv("NEBULA_STORAGE_RETRIES", "3")
-    monkeypatch.setenv("NEBULA_STORAGE_RETRY_BASE_S", "0.05")
-    monkeypatch.setenv("NEBULA_STORAGE_RETRY_MAX_S", "0.2")
-    monkeypatch.setenv("NEBULA_STORAGE_CALL_TIMEOUT_S", "1")
+    for var, value in QUICK_RETRIES.items():
+        monkeypatch.setenv(var, value)
     server = Proxied(s3_server.proc, proxy)
     try:
         yield server
@@ -62,27 +68,13 @@ def s3_away(s3_server: s3server.MotoServer, monkeypatch: pytest.MonkeyPatch) -> 
         proxy.close()
 
 
-def s3_options(server: Proxied) -> dict[str, object]:
+def s3_options(server: Proxied) -> dict[str, Any]:
     """The storage options that reach the server through its proxy."""
     return {"endpoint_url": server.proxy.endpoint, "key": s3server.KEY, "secret": s3server.SECRET}
 
 
 def _url() -> str:
     return f"s3://{BUCKET}/outage-{uuid.uuid4().hex[:12]}"
-
-
-def _assert_durable_and_loads(server: Proxied, url: str, step: int) -> None:
-    """`global_step<step>` is the newest, on the store alone (the memory tier released),
-    and loads bit for bit."""
-    tag = f"global_step{step}"
-    with nm.using_storage_options(s3_options(server)):
-        listed = nm.list_checkpoints(url, hold=False)
-        assert listed[0]["tag"] == tag and listed[0]["tiers"] == ["persistent"], listed
-        latest = nm.get_latest_checkpoint(url)
-        assert latest is not None and latest.tag == tag
-        with latest:
-            loaded = latest.load("model")
-    assert torch.equal(loaded["w"], state(step)["w"]) and int(loaded["step"]) == step
 
 
 @pytest.mark.slow
@@ -94,35 +86,7 @@ def test_an_s3_outage_never_stops_training_and_the_newest_lands_when_it_is_back(
     # retries or the hang), a flush that says True (or waits past its deadline) while the
     # newest is in RAM only, a persist that hangs without a deadline (never reported as
     # failing), and a failed persist dropped: the newest never reaching S3.
-    url = _url()
-    nm.init(url, persistent_time_interval=0, exit_timeout_s=60, on_persist_error="retry",
-            storage_options=s3_options(s3_away))  # fmt: skip
-    timed_save(1)
-    assert nm.flush_persistence(timeout_s=60) is True
-    with store_away(s3_away, how):
-        during = []
-        for step in range(2, 6):
-            during.append(timed_save(step))
-            time.sleep(0.05)
-        assert max(during) < 1.0, during
-        started = time.monotonic()
-        assert nm.flush_persistence(timeout_s=1, raise_on_error=False) is False
-        with pytest.raises(nm.NebulaError):
-            nm.flush_persistence(timeout_s=0.5)
-        assert time.monotonic() - started < 4, "a flush waited past its deadline"
-        while nm.persistence_status().failing_since is None:  # reported, hanging or not
-            assert time.monotonic() - started < 15, nm.persistence_status()
-            time.sleep(0.1)
-        status = nm.persistence_status()
-        assert status.pending and status.pending[-1] == "global_step5", status
-        assert status.durable == "global_step1" and status.last_error and not status.ok
-        if how == "suspended":
-            assert "no answer" in status.last_error, status
-    wait_durable("global_step5")  # no call but the status
-    assert nm.persistence_status().ok
-    assert nm.flush_persistence(timeout_s=30) is True
-    nm.shutdown(timeout_s=60)  # all durable: the memory tier is released
-    _assert_durable_and_loads(s3_away, url, 5)
+    outage_during_training(s3_away, _url(), s3_options(s3_away), how)
 
 
 @pytest.mark.slow
@@ -133,23 +97,7 @@ def test_s3_down_at_init_starts_memory_only_and_persists_once_it_is_back(
     # (botocore's own retries, 5 tries with backoff, inside nebula's: main took 2-3 s);
     # the job not checkpointing to RAM at once; what it saved never persisted after.
     # (init on a hung store: the restart test below.)
-    url = _url()
-    with store_away(s3_away, "stopped"):
-        started = time.perf_counter()
-        nm.init(url, persistent_time_interval=0, exit_timeout_s=60,  # the default: retry
-                storage_options=s3_options(s3_away))  # fmt: skip
-        took = time.perf_counter() - started
-        assert took < 1.5, took  # at once: a refused connection says enough
-        during = [timed_save(step) for step in range(1, 4)]
-        assert max(during) < 1.0, during
-        said = [r.getMessage() for r in caplog.records if "memory tier only" in r.getMessage()]
-        assert len(said) == 1, said
-        assert nm.flush_persistence(timeout_s=1, raise_on_error=False) is False
-        status = nm.persistence_status()
-        assert status.pending[-1] == "global_step3" and status.durable is None, status
-    wait_durable("global_step3")
-    nm.shutdown(timeout_s=60)
-    _assert_durable_and_loads(s3_away, url, 3)
+    down_at_init(s3_away, _url(), s3_options(s3_away), caplog)
 
 
 def _digest(loaded: dict[str, torch.Tensor]) -> str:
