@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import warm
@@ -21,7 +22,7 @@ import warm
 import nebulaml as nm
 import nebulaml.protocol.catalog as catalog
 from nebulaml.format.manifest import parse_manifest
-from nebulaml.format.names import INDEX_DIR, MANIFEST_NAME
+from nebulaml.format.names import INDEX_DIR, MANIFEST_NAME, WRITER_PREFIX
 from nebulaml.protocol import commit_index
 from nebulaml.protocol.catalog import list_committed
 from nebulaml.protocol.commit_index import newest, record_begun
@@ -454,21 +455,23 @@ def test_a_hostile_begun_record_never_makes_recovery_touch_another_folder(
     assert (outside / ".writer-0.json").exists()
 
 
-def test_begin_tag_writes_the_begun_record_before_the_folder(tmp_path: Path) -> None:
-    """Every writer of a tag folder outside the memory tier announces it first (the
-    record a restart finds leftovers by); the memory tier's saves do not."""
+def test_begin_tag_writes_the_begun_record_before_the_writer_marker(tmp_path: Path) -> None:
+    """Every writer of a tag folder outside the memory tier announces it before its writer
+    marker (the record a restart finds leftovers by: a folder is a leftover only once it
+    holds a marker); the memory tier's saves do not."""
     from nebulaml.protocol.commit import begin_tag
 
     store = Store(str(tmp_path / "root"))
     made = []
-    make_new_dir = Store.make_new_dir
+    publish = Store.publish
 
-    def checking(self: Store, *parts: str) -> bool:
-        made.append(self.exists(*begun_path(parts[0])))
-        return make_new_dir(self, *parts)
+    def checking(self: Store, parts: tuple[str, ...], *args: Any, **kwargs: Any) -> None:
+        if parts[-1].startswith(WRITER_PREFIX):  # the writer marker
+            made.append(self.exists(*begun_path(parts[0])))
+        publish(self, parts, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Store, "make_new_dir", checking)
+        patch.setattr(Store, "publish", checking)
         begin_tag(store, "global_step3", rank=0, overwrite=False)
         begin_tag(store, "global_step4", rank=0, overwrite=False, announce=False)
     assert made == [True, False]

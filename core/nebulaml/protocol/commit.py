@@ -147,15 +147,19 @@ def begin_tag(
     tag: two system calls). Returns False if it was given and could not be linked (gone):
     the marker was written instead.
 
-    `announce`: first write the tag's begun record in `store`'s index
+    `announce`: write the tag's begun record in `store`'s index, before the marker
     (commit_index.record_begun), so that a restart finds this folder among those at the
     top if this writer dies, without listing the root; False on a memory tier (whose
     leftovers a restart finds from its own listing of the few tags there).
     """
     validate_name("tag", tag)
+    new = store.make_new_dir(tag)
     if announce:
-        record_begun(store, tag)  # before the folder and the marker: a hint, never trusted
-    if store.make_new_dir(tag):  # new: nothing in it to look for or clear
+        # Before the writer marker, a hint never trusted: a folder is a writer's leftover
+        # only once it holds a marker. After the folder, so that a root this user may not
+        # write says so of the tag's folder.
+        record_begun(store, tag)
+    if new:  # nothing in it to look for or clear
         name = writer_marker_name(rank)
         if marker is not None and store.link(marker, (tag, name)):
             return True

@@ -3,7 +3,7 @@ and one per tag folder a writer began, in buckets by step (index_names.py).
 
     record_commit   the entry of a manifest about to be published, in its step's bucket
                     of the tier's `INDEX_DIR`, written before the manifest (commit.py)
-    record_begun    the begun record of a tag folder, written before the folder
+    record_begun    the begun record of a tag folder, written before its writer marker
                     (commit.begin_tag): how a restart finds the folders at the top
     forget_tags     remove the entries and begun records of tags just deleted (delete.py)
     newest          the newest committed checkpoints of a tier: the highest buckets of
@@ -42,21 +42,22 @@ have removed them). A tier with no entry at all (an older nebula's) is listed in
 as before, and its entries written in buckets; so is a folder a full listing finds
 without one (`index_missing`: `nm.list_checkpoints`, `nebula ls`).
 
-Why no leftover at the top is missed: a folder that may hold one is either committed
-(an entry) or begun by a writer: every writer of a tag folder on a tier other than the
+Why no leftover at the top is missed: a folder that may hold one is either committed (an
+entry) or begun by a writer: every writer of a tag folder on a tier other than the
 memory tier (a persist, a save straight to the root, `nebula copy`, a resumed copy)
-writes the tag's begun record `<step + 1>+<tag>`, durably, before it makes or clears
-the folder and writes its writer marker (commit.begin_tag), and a dead writer's leftover
-is judged by that marker only. So the folders at or above the newest's step are the
-begun records and entries the walk meets before the newest's step ends, each looked at
-(`Store.exists`, then recovery reads its markers): no listing of the root's folders. A
-begun record is a hint, never trusted: its folder may never have come (a crash before
-it), or be committed, or be another writer's; recovery removes only a folder without a
-manifest whose writer markers all name dead processes of this host, as before. A begun
-record stays until its tag is deleted (`forget_tags`); one whose folder never came costs
-a stat while it is above the newest. Where the newest itself has no begun record (a
-root an older nebula wrote, clones, a folder copied in by hand), its writers may not
-have written them: the root's folders are listed, as before.
+writes the tag's begun record `<step + 1>+<tag>`, durably, once the folder is there and
+before it clears it or writes its writer marker (commit.begin_tag), and a dead writer's
+leftover is judged by that marker only (an empty folder is no writer's leftover). So the
+folders at or above the newest's step are the begun records and entries the walk meets
+before the newest's step ends, each looked at (`Store.exists`, then recovery reads its
+markers): no listing of the root's folders. A begun record is a hint, never trusted: its
+folder may be empty (a crash before the marker), or be committed, or be another
+writer's; recovery removes only a folder without a manifest whose writer markers all
+name dead processes of this host, as before. A begun record stays until its tag is
+deleted (`forget_tags`); one whose folder never came costs a stat while it is above the
+newest. Where the newest itself has no begun record (a root an older nebula wrote,
+clones, a folder copied in by hand), its writers may not have written them: the root's
+folders are listed, as before.
 
 Listings are kept by index_walk.py (a local folder's while it is unchanged and settled;
 an object store's while `pinned`).
@@ -142,10 +143,10 @@ def record_commit(store: Store, tag: str, sequence: int, *, durable: bool = True
 
 
 def record_begun(store: Store, tag: str) -> None:
-    """Write, durably, that a writer begins `tag`'s folder on `store`: before the folder
-    or its writer marker (commit.begin_tag), so that a restart finds a dead writer's
-    leftover at the top without listing the root (the module's docstring). Written again
-    by each writer of the tag: one file, replaced.
+    """Write, durably, that a writer begins `tag`'s folder on `store`: before it clears
+    the folder or writes its writer marker (commit.begin_tag), so that a restart finds a
+    dead writer's leftover at the top without listing the root (the module's docstring).
+    Written again by each writer of the tag: one file, replaced.
 
     Example:
         >>> import tempfile

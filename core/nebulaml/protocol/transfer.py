@@ -212,7 +212,8 @@ def _resume_tag(dst: Store, tag: str, items: tuple[ItemEntry, ...]) -> dict[str,
     marker is written, as `begin_tag` does.
     """
     validate_name("tag", tag)
-    record_begun(dst, tag)  # before the marker, as begin_tag (commit_index.py)
+    dst.make_dir(tag)
+    record_begun(dst, tag)  # after the folder, before the marker, as begin_tag
     me = os.getpid()
     for writer in read_writers(dst, tag):
         # An earlier, failed attempt of this very process is not a competitor.
@@ -226,7 +227,6 @@ def _resume_tag(dst: Store, tag: str, items: tuple[ItemEntry, ...]) -> dict[str,
             kept[name] = size
         else:
             dst.remove(tag, name)
-    dst.make_dir(tag)
     dst.publish((tag, writer_marker_name(0)), writer_record(0), create_only=False)
     return kept
 
