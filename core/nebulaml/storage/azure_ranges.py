@@ -42,7 +42,7 @@ from nebulaml.errors import NebulaError
 from nebulaml.format.checksum import BLOCK_BYTES
 from nebulaml.storage.backend import Written
 from nebulaml.storage.redaction import redact
-from nebulaml.storage.retry import RetryPolicy, call_async
+from nebulaml.storage.retry import RetryPolicy, all_or_cancel, call_async
 
 log = logging.getLogger("nebulaml")
 
@@ -270,27 +270,12 @@ def write_ranges(
                 if sent is not None:
                     sent(block.length)
 
-            await _all([one(i, b) for i, b in zip(ids, blocks, strict=True)])
+            await all_or_cancel([one(i, b) for i, b in zip(ids, blocks, strict=True)])
             etag = await _commit(client, ids, policy, what, describe)
         return Written(staging.written, staging.reused, etag)
 
     result: Written = run_on_loop(fs, write())
     return result
-
-
-async def _all(jobs: list[Awaitable[None]]) -> None:
-    """Run `jobs`; on the first failure cancel the rest and wait for them (none may still
-    read the caller's memory once this returns), then raise it."""
-    tasks = [asyncio.ensure_future(job) for job in jobs]
-    if not tasks:
-        return
-    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    for task in pending:
-        task.cancel()
-    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
-            raise outcome
 
 
 async def _stage(

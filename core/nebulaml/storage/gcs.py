@@ -10,7 +10,7 @@ way, each one JSON API request (or one paged listing):
   create that finds exactly its own bytes there is a success (its first answer was lost),
   as on S3 and Azure.
 - `open_write`: gcsfs's writer (one upload, or a resumable upload for a large object),
-  whose abandonment commits nothing (`Upload.abort`);
+  whose abandonment commits nothing (`remote.ObjectUpload.abort`);
 - listings: `objects.list`, never cached (a tag committed a moment ago by another process
   shows at once): a folder with `delimiter=/`, the whole root (`list_tree`) in one paged
   listing without a delimiter (a request per 1,000 objects, not one per folder). An
@@ -44,7 +44,7 @@ from typing import Any
 from urllib.parse import quote
 
 from nebulaml.storage.backend import Capabilities, OpenRequest, Parts
-from nebulaml.storage.remote import RemoteBackend, remote_location
+from nebulaml.storage.remote import ObjectUpload, RemoteBackend, remote_location
 
 GCS_CAPABILITIES = Capabilities(atomic_create=True, object_appends=True)
 
@@ -56,25 +56,6 @@ _SECRET_FIELDS = ("private_key", "private_key_id", "client_secret", "refresh_tok
 _PAGE = 1000  # objects per listing request (GCS's most)
 
 
-class Upload:
-    """An object being written through gcsfs: whole when closed (one upload, or a
-    resumable upload finished), and never committed when abandoned (`abort` drops what
-    was buffered and cancels the resumable upload begun)."""
-
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
-
-    def write(self, data: Any) -> int:
-        return int(self._raw.write(data))
-
-    def close(self) -> None:
-        self._raw.close()
-
-    def abort(self) -> None:
-        self._raw.discard()
-        self._raw.closed = True  # nothing left for a close (or the collector) to commit
-
-
 class GCSBackend(RemoteBackend):
     """A root at `root` (`bucket/path`) on the gcsfs filesystem `fs`.
 
@@ -83,7 +64,7 @@ class GCSBackend(RemoteBackend):
                                    "token": "anon"}), "ckpt/run1")
     """
 
-    aborted_write_may_leave_file = False  # an abandoned Upload commits nothing
+    aborted_write_may_leave_file = False  # an abandoned ObjectUpload commits nothing
 
     def __init__(self, fs: Any, root: str, *, location: str | None = None) -> None:
         super().__init__(fs, root, capabilities=GCS_CAPABILITIES, url=f"gs://{root}",
@@ -108,8 +89,8 @@ class GCSBackend(RemoteBackend):
             # A credential scoped to objects: the bucket must exist, the first write says.
         self._bucket_ready = True
 
-    def open_write(self, parts: Parts) -> Upload:
-        return Upload(self.fs.open(self.path(parts), "wb"))
+    def open_write(self, parts: Parts) -> ObjectUpload:
+        return ObjectUpload(self.fs.open(self.path(parts), "wb"))
 
     # listings ----------------------------------------------------------------------
     def _key_prefix(self, parts: Parts) -> str:

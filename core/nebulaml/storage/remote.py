@@ -47,6 +47,31 @@ FSSPEC_CAPABILITIES = Capabilities(atomic_create=True, object_appends=True)
 _WHERE_OPTIONS = ("endpoint_url", "host", "port", "project", "account_name", "bucket")
 
 
+class ObjectUpload:
+    """An object being written through an fsspec object store's buffered writer (s3fs,
+    gcsfs): whole when closed (one upload, or a multipart or resumable upload finished),
+    and never committed when abandoned (`abort` drops what was buffered and gives up the
+    upload begun).
+
+    Example (not run here: it needs an object store's buffered writer, an
+    `fsspec.spec.AbstractBufferedFile`):
+        upload = ObjectUpload(s3fs.S3FileSystem(...).open("bucket/run1/x", "wb"))
+    """
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    def write(self, data: Any) -> int:
+        return int(self._raw.write(data))
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def abort(self) -> None:
+        self._raw.discard()
+        self._raw.closed = True  # nothing left for a close (or the collector) to commit
+
+
 class RemoteBackend:
     """A root at `root` (no protocol, no trailing slash) on the fsspec filesystem `fs`,
     doing what `capabilities` declare; `url` and `location` as `Backend`'s (by default

@@ -248,3 +248,26 @@ def _log_retry(
         policy.retries,
         delay,
     )
+
+
+async def all_or_cancel(jobs: list[Awaitable[None]]) -> None:
+    """Run `jobs` concurrently; on the first failure cancel the rest and wait for them
+    (none may still read the caller's memory once this returns), then raise it. The
+    uploads of a write by ranges run so (azure_ranges.py, s3_parts.py).
+
+    Example:
+        >>> async def fail() -> None: raise OSError("gone")
+        >>> asyncio.run(all_or_cancel([asyncio.sleep(0), fail()]))
+        Traceback (most recent call last):
+        OSError: gone
+    """
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    for task in pending:
+        task.cancel()
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+            raise outcome

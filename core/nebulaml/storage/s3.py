@@ -9,7 +9,7 @@ way, each one S3 request (or one paged listing) run on s3fs's event loop:
   for a create racing another), which is `FileExistsError`. A retried create that finds
   exactly its own bytes there is a success (its first answer was lost), as on Azure.
 - `open_write`: s3fs's writer (one PutObject, or a multipart upload for a large object),
-  whose abandonment commits nothing (`Upload.abort`);
+  whose abandonment commits nothing (`remote.ObjectUpload.abort`);
 - `write_ranges`: an item file whose unchanged ranges are copied by the server from its
   previous version (UploadPartCopy, pinned to that version's ETag), the rest uploaded, in
   one multipart upload with several parts in flight (s3_parts.py);
@@ -40,7 +40,7 @@ from typing import Any
 
 from nebulaml.storage import s3_parts
 from nebulaml.storage.backend import Capabilities, OpenRequest, Parts, Written
-from nebulaml.storage.remote import RemoteBackend, remote_location
+from nebulaml.storage.remote import ObjectUpload, RemoteBackend, remote_location
 from nebulaml.storage.retry import RetryPolicy
 
 S3_CAPABILITIES = Capabilities(atomic_create=True, object_appends=True, range_copy=True)
@@ -53,25 +53,6 @@ _SECRET_OPTIONS = ("secret", "token", "password", "aws_secret_access_key", "aws_
 _TAKEN_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409"})
 
 
-class Upload:
-    """An object being written through s3fs: whole when closed (one PutObject, or a
-    multipart upload completed), and never committed when abandoned (`abort` drops what
-    was buffered and aborts the multipart upload begun)."""
-
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
-
-    def write(self, data: Any) -> int:
-        return int(self._raw.write(data))
-
-    def close(self) -> None:
-        self._raw.close()
-
-    def abort(self) -> None:
-        self._raw.discard()
-        self._raw.closed = True  # nothing left for a close (or the collector) to commit
-
-
 class S3Backend(RemoteBackend):
     """A root at `root` (`bucket/path`) on the s3fs filesystem `fs`.
 
@@ -79,7 +60,7 @@ class S3Backend(RemoteBackend):
         S3Backend(s3fs.S3FileSystem(endpoint_url="http://127.0.0.1:9000"), "ckpt/run1")
     """
 
-    aborted_write_may_leave_file = False  # an abandoned Upload commits nothing
+    aborted_write_may_leave_file = False  # an abandoned ObjectUpload commits nothing
 
     def __init__(
         self,
@@ -111,8 +92,8 @@ class S3Backend(RemoteBackend):
             pass  # a credential scoped to objects: the bucket must exist, the first write says
         self._bucket_ready = True
 
-    def open_write(self, parts: Parts) -> Upload:
-        return Upload(self.fs.open(self.path(parts), "wb"))
+    def open_write(self, parts: Parts) -> ObjectUpload:
+        return ObjectUpload(self.fs.open(self.path(parts), "wb"))
 
     def write_ranges(
         self,

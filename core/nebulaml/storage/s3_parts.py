@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from nebulaml.storage.backend import Written
-from nebulaml.storage.retry import RetryPolicy, call_async
+from nebulaml.storage.retry import RetryPolicy, all_or_cancel, call_async
 
 log = logging.getLogger("nebulaml")
 
@@ -290,7 +290,7 @@ def write_parts(
                 if sent is not None:
                     sent(part.length)
 
-            await _all([one(n, p) for n, p in enumerate(parts, start=1)])
+            await all_or_cancel([one(n, p) for n, p in enumerate(parts, start=1)])
 
             async def complete() -> Any:
                 return await client.complete_multipart_upload(
@@ -308,21 +308,6 @@ def write_parts(
 
     result: Written = sync(fs.loop, wrapper)
     return result
-
-
-async def _all(jobs: list[Awaitable[None]]) -> None:
-    """Run `jobs`; on the first failure cancel the rest and wait for them (none may still
-    read the caller's memory once this returns), then raise it."""
-    tasks = [asyncio.ensure_future(job) for job in jobs]
-    if not tasks:
-        return
-    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    for task in pending:
-        task.cancel()
-    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
-            raise outcome
 
 
 async def _write_part(
