@@ -465,9 +465,7 @@ def test_a_symbolic_link_is_never_followed(backend: Root, tmp_path: Path) -> Non
     assert (outside / "victim").read_bytes() == b"keep"
 
 
-def test_a_folder_swapped_for_a_link_during_a_delete_is_not_followed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_folder_swapped_for_a_link_during_a_delete_is_not_followed(tmp_path: Path) -> None:
     # Catches: a delete that checked each folder on the way (lstat) and then unlinked by
     # path; another local user swapping the tag folder for a link to ~/project between the
     # two made it delete ~/project's file of that name.
@@ -489,9 +487,9 @@ def test_a_folder_swapped_for_a_link_during_a_delete_is_not_followed(
             folder.symlink_to(outside)
         return result
 
-    monkeypatch.setattr(local.os, "lstat", swap_after_the_check)
-    store.remove("global_step9", "model")  # walks open folders: no check to race
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as patch:  # the test's own patches stay
+        patch.setattr(local.os, "lstat", swap_after_the_check)
+        store.remove("global_step9", "model")  # walks open folders: no check to race
     assert (outside / "model").read_bytes() == b"keep"
     assert not folder.is_symlink() and not (folder / "model").exists()
     # Swapped before the delete: refused, the link named.
