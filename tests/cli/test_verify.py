@@ -29,7 +29,7 @@ def _populate(root: Path) -> Path:
     for step in (100, 200):
         ckpt = nm.Checkpoint(f"global_step{step}", 2)
         ckpt.save("model", {"w": torch.arange(500, dtype=torch.float32) + step})
-        ckpt.save("optimizer", {"lr": 0.1})
+        ckpt.save("optimizer", {"lr": 0.1, "step": step})  # each its own file
         nm.flush_persistence()
     return Path(nm.memory_tier_path(str(root))) / "global_step200"
 

@@ -347,3 +347,98 @@ def test_a_plain_fsspec_store_writes_every_version_whole() -> None:
         assert all(torch.equal(loaded[k], model[k]) for k in model)
     finally:
         fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+def _disk_writes() -> int | None:
+    """This process's `write_bytes` (/proc/self/io: the bytes it made reach, or be bound
+    for, a block device), or None where the kernel does not count them."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+    except OSError:
+        return None
+    return int(fields["write_bytes"])
+
+
+def _counts_disk_writes(folder: Path) -> bool:
+    """Whether `write_bytes` grows by what a file written and fsynced in `folder` holds."""
+    before = _disk_writes()
+    probe = folder / "probe"
+    with open(probe, "wb") as f:
+        f.write(os.urandom(1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    after = _disk_writes()
+    probe.unlink()
+    return before is not None and after is not None and after - before >= 1 << 20
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_an_item_unchanged_whole_is_a_link_and_costs_no_disk_writes(
+    tmp_path: Path, private: bool
+) -> None:
+    # Catches: an unchanged item copied again (on ext4 copy_file_range copies in the
+    # kernel: the bytes reach the disk), a link made to a file of another size or mode,
+    # or a version that no longer loads once the one it links to is deleted.
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    counted = _counts_disk_writes(root)
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5, private=private)
+    model = _model()
+    base = {"base": model["base"], "head": model["head"]}  # frozen: its own item
+    adapter = {"adapter": model["adapter"]}
+    writes = []
+    for step in range(1, 5):
+        adapter["adapter"].add_(1.0)
+        before = _disk_writes()
+        ckpt = nm.Checkpoint(f"global_step{step}", num_of_files=2)
+        ckpt.save("base", base)
+        ckpt.save("adapter", adapter)
+        assert nm.flush_persistence()
+        after = _disk_writes()
+        if before is not None and after is not None:
+            writes.append(after - before)
+    nm.shutdown()
+    base_size = (root / "global_step1" / "base").stat().st_size
+    if counted:  # the disk's own count: less than the frozen item, every checkpoint
+        assert all(w < base_size // 2 for w in writes[1:]), (writes, base_size)
+    inodes = {(root / f"global_step{s}" / "base").stat().st_ino for s in range(1, 5)}
+    # The first version is written; the book knows its blocks from the second persist on.
+    assert len(inodes) <= 2, inodes
+    assert len({(root / f"global_step{s}" / "base").stat().st_ino for s in (2, 3, 4)}) == 1
+    assert len({(root / f"global_step{s}" / "adapter").stat().st_ino for s in (3, 4)}) == 2
+    if private:
+        assert oct((root / "global_step4" / "base").stat().st_mode & 0o777) == oct(0o600)
+    rows = [r for r in _persist_rows(root) if r["tag"] in ("global_step3", "global_step4")]
+    assert all(r["bytes_reused"] >= base_size for r in rows), rows
+    # Deleting the versions a link shares its file with leaves it whole.
+    for tag in ("global_step1", "global_step2", "global_step3"):
+        assert delete_checkpoint(Store(str(root)), tag)
+    loaded = torch.load(root / "global_step4" / "base", weights_only=True)
+    assert all(torch.equal(loaded[k], base[k]) for k in base)
+    report = nm.verify_checkpoints(str(root))
+    assert report and all(r["status"] == "ok" for r in report), report
+
+
+def test_a_base_swapped_for_a_symlink_is_not_linked(tmp_path: Path) -> None:
+    # Catches: a link made through (or to) a symbolic link planted where the previous
+    # version's file was: the new version would name a file someone else controls.
+    root = tmp_path / "ckpt"
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5)
+    base = {"base": _model()["base"]}
+    for step in (1, 2):
+        nm.Checkpoint(f"global_step{step}").save("base", base)
+        assert nm.flush_persistence()
+    planted = tmp_path / "planted"
+    planted.write_bytes((root / "global_step2" / "base").read_bytes())
+    (root / "global_step2" / "base").unlink()
+    (root / "global_step2" / "base").symlink_to(planted)
+    nm.Checkpoint("global_step3").save("base", base)
+    assert nm.flush_persistence()
+    nm.shutdown()
+    made = root / "global_step3" / "base"
+    assert made.is_file() and not made.is_symlink()
+    assert made.stat().st_ino != planted.stat().st_ino
+    assert made.lstat().st_nlink == 1
+    loaded = torch.load(made, weights_only=True)
+    assert torch.equal(loaded["base"], base["base"])

@@ -13,8 +13,10 @@ persist costs no write: on a local root its ranges are cloned from the last vers
 Azure Blob Storage they are staged server-side from the last version's blob (Put Block
 From URL: storage/azure_ranges.py), on S3 copied server-side from the last version's
 object (UploadPartCopy: storage/s3_parts.py), and the version is still a complete file that
-`torch.load` reads. Deleting the older version never touches the newer one (a clone, and a
-staged copy, are files of their own).
+`torch.load` reads; on a local root an item unchanged whole is a hard link to that version's
+file (`LocalBackend.write_ranges`: no byte written, on ext4 either). Deleting the older
+version never touches the newer one (a clone, a staged copy and a linked name are files
+of their own, or the same file under a name of its own).
 
 How "equal" is known, without reading the older version back: its digests are kept in
 memory from when this process persisted it. A new version is hashed in 1 MiB pieces (the

@@ -54,6 +54,21 @@ from nebulaml.storage.mapped_reads import (
 from nebulaml.storage.redaction import redact
 from nebulaml.storage.view_writes import write_view_chunks
 
+
+def _whole(ranges: list[tuple[int, int, bool]], size: int) -> bool:
+    """Whether `ranges` reuse every byte of a file of `size` bytes (and it has some).
+
+    Example:
+        >>> _whole([(0, 4, True), (4, 6, True)], 10), _whole([(0, 4, True), (4, 6, False)], 10)
+        (True, False)
+    """
+    return (
+        size > 0
+        and all(reuse for _, _, reuse in ranges)
+        and sum(length for _, length, _ in ranges) == size
+    )
+
+
 # A local disk: hard links publish create-only, O_APPEND appends, copy_file_range clones.
 LOCAL_CAPABILITIES = Capabilities(
     atomic_create=True, object_appends=False, range_copy=False, clones=True, local_path=True
@@ -389,7 +404,20 @@ class LocalBackend:
         (or every one, when `base` cannot be opened) is written from `view`. Returns
         (bytes written, bytes cloned); `sent(n)` after each range cloned and each chunk of
         at most 8 MiB written. `base` is opened as any read is: a regular file,
-        never through a symbolic link."""
+        never through a symbolic link.
+
+        Where every range is reused and `base` is the whole file, `parts` becomes a hard
+        link to it (`_link_whole`): no data is written, on ext4 either, where a clone
+        is a copy inside the kernel that reaches the disk all the same."""
+        ranges = list(ranges)
+        if (
+            base is not None
+            and _whole(ranges, len(view))
+            and self._link_whole(base, parts, len(view))
+        ):
+            if sent is not None:
+                sent(len(view))
+            return Written(0, len(view))
         out = DirectFile(
             self._local(parts, leaf_may_link=True), durable=self.durable, mode=self.file_mode
         )
@@ -424,6 +452,39 @@ class LocalBackend:
             if source is not None:
                 source.close()
         return Written(written, cloned)
+
+    def _link_whole(self, base: Parts, parts: Parts, size: int) -> bool:
+        """Name the regular file `base` `parts` too (a hard link), if it is this user's
+        file of `size` bytes, its mode within the root's, and `parts` is free; False
+        (nothing made) where not: the caller writes the file. The link is checked
+        against the file opened first (its device and inode), so that a name swapped
+        meanwhile for a symbolic link or another file is never linked in; what was linked
+        by mistake is removed."""
+        try:
+            source = self._open(base)
+        except (OSError, StorageError):
+            return False
+        with source:
+            info = os.fstat(source.fileno())
+            if (
+                info.st_size != size
+                or info.st_uid != os.geteuid()
+                or stat.S_IMODE(info.st_mode) & ~self.file_mode  # a mode more open than the root's
+            ):
+                return False
+            try:
+                dst = self._local(parts, leaf_may_link=True)
+                os.link(self._local(base, leaf_may_link=True), dst, follow_symlinks=False)
+            except (OSError, StorageError):
+                return False
+            made = os.lstat(dst)
+            if (made.st_dev, made.st_ino) != (info.st_dev, info.st_ino):
+                with contextlib.suppress(OSError):
+                    os.unlink(dst)
+                return False
+        if self.durable:
+            fsync_dir(os.path.dirname(dst))
+        return True
 
     def publish(self, parts: Parts, data: bytes, *, create_only: bool) -> None:
         """Write a temporary file, fsync, hard-link it into place (which fails if the name
