@@ -8,6 +8,10 @@ does. The rows:
 
   nebula               the seed API, default (synchronous) mode, persisting to a folder in
                        the work folder (`nm.init(root, persistent_time_interval=0)`)
+  nebula_own_item      the same, the frozen base saved as an item of its own: items `base`
+                       (the base's weights and biases), `adapter` (the rest of `model`: the
+                       LoRA parameters) and `optimizer`; on a local root the `base` item,
+                       unchanged whole, is a hard link to the previous version's file
   nebula_all_changed   the same, on the control: the same model and sizes, whose base is
                        changed in place (`add_` under `torch.no_grad()`) at every step
   nebula_azure         the frozen-base state, persisting to `az://` on an Azurite this
@@ -41,9 +45,25 @@ server received through the relay from the save to the persist's end (every requ
 it, heads and the commit's small files included). The changed bytes: the adapter's
 parameters and Adam's state, counted from the state (`LoraState.changed_bytes`).
 
+Disk bytes per checkpoint, for every row that persists to the work folder (nebula's local
+rows and the peers): what reached the disk, the `write_bytes` of /proc/self/io from just
+before the save to its end (durable: nebula's persister is a thread of this process, and
+its memory tier is tmpfs, which counts nothing). On ext4 `copy_file_range` copies a
+cloned range inside the kernel, so what nebula reuses within a changed file reaches the
+disk all the same; a file unchanged whole is a hard link and writes nothing. The work
+folder is probed first (1 MiB written and fsynced must count at least 1 MiB); where the
+kernel does not count, the rows say "not counted" (`disk_bytes` None), never 0. The memory
+tier's base folder is probed too (`memory_tier_writes_counted`: where it is not on tmpfs,
+the nebula rows' disk figures include what the saves copied into it).
+
+Resume: after its last round each nebula local row loads its newest checkpoint from the
+persistent tier (the memory tier deleted) and compares it with the state it saved, bit
+for bit (`resume_exact`).
+
 Targets (issue #30): nebula's stall <= 0.2 x the control's; nebula's bytes per checkpoint
 <= 1.2 x the changed bytes, on local disk and on Azurite; on S3 (issue #45), whose parts
-are at least 5 MiB, <= 1.3 x.
+are at least 5 MiB, <= 1.3 x; the own-item row's disk bytes per checkpoint <= 1.2 x the
+changed bytes (unchanged bytes cost no disk writes on ext4 either).
 
 Not for: the GPT-2 workload (bench.py, runner.py) or the tables (lora_report.py).
 """
@@ -59,10 +79,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from lora_model import LoraShape, LoraState
-from measure import summarize, tree_bytes
-from nebula_methods import Nebula
-from peers import DcpAsync, DcpSave, Method, TorchSave, TorchSnapshot, Unavailable
+from measure import disk_writes_counted, summarize, tree_bytes, write_bytes
+from model import TrainState
+from nebula_methods import RETENTION, Nebula
+from peers import (
+    DcpAsync,
+    DcpSave,
+    Method,
+    Pending,
+    TorchSave,
+    TorchSnapshot,
+    Unavailable,
+    no_wait,
+)
 from report import target_ratio
 from runner import COLD_SAVES, Steps, progress
 
@@ -77,7 +108,7 @@ S3_BYTES_TARGET = 1.3  # on S3, whose multipart parts are at least 5 MiB
 AZURE_ROUNDS = 1  # the Azurite and S3 rows' rounds: their byte counts are the same every round
 S3_BUCKET = "bench"
 PEERS = ("torch_save", "dcp_save", "dcp_async", "dcp_async_reused", "torchsnapshot")
-NEBULA_ROWS = ("nebula", "nebula_all_changed", "nebula_azure", "nebula_s3")
+NEBULA_ROWS = ("nebula", "nebula_own_item", "nebula_all_changed", "nebula_azure", "nebula_s3")
 METHODS = (*NEBULA_ROWS, *PEERS)  # the table's order
 
 
@@ -95,6 +126,7 @@ class LoraSave:
     size_bytes: int = 0  # the checkpoint's bytes (a complete copy)
     copied_bytes: int | None = None  # nebula: what the save copied into its buffer
     wire_bytes: int | None = None  # the S3 row: what the server received for it
+    disk_bytes: int | None = None  # local rows: write_bytes from the save to durable
 
 
 @dataclass
@@ -106,8 +138,40 @@ class LoraRow:
     root: str  # "local", "azurite" or "s3"
     unavailable: str | None = None
     wire: Any = None  # the S3 row's counting relay (tests/wirecount.py)
+    count_disk: bool = False  # a local row, and the kernel counts writes in the work folder
     cold: list[LoraSave] = field(default_factory=list)
     saves: list[LoraSave] = field(default_factory=list)
+    resume_mismatches: list[str] | None = None  # nebula local rows: None until checked
+
+
+class NebulaOwnItem(Nebula):
+    """nebula, the frozen base an item of its own: `base`, `adapter` (the rest of
+    `model`), `optimizer`. A `LoraState`'s rows only."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            lazy=False, name="nebula_own_item", label="nebula, frozen base its own item"
+        )
+
+    def save(self, state: TrainState, step: int) -> Pending:
+        assert isinstance(state, LoraState)
+        tag = f"global_step{step}"
+        base, adapter = state.model_items()
+        ckpt = nm.Checkpoint(tag, 3)
+        ckpt.save("base", base)
+        ckpt.save("adapter", adapter)
+        ckpt.save("optimizer", state.optimizer.state_dict())
+        self.tags.append(tag)
+        self.saved = [self.root / t for t in self.tags[-RETENTION:]]
+        return Pending(no_wait, nm.flush_persistence)
+
+    def load(self, state: TrainState, *, from_disk: bool) -> Any:
+        ckpt = nm.get_latest_checkpoint(self.root_url)
+        if ckpt is None:
+            raise RuntimeError(f"{self.label}: no checkpoint under {self.root_url}")
+        with ckpt:
+            model = {**ckpt.load("base"), **ckpt.load("adapter")}
+            return {"model": model, "optimizer": ckpt.load("optimizer")}
 
 
 def lora_rows(
@@ -122,6 +186,7 @@ def lora_rows(
     `url`, `storage_options` and counting `relay` for `nebula_s3`, or why there is none."""
     made: dict[str, LoraRow] = {
         "nebula": LoraRow(Nebula(lazy=False), frozen, "local"),
+        "nebula_own_item": LoraRow(NebulaOwnItem(), frozen, "local"),
         "nebula_all_changed": LoraRow(
             Nebula(lazy=False, name="nebula_all_changed", label="nebula, all-changed control"),
             control,
@@ -171,17 +236,22 @@ def _time_save(method: Method, state: LoraState, step: int) -> LoraSave:
 
 
 def _counted_save(row: LoraRow, step: int) -> LoraSave:
-    """`_time_save`, and for the S3 row what the server received meanwhile."""
+    """`_time_save`, and meanwhile: for the S3 row what the server received, for a local
+    row what this process wrote to the disk (from just before the save to durable)."""
     before = None if row.wire is None else row.wire.sent
+    disk = write_bytes() if row.count_disk else None
     sample = _time_save(row.method, row.state, step)
     if before is not None:
         sample.wire_bytes = row.wire.sent - before
+    if disk is not None:
+        after = write_bytes()
+        sample.disk_bytes = None if after is None else after - disk
     return sample
 
 
-def _stretch(row: LoraRow, steps: Steps, saves: int) -> None:
+def _stretch(row: LoraRow, steps: Steps, saves: int, *, last: bool) -> None:
     """One round of `row`: after a (re)start its cold saves, then `saves` timed ones,
-    each after a training step."""
+    each after a training step; in its `last` round a nebula local row's resume check."""
     method, state = row.method, row.state
     started = method.activate(state)
     for k in range(COLD_SAVES if started else 0):
@@ -202,10 +272,46 @@ def _stretch(row: LoraRow, steps: Steps, saves: int) -> None:
     if isinstance(method, Nebula):
         method.deactivate(keep_memory=False)  # history rows are complete after shutdown
         _add_history(method, [*row.cold[-COLD_SAVES:], *timed] if started else timed)
+        if last and row.root == "local":  # the state is still the one the last save took
+            row.resume_mismatches = mismatches(
+                method.load(state, from_disk=True), state.state_dict()
+            )
+            if row.resume_mismatches:
+                progress(f"lora {method.label}: resume differs at {row.resume_mismatches[:5]}")
         for sample in [*row.cold, *timed]:
             if sample.wire_bytes is not None:  # counted where it landed
                 sample.bytes_written = sample.wire_bytes
     row.saves.extend(timed)
+
+
+def _leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Every leaf of a nested state dict by its path: tensors and plain values."""
+    if isinstance(obj, dict):
+        return {
+            k: v for key, val in obj.items() for k, v in _leaves(val, f"{prefix}/{key}").items()
+        }
+    if isinstance(obj, (list, tuple)):
+        return {k: v for i, val in enumerate(obj) for k, v in _leaves(val, f"{prefix}/{i}").items()}
+    return {prefix: obj}
+
+
+def mismatches(loaded: Any, reference: Any) -> list[str]:
+    """The paths where `loaded` differs from `reference`, bit for bit (empty: equal)."""
+    got, want = _leaves(loaded), _leaves(reference)
+    bad = set(got) ^ set(want)
+    for key in set(got) & set(want):
+        a, b = got[key], want[key]
+        if isinstance(b, torch.Tensor):
+            same = (
+                isinstance(a, torch.Tensor)
+                and (a.dtype, a.shape) == (b.dtype, b.shape)
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+            )
+        else:
+            same = type(a) is type(b) and a == b
+        if not same:
+            bad.add(key)
+    return sorted(bad)
 
 
 def _add_history(method: Nebula, samples: list[LoraSave]) -> None:
@@ -288,6 +394,15 @@ def run_lora(
         azure = stack.enter_context(azurite(work)) if "nebula_azure" in names else None
         s3 = stack.enter_context(moto(work)) if "nebula_s3" in names else None
         rows = lora_rows(names, frozen, control, azure, s3)
+        counted = disk_writes_counted(work)
+        if not counted:
+            progress(f"lora: {work}: this kernel does not count its writes: disk 'not counted'")
+        for row in rows:
+            row.count_disk = counted and row.root == "local"
+        nebula_local = any(isinstance(r.method, Nebula) and r.root == "local" for r in rows)
+        tier_counted = memory_tier_counted(work) if counted and nebula_local else None
+        if tier_counted:
+            progress("lora: warning: the memory tier is not on tmpfs: its writes are counted too")
         for row in rows:
             if row.unavailable is None:
                 try:
@@ -303,15 +418,32 @@ def run_lora(
                 for row in ready if r % 2 == 0 else ready[::-1]:
                     if row.root in ("azurite", "s3") and r >= AZURE_ROUNDS:
                         continue  # an upload of the whole state takes seconds there
-                    _stretch(row, steps, saves)
+                    _stretch(row, steps, saves, last=r == rounds - 1)
         finally:
             for row in ready:
                 row.method.teardown()
-    return lora_document(frozen, rows, rounds, saves, time.perf_counter() - t0)
+    doc = lora_document(frozen, rows, rounds, saves, time.perf_counter() - t0, disk=counted)
+    doc["memory_tier_writes_counted"] = tier_counted
+    return doc
+
+
+def memory_tier_counted(work: Path) -> bool:
+    """Whether writes into the memory tier's base folder count in `write_bytes` (they do
+    not on tmpfs, /dev/shm, where it is unless NEBULA_MEMORY_TIER_PATH moves it); then
+    the nebula rows' disk figures hold what their saves copied there too."""
+    base = Path(nm.memory_tier_path(str(work / "lora" / "root"))).parent
+    base.mkdir(parents=True, exist_ok=True)  # nebula's init makes it all the same
+    return disk_writes_counted(base)
 
 
 def lora_document(
-    state: LoraState, rows: list[LoraRow], rounds: int, saves: int, seconds: float
+    state: LoraState,
+    rows: list[LoraRow],
+    rounds: int,
+    saves: int,
+    seconds: float,
+    *,
+    disk: bool,
 ) -> dict[str, Any]:
     """The workload's figures, their targets and every sample."""
     changed = state.changed_bytes
@@ -328,6 +460,7 @@ def lora_document(
         "rounds": rounds,
         "saves_per_round": saves,
         "duration_s": seconds,
+        "disk_writes_counted": disk,
         "order": [row.method.name for row in rows],
         "methods": methods,
         "ratios": lora_ratios(methods, changed),
@@ -361,6 +494,14 @@ def row_figures(row: LoraRow, changed_bytes: int) -> dict[str, Any]:
     if isinstance(row.method, Nebula):
         fig["bytes_reused"] = summarize([s.bytes_reused or 0 for s in saves])
         fig["copied_bytes"] = summarize([s.copied_bytes or 0 for s in saves])
+    if row.root == "local":  # None: the kernel does not count this folder's writes
+        disk = [s.disk_bytes for s in saves if s.disk_bytes is not None]
+        counted = bool(saves) and len(disk) == len(saves)
+        fig["disk_bytes"] = summarize(disk) if counted else None
+        fig["disk_vs_changed"] = summarize([d / changed_bytes for d in disk]) if counted else None
+    if row.resume_mismatches is not None:
+        fig["resume_exact"] = not row.resume_mismatches
+        fig["resume_mismatches"] = row.resume_mismatches
     return fig
 
 
@@ -391,6 +532,7 @@ def lora_ratios(methods: dict[str, Any], changed_bytes: int) -> list[dict[str, A
     ]
     for name, where, limit in (
         ("nebula", "local disk", BYTES_TARGET),
+        ("nebula_own_item", "local disk, the frozen base its own item", BYTES_TARGET),
         ("nebula_azure", "Azurite", BYTES_TARGET),
         ("nebula_s3", "S3 (moto), counted by the server's relay", S3_BYTES_TARGET),
     ):
@@ -406,4 +548,16 @@ def lora_ratios(methods: dict[str, Any], changed_bytes: int) -> list[dict[str, A
                 f"the changed bytes (adapter + Adam state)",
             )
         )
+    disk = _median(methods, "nebula_own_item", "disk_bytes")
+    ratios.append(
+        target_ratio(
+            "lora_disk_vs_changed",
+            "nebula_own_item",
+            None if disk is None else disk / changed_bytes,
+            "<=",
+            BYTES_TARGET,
+            f"disk writes per checkpoint (write_bytes of /proc/self/io, local disk), the "
+            f"frozen base its own item, <= {BYTES_TARGET} x the changed bytes",
+        )
+    )
     return ratios

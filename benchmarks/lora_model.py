@@ -6,10 +6,11 @@ and `lora_b`, d x rank: trainable), trained with Adam. Sized from the state's by
 (`LoraShape.for_state_bytes`): the base holds ~95% of `model` + `optimizer` state, the
 adapter and Adam's `exp_avg` / `exp_avg_sq` the rest. `LoraState` is a `TrainState` (the
 same interface the methods save: `state_dict()`, `forward_backward()`, `optimizer_step()`),
-so every method saves it as it saves the GPT-2 state. With `all_changed=True` it is the
-control: the same model and sizes, whose base is changed in place (`add_` under
-`torch.no_grad()`) at every optimizer step, so every byte of each checkpoint differs from
-the previous one.
+so every method saves it as it saves the GPT-2 state; `model_items()` splits `model` into
+the base's tensors and the adapter's, for a save that keeps the base an item of its own.
+With `all_changed=True` it is the control: the same model and sizes, whose base is changed
+in place (`add_` under `torch.no_grad()`) at every optimizer step, so every byte of each
+checkpoint differs from the previous one.
 
 Not for: the GPT-2 state (model.py) or timing (lora.py).
 """
@@ -111,6 +112,10 @@ class LoraState(TrainState):
         self.model = LoraModel(shape)
         self.optimizer = torch.optim.Adam(self.model.trainable(), lr=1e-3)
         gen = torch.Generator().manual_seed(seed)
+        # the base's names in `model.state_dict()`: its weights and biases
+        self.frozen_names = frozenset(
+            name for name, p in self.model.named_parameters() if not p.requires_grad
+        )
         self.inputs = torch.randn(shape.batch, shape.d, generator=gen)
         self.targets = torch.randn(shape.batch, shape.d, generator=gen)
         self.step()  # Adam's exp_avg and exp_avg_sq exist from the first step on
@@ -122,6 +127,13 @@ class LoraState(TrainState):
             with torch.no_grad():
                 for tensor in self.model.frozen():
                     tensor.add_(BASE_NUDGE)
+
+    def model_items(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """`model.state_dict()` in two: the base's tensors (frozen) and the rest (the
+        adapter's), each in the state dict's order."""
+        model = self.model.state_dict()
+        base = {k: v for k, v in model.items() if k in self.frozen_names}
+        return base, {k: v for k, v in model.items() if k not in self.frozen_names}
 
     @property
     def frozen_bytes(self) -> int:

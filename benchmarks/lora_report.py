@@ -1,7 +1,10 @@
 """The LoRA fine-tune workload's tables: one row per method, and its targets (PASS/FAIL).
 
 Every figure is a median over the timed saves (with min and max beside the times and the
-bytes sent); sizes in MB (10^6 bytes) per checkpoint. What each figure is: lora.py.
+bytes sent); sizes in MB (10^6 bytes) per checkpoint. The disk columns (the rows that
+persist to the work folder): this process's `write_bytes` per checkpoint and its ratio to
+the changed bytes; "not counted" where the kernel does not count them, "-" for a row that
+persists elsewhere. What each figure is: lora.py.
 
 Not for: measuring (lora.py) or the GPT-2 workload's tables (report.py).
 """
@@ -25,6 +28,13 @@ def _fmt(summary: dict[str, float] | None, digits: int = 3, scale: float = 1.0) 
 
 def _median_mb(summary: dict[str, float] | None) -> str:
     return "-" if not summary else f"{summary['median'] / MB:.1f}"
+
+
+def _disk(fig: dict[str, Any], key: str, digits: int, scale: float) -> str:
+    if "disk_bytes" not in fig:
+        return "-"  # persisted elsewhere: Azurite's and moto's writes are their own
+    summary = fig[key]
+    return "not counted" if summary is None else f"{summary['median'] / scale:.{digits}f}"
 
 
 def render_lora(console: Console, lora: dict[str, Any]) -> None:
@@ -51,6 +61,8 @@ def render_lora(console: Console, lora: dict[str, Any]) -> None:
         "x changed",
         "MB reused / ckpt",
         "MB copied / save",
+        "disk MB / ckpt (write_bytes)",
+        "disk x changed",
     ):
         table.add_column(column, justify="left" if column == "method" else "right")
     for name in lora["order"]:
@@ -67,8 +79,22 @@ def render_lora(console: Console, lora: dict[str, Any]) -> None:
             f"{fig['written_vs_changed']['median']:.2f}",
             _median_mb(fig.get("bytes_reused")),
             _median_mb(fig.get("copied_bytes")),
+            _disk(fig, "disk_bytes", 1, MB),
+            _disk(fig, "disk_vs_changed", 2, 1.0),
         )
     console.print(table)
+    resumed = [
+        f"{fig['label']}: "
+        + ("yes" if fig["resume_exact"] else f"NO {fig['resume_mismatches'][:3]}")
+        for fig in (lora["methods"][n] for n in lora["order"])
+        if "resume_exact" in fig
+    ]
+    if lora.get("memory_tier_writes_counted"):
+        console.print("the memory tier is not on tmpfs: nebula's disk figures include its writes")
+    if resumed:
+        console.print(
+            "resume from the persistent tier, bit-exact: " + "; ".join(resumed), markup=False
+        )
 
     targets = Table(title="LoRA targets (issue #30)", title_justify="left")
     for column in ("ratio", "method", "value", "target", "result", "what"):

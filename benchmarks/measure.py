@@ -47,6 +47,43 @@ def rss_anon_bytes() -> int:
     return 0
 
 
+def write_bytes() -> int | None:
+    """This process's `write_bytes` from /proc/self/io: what every thread of it (the
+    exited ones too) sent toward a block device, counted when a page is dirtied or a
+    direct write submitted (tmpfs counts nothing); None where the file or field is not
+    there."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"write_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+PROBE_BYTES = 1 << 20
+
+
+def disk_writes_counted(folder: Path) -> bool:
+    """Whether this process's writes into `folder` show in its `write_bytes`: 1 MiB
+    written and fsynced there must raise it by at least 1 MiB (not on tmpfs, nor where
+    the kernel keeps no task I/O accounting). The file is removed."""
+    before = write_bytes()
+    if before is None:
+        return False
+    probe = folder / ".write-bytes-probe"
+    try:
+        with open(probe, "wb") as f:
+            f.write(os.urandom(PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        after = write_bytes()
+    finally:
+        probe.unlink(missing_ok=True)
+    return after is not None and after - before >= PROBE_BYTES
+
+
 def files_under(paths: Iterable[Path]) -> Iterator[Path]:
     """Every regular file under `paths` (files or folders; missing ones are skipped)."""
     for path in paths:
