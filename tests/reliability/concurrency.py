@@ -198,6 +198,27 @@ class Actor:
         self.add("prune kept: being read", kept.count(BEING_READ))
         return True
 
+    def prune_around_a_lease(self, rng: random.Random) -> bool:
+        """One prune while this thread holds a read lease on a committed tag of the root
+        that is not the newest: the interleaving the random ones meet only by chance,
+        made once for sure. The prune must keep that tag, saying it is being read.
+        False where there was no such tag, or it went before the lease was taken."""
+        persisted = [c for c in nm.list_checkpoints(self.root) if "persistent" in c["tiers"]]
+        if len(persisted) < 2:
+            return False
+        tag = persisted[-1]["tag"]  # the oldest: a prune to the newest deletes it
+        with read_lease(Store(self.root), tag) as readable:
+            if not readable:
+                return False
+            before = self.counts["prune kept: being read"]
+            self.prune(rng)
+            if self.counts["prune kept: being read"] == before:
+                self.fail("prunes that deleted a tag being read", f"{tag}: not kept")
+            if not Store(self.root).exists(tag, "manifest.json"):
+                self.fail("prunes that deleted a tag being read", f"{tag}: gone")
+        self.add("prunes around a held lease")
+        return True
+
 
 def _thread(actor: Actor, target: Any, *args: object) -> threading.Thread:
     """A started thread running `target(*args)`; if it dies, that is a failure, not a
@@ -291,6 +312,7 @@ def concurrency_campaign(work: Path, rounds: int, seed: int = 0) -> Figures:
     work.mkdir(parents=True, exist_ok=True)
     root, stop_file = str(work / "root"), work / "stop"
     # One node: both children and this process see the same memory tier.
+    was = os.environ.get("NEBULA_MEMORY_TIER_PATH")
     os.environ["NEBULA_MEMORY_TIER_PATH"] = str(work / "mem")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     here = Actor(root, seed, "campaign")
@@ -316,7 +338,14 @@ def concurrency_campaign(work: Path, rounds: int, seed: int = 0) -> Figures:
     def prunes() -> None:
         rng = random.Random(seed * 1000 + 99)
         runs = 0
+        leased = False
         while not stop.is_set():
+            if not leased and saving.is_set():
+                # First this one, before the random prunes leave the root one tag.
+                leased = here.prune_around_a_lease(rng)
+                if not leased:
+                    stop.wait(0.005)
+                    continue
             # The CLI costs a process start: two runs while the saver saves, the rest
             # through the API.
             runs += here.prune(rng, cli=saving.is_set() and runs in (3, 20))
@@ -361,7 +390,10 @@ def concurrency_campaign(work: Path, rounds: int, seed: int = 0) -> Figures:
         figures.failures.append(f"seed {seed}: global_step{rounds} is not on the root")
     for key in ("loads failed because deleted while read", "newest deleted", "saves lost"):
         figures.counts.setdefault(key, 0)
-    os.environ.pop("NEBULA_MEMORY_TIER_PATH", None)
+    if was is None:
+        os.environ.pop("NEBULA_MEMORY_TIER_PATH", None)
+    else:
+        os.environ["NEBULA_MEMORY_TIER_PATH"] = was  # the test's own base, as before
     return figures
 
 
