@@ -68,6 +68,7 @@ ESTIMATE_S = {
     },
     "tests/test_bench_lora.py": {
         "test_the_azurite_row_counts_what_the_client_uploads": 11.0,
+        "test_frozen_base_sends_what_changed_and_the_control_sends_everything": 7.0,
     },
 }
 SLOW_S = 4.0  # a test marked slow that ESTIMATE_S does not name
