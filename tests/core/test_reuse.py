@@ -442,3 +442,33 @@ def test_a_base_swapped_for_a_symlink_is_not_linked(tmp_path: Path) -> None:
     assert made.lstat().st_nlink == 1
     loaded = torch.load(made, weights_only=True)
     assert torch.equal(loaded["base"], base["base"])
+
+
+def test_a_restart_links_an_item_equal_to_its_newest_committed_version(tmp_path: Path) -> None:
+    # Catches: the first persist of a process (whose book is empty) writing a frozen item
+    # whole again after every restart, or linking one whose content changed meanwhile.
+    root = tmp_path / "ckpt"
+    base = {"base": _model()["base"]}
+    adapter = {"adapter": torch.zeros(ADAPTER_ELEMENTS)}
+    for step in (1, 2, 3):  # a process each: a session started afresh
+        nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5)
+        adapter["adapter"].add_(1.0)
+        if step == 3:
+            base["base"][0] += 1.0  # changed while the job was down: not equal
+        ckpt = nm.Checkpoint(f"global_step{step}", num_of_files=2)
+        ckpt.save("base", base)
+        ckpt.save("adapter", adapter)
+        assert nm.flush_persistence()
+        nm.shutdown()
+    inode = {s: (root / f"global_step{s}" / "base").stat().st_ino for s in (1, 2, 3)}
+    assert inode[1] == inode[2]  # the restart linked it
+    assert inode[3] != inode[2]  # changed: written
+    rows = {r["tag"]: r for r in _persist_rows(root)}
+    assert rows["global_step2"]["bytes_reused"] >= BASE_ELEMENTS * 4
+    assert rows["global_step3"]["bytes_reused"] == 0
+    for step in (2, 3):
+        loaded = torch.load(root / f"global_step{step}" / "base", weights_only=True)
+        expected = _model()["base"]
+        if step == 3:
+            expected[0] += 1.0
+        assert torch.equal(loaded["base"], expected)

@@ -35,11 +35,13 @@ is still the blob this process committed, its ETag unchanged; on S3 the object, 
 else the item is written whole. The ETag is the one the write itself returned
 (`ItemVersion.stamp`), never read back later: a version whose object may have been
 rewritten since its digests were recorded is never copied from. A process that restarts
-starts a new book: its first persist of each item writes it whole.
+starts a new book: its first persist of each item writes it whole, unless the newest
+checkpoint committed on a local root holds that item with the same checksum: then the file
+is linked to it (`_equal_on_the_tier`), so that a frozen item costs a restart no write.
 
-May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`, catalog.py. Not
-for: the copy itself (transfer.py `copy_item` calls `plan_item`), or when to persist
-(runtime/persister.py).
+May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`, catalog.py,
+commit_index.py. Not for: the copy itself (transfer.py `copy_item` calls `plan_item`), or
+when to persist (runtime/persister.py).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from nebulaml.format.checksum import (
 )
 from nebulaml.format.manifest import ItemEntry
 from nebulaml.protocol.catalog import read_committed
+from nebulaml.protocol.commit_index import newest
 from nebulaml.storage.store import Store
 
 
@@ -116,6 +119,8 @@ class ReuseBook:
         same size, and not `tag` itself (a tag written again loses its old files first)."""
         with self._lock:
             base = self._versions.get((store.url, item.file))
+        if base is None and store.capabilities.local_path:
+            return _equal_on_the_tier(store, tag, item)
         if base is None or base.tag == tag or base.size_bytes != item.size_bytes:
             return None
         info = read_committed(store, base.tag)
@@ -188,12 +193,41 @@ def plan_item(
             f"{item.size_bytes} bytes with {item.checksum_algo} {item.checksum}",
             found,
         )
+    if base is not None and not base.leaves and base.checksum == item.checksum:
+        # Equal whole by the manifest's checksum (`_equal_on_the_tier`), whose leaves
+        # these are; their blocks are not known.
+        base = ItemVersion(base.tag, base.file, size, base.checksum, leaves, [None] * len(leaves))
     if base is not None and (base.size_bytes != size or len(base.leaves) != len(leaves)):
         base = None
     older = None if base is None else (base.leaves, base.blocks)
     ranges, blocks = compare_pieces(view, leaves, older)
     version = ItemVersion(tag, item.file, size, item.checksum, leaves, blocks)
     return ItemPlan(tuple(ranges), base, version)
+
+
+def _equal_on_the_tier(store: Store, tag: str, item: ItemEntry) -> ItemVersion | None:
+    """For an item the book knows nothing of (the first persist of a process: a restart):
+    its version in the newest checkpoint committed on `store` (a local root) but `tag`,
+    if that version's manifest entry has the checksum and size of `item`: the new version
+    is equal to it whole, so that `write_ranges` can link the file rather than write it
+    again. Returned without leaves (`plan_item` takes the new version's, once it has
+    checked them against the checksum). None where the item changed, or nothing is there
+    (two manifests read at most, from the index)."""
+    for info in newest(store, 2):
+        if info.tag == tag:
+            continue
+        same = [i for i in info.manifest.items if i.file == item.file]
+        if len(same) != 1:
+            return None
+        entry = same[0]
+        if (entry.checksum_algo, entry.checksum, entry.size_bytes) != (
+            item.checksum_algo,
+            item.checksum,
+            item.size_bytes,
+        ):
+            return None
+        return ItemVersion(info.tag, entry.file, entry.size_bytes, entry.checksum, [], [])
+    return None
 
 
 def _entry(data: bytes) -> ItemEntry:
