@@ -229,5 +229,7 @@ def _close_after(message: bytes, *, response: bool = False) -> bytes:
 
 
 def _reset(conn: socket.socket) -> None:
-    """Close with RST (SO_LINGER 0): the client sees a connection reset."""
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    """Close with RST (SO_LINGER 0): the client sees a connection reset. A connection its
+    relay thread closed meanwhile (its end came as the proxy went away) is left as it is."""
+    with contextlib.suppress(OSError):  # EBADF: closed by its relay
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
