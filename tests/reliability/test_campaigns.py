@@ -158,10 +158,10 @@ def test_outages_never_block_training_or_lose_an_acknowledged_checkpoint(tmp_pat
 
     # Three rounds: the root's disk filled then freed, Azurite stopped then restarted,
     # Azurite suspended then resumed; each while a trainer saves after every step. Then a
-    # trainer SIGKILLed and restarted while Azurite is stopped (suspended too:
-    # tests/azure/test_azure_outage_life.py); and a script ending with 2 checkpoints
-    # unpersisted while Azurite is stopped, then suspended.
-    figures = outage_campaign(tmp_path, rounds=3, seed=27, restarts=1, exits=2)
+    # trainer SIGKILLed and restarted while Azurite is stopped, and a script ending with 2
+    # checkpoints unpersisted while Azurite is stopped (each with Azurite suspended too:
+    # tests/azure/test_azure_outage_life.py; and both kinds in `make reliability`).
+    figures = outage_campaign(tmp_path, rounds=3, seed=27, restarts=1, exits=1)
     if os.environ.get("CI"):
         assert not any(k.startswith("rounds skipped") for k in figures.counts), figures.counts
     assert figures.failures == []
@@ -176,12 +176,12 @@ def test_outages_never_block_training_or_lose_an_acknowledged_checkpoint(tmp_pat
         return
     # Every restart resumed the newest acknowledged checkpoint bit for bit within 10 s;
     # every exit ended within exit_timeout_s + 5 s, status 1, naming the newest.
-    assert figures.counts["acknowledged checkpoints checked"] == ran + 3
+    assert figures.counts["acknowledged checkpoints checked"] == ran + 2
     assert figures.counts["restart rounds"] == 1 and figures.counts["restart failures"] == 0
     assert figures.counts["restarts resumed bit-exact"] == 1
     assert figures.counts["restart max (s)"] < 10
-    assert figures.counts["exit rounds"] == 2 and figures.counts["exit failures"] == 0
-    assert figures.counts["exits with status 1 naming the checkpoint"] == 2
+    assert figures.counts["exit rounds"] == 1 and figures.counts["exit failures"] == 0
+    assert figures.counts["exits with status 1 naming the checkpoint"] == 1
     assert figures.counts["exit max (s)"] < 8 + 5
 
 
