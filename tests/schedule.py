@@ -37,7 +37,7 @@ ESTIMATE_S = {
         "test_ddp_saves_on_rank_0_and_every_rank_resumes_bit_for_bit[torchrun]": 21.0,
     },
     "tests/reliability/test_campaigns.py": {
-        "test_outages_never_block_training_or_lose_an_acknowledged_checkpoint": 32.0,
+        "test_outages_never_block_training_or_lose_an_acknowledged_checkpoint": 24.0,
         "test_two_jobs_on_one_root_run_one_at_a_time": 15.0,
     },
     "tests/packaging/test_wheel.py": {
