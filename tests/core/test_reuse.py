@@ -472,3 +472,30 @@ def test_a_restart_links_an_item_equal_to_its_newest_committed_version(tmp_path:
         if step == 3:
             expected[0] += 1.0
         assert torch.equal(loaded["base"], expected)
+
+
+def test_a_failed_lookup_of_the_newest_version_writes_the_item_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Catches: the restart's lookup (a listing and a manifest read of the tier) failing
+    # the persist it only means to make cheaper.
+    from nebulaml.protocol import reuse
+
+    root = tmp_path / "ckpt"
+    base = {"base": _model()["base"]}
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5)
+    nm.Checkpoint("global_step1").save("base", base)
+    assert nm.flush_persistence()
+    nm.shutdown()
+
+    def unreadable(*_args: object, **_kwargs: object) -> list[object]:
+        raise nm.StorageError(f"{root}: the index could not be listed")
+
+    monkeypatch.setattr(reuse, "newest", unreadable)
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5)
+    nm.Checkpoint("global_step2").save("base", base)
+    assert nm.flush_persistence()
+    nm.shutdown()
+    made = root / "global_step2" / "base"
+    assert made.stat().st_ino != (root / "global_step1" / "base").stat().st_ino
+    assert torch.equal(torch.load(made, weights_only=True)["base"], base["base"])

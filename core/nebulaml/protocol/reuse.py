@@ -50,7 +50,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nebulaml.errors import CorruptCheckpointError
+from nebulaml.errors import CorruptCheckpointError, NebulaError
 from nebulaml.format.checksum import (
     CHECKSUM_ALGO,
     Range,
@@ -120,7 +120,10 @@ class ReuseBook:
         with self._lock:
             base = self._versions.get((store.url, item.file))
         if base is None and store.capabilities.local_path:
-            return _equal_on_the_tier(store, tag, item)
+            try:
+                return _equal_on_the_tier(store, tag, item)
+            except NebulaError:  # a saving, never a cause of failure: written whole
+                return None
         if base is None or base.tag == tag or base.size_bytes != item.size_bytes:
             return None
         info = read_committed(store, base.tag)
