@@ -195,9 +195,11 @@ def test_a_soak_of_saves_grows_nothing(tmp_path: Path) -> None:
     figures = soak_campaign(tmp_path, saves=2000, every=250)
     assert figures.failures == []
     assert figures.counts["saves"] == 2000
-    assert figures.counts["open fds growth per 1,000 saves"] == 0
-    assert figures.counts["threads growth per 1,000 saves"] == 0
-    assert figures.counts["memory tier files growth per 1,000 saves"] == 0
+    # No growth; fewer at the end is no leak (a persist that was ending, on a loaded
+    # machine, held an fd when the warm-up was sampled: -2 fds once in CI).
+    assert figures.counts["open fds growth per 1,000 saves"] <= 0
+    assert figures.counts["threads growth per 1,000 saves"] <= 0
+    assert figures.counts["memory tier files growth per 1,000 saves"] <= 0
     assert figures.counts["history rotated"] == 1
 
 
