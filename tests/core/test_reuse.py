@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -499,3 +500,78 @@ def test_a_failed_lookup_of_the_newest_version_writes_the_item_whole(
     made = root / "global_step2" / "base"
     assert made.stat().st_ino != (root / "global_step1" / "base").stat().st_ino
     assert torch.equal(torch.load(made, weights_only=True)["base"], base["base"])
+
+
+def _flip_a_byte(path: Path) -> None:
+    """A write into the file in place, as a tool (or `dd conv=notrunc`) makes one: after
+    a pause longer than the filesystem's clock tick, so that it changes the file's
+    modification time (a write within the same few milliseconds as nebula's does not)."""
+    time.sleep(0.05)
+    with open(path, "r+b") as f:
+        f.seek(1 << 20)
+        byte = f.read(1)
+        f.seek(1 << 20)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def test_a_file_written_in_place_since_its_persist_is_not_linked_or_cloned(
+    tmp_path: Path,
+) -> None:
+    # Catches: a link (or clone) taken from a file that a tool wrote into after nebula
+    # persisted it: the damage would carry into every later version of a frozen item.
+    root = tmp_path / "ckpt"
+    base = {"base": _model()["base"]}
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5)
+    nm.Checkpoint("global_step1").save("base", base)
+    assert nm.flush_persistence()
+    _flip_a_byte(root / "global_step1" / "base")
+    nm.Checkpoint("global_step2").save("base", base)
+    assert nm.flush_persistence()
+    nm.shutdown()
+    made = root / "global_step2" / "base"
+    assert made.stat().st_ino != (root / "global_step1" / "base").stat().st_ino
+    assert torch.equal(torch.load(made, weights_only=True)["base"], base["base"])
+    rows = {r["tag"]: r for r in _persist_rows(root)}
+    assert rows["global_step2"]["bytes_reused"] == 0
+    report = {r["tag"]: r["status"] for r in nm.verify_checkpoints(str(root))}
+    assert report == {"global_step1": "corrupt", "global_step2": "ok"}, report
+
+
+def test_a_restart_never_links_a_file_damaged_since_its_commit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Catches: a restart's first persist linking a frozen item to the newest committed
+    # version's file on the word of its manifest, while the file no longer matches it:
+    # the correct copy in memory is not written, and retention then deletes the last good
+    # version.
+    root = tmp_path / "ckpt"
+    base = {"base": _model()["base"]}
+    for step in (1, 2):
+        nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=2)
+        nm.Checkpoint(f"global_step{step}").save("base", base)
+        assert nm.flush_persistence()
+        nm.shutdown()
+        if step == 1:
+            _flip_a_byte(root / "global_step1" / "base")
+    # global_step2 was written whole (its base was damaged), and its file is its own.
+    assert (root / "global_step2" / "base").stat().st_nlink == 1
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=2)
+    nm.Checkpoint("global_step3").save("base", base)
+    assert nm.flush_persistence()
+    nm.shutdown()
+    # global_step2 was good: the restart linked global_step3 to it (read, then linked).
+    assert (root / "global_step3" / "base").stat().st_ino == (
+        root / "global_step2" / "base"
+    ).stat().st_ino
+    _flip_a_byte(root / "global_step3" / "base")  # both names: one file
+    with caplog.at_level("WARNING", logger="nebulaml"):
+        nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=2)
+        nm.Checkpoint("global_step4").save("base", base)
+        assert nm.flush_persistence()
+        nm.shutdown()
+    made = root / "global_step4" / "base"
+    assert made.stat().st_ino != (root / "global_step3" / "base").stat().st_ino
+    assert torch.equal(torch.load(made, weights_only=True)["base"], base["base"])
+    assert any("does not match its manifest" in r.getMessage() for r in caplog.records)
+    report = {r["tag"]: r["status"] for r in nm.verify_checkpoints(str(root))}
+    assert report["global_step4"] == "ok", report

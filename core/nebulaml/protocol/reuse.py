@@ -36,8 +36,14 @@ else the item is written whole. The ETag is the one the write itself returned
 (`ItemVersion.stamp`), never read back later: a version whose object may have been
 rewritten since its digests were recorded is never copied from. A process that restarts
 starts a new book: its first persist of each item writes it whole, unless the newest
-checkpoint committed on a local root holds that item with the same checksum: then the file
-is linked to it (`_equal_on_the_tier`), so that a frozen item costs a restart no write.
+checkpoint committed on a local root holds that item with the same checksum and its file
+still hashes to it (read once): then the file is linked to it (`_equal_on_the_tier`), so
+that a frozen item costs a restart a read, not a write.
+
+On a local root a version is also its file's stamp (device, inode, size, modification
+time: `Store.file_stamp`), and nothing is taken from a file written since
+(`LocalBackend.write_ranges`): a tool that wrote into it in place gets the next version
+written whole. A bad sector changes no stamp; `nebula verify` finds it.
 
 May import: `nebulaml.errors`, `nebulaml.format` and `nebulaml.storage`, catalog.py,
 commit_index.py. Not for: the copy itself (transfer.py `copy_item` calls `plan_item`), or
@@ -46,6 +52,7 @@ when to persist (runtime/persister.py).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +69,8 @@ from nebulaml.format.manifest import ItemEntry
 from nebulaml.protocol.catalog import read_committed
 from nebulaml.protocol.commit_index import newest
 from nebulaml.storage.store import Store
+
+log = logging.getLogger("nebulaml")
 
 
 @dataclass
@@ -121,7 +130,7 @@ class ReuseBook:
             base = self._versions.get((store.url, item.file))
         if base is None and store.capabilities.local_path:
             try:
-                return _equal_on_the_tier(store, tag, item)
+                return _equal_on_the_tier(store, tag, item, self.pause)
             except NebulaError:  # a saving, never a cause of failure: written whole
                 return None
         if base is None or base.tag == tag or base.size_bytes != item.size_bytes:
@@ -196,10 +205,6 @@ def plan_item(
             f"{item.size_bytes} bytes with {item.checksum_algo} {item.checksum}",
             found,
         )
-    if base is not None and not base.leaves and base.checksum == item.checksum:
-        # Equal whole by the manifest's checksum (`_equal_on_the_tier`), whose leaves
-        # these are; their blocks are not known.
-        base = ItemVersion(base.tag, base.file, size, base.checksum, leaves, [None] * len(leaves))
     if base is not None and (base.size_bytes != size or len(base.leaves) != len(leaves)):
         base = None
     older = None if base is None else (base.leaves, base.blocks)
@@ -208,14 +213,17 @@ def plan_item(
     return ItemPlan(tuple(ranges), base, version)
 
 
-def _equal_on_the_tier(store: Store, tag: str, item: ItemEntry) -> ItemVersion | None:
+def _equal_on_the_tier(
+    store: Store, tag: str, item: ItemEntry, pause: Callable[[], None] | None = None
+) -> ItemVersion | None:
     """For an item the book knows nothing of (the first persist of a process: a restart):
     its version in the newest checkpoint committed on `store` (a local root) but `tag`,
-    if that version's manifest entry has the checksum and size of `item`: the new version
-    is equal to it whole, so that `write_ranges` can link the file rather than write it
-    again. Returned without leaves (`plan_item` takes the new version's, once it has
-    checked them against the checksum). None where the item changed, or nothing is there
-    (two manifests read at most, from the index)."""
+    if that version's manifest entry has the checksum and size of `item` and its file
+    still hashes to that checksum (read, not trusted: a file damaged since its commit is
+    not taken, and the new version is written whole from memory). Returned with its
+    leaves and its file's stamp, so that `write_ranges` links it unless it is written
+    meanwhile. None where the item changed, or nothing is there (two manifests read at
+    most, from the index)."""
     for info in newest(store, 2):
         if info.tag == tag:
             continue
@@ -229,7 +237,23 @@ def _equal_on_the_tier(store: Store, tag: str, item: ItemEntry) -> ItemVersion |
             item.size_bytes,
         ):
             return None
-        return ItemVersion(info.tag, entry.file, entry.size_bytes, entry.checksum, [], [])
+        stamp = store.file_stamp(info.tag, entry.file)
+        if stamp is None:
+            return None
+        with store.map_read(info.tag, entry.file) as view:
+            if view is None or len(view) != entry.size_bytes:
+                return None
+            leaves = tree_leaves(view, pause=pause)
+        if tree_hexdigest(leaves) != entry.checksum:
+            log.warning(
+                "%s does not match its manifest (damaged since its commit?): the next "
+                "version is written whole; `nebula verify` checks the rest",
+                store.display(info.tag, entry.file),
+            )
+            return None
+        blocks: list[bytes | None] = [None] * len(leaves)
+        return ItemVersion(info.tag, entry.file, entry.size_bytes, entry.checksum, leaves, blocks,
+                           stamp)  # fmt: skip
     return None
 
 

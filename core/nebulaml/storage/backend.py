@@ -79,7 +79,8 @@ class Capabilities:
 class Written(NamedTuple):
     """What a write by ranges did (`Store.write_ranges`): bytes written (sent, on a
     network store), bytes taken from the earlier file instead, and the store's name for
-    the new file's version (an Azure ETag; None where the store has none).
+    the new file's version (an Azure or S3 ETag, a local file's `file_stamp`; None where
+    the store has none).
 
     Example:
         >>> Written(10, 90).stamp is None
@@ -272,6 +273,8 @@ class LocalPathBackend(Backend, Protocol):
 
     def file_identity(self, parts: Parts) -> tuple[int, int, int] | None: ...
 
+    def file_stamp(self, parts: Parts) -> str | None: ...
+
     def folder_identity(self, parts: Parts) -> tuple[int, int] | None: ...
 
     def map_read(
@@ -297,6 +300,7 @@ class LocalPathBackend(Backend, Protocol):
         ranges: Iterable[tuple[int, int, bool]],
         base: Parts | None,
         sent: Callable[[int], None] | None = None,
+        base_stamp: str | None = None,
     ) -> Written: ...
 
     def remove(self, parts: Parts, *, sync: bool = True) -> None: ...

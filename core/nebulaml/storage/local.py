@@ -55,6 +55,24 @@ from nebulaml.storage.redaction import redact
 from nebulaml.storage.view_writes import write_view_chunks
 
 
+def file_stamp(info: os.stat_result) -> str:
+    """What names one version of a local file: its device, inode, size and modification
+    time. A write into the file changes it; a link to it or a name of it removed does not
+    (they change the inode's ctime, not its mtime), so a file shared by several
+    checkpoints keeps its stamp while older ones are deleted.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = tempfile.mkstemp()[1]
+        >>> before = file_stamp(os.stat(path))
+        >>> os.link(path, path + ".2"); os.unlink(path + ".2")
+        >>> file_stamp(os.stat(path)) == before
+        True
+        >>> os.unlink(path)
+    """
+    return f"{info.st_dev}:{info.st_ino}:{info.st_size}:{info.st_mtime_ns}"
+
+
 def _whole(ranges: list[tuple[int, int, bool]], size: int) -> bool:
     """Whether `ranges` reuse every byte of a file of `size` bytes (and it has some).
 
@@ -389,6 +407,15 @@ class LocalBackend:
             out.abort()
             raise
 
+    def file_stamp(self, parts: Parts) -> str | None:
+        """The regular file `parts` as it is now (`file_stamp`), or None where it is not
+        one (gone, a link, a FIFO)."""
+        try:
+            info = os.lstat(self._local(parts, leaf_may_link=True))
+        except (OSError, StorageError):
+            return None
+        return file_stamp(info) if stat.S_ISREG(info.st_mode) else None
+
     def write_ranges(
         self,
         parts: Parts,
@@ -396,6 +423,7 @@ class LocalBackend:
         ranges: Iterable[tuple[int, int, bool]],
         base: Parts | None,
         sent: Callable[[int], None] | None = None,
+        base_stamp: str | None = None,
     ) -> Written:
         """Write `view` as a new file, durable on return (removed if this raises), range by
         range: (offset, length, reuse) where `reuse` means the file `base` holds the same
@@ -408,16 +436,23 @@ class LocalBackend:
 
         Where every range is reused and `base` is the whole file, `parts` becomes a hard
         link to it (`_link_whole`): no data is written, on ext4 either, where a clone
-        is a copy inside the kernel that reaches the disk all the same."""
+        is a copy inside the kernel that reaches the disk all the same.
+
+        With `base_stamp` (what a write returned for `base`, or `file_stamp`), nothing is
+        taken from `base` unless it is still that file, unwritten since (its device,
+        inode, size and modification time): a tool that wrote into it, or another file
+        in its place, gets the new file written whole. A link is made only then. The
+        result's stamp is the new file's."""
         ranges = list(ranges)
         if (
             base is not None
+            and base_stamp is not None
             and _whole(ranges, len(view))
-            and self._link_whole(base, parts, len(view))
+            and self._link_whole(base, parts, len(view), base_stamp)
         ):
             if sent is not None:
                 sent(len(view))
-            return Written(0, len(view))
+            return Written(0, len(view), base_stamp)
         out = DirectFile(
             self._local(parts, leaf_may_link=True), durable=self.durable, mode=self.file_mode
         )
@@ -427,6 +462,13 @@ class LocalBackend:
             if base is not None:
                 with contextlib.suppress(OSError, StorageError):
                     source = self._open(base)
+            if (
+                source is not None
+                and base_stamp is not None
+                and file_stamp(os.fstat(source.fileno())) != base_stamp
+            ):
+                source.close()
+                source = None  # written (or replaced) since: nothing taken from it
             for offset, length, reuse in ranges:
                 taken = 0
                 if reuse and source is not None:
@@ -451,11 +493,12 @@ class LocalBackend:
         finally:
             if source is not None:
                 source.close()
-        return Written(written, cloned)
+        return Written(written, cloned, self.file_stamp(parts))
 
-    def _link_whole(self, base: Parts, parts: Parts, size: int) -> bool:
+    def _link_whole(self, base: Parts, parts: Parts, size: int, stamp: str) -> bool:
         """Name the regular file `base` `parts` too (a hard link), if it is this user's
-        file of `size` bytes, its mode within the root's, and `parts` is free; False
+        file of `size` bytes, its mode within the root's, still the file of `stamp`
+        (`file_stamp`), and `parts` is free; False
         (nothing made) where not: the caller writes the file. The link is checked
         against the file opened first (its device and inode), so that a name swapped
         meanwhile for a symbolic link or another file is never linked in; what was linked
@@ -468,6 +511,7 @@ class LocalBackend:
             info = os.fstat(source.fileno())
             if (
                 info.st_size != size
+                or file_stamp(info) != stamp
                 or info.st_uid != os.geteuid()
                 or stat.S_IMODE(info.st_mode) & ~self.file_mode  # a mode more open than the root's
             ):

@@ -233,6 +233,12 @@ class Store:
         """The OS path of `parts` if this store is on a local filesystem, else None."""
         return self.path(*parts) if self.is_local else None
 
+    def file_stamp(self, *parts: str) -> str | None:
+        """On a local root, what names the regular file `parts` as it is now (its device,
+        inode, size and modification time: local.file_stamp), for `write_ranges`'s
+        `base_stamp`; None elsewhere, or where it is no regular file."""
+        return self._local().file_stamp(parts) if self.is_local else None
+
     # the boundary --------------------------------------------------------------------
     def _translated(self, what: str) -> contextlib.AbstractContextManager[None]:
         return translate_errors(what, self._secrets, remote=not self.is_local)
@@ -533,12 +539,14 @@ class Store:
         there, where the store can (`clones`); the others, and all of them elsewhere, are
         written from `view`. On Azure and S3 `base` must still be the object of ETag
         `base_stamp` (what an earlier `write_ranges` returned; without one nothing is
-        copied), and what it cannot give is uploaded. Returns (bytes written, bytes taken
-        from `base`, the new file's stamp: its ETag on Azure and S3, else None); `sent(n)`
-        as `open_write`'s."""
+        copied), and what it cannot give is uploaded; on a local root nothing is taken
+        from `base` unless it is still the file of `base_stamp` when one is given, and an
+        item reused whole is linked only then (LocalBackend.write_ranges). Returns (bytes
+        written, bytes taken from `base`, the new file's stamp: its ETag on Azure and S3,
+        `file_stamp` on a local root, else None); `sent(n)` as `open_write`'s."""
         if self.is_local and self.capabilities.clones:
             with self._translated(self.display(*parts)):
-                return self._local().write_ranges(parts, view, ranges, base, sent)
+                return self._local().write_ranges(parts, view, ranges, base, sent, base_stamp)
         if self.capabilities.range_copy:
             # Each request is retried by the backend: its error is the last of those tries.
             tries = self.policy.retries + 1
