@@ -575,3 +575,51 @@ def test_a_restart_never_links_a_file_damaged_since_its_commit(
     assert any("does not match its manifest" in r.getMessage() for r in caplog.records)
     report = {r["tag"]: r["status"] for r in nm.verify_checkpoints(str(root))}
     assert report["global_step4"] == "ok", report
+
+
+def test_a_copy_of_tags_in_turn_links_what_did_not_change_at_its_destination(
+    tmp_path: Path,
+) -> None:
+    # Catches: `nebula copy` (ops.copy_checkpoint) of several tags writing a frozen item
+    # once per tag, or linking a destination's file to the source's (the copy must be
+    # its own files).
+    root, dest = tmp_path / "ckpt", tmp_path / "backup"
+    base = {"base": _model()["base"]}
+    adapter = {"adapter": torch.zeros(ADAPTER_ELEMENTS)}
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5)
+    for step in (1, 2):
+        adapter["adapter"].add_(1.0)
+        ckpt = nm.Checkpoint(f"global_step{step}", num_of_files=2)
+        ckpt.save("base", base)
+        ckpt.save("adapter", adapter)
+        assert nm.flush_persistence()
+    nm.shutdown()
+    for step in (1, 2):
+        nm.ops.copy_checkpoint(str(root), f"global_step{step}", str(dest))
+    copied = {s: (dest / f"global_step{s}" / "base").stat().st_ino for s in (1, 2)}
+    assert copied[1] == copied[2]  # linked at the destination
+    assert copied[1] not in {(root / f"global_step{s}" / "base").stat().st_ino for s in (1, 2)}
+    assert (dest / "global_step2" / "adapter").stat().st_nlink == 1
+    report = nm.verify_checkpoints(str(dest))
+    assert report and all(r["status"] == "ok" for r in report), report
+
+
+def test_a_memory_tier_never_shares_a_file(tmp_path: Path) -> None:
+    # Catches: a link made in a memory tier, whose slot pool recycles an evicted
+    # checkpoint's file and writes the next save into it in place: a checkpoint sharing
+    # that file would change under its readers.
+    data = os.urandom(3 << 20)
+    for durable in (True, False):
+        store = Store(str(tmp_path / f"durable-{durable}"), durable=durable)
+        store.make_dir("t1")
+        store.make_dir("t2")
+        store.write_bytes(("t1", "model"), data)
+        stamp = store.file_stamp("t1", "model")
+        done = store.write_ranges(
+            ("t2", "model"), memoryview(data), [(0, len(data), True)], ("t1", "model"),
+            base_stamp=stamp,
+        )  # fmt: skip
+        assert done.reused == len(data)
+        shared = (Path(store.root) / "t2" / "model").stat().st_nlink == 2
+        assert shared == durable, durable
+        assert (Path(store.root) / "t2" / "model").read_bytes() == data

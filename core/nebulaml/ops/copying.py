@@ -26,6 +26,7 @@ from nebulaml.protocol.catalog import CheckpointInfo, list_committed, read_commi
 from nebulaml.protocol.cowriters import copy_alongside
 from nebulaml.protocol.history import append_rows, make_row
 from nebulaml.protocol.leases import read_lease
+from nebulaml.protocol.reuse import ReuseBook
 from nebulaml.protocol.tiers import TierSet, adopt_memory_tier, tighten_root
 from nebulaml.protocol.transfer import CopyResult
 from nebulaml.runtime.locate import newest_first, tiers_for
@@ -103,7 +104,8 @@ def copy_checkpoint(
         # A live writer of the tag at `dst` (the job's persister, say) is waited for:
         # its committed copy of the same items is this one's (protocol/cowriters.py).
         result = copy_alongside(fresh, dst, overwrite=overwrite, resume=True, verify=True,
-                                progress=progress, verify_progress=verify_progress)  # fmt: skip
+                                progress=progress, verify_progress=verify_progress,
+                                reuse=_links(dst))  # fmt: skip
     return _report(tiers, source_tier, fresh, dst, result, time.perf_counter() - t0)
 
 
@@ -164,13 +166,23 @@ def persist_memory_tier(
             # overwrite, as the persister does: the memory copy is newer than a same-named
             # persistent one (a tag re-saved with overwrite=True).
             copy_alongside(source, persistent, overwrite=True, resume=True, verify=True,
-                           progress=progress, verify_progress=verify_progress)  # fmt: skip
+                           progress=progress, verify_progress=verify_progress,
+                           reuse=_links(persistent))  # fmt: skip
         except NebulaError as exc:
             error = exc
             raise
         finally:
             _record(tiers, source, started_at, time.perf_counter() - t0, error)
     return [newest.tag]
+
+
+def _links(dst: Store) -> ReuseBook | None:
+    """For a copy into a local root: a reuse book, so that an item equal to its version
+    in the newest checkpoint there (read and hashed first) is linked to it, not written
+    again (protocol/reuse.py); a copy of several tags in turn costs a frozen item once.
+    None elsewhere: a copy to an object store uploads each item whole, and one into a
+    memory tier (not durable: its files are recycled) writes each item."""
+    return ReuseBook() if dst.is_local and dst.durable else None
 
 
 def _holds_tags(memory: Store) -> bool:

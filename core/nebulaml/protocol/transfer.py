@@ -33,7 +33,7 @@ from nebulaml.errors import (
     NebulaError,
     RankGoneError,
 )
-from nebulaml.format.checksum import hash_stream, new_hasher
+from nebulaml.format.checksum import CHECKSUM_ALGO, hash_stream, new_hasher
 from nebulaml.format.manifest import ItemEntry, ItemReuse, Manifest, RankMarker, parse_marker
 from nebulaml.format.names import (
     MANIFEST_NAME,
@@ -312,7 +312,14 @@ def copy_item(
             )
 
     with src.map_read(tag, item.file) as mapped:
-        if mapped is not None and reuse is not None and dst.clones:
+        # An item of the older plain-xxh3 manifests (a copy of an old root) has no tree
+        # of pieces to compare: it is copied whole.
+        if (
+            mapped is not None
+            and reuse is not None
+            and dst.clones
+            and item.checksum_algo == CHECKSUM_ALGO
+        ):
             base_version = reuse.base_for(dst, tag, item)
             where = src.display(tag, item.file)
             plan = plan_item(mapped, tag, item, base_version, where, pause=reuse.pause)

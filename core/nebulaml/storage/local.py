@@ -502,7 +502,11 @@ class LocalBackend:
         (nothing made) where not: the caller writes the file. The link is checked
         against the file opened first (its device and inode), so that a name swapped
         meanwhile for a symbolic link or another file is never linked in; what was linked
-        by mistake is removed."""
+        by mistake is removed. Never in a root that is not durable (the memory tier): its
+        slot pool recycles files and writes them in place, which a file shared by two
+        checkpoints must never be."""
+        if not self.durable:
+            return False
         try:
             source = self._open(base)
         except (OSError, StorageError):
