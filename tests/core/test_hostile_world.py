@@ -397,3 +397,35 @@ def test_a_private_root_is_this_users_alone(
             nm.init(str(public), private="yes")
     finally:
         os.umask(old)
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "shorter"])
+def test_an_item_file_replaced_is_said_as_what_it_is(
+    tmp_path: Path, planted: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Catches: a checkpoint whose item was swapped for a link or a FIFO ignored as
+    # "missing or has the wrong size", neither of which it is.
+    root = tmp_path / "ckpt"
+    nm.init(str(root), persistent_time_interval=0)
+    nm.Checkpoint("global_step1").save("model", {"w": torch.ones(1000)})
+    assert nm.flush_persistence()
+    nm.shutdown()
+    path = root / "global_step1" / "model"
+    size = path.stat().st_size
+    path.unlink()
+    if planted == "symlink":
+        path.symlink_to(tmp_path / "elsewhere")
+    elif planted == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_bytes(b"x" * (size - 1))
+    with caplog.at_level("WARNING", logger="nebulaml"):
+        assert nm.list_checkpoints(str(root)) == []
+    said = {
+        "symlink": "is not a regular file",
+        "fifo": "is not a regular file",
+        "shorter": f"has {size - 1} bytes, not {size}",
+    }[planted]
+    assert any(f"item file 'model' {said}" in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]

@@ -242,13 +242,16 @@ def _read_committed(
     if manifest is None:
         return None
     for item in manifest.items:
-        if files.get(item.file) != item.size_bytes:
-            _ignoring(
-                "ignoring checkpoint %r at %s: item file %r is missing or has the wrong size",
-                tag,
-                store.url,
-                item.file,
-            )
+        size = files.get(item.file)
+        if size != item.size_bytes:
+            if size is not None:
+                what = f"has {size} bytes, not {item.size_bytes}"
+            elif store.exists(tag, item.file):  # a link, a FIFO, a folder in its place
+                what = "is not a regular file"
+            else:
+                what = "is missing"
+            _ignoring("ignoring checkpoint %r at %s: item file %r %s",
+                      tag, store.url, item.file, what)  # fmt: skip
             return None
     return CheckpointInfo(store, manifest)
 
