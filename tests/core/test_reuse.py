@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
@@ -42,6 +43,17 @@ def _persist_rows(root: Path) -> list[dict[str, object]]:
     df = nm.read_history(str(root))
     rows = df[(df["tier"] == "persistent") & (df["status"] == "ok")]
     return rows.to_dict("records")
+
+
+def _session(root: Path, tag: str, items: dict[str, Any], retention: int = 5) -> None:
+    """A session of its own, as a process after a restart has: `tag` saved with `items`,
+    persisted, and the session ended."""
+    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=retention)
+    ckpt = nm.Checkpoint(tag, num_of_files=len(items))
+    for name, value in items.items():
+        ckpt.save(name, value)
+    assert nm.flush_persistence()
+    nm.shutdown()
 
 
 def _entry(data: bytes) -> ItemEntry:
@@ -452,15 +464,10 @@ def test_a_restart_links_an_item_equal_to_its_newest_committed_version(tmp_path:
     base = {"base": _model()["base"]}
     adapter = {"adapter": torch.zeros(ADAPTER_ELEMENTS)}
     for step in (1, 2, 3):  # a process each: a session started afresh
-        nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5)
         adapter["adapter"].add_(1.0)
         if step == 3:
             base["base"][0] += 1.0  # changed while the job was down: not equal
-        ckpt = nm.Checkpoint(f"global_step{step}", num_of_files=2)
-        ckpt.save("base", base)
-        ckpt.save("adapter", adapter)
-        assert nm.flush_persistence()
-        nm.shutdown()
+        _session(root, f"global_step{step}", {"base": base, "adapter": adapter})
     inode = {s: (root / f"global_step{s}" / "base").stat().st_ino for s in (1, 2, 3)}
     assert inode[1] == inode[2]  # the restart linked it
     assert inode[3] != inode[2]  # changed: written
@@ -484,19 +491,13 @@ def test_a_failed_lookup_of_the_newest_version_writes_the_item_whole(
 
     root = tmp_path / "ckpt"
     base = {"base": _model()["base"]}
-    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5)
-    nm.Checkpoint("global_step1").save("base", base)
-    assert nm.flush_persistence()
-    nm.shutdown()
+    _session(root, "global_step1", {"base": base})
 
     def unreadable(*_args: object, **_kwargs: object) -> list[object]:
         raise nm.StorageError(f"{root}: the index could not be listed")
 
     monkeypatch.setattr(reuse, "newest", unreadable)
-    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5)
-    nm.Checkpoint("global_step2").save("base", base)
-    assert nm.flush_persistence()
-    nm.shutdown()
+    _session(root, "global_step2", {"base": base})
     made = root / "global_step2" / "base"
     assert made.stat().st_ino != (root / "global_step1" / "base").stat().st_ino
     assert torch.equal(torch.load(made, weights_only=True)["base"], base["base"])
@@ -546,29 +547,19 @@ def test_a_restart_never_links_a_file_damaged_since_its_commit(
     # version.
     root = tmp_path / "ckpt"
     base = {"base": _model()["base"]}
-    for step in (1, 2):
-        nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=2)
-        nm.Checkpoint(f"global_step{step}").save("base", base)
-        assert nm.flush_persistence()
-        nm.shutdown()
-        if step == 1:
-            _flip_a_byte(root / "global_step1" / "base")
+    _session(root, "global_step1", {"base": base}, retention=2)
+    _flip_a_byte(root / "global_step1" / "base")
+    _session(root, "global_step2", {"base": base}, retention=2)
     # global_step2 was written whole (its base was damaged), and its file is its own.
     assert (root / "global_step2" / "base").stat().st_nlink == 1
-    nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=2)
-    nm.Checkpoint("global_step3").save("base", base)
-    assert nm.flush_persistence()
-    nm.shutdown()
+    _session(root, "global_step3", {"base": base}, retention=2)
     # global_step2 was good: the restart linked global_step3 to it (read, then linked).
     assert (root / "global_step3" / "base").stat().st_ino == (
         root / "global_step2" / "base"
     ).stat().st_ino
     _flip_a_byte(root / "global_step3" / "base")  # both names: one file
     with caplog.at_level("WARNING", logger="nebulaml"):
-        nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=2)
-        nm.Checkpoint("global_step4").save("base", base)
-        assert nm.flush_persistence()
-        nm.shutdown()
+        _session(root, "global_step4", {"base": base}, retention=2)
     made = root / "global_step4" / "base"
     assert made.stat().st_ino != (root / "global_step3" / "base").stat().st_ino
     assert torch.equal(torch.load(made, weights_only=True)["base"], base["base"])
