@@ -236,14 +236,24 @@ class LocalBackend:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
-    def file_identity(self, parts: Parts) -> tuple[int, int, int] | None:
+    def _regular_stat(self, parts: Parts) -> os.stat_result | None:
+        """`lstat` of `parts`, a regular file; None where it is missing or something else
+        (a link is not followed)."""
         try:
             st = os.lstat(self._local(parts, leaf_may_link=True))
         except (FileNotFoundError, NotADirectoryError):
             return None
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
+        return st if stat.S_ISREG(st.st_mode) else None
+
+    def file_identity(self, parts: Parts) -> tuple[int, int, int] | None:
+        st = self._regular_stat(parts)
+        return None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def file_stamp(self, parts: Parts) -> str | None:
+        """The regular file `parts` as it is now (`file_stamp`), or None where it is not
+        one (gone, a link, a FIFO)."""
+        st = self._regular_stat(parts)
+        return None if st is None else file_stamp(st)
 
     def modified_at(self, parts: Parts) -> datetime | None:
         try:
@@ -407,15 +417,6 @@ class LocalBackend:
             out.abort()
             raise
 
-    def file_stamp(self, parts: Parts) -> str | None:
-        """The regular file `parts` as it is now (`file_stamp`), or None where it is not
-        one (gone, a link, a FIFO)."""
-        try:
-            info = os.lstat(self._local(parts, leaf_may_link=True))
-        except (OSError, StorageError):
-            return None
-        return file_stamp(info) if stat.S_ISREG(info.st_mode) else None
-
     def write_ranges(
         self,
         parts: Parts,
@@ -486,6 +487,7 @@ class LocalBackend:
                     written += upto - at
                     if sent is not None:
                         sent(upto - at)
+            made = out.stat()  # the file written, as it is once whole
             out.close()
         except BaseException:
             out.abort()
@@ -493,7 +495,7 @@ class LocalBackend:
         finally:
             if source is not None:
                 source.close()
-        return Written(written, cloned, self.file_stamp(parts))
+        return Written(written, cloned, file_stamp(made))
 
     def _link_whole(self, base: Parts, parts: Parts, size: int, stamp: str) -> bool:
         """Name the regular file `base` `parts` too (a hard link), if it is this user's

@@ -245,6 +245,10 @@ class DirectFile:
             done += n
         return done
 
+    def stat(self) -> os.stat_result:
+        """`fstat` of the file being written (its name is not looked up again)."""
+        return os.fstat(self._fd)
+
     def close(self) -> None:
         """Flush to the device (when durable) and close; a failed fsync raises (and the
         file stays open for `abort`)."""

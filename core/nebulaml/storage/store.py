@@ -237,7 +237,7 @@ class Store:
         """On a local root, what names the regular file `parts` as it is now (its device,
         inode, size and modification time: local.file_stamp), for `write_ranges`'s
         `base_stamp`; None elsewhere, or where it is no regular file."""
-        return self._local().file_stamp(parts) if self.is_local else None
+        return self._if_local(parts, lambda local: local.file_stamp(parts), None)
 
     # the boundary --------------------------------------------------------------------
     def _translated(self, what: str) -> contextlib.AbstractContextManager[None]:
