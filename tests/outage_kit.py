@@ -2,10 +2,11 @@
 tests/s3/test_s3_outage.py, tests/gcs/test_gcs_outage.py): a 1 MiB state per step, a timed
 save of it, waiting, through the status call alone, until a checkpoint is durable, a store
 taken away for a block (stopped, or suspended): an Azurite itself, or a server behind a
-proxy (`Proxied`), and the outage tests of a store behind a proxy, whatever the store
+proxy (`Proxied`, `behind_a_proxy`), what a job shows while its store is away
+(`assert_memory_only`), and the outage tests of a store behind a proxy, whatever the store
 (`outage_during_training`, `down_at_init`: S3's and GCS's run them).
 
-May import: tests/faultproxy.py (for its type)."""
+May import: tests/faultproxy.py."""
 
 from __future__ import annotations
 
@@ -16,15 +17,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import pytest
 import torch
+from faultproxy import FaultProxy
 
 import nebulaml as nm
-
-if TYPE_CHECKING:
-    from faultproxy import FaultProxy
 
 MB = 1 << 20
 # The environment of a test whose store goes away: short retries, and 1 s a call.
@@ -104,6 +103,34 @@ def resume(server: Server) -> None:
     """SIGCONT a server's process group that a failed test may have left suspended."""
     if server.proc is not None and server.proc.poll() is None:
         os.killpg(server.proc.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def behind_a_proxy(
+    proc: subprocess.Popen[bytes] | None, port: int, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Proxied]:
+    """The server of process `proc`, listening on `port`, behind a proxy of the test's own,
+    with `QUICK_RETRIES` in the environment; after the block it is resumed (a failed test
+    may leave it suspended: the next tests need it) and the proxy closed."""
+    for var, value in QUICK_RETRIES.items():
+        monkeypatch.setenv(var, value)
+    proxy = FaultProxy(port)
+    server = Proxied(proc, proxy)
+    try:
+        yield server
+    finally:
+        resume(server)
+        proxy.close()
+
+
+def assert_memory_only(newest: str, caplog: pytest.LogCaptureFixture) -> None:
+    """What a job shows while its persistent tier is away: "memory tier only" said once,
+    `flush_persistence` False within its 1 s, `newest` pending and nothing durable."""
+    said = [r.getMessage() for r in caplog.records if "memory tier only" in r.getMessage()]
+    assert len(said) == 1, said
+    assert nm.flush_persistence(timeout_s=1, raise_on_error=False) is False
+    status = nm.persistence_status()
+    assert status.pending[-1] == newest and status.durable is None, status
 
 
 @contextlib.contextmanager
@@ -197,11 +224,7 @@ def down_at_init(
         assert took < 1.5, took  # at once: a refused connection says enough
         during = [timed_save(step) for step in range(1, 4)]
         assert max(during) < 1.0, during
-        said = [r.getMessage() for r in caplog.records if "memory tier only" in r.getMessage()]
-        assert len(said) == 1, said
-        assert nm.flush_persistence(timeout_s=1, raise_on_error=False) is False
-        status = nm.persistence_status()
-        assert status.pending[-1] == "global_step3" and status.durable is None, status
+        assert_memory_only("global_step3", caplog)
     wait_durable("global_step3")
     nm.shutdown(timeout_s=60)
     assert_durable_and_loads(url, options, 3)

@@ -12,26 +12,18 @@ import time
 import uuid
 
 import pytest
-import torch
 from azurite import Azurite
-from outage_kit import state, store_away, timed_save, wait_durable
+from outage_kit import (
+    assert_durable_and_loads,
+    assert_memory_only,
+    store_away,
+    timed_save,
+    wait_durable,
+)
 
 import nebulaml as nm
 
 CONTAINER = "outage"
-
-
-def _assert_durable_and_loads(url: str, step: int) -> None:
-    """`global_step<step>` is the newest, on the store alone (the memory tier released),
-    and loads bit for bit."""
-    tag = f"global_step{step}"
-    listed = nm.list_checkpoints(url, hold=False)
-    assert listed[0]["tag"] == tag and listed[0]["tiers"] == ["persistent"], listed
-    latest = nm.get_latest_checkpoint(url)
-    assert latest is not None and latest.tag == tag
-    with latest:  # its hold released before this test's Azurite goes
-        loaded = latest.load("model")
-    assert torch.equal(loaded["w"], state(step)["w"]) and int(loaded["step"]) == step
 
 
 @pytest.mark.slow
@@ -59,7 +51,7 @@ def test_an_outage_never_stops_training_and_the_newest_lands_when_the_store_is_b
     wait_durable("global_step9")  # no call but the status
     assert nm.persistence_status().ok
     nm.shutdown(timeout_s=60)  # all durable: the memory tier is released
-    _assert_durable_and_loads(url, 9)
+    assert_durable_and_loads(url, {}, 9)
 
 
 @pytest.mark.slow
@@ -77,12 +69,9 @@ def test_a_store_down_at_init_starts_memory_only_and_persists_once_it_is_back(
         assert took < 10, took  # a bounded wait for the store, never its retries
         during = [timed_save(step) for step in range(1, 5)]
         assert max(during) < 2.0, during
-        said = [r.getMessage() for r in caplog.records if "memory tier only" in r.getMessage()]
-        assert len(said) == 1, said
-        assert nm.flush_persistence(timeout_s=1, raise_on_error=False) is False
+        assert_memory_only("global_step4", caplog)
         status = nm.persistence_status()
-        assert status.pending[-1] == "global_step4" and status.durable is None, status
         assert status.failing_since and status.last_error and not status.ok, status
     wait_durable("global_step4")
     nm.shutdown(timeout_s=60)
-    _assert_durable_and_loads(url, 4)
+    assert_durable_and_loads(url, {}, 4)

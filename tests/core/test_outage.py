@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from outage_kit import MB, state, timed_save, wait_durable
+from outage_kit import MB, assert_memory_only, state, timed_save, wait_durable
 
 import nebulaml as nm
 
@@ -102,11 +102,7 @@ def test_a_disk_full_at_init_starts_memory_only_and_persists_once_it_grows(
     nm.init(str(root), persistent_time_interval=0)
     during = [timed_save(step) for step in (1, 2, 3)]
     assert max(during) < 2.0, during
-    said = [r.getMessage() for r in caplog.records if "memory tier only" in r.getMessage()]
-    assert len(said) == 1, said
-    assert nm.flush_persistence(timeout_s=1, raise_on_error=False) is False
-    status = nm.persistence_status()
-    assert status.pending[-1] == "global_step3" and status.durable is None, status
+    assert_memory_only("global_step3", caplog)
     _mount(["-o", f"remount,size={40 * MB}", str(small_disk)])
     wait_durable("global_step3")
     nm.shutdown(timeout_s=30)

@@ -19,8 +19,7 @@ from typing import Any
 
 import gcsserver
 import pytest
-from faultproxy import FaultProxy
-from outage_kit import QUICK_RETRIES, Proxied, down_at_init, outage_during_training, resume
+from outage_kit import Proxied, behind_a_proxy, down_at_init, outage_during_training
 
 
 @pytest.fixture
@@ -29,15 +28,8 @@ def gcs_away(
 ) -> Iterator[Proxied]:
     """The suite's emulator behind a proxy of this test's own (its storage options are
     `gcs_options`), with short retries and a 1 s deadline a call."""
-    for var, value in QUICK_RETRIES.items():
-        monkeypatch.setenv(var, value)
-    proxy = FaultProxy(gcs_server.port)
-    server = Proxied(gcs_server.proc, proxy)
-    try:
+    with behind_a_proxy(gcs_server.proc, gcs_server.port, monkeypatch) as server:
         yield server
-    finally:
-        resume(server)  # a failed test may leave it suspended: the next tests need it
-        proxy.close()
 
 
 def gcs_options(server: Proxied) -> dict[str, Any]:

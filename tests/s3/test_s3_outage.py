@@ -30,15 +30,7 @@ import pytest
 import s3server
 import torch
 import warm
-from faultproxy import FaultProxy
-from outage_kit import (
-    QUICK_RETRIES,
-    Proxied,
-    down_at_init,
-    outage_during_training,
-    resume,
-    store_away,
-)
+from outage_kit import Proxied, behind_a_proxy, down_at_init, outage_during_training, store_away
 
 import nebulaml as nm
 
@@ -52,20 +44,13 @@ def s3_away(s3_server: s3server.MotoServer, monkeypatch: pytest.MonkeyPatch) -> 
     """The suite's moto server behind a proxy of this test's own (its storage options are
     `s3_options`), the proxy's endpoint and the server's keys in the environment too (for
     child processes), with short retries and a 1 s deadline a call."""
-    proxy = FaultProxy(s3_server.port)
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3server.KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3server.SECRET)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
-    for var, value in QUICK_RETRIES.items():
-        monkeypatch.setenv(var, value)
-    server = Proxied(s3_server.proc, proxy)
-    try:
+    with behind_a_proxy(s3_server.proc, s3_server.port, monkeypatch) as server:
+        for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3server.KEY)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3server.SECRET)
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.proxy.endpoint)
         yield server
-    finally:
-        resume(server)  # a failed test may leave it suspended: the next tests need it
-        proxy.close()
 
 
 def s3_options(server: Proxied) -> dict[str, Any]:
