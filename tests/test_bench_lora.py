@@ -17,6 +17,7 @@ from typing import Any
 import azurite as azurite_server
 import pytest
 import warm
+from disk_writes import counted_in
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 SHM = Path("/dev/shm")
@@ -55,26 +56,6 @@ def run_lora(
     assert not list(work.iterdir())  # its work folder is removed
     lora: dict[str, Any] = json.loads(out.read_text())["lora"]
     return lora, done.stdout
-
-
-def disk_counted_here(folder: Path) -> bool:
-    """Whether the kernel counts this process's writes into `folder` (not on tmpfs)."""
-    before = write_bytes()
-    with open(folder / "probe", "wb") as f:
-        f.write(os.urandom(1 << 20))
-        f.flush()
-        os.fsync(f.fileno())
-    after = write_bytes()
-    (folder / "probe").unlink()
-    return before is not None and after is not None and after - before >= 1 << 20
-
-
-def write_bytes() -> int | None:
-    try:
-        with open("/proc/self/io") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
-    except (OSError, StopIteration):
-        return None
 
 
 def test_frozen_base_sends_what_changed_and_the_control_sends_everything(
@@ -132,7 +113,7 @@ def test_frozen_base_sends_what_changed_and_the_control_sends_everything(
     assert "resume_exact" not in methods["torch_save"]
 
     # What reached the disk: this machine's work folder counts its writes (ext4 here).
-    assert lora["disk_writes_counted"] is disk_counted_here(tmp_path)
+    assert lora["disk_writes_counted"] is counted_in(tmp_path)
     if not lora["disk_writes_counted"]:
         pytest.skip(f"{tmp_path}: the kernel does not count its writes")
     assert lora["memory_tier_writes_counted"] is False  # /dev/shm: the saves' copies are not

@@ -15,6 +15,7 @@ from typing import Any
 import fsspec
 import pytest
 import torch
+from disk_writes import counted_in, write_bytes
 from typer.testing import CliRunner
 
 import nebulaml as nm
@@ -362,30 +363,6 @@ def test_a_plain_fsspec_store_writes_every_version_whole() -> None:
         fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
 
 
-def _disk_writes() -> int | None:
-    """This process's `write_bytes` (/proc/self/io: the bytes it made reach, or be bound
-    for, a block device), or None where the kernel does not count them."""
-    try:
-        with open("/proc/self/io") as f:
-            fields = dict(line.split(": ") for line in f.read().splitlines())
-    except OSError:
-        return None
-    return int(fields["write_bytes"])
-
-
-def _counts_disk_writes(folder: Path) -> bool:
-    """Whether `write_bytes` grows by what a file written and fsynced in `folder` holds."""
-    before = _disk_writes()
-    probe = folder / "probe"
-    with open(probe, "wb") as f:
-        f.write(os.urandom(1 << 20))
-        f.flush()
-        os.fsync(f.fileno())
-    after = _disk_writes()
-    probe.unlink()
-    return before is not None and after is not None and after - before >= 1 << 20
-
-
 @pytest.mark.parametrize("private", [True, False])
 def test_an_item_unchanged_whole_is_a_link_and_costs_no_disk_writes(
     tmp_path: Path, private: bool
@@ -395,7 +372,7 @@ def test_an_item_unchanged_whole_is_a_link_and_costs_no_disk_writes(
     # or a version that no longer loads once the one it links to is deleted.
     root = tmp_path / "ckpt"
     root.mkdir()
-    counted = _counts_disk_writes(root)
+    counted = counted_in(root)
     nm.init(str(root), persistent_time_interval=0, num_of_version_in_retention=5, private=private)
     model = _model()
     base = {"base": model["base"], "head": model["head"]}  # frozen: its own item
@@ -403,12 +380,12 @@ def test_an_item_unchanged_whole_is_a_link_and_costs_no_disk_writes(
     writes = []
     for step in range(1, 5):
         adapter["adapter"].add_(1.0)
-        before = _disk_writes()
+        before = write_bytes()
         ckpt = nm.Checkpoint(f"global_step{step}", num_of_files=2)
         ckpt.save("base", base)
         ckpt.save("adapter", adapter)
         assert nm.flush_persistence()
-        after = _disk_writes()
+        after = write_bytes()
         if before is not None and after is not None:
             writes.append(after - before)
     nm.shutdown()
