@@ -185,7 +185,7 @@ def read_committed(
 
     Raises `UnsupportedSchemaError` for a manifest this version cannot read.
     """
-    if not _is_tag(tag):
+    if not is_tag(tag):
         validate_name("tag", tag)  # raises, saying why
     files: dict[str, int] | None = None  # the tag's folder, when listed here
     identity: tuple[Any, ...] | None
@@ -266,13 +266,13 @@ def tag_folders(store: Store, tree: dict[str, Any] | None = None) -> list[str]:
         >>> tag_folders(Store(tempfile.mkdtemp()))
         []
     """
-    tags = [name for name in (store.list_dirs() if tree is None else tree) if _is_tag(name)]
+    tags = [name for name in (store.list_dirs() if tree is None else tree) if is_tag(name)]
     _forget_absent(store, tags)
     return tags
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _is_tag(name: str) -> bool:
+def is_tag(name: str) -> bool:
     """Whether a folder name is a tag name (remembered: a root of 10,000 checkpoints is
     listed on every persist's retention)."""
     try:

@@ -25,14 +25,13 @@ import socket
 from collections.abc import Callable, Iterable
 
 from nebulaml.errors import (
-    InvalidNameError,
     NebulaError,
     StorageError,
     UnsupportedSchemaError,
 )
 from nebulaml.format.manifest import RankMarker, parse_marker
-from nebulaml.format.names import MANIFEST_NAME, WRITER_PREFIX, marker_name, validate_name
-from nebulaml.protocol.catalog import read_committed, skip_unreadable, tag_folders
+from nebulaml.format.names import MANIFEST_NAME, WRITER_PREFIX, marker_name
+from nebulaml.protocol.catalog import is_tag, read_committed, skip_unreadable, tag_folders
 from nebulaml.protocol.commit_index import above_newest
 from nebulaml.protocol.delete import delete_checkpoint, delete_part
 from nebulaml.protocol.markers import is_marker, read_writers, writer_alive
@@ -101,15 +100,7 @@ def suspects(store: Store, named: Iterable[str] = ()) -> list[str]:
     (runtime/retirement.py) and `nebula prune --incomplete`'s."""
     there = {tag for tag in named if store.exists(tag)}
     # A folder whose name is no tag (not UTF-8, a reserved name) is none of nebula's.
-    return sorted(tag for tag in set(above_newest(store)) | there if _is_tag(tag))
-
-
-def _is_tag(name: str) -> bool:
-    try:
-        validate_name("tag", name)
-    except InvalidNameError:
-        return False
-    return True
+    return sorted(tag for tag in set(above_newest(store)) | there if is_tag(tag))
 
 
 def discard_stale_parts(
