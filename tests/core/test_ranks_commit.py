@@ -592,3 +592,51 @@ def test_a_followers_part_stays_in_the_memory_tier_until_its_leader_commits(
             time.sleep(0.02)
     finally:
         follower.close(timeout_s=10)
+
+
+def test_a_part_copied_while_another_nodes_part_of_one_name_is_being_written_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks on two nodes persist "model" of one save at once; rank 1 has written its file
+    but not yet its marker when rank 0 copies. Bug caught: rank 0 saw the file but no
+    marker, took the name (unlinking rank 1's file under its write) or failed with EEXIST,
+    retried for ever, instead of `ItemCollisionError`."""
+    nodes = [Store(tmp_path / f"node{r}") for r in (0, 1)]
+    for rank, node in enumerate(nodes):
+        begin_tag(node, TAG, rank=rank, overwrite=False, world_size=2)
+        item = write_item(node, TAG, "model", {"w": torch.full((64,), rank)}, rank=rank)
+        commit_rank(node, TAG, rank=rank, world_size=2, items=[item], created_at="t",
+                    generation="run.0")  # fmt: skip
+    root = tmp_path / "persistent"
+    writing, release = threading.Event(), threading.Event()
+    late = Store(root)  # rank 1's view of the persistent tier, held before its marker
+    publish = late.publish
+
+    def held_publish(parts: tuple[str, ...], data: bytes, **kw: object) -> None:
+        if parts == (TAG, ".rank-1.json"):
+            writing.set()
+            release.wait(30)
+        publish(parts, data, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(late, "publish", held_publish)
+    failed: list[BaseException] = []
+
+    def rank1() -> None:
+        try:
+            copy_part(nodes[1], late, TAG, rank=1, world_size=2, timeout_s=5, wait=False)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failed.append(exc)
+
+    thread = threading.Thread(target=rank1)
+    thread.start()
+    try:
+        assert writing.wait(30)
+        theirs = (root / TAG / "model").read_bytes()
+        with pytest.raises(nm.ItemCollisionError, match=r"'model' .* by rank 1 and by rank 0"):
+            copy_part(nodes[0], Store(root), TAG, rank=0, world_size=2, timeout_s=5, wait=False)
+        assert (root / TAG / "model").read_bytes() == theirs  # rank 1's file, untouched
+    finally:
+        release.set()
+        thread.join(30)
+    assert not failed, failed
+    assert read_committed(Store(root), TAG) is None

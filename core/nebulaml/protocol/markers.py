@@ -53,10 +53,12 @@ def writer_record(
     started_at: str | None = None,
     *,
     deleting: bool = False,
+    generation: str | None = None,
 ) -> bytes:
     """The content of this process's writer marker for `rank`: host, pid, rank, started_at,
     and (a save of several ranks sharing a tier) the names of the items it claimed;
-    `deleting`: the marker is a deleter's claim (delete.py), not a save's."""
+    `deleting`: the marker is a deleter's claim (delete.py), not a save's; `generation`:
+    the run whose part it writes (a persist's claim, transfer.copy_part)."""
     doc: dict[str, Any] = {
         "host": _host(),
         "pid": os.getpid(),
@@ -67,6 +69,8 @@ def writer_record(
         doc["items"] = items
     if deleting:
         doc["deleting"] = True
+    if generation is not None:
+        doc["generation"] = generation
     return json.dumps(doc).encode()
 
 

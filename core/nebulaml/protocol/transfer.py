@@ -38,6 +38,7 @@ from nebulaml.format.manifest import ItemEntry, ItemReuse, Manifest, RankMarker,
 from nebulaml.format.names import (
     MANIFEST_NAME,
     RANK_PREFIX,
+    WRITER_PREFIX,
     marker_name,
     validate_name,
     writer_marker_name,
@@ -51,7 +52,13 @@ from nebulaml.protocol.commit import (
     read_markers,
 )
 from nebulaml.protocol.commit_index import record_begun
-from nebulaml.protocol.markers import describe_writer, read_writers, writer_alive, writer_record
+from nebulaml.protocol.markers import (
+    claimed_items,
+    describe_writer,
+    read_writers,
+    writer_alive,
+    writer_record,
+)
 from nebulaml.protocol.reuse import ReuseBook, plan_item
 from nebulaml.protocol.sequence import note_sequence
 from nebulaml.storage.store import MissingFileError, Store
@@ -468,22 +475,49 @@ def adopt_parts(
 
 
 def _refuse_collisions(dst: Store, tag: str, marker: RankMarker) -> None:
-    """`ItemCollisionError` if another rank's part of `tag` on `dst`, of the generation of
-    `marker`, holds an item file of `marker`'s (ranks on different nodes meet only here).
-    One listing: the markers are read only when one of the files is already there."""
-    files = dst.list_files(tag)
-    clash = {item.file for item in marker.items} & set(files)
-    if not clash:
-        return
-    for name in sorted(files):
-        if not name.startswith(RANK_PREFIX) or name == marker_name(marker.rank):
+    """Claim the item files of `marker`'s part of `tag` on `dst`, then `ItemCollisionError`
+    (the claim withdrawn) if another rank of the generation of `marker` claims or holds
+    one of them (ranks on different nodes meet only here).
+
+    The claim goes into this rank's writer marker (with the generation: a writer on
+    another node cannot be told alive from here) before the others are looked at, so of
+    two ranks copying one name at once at least one sees the other's claim, and an item's
+    file is never written by two ranks. A rank's writer marker stays until its rank
+    marker is published, so a part is claimed from before its first byte is written.
+    """
+    mine = {item.file: item.name for item in marker.items}
+    claim = (tag, writer_marker_name(marker.rank))
+    record = writer_record(marker.rank, sorted(mine), generation=marker.generation)
+    dst.publish(claim, record, create_only=False)
+    for rank, names in _claims(dst, tag, marker):
+        clash = sorted(names & set(mine))
+        if clash:
+            dst.publish(claim, writer_record(marker.rank, generation=marker.generation),
+                        create_only=False)  # fmt: skip
+            raise ItemCollisionError(dst.display(tag), tag, mine[clash[0]], rank, marker.rank)
+
+
+def _claims(dst: Store, tag: str, marker: RankMarker) -> list[tuple[int, set[str]]]:
+    """(rank, item files) of the other ranks' claims (writer markers) and parts (rank
+    markers) of `tag` on `dst`, of the generation of `marker`. One listing; a marker is
+    read only when the tag holds one of another rank."""
+    found = []
+    own = (marker_name(marker.rank), writer_marker_name(marker.rank))
+    for name in sorted(dst.list_files(tag)):
+        if name in own:
             continue
-        try:
-            theirs = parse_marker(dst.read_bytes(tag, name), dst.display(tag, name))
-        except NebulaError:
-            continue
-        if theirs.generation != marker.generation:
-            continue  # a part of an earlier run: replaced, never committed with this one
-        for item in theirs.items:
-            if item.file in clash:
-                raise ItemCollisionError(dst.display(tag), tag, item.name, theirs.rank, marker.rank)
+        if name.startswith(WRITER_PREFIX):
+            doc = claimed_items(dst, tag, name) or {}
+            rank, names = doc.get("rank"), doc.get("items")
+            if doc.get("generation") != marker.generation or not isinstance(names, list):
+                continue
+            if isinstance(rank, int) and not isinstance(rank, bool):
+                found.append((rank, {n for n in names if isinstance(n, str)}))
+        elif name.startswith(RANK_PREFIX):
+            try:
+                theirs = parse_marker(dst.read_bytes(tag, name), dst.display(tag, name))
+            except NebulaError:
+                continue
+            if theirs.generation == marker.generation:  # else an earlier run's: replaced
+                found.append((theirs.rank, {item.file for item in theirs.items}))
+    return found
