@@ -197,6 +197,29 @@ def test_a_manifest_replaced_by_what_is_not_a_file_fails_verify(root: Path, kind
     assert said and "not a regular file" in said[0], result.stderr
 
 
+@pytest.mark.parametrize("kind", ["folder", "fifo", "link"])
+def test_an_item_replaced_by_what_is_not_a_file_is_said_so(root: Path, kind: str) -> None:
+    """Bug caught: an item file that became a FIFO, a folder or a symbolic link was
+    reported as "no such file", sending the operator to look for a file that is there."""
+    _populate(root)
+    item = root / "global_step100" / "model"
+    saved = item.read_bytes()
+    item.unlink()
+    if kind == "folder":
+        item.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(item)
+    else:
+        (root / "elsewhere").write_bytes(saved)
+        item.symlink_to(root / "elsewhere")
+    result = CliRunner().invoke(app, ["verify", str(root), "--json"], env={"COLUMNS": "200"})
+    assert result.exit_code == 1, result.stdout + result.stderr
+    doc = json.loads(result.stdout)
+    mine = [r for r in doc["results"] if r["tag"] == "global_step100" and r["item"] == "model"]
+    assert mine and {r["status"] for r in mine} == {"corrupt"}, doc
+    assert all("not a regular file" in r["detail"] for r in mine), mine
+
+
 def test_a_planted_delete_claim_never_hides_the_newest_from_verify(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -300,6 +300,10 @@ def _verify_items(
             # go): look again once before calling any item missing.
             copy.files.update(store.list_files(tag))
             relisted, size = True, copy.files.get(item.file)
+        if size is None and store.exists(tag, item.file):  # a FIFO, a link, a folder
+            why = "not a regular file; nebula reads only its own"
+            out.append(_result(copy, item.name, where, "corrupt", expected, why, want))
+            continue
         if size is None:
             out.append(_result(copy, item.name, where, "missing", expected, "no such file", want))
             continue
