@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-steps", type=int, default=2)
     parser.add_argument("--json", type=Path, default=RESULTS / "trainer-peft.json")
     args = parser.parse_args(argv)
+    if args.work is not None and not args.work.is_dir():
+        parser.error(f"--work {args.work}: no such folder (make it first, on the disk to measure)")
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     work = Path(tempfile.mkdtemp(prefix="nebula-peft-", dir=args.work))
