@@ -262,3 +262,94 @@ def test_a_held_copy_starts_at_the_commit_or_the_fence_and_not_before() -> None:
     worker.submit(lambda: ran.append("c"), copies=True, hold=True)
     worker.close()
     assert ran[-1] == "c"
+
+
+def _watching() -> bool:
+    from nebulaml.runtime.write_watch import unavailable
+
+    return unavailable() is None
+
+
+needs_watch = pytest.mark.skipif(not _watching(), reason="the kernel records no written pages")
+
+
+@needs_watch
+@pytest.mark.parametrize("writer", ["data", "numpy_thread", "edge"])
+def test_a_write_no_version_counter_sees_before_the_copy_fails_the_save(
+    root: Path, writer: str
+) -> None:
+    """Bug caught (main): a write through `.data`, or through a NumPy view from another
+    thread, bumps no version counter; the lazy copy took the new bytes and committed a
+    state that no save had. "edge": the tensor's first element, in a page it shares with
+    other memory (not protected: its bytes are taken at the save and compared after)."""
+    nm.init(str(root), persistent_time_interval=0, lazy_snapshot=True)
+    weights = torch.zeros(1 << 20)  # 4 MB: copied by the background
+    nm.Checkpoint("global_step1").save("model", {"w": weights})
+    nm.wait_for_snapshot()
+    gate = _gate()
+    nm.Checkpoint("global_step2").save("model", {"w": weights})
+    version = weights._version
+    if writer == "data":
+        weights.data[500_000] = 7.0
+    elif writer == "edge":
+        weights.data[0] = 7.0
+    else:
+        thread = threading.Thread(target=lambda: weights.numpy().__setitem__(500_000, 7.0))
+        thread.start()
+        thread.join()
+    assert weights._version == version  # unseen by the version counter
+    gate.set()
+    with pytest.raises(nm.SnapshotChangedError, match=r"'model'.*\['w'\]"):
+        nm.wait_for_snapshot()
+    latest = nm.get_latest_checkpoint()
+    assert latest is not None and latest.tag == "global_step1"
+    assert torch.equal(latest.load("model")["w"], torch.zeros(1 << 20))
+    # The watch is lifted and the next save sees no stale mark.
+    nm.Checkpoint("global_step3").save("model", {"w": weights})
+    nm.wait_for_snapshot()
+    assert float(nm.get_latest_checkpoint().load("model")["w"].sum()) == 7.0
+
+
+@needs_watch
+def test_a_second_save_of_the_same_tensors_never_hides_a_write_from_the_first(
+    root: Path,
+) -> None:
+    """Two lazy saves pending over one tensor: the second protects its pages again, which
+    forgets what was written. Bug it would catch: the first save's copy, taken after the
+    write, committed as the state of the first save."""
+    nm.init(str(root), persistent_time_interval=0, lazy_snapshot=True)
+    weights = torch.zeros(1 << 20)
+    gate = _gate()
+    nm.Checkpoint("global_step1").save("model", {"w": weights})
+    weights.data[500_000] = 7.0
+    nm.Checkpoint("global_step2").save("model", {"w": weights})
+    gate.set()
+    with pytest.raises(nm.SnapshotChangedError, match="global_step1"):
+        nm.wait_for_snapshot()
+    nm.wait_for_snapshot()  # raised once: global_step2, saved after the write, is whole
+    latest = nm.get_latest_checkpoint()
+    assert latest is not None and latest.tag == "global_step2"
+    assert float(latest.load("model")["w"].sum()) == 7.0
+
+
+@needs_watch
+def test_a_lazy_save_lifts_its_watch_and_the_steps_after_it_write_freely(root: Path) -> None:
+    """Bug it would catch: pages left protected after the copy (every later write
+    faults), or a watch that marks the training's own steps against the next save."""
+    from nebulaml.runtime.fence import SnapshotWorker
+
+    nm.init(str(root), persistent_time_interval=0, lazy_snapshot=True)
+    big = torch.nn.Linear(512, 512)  # 1 MB of weights, each save's large storages
+    opt = torch.optim.AdamW(big.parameters(), lr=0.1)
+    for step in range(1, 4):
+        nm.Checkpoint(f"global_step{step}").save("model", big.state_dict())
+        big(torch.randn(4, 512)).sum().backward()
+        opt.step()  # waits for the copy (the fence), then writes every weight
+        nm.wait_for_snapshot()
+    worker = nm_session.current("test", fence=False).snapshots
+    assert isinstance(worker, SnapshotWorker)
+    watch = worker.watch
+    assert watch._pending == []
+    assert watch._watch is not None and watch._watch.ranges  # registered for the session
+    assert watch._watch.written() == watch._watch.ranges  # lifted: nothing protected
+    assert nm.get_latest_checkpoint().tag == "global_step3"

@@ -10,7 +10,7 @@ nebula (which also waits for the commits, and raises a background failure once).
 
 The contract, said in the docs of `init`: between a lazy save and the fence, the saved
 tensors must not be changed in place by anything but the optimizer's step (which waits).
-Two things hold it where a training loop would break it (`take`):
+Three things hold it where a training loop would break it (`take`):
 
 - storages of at most `COPY_NOW_BYTES` are copied by `save()` itself, and the background
   fills from those copies. A forward pass writes BatchNorm's running statistics in place,
@@ -18,10 +18,17 @@ Two things hold it where a training loop would break it (`take`):
   them now costs little (a GPT-2 state has about 1 MB of them);
 - every larger tensor's version counter is read at the save and again after its copy
   (`Taken.changed`): an in-place change in between (`w.add_(1)` under `no_grad`, `copy_`, ...)
-  fails the save with `SnapshotChangedError`, and the checkpoint is not committed.
+  fails the save with `SnapshotChangedError`, and the checkpoint is not committed;
+- where the kernel records written pages (Linux 6.7, userfaultfd allowed:
+  write_watch.py), the whole pages of every larger host storage are write-protected at
+  the save and its few edge bytes taken at once (lazy_watch.py): a write before the copy
+  by anything (`.data`, a NumPy view, a pointer, another thread, a kernel of another
+  library) fails the save the same way.
 
-What neither sees: a write through `.data`, or by a native kernel that does not bump the
-version counter, into a tensor larger than `COPY_NOW_BYTES`.
+What is not seen: where the kernel cannot record written pages, a write through `.data`,
+or by a native kernel that does not bump the version counter, into a tensor larger than
+`COPY_NOW_BYTES`; anywhere, a write by DMA or another process into a pinned or shared
+storage, or into a device's memory, that bumps no version counter.
 
 Not for: what a snapshot writes (snapshot.py, checkpoint.py).
 """
@@ -38,6 +45,7 @@ from typing import Any
 
 from nebulaml._threads import start as start_thread
 from nebulaml.format.torchzip import Layout
+from nebulaml.runtime.lazy_watch import LazyWatch
 
 log = logging.getLogger("nebulaml")
 
@@ -68,6 +76,7 @@ class SnapshotWorker:
         self._closed = False
         self._held = 0  # the jobs at the queue's tail that wait (`submit`)
         self.small = SmallCopies()  # the small storages' copies, reused (`take`)
+        self.watch = LazyWatch()  # the writes to what is not copied yet (lazy_watch.py)
         self._thread = threading.Thread(target=self._run, name="nebula-snapshot", daemon=True)
         start_thread(self._thread)
         self._hook: Any = None
@@ -127,6 +136,7 @@ class SnapshotWorker:
             self._held = 0
             self._cond.notify_all()
         self._thread.join()
+        self.watch.close()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -166,12 +176,13 @@ _memmove_holding_gil = ctypes.PYFUNCTYPE(
 
 
 # A tensor's place in the object, as `take` met it: (the place of its container, its key
-# there), from () for the object itself. Spelt out (`_spelt`) only when it is reported:
+# there), from () for the object itself. Spelt out (`spelt`) only when it is reported:
 # building every place's string costs a save 0.4 ms of its 2 for a GPT-2 state.
 Place = tuple[Any, ...]
 
 
-def _spelt(place: Place) -> str:
+def spelt(place: Place) -> str:
+    """A place as the keys that reach it: "['state']['w']"."""
     keys = []
     while place:
         place, key = place
@@ -191,11 +202,15 @@ class Taken:
     @property
     def watched(self) -> tuple[tuple[str, Any, int], ...]:
         """The larger tensors: (place, tensor, version counter at the save)."""
-        return tuple((_spelt(place), t, version) for place, t, version in self.places)
+        return tuple((spelt(place), t, version) for place, t, version in self.places)
+
+    def large(self) -> list[tuple[Place, Any]]:
+        """The larger tensors, each with its place (`spelt` says it)."""
+        return [(place, t) for place, t, _version in self.places]
 
     def changed(self) -> list[str]:
         """The places of the watched tensors changed in place since the save."""
-        return [_spelt(place) for place, t, version in self.places if t._version != version]
+        return [spelt(place) for place, t, version in self.places if t._version != version]
 
     def on_copies(self, layout: Layout) -> Layout:
         """`layout` filled from the copies where it has them."""

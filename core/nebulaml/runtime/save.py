@@ -27,8 +27,8 @@ once. What follows the hand-over (persist, retain, evict, history) runs on the
 persister's thread.
 
 May import: every layer below runtime, and the runtime modules a save uses (session,
-budget, crew, fence, slots, snapshot). Not for: the user's checks on the handle (checkpoint.py),
-persisting (persister.py), or loading (load.py).
+budget, crew, fence, lazy_watch, slots, snapshot). Not for: the user's checks on the
+handle (checkpoint.py), persisting (persister.py), or loading (load.py).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ from nebulaml.protocol.tiers import TierSet
 from nebulaml.protocol.transfer import copy_item
 from nebulaml.runtime.budget import RECORDS_ROOM_BYTES, Shortfall
 from nebulaml.runtime.crew import QUIET
-from nebulaml.runtime.fence import Taken
+from nebulaml.runtime.fence import Taken, spelt
+from nebulaml.runtime.lazy_watch import SaveWatch
 from nebulaml.runtime.session import Session
 from nebulaml.runtime.slots import SlotPool
 from nebulaml.runtime.snapshot import Layout, cuda_ready_event, fill
@@ -186,19 +187,26 @@ class SaveJob:
         saveable = to_saveable(obj)
         small = session.snapshots.small
         taken = small.take(name, saveable)
+        # Every write to the large tensors, by anything, until they are copied (where the
+        # kernel can tell: lazy_watch.py); the version counters are read all the same.
+        watching = session.snapshots.watch.begin(taken.large(), spelt)
         ready = cuda_ready_event(saveable)
 
         def copy() -> None:
             try:
-                entry = self._write(session, name, saveable, ready, taken)
+                entry = self._write(session, name, saveable, ready, taken, watching)
                 changed = taken.changed()
+                if watching is not None and not watching.checked:
+                    changed += watching.check()  # written by torch.save: no buffer to read
                 if changed:
-                    raise SnapshotChangedError(self.tag, name, changed)
+                    raise SnapshotChangedError(self.tag, name, sorted(set(changed)))
                 self.items.append(entry)
             except BaseException as exc:
                 self._lazy_error = exc  # the checkpoint is incomplete: never committed
                 raise
             finally:
+                if watching is not None:
+                    watching.end()
                 small.give_back(name, taken)
 
         session.snapshots.submit(copy, copies=True, hold=True)  # until the commit
@@ -261,6 +269,7 @@ class SaveJob:
         obj: Any,
         ready: Any = None,
         taken: Taken | None = None,
+        watching: SaveWatch | None = None,
     ) -> ItemEntry:
         """Write one item (steps `room`, then `snapshot`): into a reused memory-tier
         buffer when its layout maps exactly (snapshot.py), else with torch.save; to the
@@ -273,7 +282,7 @@ class SaveJob:
         trace("snapshot", self.tag)
         if self._store is session.tiers.memory:
             try:
-                return self._write_memory(session, name, obj, layout, ready, taken)
+                return self._write_memory(session, name, obj, layout, ready, taken, watching)
             except StorageFullError:
                 # Another process took the room meanwhile: as if there had been none.
                 short = session.budget.filesystem_full(size)
@@ -308,6 +317,7 @@ class SaveJob:
         layout: Layout | None,
         ready: Any,
         taken: Taken | None,
+        watching: SaveWatch | None = None,
     ) -> ItemEntry:
         if layout is None:
             if taken is not None:
@@ -316,7 +326,8 @@ class SaveJob:
         if taken is not None:
             layout = taken.on_copies(layout)
         before = session.pool.reused_bytes
-        entry = write_snapshot(session.pool, self.tag, name, layout, rank=session.rank, ready=ready)
+        entry = write_snapshot(session.pool, self.tag, name, layout, rank=session.rank,
+                               ready=ready, watching=watching)  # fmt: skip
         self._reused += session.pool.reused_bytes - before  # what the buffer held already
         return entry
 
@@ -563,17 +574,29 @@ class SaveJob:
 
 
 def write_snapshot(
-    pool: SlotPool, tag: str, name: str, layout: Layout, *, rank: int, ready: Any = None
+    pool: SlotPool,
+    tag: str,
+    name: str,
+    layout: Layout,
+    *,
+    rank: int,
+    ready: Any = None,
+    watching: SaveWatch | None = None,
 ) -> ItemEntry:
     """Copy the item laid out by `layout` into its reused buffer in `tag`, hashing it on
     the way (snapshot.fill); the copy is done when this returns (the caller's tensors may
-    change). Returns the item's manifest entry."""
+    change). Returns the item's manifest entry. `watching`: a lazy save's watch, checked
+    against the buffer after the copy (`SnapshotChangedError` for what was written)."""
     buffer = pool.open_item(tag, name, layout.size_bytes)
     if not layout.on_host():
         buffer.pin()  # once per buffer: it is reused from one checkpoint to the next
     memory = buffer.memory if pool.reuse_unchanged else None
     label = f"item {name!r} of checkpoint {tag!r}"
     digest = fill(buffer.tensor, buffer.view, layout, ready=ready, memory=memory, label=label)
+    if watching is not None:
+        changed = watching.check(buffer.view, layout)
+        if changed:
+            raise SnapshotChangedError(tag, name, changed)
     if memory is not None:
         pool.count_reused(memory.reused_bytes)
     return ItemEntry.written(

@@ -168,20 +168,31 @@ class WriteWatch:
                    _Register(start, end - start, _REGISTER_MODE_WP, 0))  # fmt: skip
             self.ranges.append((start, end))
 
-    def protect(self, on: bool = True) -> None:
-        """Protect every registered range (what was written is forgotten, and the next
-        write to each page marks it), or lift the protection (writes mark nothing)."""
+    def unregister(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Forget registered ranges (their protection lifted first)."""
+        for start, end in list(ranges):
+            self.ranges.remove((start, end))
+            try:
+                _ioctl(self._fd, _UFFDIO_WRITEPROTECT, _Protect(start, end - start, 0))
+                _ioctl(self._fd, _UFFDIO_UNREGISTER, _Range(start, end - start))
+            except OSError:
+                pass  # unmapped since: nothing left to lift
+
+    def protect(self, on: bool = True, ranges: Iterable[tuple[int, int]] | None = None) -> None:
+        """Protect the registered ranges, or those of `ranges` (registered, or inside one):
+        what was written is forgotten, and the next write to each page marks it. Or lift
+        the protection (`on` False): writes mark nothing."""
         mode = _WRITEPROTECT_MODE_WP if on else 0
-        for start, end in self.ranges:
+        for start, end in self.ranges if ranges is None else ranges:
             _ioctl(self._fd, _UFFDIO_WRITEPROTECT, _Protect(start, end - start, mode))
 
-    def written(self) -> list[tuple[int, int]]:
-        """The (start, end) runs of pages written since `protect`, in the order of the
-        registered ranges. Every page of a range whose protection was lifted counts as
-        written: nothing can be told of it."""
+    def written(self, ranges: Iterable[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+        """The (start, end) runs of pages written since `protect`, of the registered
+        ranges or of `ranges`, in their order. Every page of a range whose protection was
+        lifted counts as written: nothing can be told of it."""
         found = []
         vec = self._vec
-        for start, end in self.ranges:
+        for start, end in self.ranges if ranges is None else ranges:
             at = start
             while at < end:
                 scan = _Scan(ctypes.sizeof(_Scan), _SCAN_CHECK_WPASYNC, at, end, 0,
@@ -195,9 +206,7 @@ class WriteWatch:
     def close(self) -> None:
         """Lift the protection, unregister, and close the descriptors."""
         try:
-            self.protect(False)
-            for start, end in self.ranges:
-                _ioctl(self._fd, _UFFDIO_UNREGISTER, _Range(start, end - start))
+            self.unregister(self.ranges)
         finally:
             self.ranges = []
             os.close(self._fd)
