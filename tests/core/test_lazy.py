@@ -353,3 +353,28 @@ def test_a_lazy_save_lifts_its_watch_and_the_steps_after_it_write_freely(root: P
     assert watch._watch is not None and watch._watch.ranges  # registered for the session
     assert watch._watch.written() == watch._watch.ranges  # lifted: nothing protected
     assert nm.get_latest_checkpoint().tag == "global_step3"
+
+
+@needs_watch
+def test_a_tensor_freed_and_made_again_at_its_address_is_watched_afresh() -> None:
+    """The watch's ranges stay registered for the session; memory freed (unmapped) and
+    mapped again at the same address is no longer registered. Bug it would catch: the
+    save's protect failing on the stale range, and every later save of that tensor left
+    to the version counters alone."""
+    from nebulaml.runtime.lazy_watch import LazyWatch
+
+    watch = LazyWatch()
+    try:
+        addresses = []
+        for _ in range(3):
+            weights = torch.zeros(1 << 24)  # 64 MB: its own mapping, unmapped when freed
+            addresses.append(weights.data_ptr())
+            saved = watch.begin([("['w']", weights)])
+            assert saved is not None
+            weights.data[5_000_000] = 7.0
+            assert saved.check() == ["['w']"]
+            saved.end()
+            del weights
+        assert len(set(addresses)) < len(addresses)  # an address was given out again
+    finally:
+        watch.close()

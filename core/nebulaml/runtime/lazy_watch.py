@@ -26,6 +26,7 @@ May import: runtime/write_watch.py. Not for: what a save copies, or when (fence.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -161,14 +162,23 @@ class LazyWatch:
                 taken = _edges(address, size)
                 if taken:
                     edges[address] = taken
+            for pending in self._pending:  # a protect forgets their marks: keep them
+                pending.carried += watch.written(pending.ranges)
             try:
                 self._register(watch, ranges)
-                for pending in self._pending:  # a protect forgets their marks: keep them
-                    pending.carried += watch.written(pending.ranges)
                 watch.protect(True, ranges)
-            except OSError as exc:
-                log.debug("lazy save: no write watch (%s); version counters only", exc)
-                return None
+            except OSError:
+                # A range registered before was unmapped since (its memory freed), and
+                # the address given out again: register afresh, once.
+                watch.unregister([r for r in ranges if r in watch.ranges])
+                try:
+                    self._register(watch, ranges)
+                    watch.protect(True, ranges)
+                except OSError as exc:
+                    with contextlib.suppress(OSError):
+                        watch.protect(False, ranges)
+                    log.debug("lazy save: no write watch (%s); version counters only", exc)
+                    return None
             storages = [(a, n, p) for a, (n, p) in spans.items()]
             saved = SaveWatch(self, ranges, storages, edges, spell)
             self._pending.append(saved)
