@@ -32,6 +32,7 @@ import argparse
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from model import PRESETS, TrainState, _tensors
@@ -47,7 +48,10 @@ def storage_pages(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, int]], i
     return ranges, sum(end - start for start, end in ranges), outside
 
 
-def _ms(t0: float) -> str:
+def _timed(call: Callable[[], object]) -> str:
+    """How long `call()` took, in milliseconds, said."""
+    t0 = time.perf_counter()
+    call()
     return f"{(time.perf_counter() - t0) * 1e3:.2f} ms"
 
 
@@ -65,16 +69,11 @@ def probe(name: str) -> None:
     watch = WriteWatch()
     unprotect = release = ""
     try:
-        t0 = time.perf_counter()
-        watch.register(ranges)
-        register = _ms(t0)
-        t0 = time.perf_counter()
-        watch.protect()
-        protect = _ms(t0)
+        register = _timed(lambda: watch.register(ranges))
+        protect = _timed(watch.protect)
         state.forward_backward()
-        t0 = time.perf_counter()
-        after_compute = watch.written()
-        scan = _ms(t0)
+        after_compute: list[tuple[int, int]] = []
+        scan = _timed(lambda: after_compute.extend(watch.written()))
         checks = []
 
         def paged(tensor: torch.Tensor) -> int:
@@ -96,12 +95,8 @@ def probe(name: str) -> None:
         other.join()
         checks.append(("another thread", seen(c)))
         checks.append(("any of them (runs of written pages)", len(watch.written())))
-        t0 = time.perf_counter()
-        watch.protect(False)
-        unprotect = _ms(t0)
-        t0 = time.perf_counter()
-        watch.close()
-        release = _ms(t0)
+        unprotect = _timed(lambda: watch.protect(False))
+        release = _timed(watch.close)
     finally:
         if watch.ranges:
             watch.close()

@@ -176,21 +176,28 @@ def test_progress_goes_to_a_terminal_stderr_never_to_stdout(root: Path, memory_t
     assert b"verifying" in terminal
 
 
+def _replace_with(path: Path, kind: str) -> None:
+    """Put a folder, a FIFO or a symbolic link (to a copy of its bytes, outside the tag's
+    folder) where the file `path` was."""
+    saved = path.read_bytes()
+    path.unlink()
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        elsewhere = path.parent.parent / f"elsewhere-{path.name}"
+        elsewhere.write_bytes(saved)
+        path.symlink_to(elsewhere)
+
+
 @pytest.mark.parametrize("kind", ["folder", "fifo", "link"])
 def test_a_manifest_replaced_by_what_is_not_a_file_fails_verify(root: Path, kind: str) -> None:
     """Bug caught: a committed tag whose manifest.json became a folder, a FIFO or a
     symbolic link was taken for a save that never committed: skipped, and exit 0."""
     _populate(root)
     manifest = root / "global_step100" / "manifest.json"
-    saved = manifest.read_bytes()
-    manifest.unlink()
-    if kind == "folder":
-        manifest.mkdir()
-    elif kind == "fifo":
-        os.mkfifo(manifest)
-    else:
-        (root / "elsewhere.json").write_bytes(saved)
-        manifest.symlink_to(root / "elsewhere.json")
+    _replace_with(manifest, kind)
     result = CliRunner().invoke(app, ["verify", str(root)], env={"COLUMNS": "200"})
     assert result.exit_code == 1, result.stdout + result.stderr
     said = [x for x in result.stderr.splitlines() if str(manifest) in x]
@@ -203,15 +210,7 @@ def test_an_item_replaced_by_what_is_not_a_file_is_said_so(root: Path, kind: str
     reported as "no such file", sending the operator to look for a file that is there."""
     _populate(root)
     item = root / "global_step100" / "model"
-    saved = item.read_bytes()
-    item.unlink()
-    if kind == "folder":
-        item.mkdir()
-    elif kind == "fifo":
-        os.mkfifo(item)
-    else:
-        (root / "elsewhere").write_bytes(saved)
-        item.symlink_to(root / "elsewhere")
+    _replace_with(item, kind)
     result = CliRunner().invoke(app, ["verify", str(root), "--json"], env={"COLUMNS": "200"})
     assert result.exit_code == 1, result.stdout + result.stderr
     doc = json.loads(result.stdout)
