@@ -209,14 +209,14 @@ def test_take_copies_small_storages_and_watches_the_rest() -> None:
 
 def test_take_watches_tensor_subclasses_without_reading_their_storage() -> None:
     # A subclass (a DTensor, say) may have no storage of its own: it is watched only.
-    from nebulaml.runtime.fence import take
+    from nebulaml.runtime.fence import spelt, take
 
     class Wrapped(torch.Tensor):
         pass
 
     wrapped = torch.zeros(4).as_subclass(Wrapped)
     taken = take({"t": wrapped})
-    assert taken.copies == {} and [path for path, _, _ in taken.watched] == ["['t']"]
+    assert taken.copies == {} and [spelt(place) for place, _ in taken.large()] == ["['t']"]
 
 
 def test_a_lazy_save_written_by_torch_save_reads_the_small_copies_too(root: Path) -> None:

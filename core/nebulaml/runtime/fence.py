@@ -199,11 +199,6 @@ class Taken:
     copies: dict[int, Any]
     places: tuple[tuple[Place, Any, int], ...]
 
-    @property
-    def watched(self) -> tuple[tuple[str, Any, int], ...]:
-        """The larger tensors: (place, tensor, version counter at the save)."""
-        return tuple((spelt(place), t, version) for place, t, version in self.places)
-
     def large(self) -> list[tuple[Place, Any]]:
         """The larger tensors, each with its place (`spelt` says it)."""
         return [(place, t) for place, t, _version in self.places]
