@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nebulaml.runtime.write_watch import PAGE, WriteWatch, inner_pages, unavailable
+from nebulaml.runtime.write_watch import WriteWatch, inner_pages, unavailable, whole_pages
 
 log = logging.getLogger("nebulaml")
 
@@ -230,8 +230,8 @@ class LazyWatch:
 
 def _edges(address: int, size: int) -> list[tuple[int, bytes]]:
     """The bytes of the storage at `address` outside its whole pages (those `inner_pages`
-    gives it), with their offsets in it: copied now, compared after the copy."""
-    start, end = -(-address // PAGE) * PAGE, (address + size) // PAGE * PAGE
+    watches), with their offsets in it: copied now, compared after the copy."""
+    start, end = whole_pages(address, size)
     if end <= start:
         return [(0, ctypes.string_at(address, size))]
     head, tail = start - address, address + size - end

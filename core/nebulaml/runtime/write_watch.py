@@ -97,6 +97,17 @@ def _ioctl(fd: int, request: int, arg: ctypes.Structure) -> int:
     return int(result)
 
 
+def whole_pages(address: int, size: int) -> tuple[int, int]:
+    """(start, end) of the whole pages inside `size` bytes at `address` (end <= start:
+    none).
+
+    Example:
+        >>> whole_pages(PAGE + 8, 3 * PAGE) == (2 * PAGE, 4 * PAGE)
+        True
+    """
+    return -(-address // PAGE) * PAGE, (address + size) // PAGE * PAGE
+
+
 def inner_pages(spans: Iterable[tuple[int, int]]) -> tuple[list[tuple[int, int]], int]:
     """The whole pages inside each (address, bytes) span, merged where they touch, and the
     bytes of the spans left out (in pages they share with other memory).
@@ -108,7 +119,7 @@ def inner_pages(spans: Iterable[tuple[int, int]]) -> tuple[list[tuple[int, int]]
     ranges: list[tuple[int, int]] = []
     outside = 0
     for address, size in sorted(spans):
-        start, end = -(-address // PAGE) * PAGE, (address + size) // PAGE * PAGE
+        start, end = whole_pages(address, size)
         if end <= start:
             outside += size
             continue
