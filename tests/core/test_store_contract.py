@@ -65,6 +65,9 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Root]:
 
         url = f"memory://contract-{uuid.uuid4().hex}"
         yield Root(kind, url)
+        # The test's session ends first: its background threads (a hold released, a
+        # persist) may still be removing files of this root while it is deleted.
+        nm.shutdown()
         fs = fsspec.filesystem("memory")
         if fs.exists(url):
             fs.rm(url, recursive=True)
