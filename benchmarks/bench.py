@@ -33,14 +33,15 @@ sequential write with fsync and cold sequential read in the work folder), and ch
 issue's target ratios (pass/fail). stdout: the tables; stderr: progress; the JSON file:
 every figure and every sample (sizes in bytes, times in seconds). Not a test.
 
-Methods: torch_save, dcp_save, dcp_async, dcp_async_reused, torchsnapshot, nebula,
-nebula_lazy (`nm.init(..., lazy_snapshot=True)`; shown as unavailable where nebulaml has
-no lazy mode), nebula_dcp and nebula_dcp_async (dcp.save / dcp.async_save through
-nebulaml.dcp.Writer), and dlrover (DLRover's Flash Checkpoint, memory save; issue #49): it
-runs in an environment of its own (.venv-dlrover, `make venv-dlrover`), after the other
-methods' saves and loads, on the same preset's state (dlrover_method.py; shown as
-unavailable where that environment is missing or its run fails). runner.py says exactly
-how each figure is taken; report.py, the targets.
+Methods: torch_save, dcp_save, dcp_async, dcp_async_reused, torchsnapshot, nebula (its
+default, `lazy_snapshot="auto"`: timed to the fence, as the lazy row), nebula_sync
+(`lazy_snapshot=False`), nebula_lazy (`nm.init(..., lazy_snapshot=True)`; shown as
+unavailable where nebulaml has no lazy mode), nebula_dcp and nebula_dcp_async (dcp.save /
+dcp.async_save through nebulaml.dcp.Writer), and dlrover (DLRover's Flash Checkpoint,
+memory save; issue #49): it runs in an environment of its own (.venv-dlrover,
+`make venv-dlrover`), after the other methods' saves and loads, on the same preset's
+state (dlrover_method.py; shown as unavailable where that environment is missing or its
+run fails). runner.py says exactly how each figure is taken; report.py, the targets.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def all_methods() -> list[Method]:
         DcpAsync(reused_stager=False),
         DcpAsync(reused_stager=True),
         TorchSnapshot(),
+        Nebula(lazy=None),
         Nebula(lazy=False),
         Nebula(lazy=True),
         NebulaDcp(async_save=False),

@@ -92,7 +92,6 @@ from peers import (
     TorchSave,
     TorchSnapshot,
     Unavailable,
-    no_wait,
 )
 from report import target_ratio
 from runner import COLD_SAVES, Steps, progress
@@ -150,7 +149,7 @@ class NebulaOwnItem(Nebula):
 
     def __init__(self) -> None:
         super().__init__(
-            lazy=False, name="nebula_own_item", label="nebula, frozen base its own item"
+            lazy=None, name="nebula_own_item", label="nebula, frozen base its own item"
         )
 
     def save(self, state: TrainState, step: int) -> Pending:
@@ -163,7 +162,7 @@ class NebulaOwnItem(Nebula):
         ckpt.save("optimizer", state.optimizer.state_dict())
         self.tags.append(tag)
         self.saved = [self.root / t for t in self.tags[-RETENTION:]]
-        return Pending(no_wait, nm.flush_persistence)
+        return Pending(nm.wait_for_snapshot, nm.flush_persistence)
 
     def load(self, state: TrainState, *, from_disk: bool) -> Any:
         ckpt = nm.get_latest_checkpoint(self.root_url)
@@ -185,10 +184,10 @@ def lora_rows(
     `storage_options` for `nebula_azure`, or why there is none; `s3`: the moto server's
     `url`, `storage_options` and counting `relay` for `nebula_s3`, or why there is none."""
     made: dict[str, LoraRow] = {
-        "nebula": LoraRow(Nebula(lazy=False), frozen, "local"),
+        "nebula": LoraRow(Nebula(lazy=None), frozen, "local"),
         "nebula_own_item": LoraRow(NebulaOwnItem(), frozen, "local"),
         "nebula_all_changed": LoraRow(
-            Nebula(lazy=False, name="nebula_all_changed", label="nebula, all-changed control"),
+            Nebula(lazy=None, name="nebula_all_changed", label="nebula, all-changed control"),
             control,
             "local",
         ),
@@ -200,7 +199,7 @@ def lora_rows(
     }
     options = azure if isinstance(azure, dict) else {}
     made["nebula_azure"] = LoraRow(
-        Nebula(lazy=False, name="nebula_azure", label="nebula to Azurite", **options),
+        Nebula(lazy=None, name="nebula_azure", label="nebula to Azurite", **options),
         frozen,
         "azurite",
         unavailable=azure if isinstance(azure, str) else None,
@@ -208,7 +207,7 @@ def lora_rows(
     where = dict(s3) if isinstance(s3, dict) else {}
     relay = where.pop("relay", None)
     made["nebula_s3"] = LoraRow(
-        Nebula(lazy=False, name="nebula_s3", label="nebula to S3 (moto)", **where),
+        Nebula(lazy=None, name="nebula_s3", label="nebula to S3 (moto)", **where),
         frozen,
         "s3",
         unavailable=s3 if isinstance(s3, str) else None,

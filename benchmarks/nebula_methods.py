@@ -43,14 +43,16 @@ RETENTION = 2
 
 
 def init_nebula(
-    root: Path | str, *, lazy: bool, storage_options: dict[str, Any] | None = None
+    root: Path | str, *, lazy: bool | None, storage_options: dict[str, Any] | None = None
 ) -> str | None:
     """`nm.init` for `root` (a folder, or a URL such as az://container/path with its
-    `storage_options`); returns None, or why the lazy mode is not available (then no
-    session is left running)."""
+    `storage_options`), with `lazy_snapshot=lazy` (None: nebula's default); returns None,
+    or why the lazy mode is not available (then no session is left running)."""
     kwargs: dict[str, Any] = {"persistent_time_interval": 0, "num_of_version_in_retention": 2}
     if storage_options is not None:
         kwargs["storage_options"] = storage_options
+    if lazy is False:
+        kwargs["lazy_snapshot"] = False
     if not lazy:
         nm.init(str(root), **kwargs)
         return None
@@ -70,14 +72,17 @@ def init_nebula(
 
 
 class Nebula(Method):
-    """nebula, synchronous snapshot (`lazy=False`) or lazy mode (`lazy=True`); persisting
-    into the work folder, or to `url` (e.g. az://container/path, with `storage_options`).
-    `name` and `label` tell apart rows that save different states the same way."""
+    """nebula: its default (`lazy=None`: `lazy_snapshot="auto"`, a copy deferred to the
+    next optimizer step where every write is seen), every snapshot synchronous
+    (`lazy=False`) or every one lazy (`lazy=True`); persisting into the work folder, or
+    to `url` (e.g. az://container/path, with `storage_options`). `name` and `label` tell
+    apart rows that save different states the same way. The default and lazy rows are
+    timed to the fence (`wait_for_snapshot`, after the next forward and backward)."""
 
     def __init__(
         self,
         *,
-        lazy: bool,
+        lazy: bool | None,
         name: str | None = None,
         label: str | None = None,
         url: str | None = None,
@@ -85,8 +90,10 @@ class Nebula(Method):
     ) -> None:
         if lazy:
             super().__init__("nebula_lazy", "nebula lazy", defers_fence=True)
+        elif lazy is None:
+            super().__init__("nebula", "nebula", defers_fence=True)
         else:
-            super().__init__("nebula", "nebula")
+            super().__init__("nebula_sync", "nebula, lazy_snapshot=False")
         self.name, self.label = name or self.name, label or self.label
         self.exclusive_session = True
         self.lazy = lazy
@@ -146,7 +153,7 @@ class Nebula(Method):
         self.tags.append(tag)
         if self.url is None:
             self.saved = [self.root / t for t in self.tags[-RETENTION:]]
-        wait = nm.wait_for_snapshot if self.lazy else no_wait
+        wait = no_wait if self.lazy is False else nm.wait_for_snapshot
         return Pending(wait, nm.flush_persistence)
 
     def load(self, state: TrainState, *, from_disk: bool) -> Any:
@@ -182,7 +189,7 @@ class NebulaDcp(Nebula):
     """`dcp.save` / `dcp.async_save` with nebula's DCP storage writer (nebulaml.dcp)."""
 
     def __init__(self, *, async_save: bool) -> None:
-        super().__init__(lazy=False)
+        super().__init__(lazy=False)  # DCP's own staging decides when the state is read
         if async_save:
             self.name, self.label = "nebula_dcp_async", "dcp.async_save -> nebula writer"
         else:

@@ -45,7 +45,7 @@ from rich.table import Table
 from runner import MethodResult
 
 MEMORY_SLACK_BYTES = 256 << 20
-NEBULA_VARIANTS = ("nebula", "nebula_lazy")
+NEBULA_VARIANTS = ("nebula", "nebula_sync", "nebula_lazy")
 
 
 def method_figures(result: MethodResult, state_bytes: int) -> dict[str, Any]:
@@ -436,7 +436,11 @@ def _render_best_peers(console: Console, doc: dict[str, Any], order: Sequence[st
     stager and DLRover's memory save, and what DLRover's row alone measures (its buffer,
     its saver process, its resume)."""
     methods = doc["methods"]
-    shown = [n for n in ("nebula", "nebula_lazy", "dcp_async_reused", "dlrover") if n in order]
+    shown = [
+        n
+        for n in ("nebula", "nebula_sync", "nebula_lazy", "dcp_async_reused", "dlrover")
+        if n in order
+    ]
     dl = methods.get("dlrover") or {}
     if "dlrover" not in shown or "unavailable" in dl:
         return

@@ -178,6 +178,7 @@ commit = nm.Checkpoint.commit
 def commit_then_die(self):
     done = commit(self)
     if self.tag == tag:
+        nm.wait_for_snapshot()  # its lazy copy and commit done (the default)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     return done

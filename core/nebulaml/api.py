@@ -61,7 +61,7 @@ def init(
     `NEBULA_NUM_OF_VERSION_IN_RETENTION`, else 2). Options: `storage_options` (a dict
     for fsspec), `exit_timeout_s` (how long exit waits for a pending persist,
     default `NEBULA_EXIT_TIMEOUT_S`, else 600), `lazy_snapshot` (default
-    `NEBULA_LAZY_SNAPSHOT`, else False), `on_persist_error` (default
+    `NEBULA_LAZY_SNAPSHOT`, else "auto": below), `on_persist_error` (default
     `NEBULA_ON_PERSIST_ERROR`, else "retry") and `private` (default `NEBULA_PRIVATE`,
     else False: a local persistent root is then this user's alone, its folder made 0700
     and what nebula writes there 0600 and 0700; otherwise they follow the umask, as the
@@ -99,14 +99,23 @@ def init(
     (the job checkpoints to the memory tier only until then). With
     `on_persist_error="raise"` a failed persist is raised by the next call into nebula.
 
-    With `lazy_snapshot=True`, `Checkpoint.save` returns at once and the snapshot is
+    A lazy save (`lazy_snapshot=True`: every save) returns at once, and the snapshot is
     copied in the background while the next forward and backward run; the next
     `optimizer.step()` (of any torch optimizer), `wait_for_snapshot()` and every other
     call into nebula wait for it first. Tensors whose storage is at most 64 KiB
     (BatchNorm's running statistics, step counters) are copied by `save` itself; a
     larger saved tensor changed in place before the copy (by anything but the
     optimizer's step, which waits) fails that checkpoint with `SnapshotChangedError`,
-    raised by the next call into nebula.
+    raised by the next call into nebula. The checkpoint is committed once its copy is
+    taken: a process killed before loses it (the one before stays the newest).
+
+    The default, "auto", saves lazily where every write before the copy is seen: a job
+    of one process without peer replicas, where the kernel records written pages (Linux
+    6.7), after a torch optimizer step, for host tensors of this process (not pinned,
+    shared or on a device), with room in the memory tier; any other save copies (and
+    commits) before it returns, as `lazy_snapshot=False` does for every save. A write
+    that a lazy save catches costs that checkpoint, is said in one warning (not raised),
+    and the session's later saves copy before they return.
 
     Example:
         >>> import nebulaml as nm, tempfile

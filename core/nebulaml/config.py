@@ -5,7 +5,8 @@
     NEBULA_NUM_OF_VERSION_IN_RETENTION  init()'s num_of_version_in_retention (default 2)
     NEBULA_EXIT_TIMEOUT_S               init()'s exit_timeout_s (default 600)
     NEBULA_RANK_TIMEOUT_S               init()'s rank_timeout_s (default 300)
-    NEBULA_LAZY_SNAPSHOT                init()'s lazy_snapshot (a boolean; default off)
+    NEBULA_LAZY_SNAPSHOT                init()'s lazy_snapshot: "auto" (the default), or a
+                                        boolean (on: every save lazy; off: none)
     NEBULA_KEEP_MEMORY_TIER             init()'s keep_memory_tier (a boolean; default off)
     NEBULA_REUSE_UNCHANGED              init()'s reuse_unchanged (a boolean; default on; off:
                                         every save copies every tensor)
@@ -104,6 +105,9 @@ PERSIST_ERROR_MODES = ("retry", "raise")
 # How many other nodes keep a replica of each node's memory-tier parts (runtime/peers.py,
 # runtime/replication.py): none, or the next node of the ring.
 PEER_REPLICA_COUNTS = (0, 1)
+# lazy_snapshot's default: a save's copy is deferred where every write to what it has not
+# copied yet is seen (runtime/fence.py says where), and taken at save() elsewhere.
+LAZY_AUTO = "auto"
 # The words a boolean variable accepts, in any case; anything else is refused.
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -119,7 +123,7 @@ class Config:
     exit_timeout_s: float
     rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S
     storage_options: tuple[tuple[str, Any], ...] = ()
-    lazy_snapshot: bool = False
+    lazy_snapshot: bool | str = LAZY_AUTO
     keep_memory_tier: bool = False
     on_persist_error: str = "retry"
     private: bool = False
@@ -192,7 +196,7 @@ def resolve_config(
     exit_timeout, exit_timeout_src = _option_or_env(
         options, "exit_timeout_s", ENV_EXIT_TIMEOUT, DEFAULT_EXIT_TIMEOUT_S
     )
-    lazy = _flag(options, "lazy_snapshot", ENV_LAZY, False)
+    lazy = _lazy_mode(options.get("lazy_snapshot"))
     keep = _flag(options, "keep_memory_tier", ENV_KEEP_MEMORY_TIER, False)
     on_error, on_error_src = _option_or_env(
         options, "on_persist_error", ENV_ON_PERSIST_ERROR, "retry"
@@ -241,6 +245,29 @@ def _option_or_env(
     if variable in os.environ:
         return os.environ[variable], variable
     return default, option
+
+
+def _lazy_mode(value: Any) -> bool | str:
+    """init()'s `lazy_snapshot`: True, False or "auto"; else `NEBULA_LAZY_SNAPSHOT` (a
+    boolean word, or "auto"); else "auto".
+
+    Example:
+        >>> _lazy_mode(None), _lazy_mode(False), _lazy_mode("auto")
+        ('auto', False, 'auto')
+    """
+    if value is None:
+        word = os.environ.get(ENV_LAZY, "").strip().lower()
+        if word in ("", LAZY_AUTO):
+            return LAZY_AUTO
+        if word not in _TRUE + _FALSE:
+            raise InvalidArgumentError(
+                f"{ENV_LAZY} must be auto, one of {', '.join(_TRUE)} (every save lazy) or one "
+                f"of {', '.join(_FALSE)} (every save copied at once), not {word!r}"
+            )
+        return word in _TRUE
+    if value is not True and value is not False and value != LAZY_AUTO:
+        raise InvalidArgumentError(f"lazy_snapshot must be True, False or 'auto', not {value!r}")
+    return value
 
 
 def _flag(options: dict[str, Any], option: str, variable: str, default: bool) -> bool:

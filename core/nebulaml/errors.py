@@ -164,7 +164,7 @@ class SnapshotChangedError(CheckpointStateError):
             f"checkpoint {tag!r} was not committed: item {name!r} had {shown} changed in "
             f"place after save() and before its lazy copy (only optimizer.step() waits for "
             f"the copy); call nm.wait_for_snapshot() before changing saved tensors outside "
-            f"the optimizer, or init nebula without lazy_snapshot"
+            f"the optimizer, or init nebula with lazy_snapshot=False"
         )
         self.tag, self.name, self.paths = tag, name, paths
 

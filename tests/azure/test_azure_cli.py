@@ -41,6 +41,7 @@ for step in (1, 2, 3, 4):
     nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.full((1000,), float(step))})
     if step < 4:
         nm.flush_persistence()
+nm.wait_for_snapshot()  # its lazy copy taken (the default): a crash keeps it
 os._exit(0)  # a crash: global_step4 stays in the memory tier only
 """
 

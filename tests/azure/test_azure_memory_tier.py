@@ -28,6 +28,7 @@ nm.init(sys.argv[1], persistent_time_interval=3600)
 nm.Checkpoint("global_step1").save("model", {"w": torch.ones(64)})
 nm.flush_persistence()  # persisted; global_step2 is an hour away
 nm.Checkpoint("global_step2").save("model", {"w": torch.full((64,), 2.0)})
+nm.wait_for_snapshot()  # its lazy copy taken (the default): a crash keeps it
 os.kill(os.getpid(), signal.SIGKILL)
 """
 

@@ -34,6 +34,7 @@ for step in (1, 2):
     nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.randn(200, 200, generator=gen)})
     if step == 1:
         nm.flush_persistence()  # persisted; global_step2 is not due for an hour
+nm.wait_for_snapshot()  # its lazy copy taken (the default): a crash keeps it
 os._exit(0)  # a crash: nothing runs at exit
 """
 

@@ -27,6 +27,7 @@ nm.init(sys.argv[1], persistent_time_interval=3600)
 nm.Checkpoint("global_step1").save("model", {"w": torch.ones(1000)})
 nm.flush_persistence()
 nm.Checkpoint("global_step2").save("model", {"w": torch.ones(600_000)})  # not due for an hour
+nm.wait_for_snapshot()  # its lazy copy taken (the default): a crash keeps it
 os._exit(0)  # a crash: nothing runs at exit
 """
 UNIT = r"[\d.]+ (?:B|KiB|MiB|GiB)"

@@ -342,6 +342,7 @@ def test_a_save_links_its_marker_and_shutdown_removes_the_prepared_file(root: Pa
     written = memory / "global_step1" / writer_marker_name(0)
     assert written.stat().st_ino == prepared.stat().st_ino and prepared.stat().st_nlink == 2
     ckpt.save("optimizer", {"step": 1})  # the commit removes the tag's name alone
+    nm.wait_for_snapshot()  # the commit, left to the background by a lazy save
     assert not written.exists() and prepared.stat().st_nlink == 1
     prepared.unlink()  # another hand's: the next save writes its marker, and prepares again
     nm.Checkpoint("global_step2").save("model", {"w": torch.ones(4)})
@@ -409,6 +410,7 @@ def test_saves_number_their_commits_one_after_another(root: Path) -> None:
     sequences = []
     for step in range(1, 5):
         nm.Checkpoint(f"global_step{step}").save("model", {"w": torch.ones(4)})
+        nm.wait_for_snapshot()  # the commit, left to the background by a lazy save
         info = read_committed(memory, f"global_step{step}")
         assert info is not None
         sequences.append(info.manifest.sequence)

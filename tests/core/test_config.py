@@ -82,7 +82,7 @@ def test_an_empty_boolean_variable_is_the_default(monkeypatch: pytest.MonkeyPatc
     for name in [*BOOLEANS, "NEBULA_PRIVATE"]:
         monkeypatch.setenv(name, "")
     config = resolve_config("/ckpt", None, None, {})
-    assert (config.lazy_snapshot, config.keep_memory_tier, config.private) == (False,) * 3
+    assert (config.lazy_snapshot, config.keep_memory_tier, config.private) == ("auto", False, False)
     assert config.reuse_unchanged is True
 
 

@@ -120,6 +120,7 @@ nm.init(sys.argv[1], persistent_time_interval=3600)
 nm.Checkpoint("global_step5").save("model", {"w": torch.zeros(4)})
 nm.flush_persistence()  # persisted; the next persist is an hour away
 nm.Checkpoint("global_step5", overwrite=True).save("model", {"w": torch.ones(4)})
+nm.wait_for_snapshot()  # its lazy copy taken (the default): a crash keeps it
 os.kill(os.getpid(), signal.SIGKILL)
 """
 

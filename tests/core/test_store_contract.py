@@ -65,8 +65,8 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Root]:
 
         url = f"memory://contract-{uuid.uuid4().hex}"
         yield Root(kind, url)
-        # The test's session ends first: its background threads (a hold released, a
-        # persist) may still be removing files of this root while it is deleted.
+        # The test's session ends first: its background threads (a persist, a release)
+        # may still be removing files of this root while it is deleted.
         nm.shutdown()
         fs = fsspec.filesystem("memory")
         if fs.exists(url):
@@ -246,9 +246,11 @@ def test_checkpoint_round_trip_on_every_backend(backend: Root) -> None:
     nm.shutdown()
     persistent = backend.open()
     assert sorted(persistent.list_dirs()) == ["global_step2", "global_step3"]
-    latest = nm.get_latest_checkpoint(persist_path=url)
-    assert latest.tag == "global_step3"
-    assert torch.equal(latest.load("model")["w"], torch.full((8,), 3.0))
+    # Released here: a handle dropped unreleased ends its hold on a thread of its own,
+    # which may still remove the hold's lease while the fixture deletes the root.
+    with nm.get_latest_checkpoint(persist_path=url) as latest:
+        assert latest.tag == "global_step3"
+        assert torch.equal(latest.load("model")["w"], torch.full((8,), 3.0))
     assert b"global_step3,3,persistent" in (
         persistent.read_appended("checkpointHistories.csv") or b""
     )

@@ -380,6 +380,7 @@ def test_a_checkpoints_audits_start_once_it_is_committed(
     checkpoint.save("model", model.state_dict())  # the base skipped: its audit is due
     assert started == []
     checkpoint.save("extra", {"step": torch.tensor(5)})  # the second item commits
+    nm.wait_for_snapshot()  # the commit, left to the background by a lazy save
     assert started == [True]
     _pool().settle_audits()
     assert nm.flush_persistence()

@@ -123,6 +123,7 @@ def run_trainer(spec: dict[str, Any]) -> dict[str, Any]:
             if spec.get("flush") is True or state.global_step in (spec.get("flush") or ()):
                 nm.flush_persistence()  # persisted before training goes on
             if state.global_step == spec.get("kill_at"):
+                nm.wait_for_snapshot()  # acknowledged: its lazy copy (the default) taken
                 os.kill(os.getpid(), signal.SIGKILL)
             if state.global_step == spec.get("stop_at"):
                 control.should_training_stop = True
@@ -208,6 +209,7 @@ def run_accelerate(spec: dict[str, Any]) -> dict[str, Any]:
             if spec.get("flush") is True or step in (spec.get("flush") or ()):
                 nm.flush_persistence()
             if step == spec.get("kill_at"):
+                nm.wait_for_snapshot()  # acknowledged: its lazy copy (the default) taken
                 os.kill(os.getpid(), signal.SIGKILL)
     result["global_step"] = spec["max_steps"]
     return result

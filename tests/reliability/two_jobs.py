@@ -77,11 +77,12 @@ while True:
         ckpt = nm.Checkpoint(f"global_step{step}", 2)
         ckpt.save("model", model.state_dict())
         ckpt.save("optimizer", opt.state_dict())
+        nm.wait_for_snapshot()  # committed: a lazy save (the default) commits in the background
     except nm.NebulaError as exc:
         print("ERROR", type(exc).__name__, str(exc).replace("\\n", " "), flush=True)
         time.sleep(pause)
         continue
-    with open(journal, "a") as f:  # acknowledged: written only once the save returned
+    with open(journal, "a") as f:  # acknowledged: written only once it is committed
         f.write(f"{step} {saved}\\n")
         f.flush()
         os.fsync(f.fileno())

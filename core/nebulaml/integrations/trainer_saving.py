@@ -104,12 +104,20 @@ class TrainerSaving:
         every one, as the Trainer) goes from every tier. The checkpoints are those this
         process knows: committed in its memory tier, and durable as its persister knows
         (the training thread never lists the persistent tier). Every rank does it, for its
-        own parts; rank 0's persister deletes the persistent copies."""
-        trainer = self.trainer
-        limit = self.retention or trainer.args.save_total_limit
+        own parts; rank 0's persister deletes the persistent copies. After a lazy save
+        (the default), it runs once that checkpoint is committed or has failed, on the
+        snapshot thread: what the rotation counts is what the memory tier holds."""
+        limit = self.retention or self.trainer.args.save_total_limit
         session = _session.live()
         if session is None or limit is None or limit <= 0:
             return
+        if session.snapshots is not None:
+            session.snapshots.submit(lambda: self._rotate(session, limit), copies=False)
+        else:
+            self._rotate(session, limit)
+
+    def _rotate(self, session: Any, limit: int) -> None:
+        trainer = self.trainer
         known = set(session.persister.durable_tags())
         if session.world_size > 1:
             known |= {tag for tag, _created in own_parts(session.tiers.memory, session.rank)}

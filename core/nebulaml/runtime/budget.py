@@ -141,6 +141,22 @@ class MemoryBudget:
         pool.trim()
         return self._shortfall(name, size_bytes, reuse=False)
 
+    def roomy(self, size_bytes: int) -> bool:
+        """Whether an item of `size_bytes` surely fits the memory tier as it stands, by a
+        look that takes no lock and makes no room: at most half the budget (the newest
+        checkpoint and the one being saved side by side), and within what the tier's
+        filesystem has free. A lazy save by default ("auto") leaves only such copies to
+        the background; the others make their room at save().
+
+        Example:
+            >>> MemoryBudget(10, pool=None, persister=None).roomy(6)
+            False
+        """
+        if self.limit_bytes is not None and 2 * size_bytes > self.limit_bytes:
+            return False
+        free = free_bytes(self.path) if self.path is not None else None
+        return free is None or _pages(size_bytes) + RECORDS_ROOM_BYTES <= free
+
     def spare_fits(self, size_bytes: int) -> bool:
         """Whether one more buffer of `size_bytes` fits beside what the memory tier holds:
         within the budget, and within its filesystem's free space with the records' room

@@ -1,6 +1,7 @@
 """Lazy snapshots: `save()` returns at once, the copy overlaps the next forward/backward.
 
-With `nm.init(..., lazy_snapshot=True)` (or `NEBULA_LAZY_SNAPSHOT=1`) a save only records
+With `nm.init(..., lazy_snapshot=True)` (or `NEBULA_LAZY_SNAPSHOT=1`), and by default
+("auto") where runtime/save.py's `_copy_now` finds every write watched, a save only records
 what to copy; one background thread takes the snapshot (the copy of the tensors into the
 memory tier), then hashes it and commits. The training loop may run its next forward and
 backward meanwhile, because they read parameters without changing them. The *fence* is
@@ -69,7 +70,8 @@ class SnapshotWorker:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._jobs: deque[tuple[Callable[[], Any], bool]] = deque()
+        self._jobs: deque[tuple[Callable[[], Any], bool, str | None]] = deque()
+        self._tags: dict[str, int] = {}  # jobs queued or running, by checkpoint tag
         self._copies = 0  # copy jobs queued or running
         self._busy = False
         self._error: BaseException | None = None
@@ -77,21 +79,26 @@ class SnapshotWorker:
         self._held = 0  # the jobs at the queue's tail that wait (`submit`)
         self.small = SmallCopies()  # the small storages' copies, reused (`take`)
         self.watch = LazyWatch()  # the writes to what is not copied yet (lazy_watch.py)
+        self._stepped = False  # an optimizer step ran since `stepped()` last asked
         self._thread = threading.Thread(target=self._run, name="nebula-snapshot", daemon=True)
         start_thread(self._thread)
         self._hook: Any = None
 
-    def submit(self, job: Callable[[], Any], *, copies: bool, hold: bool = False) -> None:
-        """Queue `job`. A job submitted with `hold` waits until a job without it is
-        submitted, or `wait` or `close` is called: a lazy save's copy waits for the
-        checkpoint's commit, so that the saves of its next items (each a few hundred
-        small copies in Python) do not take turns at the GIL with it (5-10 ms instead of
-        1.4 for an AdamW state's)."""
+    def submit(
+        self, job: Callable[[], Any], *, copies: bool, hold: bool = False, tag: str | None = None
+    ) -> None:
+        """Queue `job` (of checkpoint `tag`, if given: `busy_with`). A job submitted with
+        `hold` waits until a job without it is submitted, or `wait` or `close` is called:
+        a lazy save's copy waits for the checkpoint's commit, so that the saves of its
+        next items (each a few hundred small copies in Python) do not take turns at the
+        GIL with it (5-10 ms instead of 1.4 for an AdamW state's)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the snapshot worker is closed")
-            self._jobs.append((job, copies))
+            self._jobs.append((job, copies, tag))
             self._copies += int(copies)
+            if tag is not None:
+                self._tags[tag] = self._tags.get(tag, 0) + 1
             self._held = self._held + 1 if hold else 0
             self._cond.notify_all()
 
@@ -111,6 +118,18 @@ class SnapshotWorker:
         if error is not None:
             raise error
 
+    def stepped(self) -> bool:
+        """Whether an optimizer step (the fence) ran since the last call: a loop that
+        changes its saved tensors through torch optimizers alone."""
+        stepped, self._stepped = self._stepped, False
+        return stepped
+
+    def busy_with(self, tag: str) -> bool:
+        """Whether a job of checkpoint `tag` is queued or running: a new save of that tag
+        (`overwrite`, Lightning's `last`) waits for it before it touches the folder."""
+        with self._cond:
+            return tag in self._tags
+
     def raise_error(self) -> None:
         """Raise the first background failure, once, without waiting for anything."""
         with self._cond:
@@ -125,6 +144,7 @@ class SnapshotWorker:
         def fence(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
             # The step is the training loop's, not nebula's: a failed snapshot is raised
             # by the next call into nebula, not from inside optimizer.step().
+            self._stepped = True
             self.wait(copies_only=True, raise_error=False)
 
         self._hook = register_optimizer_step_pre_hook(fence)
@@ -148,7 +168,7 @@ class SnapshotWorker:
                     self._cond.wait()
                 if not self._jobs:
                     return
-                job, copies = self._jobs.popleft()
+                job, copies, tag = self._jobs.popleft()
                 self._busy = True
             try:
                 job()
@@ -161,6 +181,10 @@ class SnapshotWorker:
                 with self._cond:
                     self._busy = False
                     self._copies -= int(copies)
+                    if tag is not None:
+                        self._tags[tag] -= 1
+                        if not self._tags[tag]:
+                            del self._tags[tag]
                     self._cond.notify_all()
 
 

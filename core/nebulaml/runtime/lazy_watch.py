@@ -133,19 +133,13 @@ class LazyWatch:
         self, tensors: list[tuple[Any, Any]], spell: Callable[[Any], str] = str
     ) -> SaveWatch | None:
         """Protect the whole pages of each (place, tensor)'s storage, host memory of this
-        process only, and take the bytes at their edges; None where nothing can be
-        watched (the version counters alone then tell). `spell(place)`: the place as
-        `SaveWatch.check` names it."""
-        import torch
-
+        process only (`watchable`), and take the bytes at their edges; None where nothing
+        can be watched (the version counters alone then tell). `spell(place)`: the place
+        as `SaveWatch.check` names it."""
         spans: dict[int, tuple[int, list[Any]]] = {}
         for place, tensor in tensors:
-            if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-                continue  # a subclass (a DTensor) may have no storage of its own
-            if tensor.layout != torch.strided or tensor.device.type != "cpu":
-                continue  # sparse: no storage; a device's: not this process's pages
-            if tensor.is_pinned() or tensor.is_shared():
-                continue  # written by DMA or by another process: never marked here
+            if not watchable(tensor):
+                continue
             storage = tensor.untyped_storage()
             address, size = storage.data_ptr(), storage.nbytes()
             if size:
@@ -226,6 +220,27 @@ class LazyWatch:
         stale = [r for r in watch.ranges if any(r[0] < b and r[1] > a for a, b in new)]
         watch.unregister(stale)
         watch.register(new)
+
+
+def watchable(tensor: Any) -> bool:
+    """Whether every write to `tensor`'s storage would be marked by the kernel here: a
+    plain strided tensor in this process's own host memory. Not a subclass (a DTensor
+    may have no storage of its own), a sparse tensor (none at all), a device's memory
+    (not this process's pages), a pinned storage (written by DMA) or a shared one
+    (written by other processes).
+
+    Example:
+        >>> import torch
+        >>> watchable(torch.zeros(4)), watchable(torch.zeros(4).share_memory_())
+        (True, False)
+    """
+    import torch
+
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    if tensor.layout != torch.strided or tensor.device.type != "cpu":
+        return False
+    return not (tensor.is_pinned() or tensor.is_shared())
 
 
 def _edges(address: int, size: int) -> list[tuple[int, bytes]]:

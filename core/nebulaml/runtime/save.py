@@ -66,7 +66,7 @@ from nebulaml.protocol.transfer import copy_item
 from nebulaml.runtime.budget import RECORDS_ROOM_BYTES, Shortfall
 from nebulaml.runtime.crew import QUIET
 from nebulaml.runtime.fence import Taken, spelt
-from nebulaml.runtime.lazy_watch import SaveWatch
+from nebulaml.runtime.lazy_watch import SaveWatch, watchable
 from nebulaml.runtime.session import Session
 from nebulaml.runtime.slots import SlotPool
 from nebulaml.runtime.snapshot import Layout, cuda_ready_event, fill
@@ -112,6 +112,8 @@ class SaveJob:
         self._t0 = 0.0
         self._blocking_s = 0.0
         self._reused = 0  # bytes of tensors the snapshot did not copy (unchanged.py)
+        self._copied_now = False  # an item the default copied at save() (`_copy_now`)
+        self._stepped: bool | None = None  # an optimizer step ran before its first save
 
     def mark_committed(self, tiers: TierSet) -> None:
         """This is a checkpoint committed before, on `tiers`: nothing is saved into it."""
@@ -140,6 +142,12 @@ class SaveJob:
     def _add(self, session: Session, name: str, obj: Any, t0: float) -> None:
         """The save of one item: its steps, in order (steps.SAVE)."""
         self._check_rank(session, name)
+        # An earlier lazy save of this tag, not committed yet: this one would begin in the
+        # folder it writes (an overwrite). It ends first; its failure, if any, is raised
+        # by the next call as ever.
+        snapshots = session.snapshots
+        if not self._begun and snapshots is not None and snapshots.busy_with(self.tag):
+            snapshots.wait(raise_error=False)
         if not self._begun:
             trace("begin", self.tag)
             self._begin(session, t0)
@@ -182,14 +190,20 @@ class SaveJob:
     def _write_lazily(self, session: Session, name: str, obj: Any) -> None:
         """Lazy: the copy (hashed on the way) runs in the background; the fence before
         optimizer.step() waits for it. The state dicts are taken now, and the small tensors
-        copied; the large ones are read later, and must not have changed."""
+        copied; the large ones are read later, and must not have changed. By default
+        ("auto"), an item whose later copy could miss a write, or that needs room made
+        first, is copied before this returns (`_copy_now`), as without lazy saves."""
         assert session.snapshots is not None
         saveable = to_saveable(obj)
         small = session.snapshots.small
         taken = small.take(name, saveable)
+        large = taken.large()
+        now = session.lazy_auto and self._copy_now(session, large) is not None
         # Every write to the large tensors, by anything, until they are copied (where the
         # kernel can tell: lazy_watch.py); the version counters are read all the same.
-        watching = session.snapshots.watch.begin(taken.large(), spelt)
+        watching = None if now else session.snapshots.watch.begin(large, spelt)
+        if session.lazy_auto and watching is None and large and not now:
+            now = True  # the kernel refused this watch: nothing would see a write
         ready = cuda_ready_event(saveable)
 
         def copy() -> None:
@@ -203,19 +217,61 @@ class SaveJob:
                 self.items.append(entry)
             except BaseException as exc:
                 self._lazy_error = exc  # the checkpoint is incomplete: never committed
+                if session.lazy_auto and isinstance(exc, SnapshotChangedError):
+                    refuse_lazy_saves(session, exc)  # said, and not raised: see there
+                    return
                 raise
             finally:
                 if watching is not None:
                     watching.end()
                 small.give_back(name, taken)
 
-        session.snapshots.submit(copy, copies=True, hold=True)  # until the commit
+        # Held (not `now`) until the commit is queued.
+        session.snapshots.submit(copy, copies=True, hold=not now, tag=self.tag)
+        if now:
+            self._copied_now = True
+            session.snapshots.wait(copies_only=True)  # its failure raised here, by save()
+
+    def _copy_now(self, session: Session, large: list[tuple[Any, Any]]) -> str | None:
+        """Why the default ("auto") copies this item before save() returns, or None (its
+        copy may wait until the next optimizer step):
+
+        - no torch optimizer stepped since the last checkpoint: the loop changes its
+          tensors some other way, and nothing would make it wait for the copy;
+        - a lazy copy of this session was found changed (`SnapshotChangedError`): the
+          loop writes its saved tensors outside the optimizer step;
+        - several processes (their commit is agreed at save());
+        - a tensor whose writes the kernel cannot show here (lazy_watch.py);
+        - too little room in the memory tier to be sure it fits as it stands (its room is
+          made at save(), and a `MemoryBudgetError` raised there)."""
+        assert session.snapshots is not None
+        if self._stepped is None:
+            self._stepped = session.snapshots.stepped()
+        if session.lazy_refused is not None:
+            return session.lazy_refused
+        if not self._stepped:
+            return "no optimizer.step() since the last checkpoint"
+        if session.world_size > 1:
+            return f"a job of {session.world_size} processes"
+        unseen = [place for place, tensor in large if not watchable(tensor)]
+        if unseen:
+            return f"{spelt(unseen[0])} is not in this process's own memory"
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for _p, t in large}
+        if not session.budget.roomy(sum(storages.values())):
+            return "the memory tier may have no room for it"
+        return None
 
     def commit(self, session: Session) -> bool:
         """Commit now, or (lazy) once the queued copies are done; returns True."""
         if session.snapshots is not None:
             self.sealed = True  # no more saves; the commit runs after the copies
-            session.snapshots.submit(lambda: self._commit_lazily(session), copies=False)
+            session.snapshots.submit(
+                lambda: self._commit_lazily(session), copies=False, tag=self.tag
+            )
+            if session.lazy_auto and self._copied_now:
+                # An item had to be copied at save() (`_copy_now`): its checkpoint is
+                # committed now too, as without lazy saves.
+                session.snapshots.wait()
             return True
         try:
             with QUIET.saving():
@@ -571,6 +627,20 @@ class SaveJob:
             bytes_written=size - self._reused,
             bytes_reused=self._reused,
         )
+
+
+def refuse_lazy_saves(session: Session, error: SnapshotChangedError) -> None:
+    """The default ("auto") deferred a copy, and the loop changed a saved tensor before it
+    was taken, outside an optimizer step: that checkpoint is not committed (the previous
+    one stays the newest), and every later save of the session copies at save(). Said
+    once, as a warning; not raised, since the loop did nothing the synchronous default
+    ever refused."""
+    session.lazy_refused = "a saved tensor was changed outside an optimizer step"
+    log.warning(
+        "%s. From now on, this session's saves copy at save() (lazy_snapshot=False does "
+        "so from the start; lazy_snapshot=True raises this instead)",
+        error,
+    )
 
 
 def write_snapshot(

@@ -24,7 +24,8 @@ while a restart may still need them (protocol/replicas_held.py: the persistent t
 neither their checkpoint nor a later step); the rest of the tier goes as ever.
 
 May import: every layer below runtime, `nebulaml.config`, and the runtime modules the
-session owns (budget, fence, job, peers, persister, ranks, replication, slots, snapshot).
+session owns (budget, fence, job, peers, persister, ranks, replication, slots, snapshot,
+write_watch).
 Not for: the configuration (config.py), the exit path (exit.py), saving and loading
 (save.py, load.py), or the public functions (api.py, checkpoint.py).
 """
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from nebulaml.config import Config, elastic_generation
+from nebulaml.config import LAZY_AUTO, Config, elastic_generation
 from nebulaml.errors import (
     NebulaError,
     NotInitializedError,
@@ -79,6 +80,7 @@ from nebulaml.runtime.ranks import (
 )
 from nebulaml.runtime.slots import SlotPool
 from nebulaml.runtime.snapshot import LayoutCache
+from nebulaml.runtime.write_watch import unavailable as write_watch_unavailable
 from nebulaml.storage.deadline import within
 from nebulaml.storage.store import Store
 
@@ -187,10 +189,26 @@ class Session:
         self._recovery_due = True
         if reached and ranks_settled() and (self._ranks.world_size == 1 or self._generation_known):
             self._recover_once()
+        # Lazy saves (fence.py): every one with lazy_snapshot=True; by default ("auto")
+        # where the kernel records the writes to what a save has not copied yet, in a job of
+        # one process (a job of several agrees on each commit at save(): ranks.py).
         self.snapshots: SnapshotWorker | None = None
-        if config.lazy_snapshot:
+        self.lazy_auto = config.lazy_snapshot == LAZY_AUTO
+        self.lazy_refused: str | None = None  # why "auto" copies at save() from now on
+        if self.lazy_auto and (not_lazy := self._why_not_lazy()) is not None:
+            log.debug("saves copy at save(): %s", not_lazy)
+        elif config.lazy_snapshot:
             self.snapshots = SnapshotWorker()
             self.snapshots.install_fence()
+
+    def _why_not_lazy(self) -> str | None:
+        """Why the default ("auto") takes every copy at save() in this session, or None."""
+        if self._ranks.world_size > 1:
+            return f"a job of {self._ranks.world_size} processes"
+        if self.config.peer_replicas:
+            return "peer replicas are sent at each commit"
+        why = write_watch_unavailable()
+        return None if why is None else f"no write watch ({why})"
 
     def _known_ranks(self) -> RankInfo | None:
         """This process's place in the job, if it can be told for certain (bind_ranks)."""

@@ -48,12 +48,15 @@ def known_state(step: int, item: str) -> dict[str, Any]:
 
 
 def save_step(step: int, items: tuple[str, ...] = ITEMS) -> None:
-    """Save `known_state` as the items of `global_step<step>`; the last save commits."""
+    """Save `known_state` as the items of `global_step<step>`; the last save commits.
+    Returns once it is committed in the memory tier: a lazy save (the default) is waited
+    for, as a training loop's next optimizer.step() waits for its copy."""
     import nebulaml as nm
 
     ckpt = nm.Checkpoint(f"global_step{step}", len(items))
     for item in items:
         ckpt.save(item, known_state(step, item))
+    nm.wait_for_snapshot()
 
 
 def assert_same_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:

@@ -49,6 +49,7 @@ def crash_before_commit(root: str, n_items: str) -> None:
     ckpt = nm.Checkpoint("global_step2", -2)
     for item in crashkit.ITEMS[: int(n_items)]:
         ckpt.save(item, crashkit.known_state(2, item))
+    nm.wait_for_snapshot()  # the items' lazy copies taken (no commit: none was asked)
     say("READY")
     hang()
 
