@@ -5,7 +5,9 @@ checkpoints stay in the memory tier.
     python benchmarks/persist_stall.py [--mb 480] [--saves 16] [--train-s 0.3] [--runs 2]
     make bench-stall
 
-One run is a fresh process: `nm.init` on a local root, a state of `--mb` MB changed in
+One run is a fresh process: `nm.init` on a local root (`lazy_snapshot=False`: the copy at
+`save()`, which the default takes too for a loop that changes its state without a torch
+optimizer, as this one does), a state of `--mb` MB changed in
 place before each save (every byte), `nm.Checkpoint(tag).save("model", state)` and
 `commit()` timed (the stall), then `--train-s` seconds of CPU work standing for training
 (matrix products on one thread, as a loop's step would run). Two kinds of run, alternated
@@ -60,8 +62,10 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     import nebulaml as nm
 
+    # The state is changed in place, no optimizer: the default copies each save at save()
+    # (a copy deferred would be refused), which lazy_snapshot=False says outright.
     nm.init(args.root, persistent_time_interval=args.interval, num_of_version_in_retention=2,
-            spare_buffers=args.spares == "on")  # fmt: skip
+            spare_buffers=args.spares == "on", lazy_snapshot=False)  # fmt: skip
     state = {"w": torch.zeros(args.mb * (1 << 20) // 4), "step": torch.tensor(0)}
     stalls: list[float] = []
     for step in range(1, args.saves + 1):
