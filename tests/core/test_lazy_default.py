@@ -84,6 +84,26 @@ def test_without_an_optimizer_step_the_copy_is_taken_at_save(root: Path) -> None
 
 
 @watched
+def test_two_checkpoints_after_one_step_both_wait_for_the_next(root: Path) -> None:
+    # Lightning saves `last` and its top-k checkpoint after the same step.
+    nm.init(str(root), persistent_time_interval=3600)
+    state, opt = _trained()
+    last, top = nm.Checkpoint("last", 2), nm.Checkpoint("global_step1", 2)
+    last.save("model", state)
+    top.save("model", state)
+    assert not _item(root, "last", "model").exists()
+    assert not _item(root, "global_step1", "model").exists()
+    saved = state["w"].clone()
+    _step(state["w"], opt)
+    last.save("extra", {"step": 1})
+    top.save("extra", {"step": 1})
+    nm.wait_for_snapshot()
+    for tag in ("last", "global_step1"):
+        handle = nm.get_checkpoint(tag)
+        assert handle is not None and torch.equal(handle.load("model")["w"], saved)
+
+
+@watched
 def test_a_storage_the_kernel_does_not_watch_is_copied_at_save(root: Path) -> None:
     nm.init(str(root), persistent_time_interval=3600)
     state, _opt = _trained()

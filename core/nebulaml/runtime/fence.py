@@ -79,7 +79,7 @@ class SnapshotWorker:
         self._held = 0  # the jobs at the queue's tail that wait (`submit`)
         self.small = SmallCopies()  # the small storages' copies, reused (`take`)
         self.watch = LazyWatch()  # the writes to what is not copied yet (lazy_watch.py)
-        self._stepped = False  # an optimizer step ran since `stepped()` last asked
+        self.stepped = False  # a torch optimizer stepped in this session (the fence ran)
         self._thread = threading.Thread(target=self._run, name="nebula-snapshot", daemon=True)
         start_thread(self._thread)
         self._hook: Any = None
@@ -118,12 +118,6 @@ class SnapshotWorker:
         if error is not None:
             raise error
 
-    def stepped(self) -> bool:
-        """Whether an optimizer step (the fence) ran since the last call: a loop that
-        changes its saved tensors through torch optimizers alone."""
-        stepped, self._stepped = self._stepped, False
-        return stepped
-
     def busy_with(self, tag: str) -> bool:
         """Whether a job of checkpoint `tag` is queued or running: a new save of that tag
         (`overwrite`, Lightning's `last`) waits for it before it touches the folder."""
@@ -144,7 +138,7 @@ class SnapshotWorker:
         def fence(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
             # The step is the training loop's, not nebula's: a failed snapshot is raised
             # by the next call into nebula, not from inside optimizer.step().
-            self._stepped = True
+            self.stepped = True
             self.wait(copies_only=True, raise_error=False)
 
         self._hook = register_optimizer_step_pre_hook(fence)

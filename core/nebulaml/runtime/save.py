@@ -113,7 +113,6 @@ class SaveJob:
         self._blocking_s = 0.0
         self._reused = 0  # bytes of tensors the snapshot did not copy (unchanged.py)
         self._copied_now = False  # an item the default copied at save() (`_copy_now`)
-        self._stepped: bool | None = None  # an optimizer step ran before its first save
 
     def mark_committed(self, tiers: TierSet) -> None:
         """This is a checkpoint committed before, on `tiers`: nothing is saved into it."""
@@ -236,8 +235,8 @@ class SaveJob:
         """Why the default ("auto") copies this item before save() returns, or None (its
         copy may wait until the next optimizer step):
 
-        - no torch optimizer stepped since the last checkpoint: the loop changes its
-          tensors some other way, and nothing would make it wait for the copy;
+        - no torch optimizer has stepped in this session: the loop changes its tensors
+          some other way (or has not begun), and nothing would make it wait for the copy;
         - a lazy copy of this session was found changed (`SnapshotChangedError`): the
           loop writes its saved tensors outside the optimizer step;
         - several processes (their commit is agreed at save());
@@ -245,12 +244,10 @@ class SaveJob:
         - too little room in the memory tier to be sure it fits as it stands (its room is
           made at save(), and a `MemoryBudgetError` raised there)."""
         assert session.snapshots is not None
-        if self._stepped is None:
-            self._stepped = session.snapshots.stepped()
         if session.lazy_refused is not None:
             return session.lazy_refused
-        if not self._stepped:
-            return "no optimizer.step() since the last checkpoint"
+        if not session.snapshots.stepped:
+            return "no torch optimizer has stepped in this session"
         if session.world_size > 1:
             return f"a job of {session.world_size} processes"
         unseen = [place for place, tensor in large if not watchable(tensor)]
