@@ -88,7 +88,10 @@ def test_two_checkpoints_after_one_step_both_wait_for_the_next(root: Path) -> No
     # Lightning saves `last` and its top-k checkpoint after the same step.
     nm.init(str(root), persistent_time_interval=3600)
     state, opt = _trained()
-    last, top = nm.Checkpoint("last", 2), nm.Checkpoint("global_step1", 2)
+    # Labelled, as a framework's are: the memory tier keeps both (an unlabelled older
+    # one goes once a newer one commits).
+    last = nm.Checkpoint("last", 2, labels=["kept"])
+    top = nm.Checkpoint("global_step1", 2, labels=["kept"])
     last.save("model", state)
     top.save("model", state)
     assert not _item(root, "last", "model").exists()

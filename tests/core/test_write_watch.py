@@ -140,3 +140,33 @@ def test_where_the_system_call_is_unknown_it_says_why(monkeypatch: pytest.Monkey
     monkeypatch.setattr(write_watch, "_SYSCALL", {})
     why = unavailable.__wrapped__()
     assert why is not None and "no userfaultfd system call" in why
+
+
+def test_a_watch_over_huge_pages_still_sees_each_written_page() -> None:
+    # Lazy saves collapse what they watch into huge pages (write_watch.collapse) so that
+    # protecting it costs less. Catches: a protect or a scan that loses the small page
+    # written (or reports none) once the range is one huge page, and a collapse that
+    # moves or changes the bytes.
+    huge = write_watch._huge_page()
+    if not huge:
+        pytest.skip("no transparent huge pages here")
+    tensor = torch.arange(3 * huge // 4, dtype=torch.float32)
+    before = tensor.clone()
+    ranges, _ = inner_pages([(tensor.data_ptr(), tensor.nbytes)])
+    watch = WriteWatch()
+    watch.register(ranges)
+    try:
+        watch.protect()
+        watch.protect(False)
+        if write_watch.collapse([(tensor.data_ptr(), tensor.nbytes)]) < huge:
+            pytest.skip("the kernel collapsed nothing here (huge pages off, or none free)")
+        assert torch.equal(tensor, before)
+        watch.protect()
+        assert watch.written() == []
+        inside = -(-tensor.data_ptr() // huge) * huge + 5 * PAGE + 8  # a huge page's 6th
+        tensor.data[_index(tensor, inside)] = -1.0
+        written = watch.written()
+        assert written and all(lo <= inside < hi for lo, hi in written[:1]), written
+        assert sum(hi - lo for lo, hi in written) < huge  # that page, not the whole block
+    finally:
+        watch.close()

@@ -13,7 +13,11 @@ written pages (write_watch.py), a lazy save also:
   thread, through anything, to a page not yet copied fails the save, as a changed
   version counter does; and compares the copied edge bytes with those taken at the save;
 - lifts the protection (`SaveWatch.end`), so that the optimizer step after the fence
-  takes no fault.
+  takes no fault;
+- once per storage, after its first copy, backs it with transparent huge pages where the
+  system allows them (`collapse_new`, on the snapshot thread): each later protect then
+  costs one page table entry per 2 MiB instead of 512 (1.4 GB: 7-11 ms instead of 30).
+  A write is still marked by its small page.
 
 Storages on a device, pinned or shared with other processes (written by DMA or by
 another process: the kernel does not mark those writes here) keep the version counter
@@ -34,7 +38,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nebulaml.runtime.write_watch import WriteWatch, inner_pages, unavailable, whole_pages
+from nebulaml.runtime.write_watch import (
+    WriteWatch,
+    collapse,
+    inner_pages,
+    unavailable,
+    whole_pages,
+)
 
 log = logging.getLogger("nebulaml")
 
@@ -128,6 +138,9 @@ class LazyWatch:
         self._watch: WriteWatch | None = None
         self._broken = False
         self._pending: list[SaveWatch] = []
+        # Storages (address, bytes) watched: those not yet in huge pages (`collapse_new`).
+        self._seen: set[tuple[int, int]] = set()
+        self._to_collapse: list[tuple[int, int]] = []
 
     def begin(
         self, tensors: list[tuple[Any, Any]], spell: Callable[[Any], str] = str
@@ -174,6 +187,10 @@ class LazyWatch:
                     log.debug("lazy save: no write watch (%s); version counters only", exc)
                     return None
             storages = [(a, n, p) for a, (n, p) in spans.items()]
+            for address, (size, _places) in spans.items():
+                if (address, size) not in self._seen:
+                    self._seen.add((address, size))
+                    self._to_collapse.append((address, size))
             saved = SaveWatch(self, ranges, storages, edges, spell)
             self._pending.append(saved)
             return saved
@@ -192,6 +209,22 @@ class LazyWatch:
                     self._watch.protect(False, _minus(saved.ranges, others))
                 except OSError as exc:  # unmapped since: nothing to lift
                     log.debug("lazy save: lifting a write watch: %s", exc)
+
+    def collapse_due(self) -> bool:
+        """Whether storages watched for the first time wait for `collapse_new`."""
+        with self._lock:
+            return bool(self._to_collapse)
+
+    def collapse_new(self) -> int:
+        """Back the storages watched for the first time with huge pages
+        (write_watch.collapse): once per storage, after its first copy, on the snapshot
+        thread; their later protects cost a quarter. Returns the bytes collapsed."""
+        with self._lock:
+            spans, self._to_collapse = self._to_collapse, []
+        done = collapse(spans)
+        log.debug("lazy saves: %d of %d bytes watched now in huge pages",
+                  done, sum(n for _a, n in spans))  # fmt: skip
+        return done
 
     def close(self) -> None:
         """Lift and unregister everything (the session ends)."""

@@ -193,6 +193,7 @@ class SaveJob:
         ("auto"), an item whose later copy could miss a write, or that needs room made
         first, is copied before this returns (`_copy_now`), as without lazy saves."""
         assert session.snapshots is not None
+        snapshots = session.snapshots
         saveable = to_saveable(obj)
         small = session.snapshots.small
         taken = small.take(name, saveable)
@@ -223,6 +224,8 @@ class SaveJob:
             finally:
                 if watching is not None:
                     watching.end()
+                    if snapshots.watch.collapse_due():  # once per storage, after the commit
+                        snapshots.submit(snapshots.watch.collapse_new, copies=False)
                 small.give_back(name, taken)
 
         # Held (not `now`) until the commit is queued.

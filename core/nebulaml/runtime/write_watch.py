@@ -52,6 +52,8 @@ _WRITEPROTECT_MODE_WP = 1
 _PAGEMAP_SCAN = 0xC0606610
 _SCAN_CHECK_WPASYNC = 1 << 1
 _PAGE_IS_WRITTEN = 1 << 1
+_MADV_COLLAPSE = 25  # Linux 6.1: back a range with transparent huge pages now
+_HUGE_PAGE_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 
 
 class _Api(ctypes.Structure):
@@ -129,6 +131,41 @@ def inner_pages(spans: Iterable[tuple[int, int]]) -> tuple[list[tuple[int, int]]
         else:
             ranges.append((start, end))
     return ranges, outside
+
+
+@functools.cache
+def _huge_page() -> int:
+    """The size of a transparent huge page here (0: none)."""
+    try:
+        with open(_HUGE_PAGE_SIZE) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def collapse(spans: Iterable[tuple[int, int]]) -> int:
+    """Back the whole huge pages inside each (address, bytes) span with transparent huge
+    pages (`madvise(MADV_COLLAPSE)`, Linux 6.1, where the system allows them: the
+    "madvise" or "always" mode), so that protecting them later costs one page table entry
+    per huge page instead of 512 (1.4 GB: 7-11 ms instead of 30 on a 2-core VM). The
+    bytes stay where they are, the memory used the same. Returns the bytes collapsed; a
+    block the kernel refuses (huge pages off, none free, a page protected meanwhile)
+    stays in small pages.
+
+    Example:
+        >>> collapse([(PAGE, PAGE)])  # no whole huge page inside
+        0
+    """
+    huge = _huge_page()
+    if not huge:
+        return 0
+    done = 0
+    for address, size in spans:
+        start, end = -(-address // huge) * huge, (address + size) // huge * huge
+        if end > start and _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                           _MADV_COLLAPSE) == 0:  # fmt: skip
+            done += end - start
+    return done
 
 
 class WriteWatch:
