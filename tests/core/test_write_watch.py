@@ -145,8 +145,8 @@ def test_where_the_system_call_is_unknown_it_says_why(monkeypatch: pytest.Monkey
 def test_a_watch_over_huge_pages_still_sees_each_written_page() -> None:
     # Lazy saves collapse what they watch into huge pages (write_watch.collapse) so that
     # protecting it costs less. Catches: a protect or a scan that loses the small page
-    # written (or reports none) once the range is one huge page, and a collapse that
-    # moves or changes the bytes.
+    # written (or reports none) once the range is one huge page, a collapse that moves or
+    # changes the bytes, and one asked for a range not cut at huge pages.
     huge = write_watch._huge_page()
     if not huge:
         pytest.skip("no transparent huge pages here")
@@ -158,8 +158,10 @@ def test_a_watch_over_huge_pages_still_sees_each_written_page() -> None:
     try:
         watch.protect()
         watch.protect(False)
-        if write_watch.collapse([(tensor.data_ptr(), tensor.nbytes)]) < huge:
+        done = write_watch.collapse([(tensor.data_ptr(), tensor.nbytes)])
+        if done < huge:
             pytest.skip("the kernel collapsed nothing here (huge pages off, or none free)")
+        assert done % huge == 0  # whole huge pages inside the tensor, none beyond it
         assert torch.equal(tensor, before)
         watch.protect()
         assert watch.written() == []

@@ -192,16 +192,16 @@ class SaveJob:
         copied; the large ones are read later, and must not have changed. By default
         ("auto"), an item whose later copy could miss a write, or that needs room made
         first, is copied before this returns (`_copy_now`), as without lazy saves."""
-        assert session.snapshots is not None
         snapshots = session.snapshots
+        assert snapshots is not None
         saveable = to_saveable(obj)
-        small = session.snapshots.small
+        small = snapshots.small
         taken = small.take(name, saveable)
         large = taken.large()
         now = session.lazy_auto and self._copy_now(session, large) is not None
         # Every write to the large tensors, by anything, until they are copied (where the
         # kernel can tell: lazy_watch.py); the version counters are read all the same.
-        watching = None if now else session.snapshots.watch.begin(large, spelt)
+        watching = None if now else snapshots.watch.begin(large, spelt)
         if session.lazy_auto and watching is None and large and not now:
             now = True  # the kernel refused this watch: nothing would see a write
         ready = cuda_ready_event(saveable)
@@ -229,10 +229,10 @@ class SaveJob:
                 small.give_back(name, taken)
 
         # Held (not `now`) until the commit is queued.
-        session.snapshots.submit(copy, copies=True, hold=not now, tag=self.tag)
+        snapshots.submit(copy, copies=True, hold=not now, tag=self.tag)
         if now:
             self._copied_now = True
-            session.snapshots.wait(copies_only=True)  # its failure raised here, by save()
+            snapshots.wait(copies_only=True)  # its failure raised here, by save()
 
     def _copy_now(self, session: Session, large: list[tuple[Any, Any]]) -> str | None:
         """Why the default ("auto") copies this item before save() returns, or None (its

@@ -99,15 +99,15 @@ def _ioctl(fd: int, request: int, arg: ctypes.Structure) -> int:
     return int(result)
 
 
-def whole_pages(address: int, size: int) -> tuple[int, int]:
-    """(start, end) of the whole pages inside `size` bytes at `address` (end <= start:
-    none).
+def whole_pages(address: int, size: int, page: int = PAGE) -> tuple[int, int]:
+    """(start, end) of the whole pages (of `page` bytes: a huge page's, say) inside
+    `size` bytes at `address` (end <= start: none).
 
     Example:
         >>> whole_pages(PAGE + 8, 3 * PAGE) == (2 * PAGE, 4 * PAGE)
         True
     """
-    return -(-address // PAGE) * PAGE, (address + size) // PAGE * PAGE
+    return -(-address // page) * page, (address + size) // page * page
 
 
 def inner_pages(spans: Iterable[tuple[int, int]]) -> tuple[list[tuple[int, int]], int]:
@@ -161,7 +161,7 @@ def collapse(spans: Iterable[tuple[int, int]]) -> int:
         return 0
     done = 0
     for address, size in spans:
-        start, end = -(-address // huge) * huge, (address + size) // huge * huge
+        start, end = whole_pages(address, size, huge)
         if end > start and _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
                                            _MADV_COLLAPSE) == 0:  # fmt: skip
             done += end - start
