@@ -120,9 +120,11 @@ bench: $(BENCH_STAMP) $(DLROVER_STAMP) $(AZURITE) $(AZURITE_COPY)
 	$(PY) benchmarks/persist_stall.py $(STALL_ARGS)
 	test "$(PEERS)" = 0 || $(PY) benchmarks/peer_replicas.py $(PEERS_ARGS)
 
-# What a persist in flight costs the loop (issue #49, part of `make bench`; about 1.5 min
+# What a persist in flight costs the loop (issue #49, part of `make bench`; about 3 min
 # on 2 cores): save() stall median and p90 with every checkpoint persisted while the next
-# steps run against none, and with spare_buffers off; the memory tier's footprint.
+# steps run against none, and with spare_buffers off; the memory tier's footprint. Two
+# loops: AdamW under the default (copies deferred) and a state changed in place (copied
+# at save()).
 STALL_ARGS ?= $(if $(filter small,$(PRESET)),--mb 160 --runs 1,)
 bench-stall: venv
 	$(PY) benchmarks/persist_stall.py $(STALL_ARGS)

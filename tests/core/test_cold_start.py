@@ -284,3 +284,42 @@ def test_spare_buffers_off_keeps_no_buffer_between_saves(root: Path) -> None:
     memory = Path(nm.memory_tier_path(str(root)))
     assert [p.name for p in memory.iterdir() if (p / "model").exists()] == ["global_step3"]
     assert torch.equal(nm.get_latest_checkpoint().load("model")["w"], _state(3)["w"])
+
+
+def test_a_buffer_being_freed_holds_no_lock_a_save_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Freeing a large buffer (its last close) takes tens of ms; the eviction that drops it
+    runs beside the next save, which looks at the pool (the budget's free space, its
+    buffer) under the pool's lock. The close runs after that lock is let go."""
+    pool = SlotPool(Store(str(tmp_path), durable=False), spares=False)  # recycled: removed
+    pool.store.make_dir("t1")
+    mapped = pool.open_item("t1", "model", 1 << 20)
+    closing, release = threading.Event(), threading.Event()
+    real_close = type(mapped).close
+
+    def slow_close(self: object, **kwargs: bool) -> None:
+        closing.set()
+        assert release.wait(30)
+        real_close(self, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(mapped), "close", slow_close)
+    evict = threading.Thread(target=lambda: pool.recycle("t1", "model"))
+    evict.start()
+    try:
+        assert closing.wait(30)
+        looked: list[int] = []
+        look = threading.Thread(target=lambda: looked.append(pool.unallocated_bytes()))
+        look.start()
+        look.join(5)
+        assert looked == [0], "the save's look at the pool waited for a buffer being freed"
+        pool.store.make_dir("t2")
+        taken = threading.Thread(target=lambda: pool.open_item("t2", "model", 1 << 20))
+        taken.start()
+        taken.join(5)
+        assert not taken.is_alive()
+    finally:
+        release.set()
+        evict.join(30)
+    assert not (tmp_path / "t1" / "model").exists()
+    pool.close()

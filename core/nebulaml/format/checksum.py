@@ -205,13 +205,15 @@ def compare_pieces(
     leaves: Sequence[bytes],
     base: tuple[Sequence[bytes], Sequence[bytes | None]] | None,
     check: Callable[[int, memoryview, bytes], None] | None = None,
+    pause: Callable[[], None] | None = None,
 ) -> tuple[list[Range], list[bytes | None]]:
     """Which bytes of `data` (its pieces' `leaves`) are those of an older version of the
     same size (`base`: its leaves and each piece's `block_digests`, None where not
     hashed): a piece whose leaf is the older one's is the same whole, without reading it;
     another is compared in `BLOCK_BYTES` blocks. Returns the ranges, each of one kind,
     merged, and the blocks' digests of each piece (the older version's where the piece
-    is the same). `check(i, piece, leaf)` runs on each piece read, first (it may raise).
+    is the same). `check(i, piece, leaf)` runs on each piece read, first (it may raise);
+    `pause()`, if given, before every `PAUSE_PIECES` pieces (as `tree_leaves`').
 
     Example:
         >>> old = bytes(2 << 20)
@@ -232,6 +234,8 @@ def compare_pieces(
             ranges.append((offset, length, same))
 
     for i, leaf in enumerate(leaves):
+        if pause is not None and i % PAUSE_PIECES == 0:
+            pause()
         start = i * LEAF_BYTES
         piece = data[start : start + LEAF_BYTES]
         if base is not None and base[0][i] == leaf:

@@ -208,7 +208,7 @@ def plan_item(
     if base is not None and (base.size_bytes != size or len(base.leaves) != len(leaves)):
         base = None
     older = None if base is None else (base.leaves, base.blocks)
-    ranges, blocks = compare_pieces(view, leaves, older)
+    ranges, blocks = compare_pieces(view, leaves, older, pause=pause)
     version = ItemVersion(tag, item.file, size, item.checksum, leaves, blocks)
     return ItemPlan(tuple(ranges), base, version)
 

@@ -53,7 +53,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,19 +193,51 @@ class SlotPool:
         # The training thread fills buffers while the persister thread recycles them and
         # spare buffers are made in threads of their own.
         self._lock = threading.RLock()
+        # What is dropped under the lock (mappings, descriptors), closed once it is let go.
+        self._doomed: list[MappedFile | int] | None = None
         store.mapped = self.view_of  # the persister reads the files through our mappings
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The pool's lock. What is dropped while it is held (a mapping, a descriptor) is
+        closed once the outermost holder lets it go: the last close of a large file frees
+        its pages (tens of ms for a few hundred MB), and a save that needs the lock (its
+        buffer, the budget's look at the pool) must not wait for that."""
+        with self._lock:
+            outer = self._doomed is None
+            if outer:
+                self._doomed = []
+            try:
+                yield
+            finally:
+                if outer:
+                    doomed, self._doomed = self._doomed, None
+        if outer:
+            for thing in doomed or ():
+                if isinstance(thing, int):
+                    with contextlib.suppress(OSError):
+                        os.close(thing)
+                else:
+                    thing.close()
+
+    def _dispose(self, thing: MappedFile | int) -> None:
+        """Close `thing` (a mapping, or a descriptor) once the lock is let go; now if it
+        is not held."""
+        with self._locked():
+            assert self._doomed is not None
+            self._doomed.append(thing)
 
     # filling ---------------------------------------------------------------------------
     def settle_audits(self) -> None:
         """Wait for the background audits of every buffer's last fill (unchanged.py)."""
-        with self._lock:
+        with self._locked():
             maps = list(self._maps.values())
         for mapped in maps:
             mapped.memory.settle()
 
     def count_reused(self, n: int) -> None:
         """Add `n` bytes a fill did not copy (its buffer held them) to `reused_bytes`."""
-        with self._lock:
+        with self._locked():
             self.reused_bytes += n
 
     def open_item(self, tag: str, name: str, size_bytes: int) -> MappedFile:
@@ -215,7 +247,7 @@ class SlotPool:
         dest = self.store.local_path(tag, name)
         assert dest is not None
         self._await_spare(name)
-        with self._lock, translate_errors(self.store.display(tag, name)):
+        with self._locked(), translate_errors(self.store.display(tag, name)):
             peeked, self._peeked = self._peeked, None
             if peeked is not None and peeked[:2] == (name, size_bytes):
                 candidates = peeked[2]  # free_bytes just listed them (the budget's look)
@@ -279,7 +311,7 @@ class SlotPool:
         nothing in. The caller releases it; until then the memory stays mapped, even if the
         pool drops the file meanwhile (`MappedFile.close` leaves a mapping with views to
         the garbage collector)."""
-        with self._lock:
+        with self._locked():
             mapped = self._maps.get((st_dev, st_ino))
             if mapped is None or mapped.size_bytes != size_bytes or mapped.tensor is None:
                 return None
@@ -297,7 +329,7 @@ class SlotPool:
             st = os.stat(path, follow_symlinks=False)
         except OSError:
             return None
-        with self._lock:
+        with self._locked():
             mapped = self._maps.get((st.st_dev, st.st_ino))
             record = None if mapped is None else mapped.memory.record
             if record is None or record.size_bytes != st.st_size or b"" in record.leaves:
@@ -362,7 +394,7 @@ class SlotPool:
         validate_name("item", name)
         path = self.store.local_path(tag, name)
         assert path is not None
-        with self._lock:
+        with self._locked():
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             except FileNotFoundError:
@@ -384,7 +416,7 @@ class SlotPool:
                     return False
                 return True
             finally:
-                os.close(fd)
+                self._dispose(fd)  # the last reference to a removed file: its pages go
 
     def _room_for(self, name: str, size_bytes: int) -> bool:
         """Whether the file of `name` leaving its checkpoint stays as a free file: the
@@ -446,7 +478,7 @@ class SlotPool:
         return total
 
     def _unlink(self, path: str) -> None:
-        with self._lock, contextlib.suppress(FileNotFoundError):
+        with self._locked(), contextlib.suppress(FileNotFoundError):
             st = os.lstat(path)
             os.unlink(path)
             # Our mapping would keep the pages alive after the name is gone.
@@ -472,7 +504,7 @@ class SlotPool:
             name, size = item.name, item.size_bytes
             if size < SPARE_MIN_BYTES:
                 continue
-            with self._lock:
+            with self._locked():
                 if self._closed or self._opened.get(name) != size or name in self._spares:
                     continue  # not a buffer of this pool's, or one is being made
                 if not self.spares or self._free_files(name, size) or not fits(size):
@@ -520,7 +552,7 @@ class SlotPool:
             except OSError as exc:  # no room after all (another process took it)
                 log.debug("no spare buffer for %r: %s", spare.name, exc)
                 return
-            with self._lock:
+            with self._locked():
                 spare.allocated = True
                 if spare.cancelled:
                     return
@@ -530,7 +562,7 @@ class SlotPool:
             spare.mapped_event.set()
             spare.population.work()
             spare.population.wait()
-            with self._lock:
+            with self._locked():
                 if spare.cancelled or not spare.population.done() or spare.mapped.unlinked():
                     return
                 self._maps[spare.key] = spare.mapped
@@ -540,13 +572,10 @@ class SlotPool:
         finally:
             if not adopted and spare.population is not None:
                 spare.population.cancel()  # no thread touches the mapping any more
-            with self._lock:
+            with self._locked():
                 if not adopted:
-                    if spare.mapped is not None:
-                        spare.mapped.close()  # closes the fd too
-                    else:
-                        with contextlib.suppress(OSError):
-                            os.close(spare.fd)
+                    # (The mapping closes the fd too.)
+                    self._dispose(spare.mapped if spare.mapped is not None else spare.fd)
                     with contextlib.suppress(FileNotFoundError):
                         st = os.lstat(spare.path)
                         if (st.st_dev, st.st_ino) == spare.key:  # not another one's by now
@@ -559,7 +588,7 @@ class SlotPool:
     def _await_spare(self, name: str) -> None:
         """Until the spare of `name` being made (if any) is ready or gone, populating its
         remaining pages in this thread (and a helper) meanwhile."""
-        with self._lock:
+        with self._locked():
             spare = self._spares.get(name)
         if spare is None:
             return
@@ -570,7 +599,7 @@ class SlotPool:
 
     def _cancel_spares(self, keep_name: str | None = None) -> None:
         """Stop making the spares (but that of `keep_name`); their files are removed."""
-        with self._lock:
+        with self._locked():
             doomed = [s for n, s in self._spares.items() if n != keep_name]
             for spare in doomed:
                 spare.cancelled = True
@@ -583,7 +612,7 @@ class SlotPool:
         """Until no spare is being made (True), or `timeout_s` passed (False)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            with self._lock:
+            with self._locked():
                 spares = list(self._spares.values())
             if not spares:
                 return True
@@ -595,7 +624,7 @@ class SlotPool:
     def unallocated_bytes(self) -> int:
         """Bytes of spares not allocated yet: counted in the pool's size, not yet in its
         filesystem's free space (budget.py subtracts them)."""
-        with self._lock:
+        with self._locked():
             return sum(s.size_bytes for s in self._spares.values() if not s.allocated)
 
     def _copies(self, name: str) -> int:
@@ -615,22 +644,22 @@ class SlotPool:
         """Forget mappings of files deleted meanwhile (by eviction, prune, recovery): the
         pages of a deleted file stay in RAM while a mapping holds them. (An open mapping
         also keeps the file's inode, so no new file takes its number meanwhile.)"""
-        with self._lock:
+        with self._locked():
             for key in [k for k, m in list(self._maps.items()) if m.unlinked()]:
                 self._drop(key)
 
     def _drop(self, key: tuple[int, int]) -> None:
-        with self._lock:
+        with self._locked():
             mapped = self._maps.pop(key, None)
-        if mapped is not None:
-            mapped.close()
+            if mapped is not None:
+                self._dispose(mapped)
 
     def close(self) -> None:
         """Unmap everything (the files stay, but spares being made)."""
-        with self._lock:
+        with self._locked():
             self._closed = True
         self._cancel_spares()
-        with self._lock:
+        with self._locked():
             for key in list(self._maps):
                 self._drop(key)
             markers, self._markers = self._markers, {}
