@@ -684,10 +684,14 @@ class Job:
                     proc.kill()
                     proc.communicate()
             del store
-        for rank, (code, text) in enumerate(outputs):
-            ok = code == -signal.SIGKILL if killed else code == 0
-            if not ok:
-                raise RuntimeError(f"{scenario} rank {rank} exited {code}:\n{text[-4000:]}")
+        failed = [
+            f"{scenario} rank {rank} exited {code}:\n{text[-4000:]}"
+            for rank, (code, text) in enumerate(outputs)
+            if code != (-signal.SIGKILL if killed else 0)
+        ]
+        if failed:  # every failed rank's output: the first to fail may be any of them
+            raise RuntimeError("\n".join(failed))
+        for rank, (_code, text) in enumerate(outputs):
             lines = [line for line in text.splitlines() if line.strip()]
             if lines and not killed:
                 progress(f"  rank {rank} said: " + " | ".join(lines[-3:])[-400:])
