@@ -100,7 +100,7 @@ demo: venv
 # state built in memory, then the LoRA fine-tune workload (issue #30: a 200 MB state, 95%
 # frozen, and its all-changed control; nebula to a local root and to an Azurite it starts;
 # about 2 min), then peer replicas (bench-peers below). `make bench PRESET=small` for a quick
-# run (~7.5 min); default ~22 min.
+# run (~7.5 min); default ~33 min on 2 cores (bench.py alone ~23 min).
 # `make bench BENCH_ARGS='--workloads lora'` runs the LoRA workload alone.
 PRESET ?= default
 BENCH_STAMP := $(VENV)/.nebula-bench-installed

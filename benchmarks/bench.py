@@ -178,8 +178,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=names,
         metavar="NAME",
         help=f"methods to run, from: {', '.join(names)} (default: all; each workload runs "
-        f"those of its own: nebula_own_item, nebula_all_changed, nebula_azure and nebula_s3 "
-        f"are the LoRA workload's)",
+        f"those of its own: nebula_own_item, nebula_all_changed, nebula_sync_all_changed, "
+        f"nebula_azure and nebula_s3 are the LoRA workload's)",
     )
     parser.add_argument(
         "--workloads",
