@@ -323,3 +323,19 @@ def test_a_buffer_being_freed_holds_no_lock_a_save_needs(
         evict.join(30)
     assert not (tmp_path / "t1" / "model").exists()
     pool.close()
+
+
+def test_what_the_pool_drops_is_closed_also_when_the_locked_work_fails(tmp_path: Path) -> None:
+    # Catches: the closes deferred past the lock skipped when the work under it raised
+    # (a mapping and its descriptor left open until the process ends).
+    pool = SlotPool(Store(str(tmp_path), durable=False))
+    pool.store.make_dir("t1")
+    mapped = pool.open_item("t1", "model", 1 << 20)
+    with pytest.raises(RuntimeError), pool._locked():
+        pool._drop(next(iter(pool._maps)))
+        assert mapped.tensor is not None  # not closed under the lock
+        raise RuntimeError("the work under the lock failed")
+    assert mapped.tensor is None  # closed once the lock was let go
+    with pytest.raises(OSError):
+        os.fstat(mapped.fd)
+    pool.close()

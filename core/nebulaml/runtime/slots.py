@@ -203,16 +203,18 @@ class SlotPool:
         closed once the outermost holder lets it go: the last close of a large file frees
         its pages (tens of ms for a few hundred MB), and a save that needs the lock (its
         buffer, the budget's look at the pool) must not wait for that."""
-        with self._lock:
-            outer = self._doomed is None
-            if outer:
-                self._doomed = []
-            try:
-                yield
-            finally:
+        doomed: list[MappedFile | int] | None = None
+        try:
+            with self._lock:
+                outer = self._doomed is None
                 if outer:
-                    doomed, self._doomed = self._doomed, None
-        if outer:
+                    self._doomed = []
+                try:
+                    yield
+                finally:
+                    if outer:
+                        doomed, self._doomed = self._doomed, None
+        finally:  # also when the body raised
             for thing in doomed or ():
                 if isinstance(thing, int):
                     with contextlib.suppress(OSError):
