@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -455,8 +456,11 @@ def memory_tier_counted(work: Path) -> bool:
     not on tmpfs, /dev/shm, where it is unless NEBULA_MEMORY_TIER_PATH moves it); then
     the nebula rows' disk figures hold what their saves copied there too."""
     base = Path(nm.memory_tier_path(str(work / "lora" / "root"))).parent
-    base.mkdir(parents=True, exist_ok=True)  # nebula's init makes it all the same
-    return disk_writes_counted(base)
+    # Probed in a private folder of its own on the same filesystem (the base's nearest
+    # folder that exists): nothing is made in the base, which nebula's init makes 0700.
+    existing = next(p for p in (base, *base.parents) if p.is_dir())
+    with tempfile.TemporaryDirectory(prefix="nebula-probe-", dir=existing) as folder:
+        return disk_writes_counted(Path(folder))
 
 
 def lora_document(
