@@ -339,3 +339,25 @@ def test_what_the_pool_drops_is_closed_also_when_the_locked_work_fails(tmp_path:
     with pytest.raises(OSError):
         os.fstat(mapped.fd)
     pool.close()
+
+
+def test_one_close_that_fails_leaves_no_other_dropped_buffer_open(tmp_path: Path) -> None:
+    # Catches: the closes deferred past the lock stopped at the first that raised (an
+    # unpin, say), leaving every mapping dropped after it open.
+    pool = SlotPool(Store(str(tmp_path), durable=False))
+    closed: list[str] = []
+
+    class Failing:
+        def close(self) -> None:
+            closed.append("failing")
+            raise OSError("unpin failed")
+
+    class Fine:
+        def close(self) -> None:
+            closed.append("fine")
+
+    with pytest.raises(OSError, match="unpin failed"), pool._locked():
+        pool._dispose(Fine())  # type: ignore[arg-type]
+        pool._dispose(Failing())  # type: ignore[arg-type]
+    assert sorted(closed) == ["failing", "fine"]
+    pool.close()

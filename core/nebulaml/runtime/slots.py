@@ -144,6 +144,15 @@ class _Spare:
     finished: threading.Event = field(default_factory=threading.Event)  # ready, or gone
 
 
+def _close(thing: MappedFile | int) -> None:
+    """Close a mapping (and its descriptor), or a descriptor."""
+    if isinstance(thing, int):
+        with contextlib.suppress(OSError):
+            os.close(thing)
+    else:
+        thing.close()
+
+
 class SlotPool:
     """The reusable item files of one memory tier, and this process's mappings of them.
 
@@ -214,13 +223,10 @@ class SlotPool:
                 finally:
                     if outer:
                         doomed, self._doomed = self._doomed, None
-        finally:  # also when the body raised
-            for thing in doomed or ():
-                if isinstance(thing, int):
-                    with contextlib.suppress(OSError):
-                        os.close(thing)
-                else:
-                    thing.close()
+        finally:  # also when the body raised; each closed even if one before fails
+            with contextlib.ExitStack() as closing:
+                for thing in doomed or ():
+                    closing.callback(_close, thing)
 
     def _dispose(self, thing: MappedFile | int) -> None:
         """Close `thing` (a mapping, or a descriptor) once the lock is let go; now if it
